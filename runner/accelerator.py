@@ -1,0 +1,342 @@
+"""`Accelerator`: Hugging Face Accelerate's public API over a hardware strategy and a precision plugin.
+
+Every call is forwarded once to the injected `Strategy` (process group, wrapping, collectives) or
+`Precision` (autocast, loss scaling); nothing here asks which backend or precision is in use.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from runner import precision as precision_plugins
+from runner.data_loader import DataLoaderShard
+from runner.hardware.base import Strategy
+from runner.hardware.cpu import SingleDevice
+from runner.ops import apply_to_tensors
+from runner.optimizer import AcceleratedOptimizer
+from runner.precision import Precision
+from runner.scheduler import AcceleratedScheduler
+from runner.state import GradientState
+
+LRScheduler = torch.optim.lr_scheduler.LRScheduler
+
+
+class Accelerator:
+    """Prepares models, optimizers, dataloaders and schedulers, and runs the training step around them.
+
+    Args:
+        mixed_precision: "no", "fp16", "bf16", or a `Precision` plugin (what `conf/precision` builds).
+        gradient_accumulation_steps: micro-batches per optimizer step, driven by `accumulate()`.
+        device_placement: move prepared models and batches to `device`.
+        cpu: force the CPU when no `strategy` is given.
+        step_scheduler_with_optimizer: step prepared schedulers only on real optimizer steps.
+        rng_types: RNGs synchronised across processes at each dataloader iteration (multi-process).
+        split_batches: the dataloader's batch size is the global one, split across processes.
+        even_batches: pad the last batches so that every process gets the same number of batches.
+        strategy: the hardware backend (what `conf/hardware` builds); default one process on CUDA when
+            available, else the CPU.
+    """
+
+    def __init__(
+        self,
+        mixed_precision: str | Precision | None = None,
+        gradient_accumulation_steps: int = 1,
+        device_placement: bool = True,
+        cpu: bool = False,
+        step_scheduler_with_optimizer: bool = True,
+        rng_types: list[str] | None = None,
+        split_batches: bool = False,
+        even_batches: bool = True,
+        strategy: Strategy | None = None,
+    ) -> None:
+        if gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}.")
+        self.strategy = strategy or SingleDevice("cuda" if torch.cuda.is_available() and not cpu else "cpu")
+        self.state = self.strategy.setup_environment()
+        self.precision = (
+            mixed_precision
+            if isinstance(mixed_precision, Precision)
+            else precision_plugins.from_name(mixed_precision)
+        )
+        self.precision.setup(self.state.device)
+        self.gradient_state = GradientState(num_steps=gradient_accumulation_steps)
+        self.device_placement = device_placement
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.rng_types = rng_types
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.step = 0
+        self._models: list[torch.nn.Module] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._dataloaders: list[DataLoaderShard] = []
+
+    # ----------------------------------------------------------------------------------- process info
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def process_index(self) -> int:
+        return self.state.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.state.local_process_index
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.state.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.state.is_local_main_process
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.precision.mixed_precision
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True when the last optimizer step was skipped (fp16 overflow)."""
+        return any(opt.step_was_skipped for opt in self._optimizers)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on the local main process only."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    # ---------------------------------------------------------------------------------------- prepare
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """Prepare models, optimizers, dataloaders and schedulers, in any order; returned in that order.
+
+        Schedulers are prepared last, so that they see the prepared optimizers. Other objects pass through.
+        """
+        placements = device_placement or [self.device_placement] * len(args)
+        if len(placements) != len(args):
+            raise ValueError("device_placement needs one entry per object passed to prepare().")
+        first = [
+            obj if isinstance(obj, LRScheduler) else self._prepare_one(obj, place)
+            for obj, place in zip(args, placements, strict=True)
+        ]
+        result = tuple(self.prepare_scheduler(obj) if isinstance(obj, LRScheduler) else obj for obj in first)
+        return result[0] if len(result) == 1 else result
+
+    def _prepare_one(self, obj: Any, device_placement: bool) -> Any:
+        if isinstance(obj, torch.nn.Module):
+            return self.prepare_model(obj, device_placement=device_placement)
+        if isinstance(obj, torch.optim.Optimizer):
+            return self.prepare_optimizer(obj)
+        if isinstance(obj, DataLoader):
+            return self.prepare_data_loader(obj, device_placement=device_placement)
+        return obj
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
+        if device_placement if device_placement is not None else self.device_placement:
+            model = model.to(self.device)
+        model = self.strategy.setup_module(model)
+        model = self.precision.setup_module(model)
+        self._models.append(model)
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+        if isinstance(optimizer, AcceleratedOptimizer):
+            return optimizer
+        wrapped = AcceleratedOptimizer(optimizer, self.precision, self.gradient_state)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_scheduler(self, scheduler: LRScheduler) -> AcceleratedScheduler:
+        wrapped = AcceleratedScheduler(
+            scheduler,
+            self._optimizers,
+            self.gradient_state,
+            num_processes=self.num_processes,
+            step_with_optimizer=self.step_scheduler_with_optimizer,
+            split_batches=self.split_batches,
+        )
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    def prepare_data_loader(
+        self, dataloader: DataLoader, device_placement: bool | None = None
+    ) -> DataLoaderShard:
+        place = device_placement if device_placement is not None else self.device_placement
+        wrapped = DataLoaderShard(
+            dataloader,
+            self.gradient_state,
+            device=self.device if place else None,
+            num_processes=1 if self.split_batches else self.num_processes,
+        )
+        self._dataloaders.append(wrapped)
+        return wrapped
+
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
+        """The user's model from a prepared one; `keep_fp32_wrapper=False` also removes the autocast forward."""
+        model = self.strategy.unwrap_module(model)
+        if not keep_fp32_wrapper and "_original_forward" in model.__dict__:
+            model.forward = model.__dict__.pop("_original_forward")
+        return model
+
+    # ------------------------------------------------------------------------------- training step
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """`loss.backward()`, divided by the accumulation steps and scaled for fp16."""
+        if self.gradient_state.num_steps > 1:
+            loss = loss / self.gradient_state.num_steps
+        self.strategy.backward(loss, self.precision, **kwargs)
+
+    @contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        """One micro-batch: sets `sync_gradients` and skips gradient sync on the models in between."""
+        self._do_sync()
+        if self.sync_gradients:
+            yield
+            return
+        with ExitStack() as stack:
+            for model in models:
+                stack.enter_context(self.no_sync(model))
+            yield
+
+    def _do_sync(self) -> None:
+        if self.gradient_state.end_of_dataloader:
+            self.step = 0
+            self.gradient_state.sync_gradients = True
+        else:
+            self.step += 1
+            self.gradient_state.sync_gradients = self.step % self.gradient_state.num_steps == 0
+
+    def no_sync(self, model: torch.nn.Module) -> AbstractContextManager:
+        """Gradients computed inside are not synchronised across processes."""
+        return self.strategy.no_sync(model)
+
+    def autocast(self) -> AbstractContextManager:
+        """The precision's autocast context (prepared models already run their forward in it)."""
+        return self.precision.autocast()
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Undo fp16 loss scaling on the gradients (called by the clip functions)."""
+        optimizers = [optimizer] if optimizer is not None else self._optimizers
+        for opt in optimizers:
+            self.precision.unscale_(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Unscale, then clip the total gradient norm; returns the norm before clipping."""
+        self.unscale_gradients()
+        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        """Unscale, then clamp every gradient element to [-clip_value, clip_value]."""
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    # ------------------------------------------------------------------------------------ collectives
+    def gather(self, tensor: Any) -> Any:
+        """Concatenate tensors (nested structures too) from all processes along the first dimension."""
+        return apply_to_tensors(self.strategy.all_gather, tensor)
+
+    def gather_for_metrics(self, input_data: Any) -> Any:
+        """`gather`, minus the samples that were duplicated to even out the last batch."""
+        data = self.gather(input_data)
+        remainder = (
+            self.gradient_state.active_dataloaders[-1].remainder
+            if self.gradient_state.end_of_dataloader
+            else 0
+        )
+        if remainder > 0:
+            data = apply_to_tensors(lambda t: t[:remainder], data)
+        return data
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """Reduce tensors across processes with "sum" or "mean" ("none" returns them as they are)."""
+        if reduction not in ("sum", "mean", "none"):
+            raise ValueError(f"reduction={reduction!r}: expected 'sum', 'mean' or 'none'.")
+
+        def _reduce(t: torch.Tensor) -> torch.Tensor:
+            out = t if reduction == "none" else self.strategy.all_reduce(t.clone(), op=reduction)
+            return out * scale if scale != 1.0 else out
+
+        return apply_to_tensors(_reduce, tensor)
+
+    # --------------------------------------------------------------------------------- execution order
+    def wait_for_everyone(self) -> None:
+        """Block until every process reaches this line (no-op with one process)."""
+        self.strategy.barrier()
+
+    @contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """Run the body on the main process first, then on the others."""
+        with self._goes_first(self.is_main_process):
+            yield
+
+    @contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        """Run the body on each machine's local main process first, then on the others."""
+        with self._goes_first(self.is_local_main_process):
+            yield
+
+    @contextmanager
+    def _goes_first(self, is_first: bool) -> Iterator[None]:
+        if not is_first:
+            self.wait_for_everyone()
+        yield
+        if is_first:
+            self.wait_for_everyone()
+
+    def on_main_process(self, function: Callable) -> Callable:
+        """Decorator: run `function` on the main process only."""
+        return self.on_process(function, process_index=0)
+
+    def on_process(self, function: Callable | None = None, process_index: int = 0) -> Callable:
+        """Decorator: run `function` on process `process_index` only (usable with or without arguments)."""
+        if function is None:
+            return lambda fn: self.on_process(fn, process_index=process_index)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self.process_index == process_index:
+                return function(*args, **kwargs)
+            return None
+
+        return wrapper
+
+    # ------------------------------------------------------------------------------------------- misc
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Drop the references held to prepared objects, collect garbage, empty the device cache."""
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        self.step = 0
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return [None] * len(objects)
+
+    clear = free_memory
+
+    def end_training(self) -> None:
+        """Release the process group and other resources of the strategy."""
+        self.strategy.teardown()

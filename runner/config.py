@@ -1,0 +1,87 @@
+"""Typed schemas for the config groups the runner itself reads (Hydra structured configs).
+
+A typo or a wrong type in YAML or on the command line fails at compose time, naming the key.
+Each hardware and precision option declares its schema in its defaults list, e.g.
+`conf/hardware/cpu.yaml` starts with `- /schema/hardware/cpu@_here_`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+# Optional[...] rather than `X | None`: OmegaConf reads these annotations at runtime on Python 3.10.
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int | None = 200  # optimizer steps; null: run `max_epochs` epochs
+    max_epochs: int | None = None
+    eval_every: int = 100  # optimizer steps between evaluations; 0: evaluate at the end only
+    log_every: int = 10  # optimizer steps between log lines
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float | None = None  # clip the total gradient norm to this value
+    seed: int = 0
+    progress_bar: bool = True
+
+
+@dataclass
+class HardwareConfig:
+    _target_: str = MISSING
+
+
+@dataclass
+class CPUConfig(HardwareConfig):
+    device: str = "cpu"
+    num_threads: int | None = None
+
+
+@dataclass
+class PrecisionConfig:
+    _target_: str = MISSING
+
+
+@dataclass
+class MixedPrecisionConfig(PrecisionConfig):
+    dtype: str = "bfloat16"
+
+
+@dataclass
+class Float16Config(PrecisionConfig):
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+
+@dataclass
+class RunConfig:
+    """The composed config: `model`, `data`, `task`, `optimizer` and `scheduler` are free-form `_target_`
+    nodes; the groups the runner reads are typed."""
+
+    model: Any = MISSING
+    data: Any = MISSING
+    task: Any = MISSING
+    optimizer: Any = MISSING
+    scheduler: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    hardware: HardwareConfig = MISSING
+    precision: PrecisionConfig = MISSING
+
+
+SCHEMAS: dict[str, dict[str, type]] = {
+    "hardware": {"cpu": CPUConfig},
+    "precision": {"fp32": PrecisionConfig, "bf16": MixedPrecisionConfig, "fp16": Float16Config},
+}
+
+
+def register_configs() -> None:
+    """Put the schemas in Hydra's ConfigStore (before composing)."""
+    store = ConfigStore.instance()
+    store.store(name="runner_schema", node=RunConfig)
+    for group, schemas in SCHEMAS.items():
+        for name, node in schemas.items():
+            store.store(group=f"schema/{group}", name=name, node=node)

@@ -1,0 +1,17 @@
+"""Data sources: what the `data` config group instantiates."""
+
+from runner.data.base import DataSource, TensorDictDataset
+from runner.data.builtin import digits, sonnets
+from runner.data.synthetic import SyntheticRegression
+from runner.data.table import TableFile
+from runner.data.text import TextFile
+
+__all__ = [
+    "DataSource",
+    "SyntheticRegression",
+    "TableFile",
+    "TensorDictDataset",
+    "TextFile",
+    "digits",
+    "sonnets",
+]

@@ -1,0 +1,98 @@
+"""The data-source contract: datasets of dict samples, their loaders, and the model sizes they imply."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from runner.errors import ConfigError
+
+
+class TensorDictDataset(Dataset):
+    """Samples `{name: tensor[i]}` from equally long tensors."""
+
+    def __init__(self, **tensors: torch.Tensor) -> None:
+        lengths = {len(t) for t in tensors.values()}
+        if len(lengths) != 1:
+            raise ValueError(f"tensors have different lengths: { {k: len(t) for k, t in tensors.items()} }")
+        self.tensors = tensors
+        self.length = lengths.pop()
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {name: t[index] for name, t in self.tensors.items()}
+
+
+class DataSource(ABC):
+    """Loads a train and an eval dataset and builds their DataLoaders.
+
+    Samples are dicts with an "inputs" and a "targets" entry. `dims` names the model constructor arguments
+    this data determines (e.g. `in_features`, `vocab_size`); the runner fills them into the model config.
+
+    Args:
+        batch_size: samples per batch on each process.
+        eval_batch_size: samples per eval batch (default: `batch_size`).
+        num_workers: DataLoader worker processes.
+        drop_last: drop the last incomplete training batch.
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"data.batch_size={batch_size}: must be a positive integer.")
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.num_workers = num_workers
+        self.drop_last = drop_last
+        self.dims: dict[str, int] = {}
+
+    @abstractmethod
+    def load(self) -> tuple[Dataset, Dataset, dict[str, int]]:
+        """Read the data: (train dataset, eval dataset, dims)."""
+
+    def setup(self) -> None:
+        self.train_set, self.eval_set, self.dims = self.load()
+
+    def train_dataloader(self, seed: int) -> DataLoader:
+        """Shuffled batches; the order is a function of `seed` (and of the epoch, through the sampler)."""
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            shuffle=True,
+            drop_last=self.drop_last,
+            num_workers=self.num_workers,
+            generator=torch.Generator().manual_seed(seed),
+        )
+
+    def eval_dataloader(self) -> DataLoader:
+        return DataLoader(self.eval_set, batch_size=self.eval_batch_size, num_workers=self.num_workers)
+
+
+def existing_file(path: str | Path, key: str = "data.path") -> Path:
+    """`path` as a Path, or a ConfigError naming `key` when there is no such file."""
+    resolved = Path(path).expanduser()
+    if not resolved.is_file():
+        raise ConfigError(
+            f"{key}={str(path)!r}: no such file (looked in {resolved.resolve().parent}). Pass an existing "
+            f"file, e.g. `{key}=/abs/path/to/file`; relative paths are taken from the directory you run in."
+        )
+    return resolved
+
+
+def random_split(dataset: Dataset, eval_fraction: float, seed: int) -> tuple[Subset, Subset]:
+    """Split `dataset` into train and eval subsets with a fixed permutation."""
+    if not 0.0 < eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={eval_fraction}: must be strictly between 0 and 1.")
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
+    num_eval = max(1, round(len(order) * eval_fraction))
+    return Subset(dataset, order[num_eval:]), Subset(dataset, order[:num_eval])

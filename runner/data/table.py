@@ -1,0 +1,129 @@
+"""Tabular data from a CSV or JSON-lines file (optionally gzipped)."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from runner.data.base import DataSource, TensorDictDataset, existing_file, random_split
+from runner.errors import ConfigError
+
+
+def _open(path: Path) -> IO[str]:
+    return gzip.open(path, "rt", newline="") if path.suffix == ".gz" else path.open(newline="")
+
+
+def _read_csv(path: Path) -> Iterator[dict[str, Any]]:
+    with _open(path) as f:
+        yield from csv.DictReader(f)
+
+
+def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    with _open(path) as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+_READERS: dict[str, Callable[[Path], Iterator[dict[str, Any]]]] = {".csv": _read_csv, ".jsonl": _read_jsonl}
+_TASKS = ("classification", "regression")
+
+
+class TableFile(DataSource):
+    """Rows of a `.csv` or `.jsonl` file (`.gz` too): numeric feature columns and one target column.
+
+    Args:
+        path: the file.
+        target: the target column.
+        features: feature columns (default: every column but the target).
+        task: "classification" (targets become class indices, sorted by label) or "regression".
+        normalize: standardise features with the training split's mean and std.
+        eval_fraction: share of rows held out for evaluation.
+        split_seed: seed of the train/eval split.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        target: str,
+        features: list[str] | None = None,
+        task: str = "classification",
+        normalize: bool = True,
+        eval_fraction: float = 0.2,
+        split_seed: int = 0,
+        **loader: Any,
+    ) -> None:
+        super().__init__(**loader)
+        self.path = existing_file(path)
+        suffix = self.path.suffixes[-2] if self.path.suffix == ".gz" else self.path.suffix
+        if suffix not in _READERS:
+            raise ConfigError(
+                f"data.path={str(path)!r}: unsupported file type {suffix!r}; expected one of "
+                f"{sorted(_READERS)} (optionally gzipped)."
+            )
+        if task not in _TASKS:
+            raise ConfigError(f"data.task={task!r}: expected one of {list(_TASKS)}.")
+        self.reader = _READERS[suffix]
+        self.target = target
+        self.features = list(features) if features is not None else None
+        self.task = task
+        self.normalize = normalize
+        self.eval_fraction = eval_fraction
+        self.split_seed = split_seed
+
+    def load(self) -> tuple[Any, Any, dict[str, int]]:
+        rows = list(self.reader(self.path))
+        if not rows:
+            raise ConfigError(f"data.path={str(self.path)!r}: the file holds no rows.")
+        columns = list(rows[0])
+        if self.target not in columns:
+            raise ConfigError(
+                f"data.target={self.target!r}: no such column in {self.path}; columns: {columns}."
+            )
+        features = self.features or [c for c in columns if c != self.target]
+        missing = [c for c in features if c not in columns]
+        if missing:
+            raise ConfigError(f"data.features: columns {missing} are not in {self.path}; columns: {columns}.")
+        inputs = torch.tensor([[_number(row, c, i) for c in features] for i, row in enumerate(rows)])
+        labels = [row[self.target] for row in rows]
+        if self.task == "classification":
+            classes = sorted(set(labels), key=_label_order)
+            index = {label: i for i, label in enumerate(classes)}
+            targets = torch.tensor([index[label] for label in labels])
+            out_features = len(classes)
+        else:
+            targets = torch.tensor([[_number(row, self.target, i)] for i, row in enumerate(rows)])
+            out_features = 1
+        train, eval_ = random_split(
+            TensorDictDataset(inputs=inputs, targets=targets), self.eval_fraction, self.split_seed
+        )
+        if self.normalize:
+            train_inputs = inputs[train.indices]
+            mean, std = train_inputs.mean(0), train_inputs.std(0)
+            std[std < 1e-6] = 1.0  # constant columns (e.g. always-blank pixels) are only centred
+            inputs.sub_(mean).div_(std)  # the subsets index this tensor, so both splits see the change
+        return train, eval_, {"in_features": len(features), "out_features": out_features}
+
+
+def _number(row: dict[str, Any], column: str, index: int) -> float:
+    try:
+        return float(row[column])
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"data: column {column!r} holds the non-numeric value {row[column]!r} on data row {index + 1}; "
+            "feature columns (and a regression target) must be numbers: choose them with data.features."
+        ) from None
+
+
+def _label_order(label: Any) -> tuple[int, Any]:
+    """Numeric labels in numeric order ("2" before "10"), then the others alphabetically."""
+    try:
+        return (0, float(label))
+    except (TypeError, ValueError):
+        return (1, str(label))

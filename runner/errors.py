@@ -1,0 +1,52 @@
+"""Errors that reach the user as one paragraph (which key, what was expected, how to fix) instead of a
+traceback."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+from hydra.errors import MissingConfigException
+from omegaconf import DictConfig
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+
+class ConfigError(ValueError):
+    """A problem with the user's configuration or inputs, found before training starts."""
+
+
+def describe_compose_error(err: Exception) -> str:
+    """One paragraph for an error Hydra raised while composing the config."""
+    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
+    if isinstance(err, MissingConfigException) and err.options is not None:
+        group, _, option = (err.missing_cfg_file or "").rpartition("/")
+        return (
+            f"{group}={option}: there is no option {option!r} in the config group {group!r}. "
+            f"Available: {', '.join(sorted(err.options))}. Pick one of those, or add conf/{group}/{option}.yaml."
+        )
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
+        return _unknown_key(cause)
+    if isinstance(cause, ValidationError) and cause.full_key:
+        expected = cause.msg.split("\n")[0]
+        return (
+            f"{cause.full_key}: {expected}. Give a value of the type the schema declares in runner/config.py."
+        )
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+
+
+def _unknown_key(cause: OmegaConfBaseException) -> str:
+    key = str(cause.key)
+    parent = cause.full_key.rpartition(".")[0]
+    if dataclasses.is_dataclass(cause.object_type):
+        valid = [f.name for f in dataclasses.fields(cause.object_type)]
+    elif isinstance(cause.parent_node, DictConfig):
+        valid = [str(k) for k in cause.parent_node]
+    else:
+        valid = []
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" Did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+    where = f"{parent!r}" if parent else "the top level"
+    return (
+        f"{cause.full_key}: there is no key {key!r} in {where}.{hint} "
+        f"Valid keys: {', '.join(valid) or '(none)'}. Check the spelling in your YAML or on the command line."
+    )

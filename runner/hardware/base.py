@@ -1,0 +1,64 @@
+"""The contract every hardware backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+from runner.precision import Precision
+from runner.state import ProcessState
+
+
+class Strategy(ABC):
+    """How one process joins its job, places and wraps the model, and talks to its peers.
+
+    Subclasses implement the process set-up and the collectives; the other hooks have defaults that a
+    backend overrides only where it differs (DDP skips gradient sync, DeepSpeed owns backward, ...).
+    """
+
+    @abstractmethod
+    def setup_environment(self) -> ProcessState:
+        """Join the job (process group, device selection) and say where this process sits in it."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Block until every process reaches this point."""
+
+    @abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce `tensor` over all processes (`op` is "sum" or "mean")."""
+
+    @abstractmethod
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate `tensor` from all processes along the first dimension."""
+
+    @abstractmethod
+    def broadcast_object_list(self, objects: list[Any], src: int = 0) -> list[Any]:
+        """Replace `objects` in place by those of process `src`."""
+
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Wrap the (already placed) model for this backend."""
+        return module
+
+    def unwrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Return the user's model from what `setup_module` made of it."""
+        return module
+
+    def no_sync(self, module: torch.nn.Module) -> AbstractContextManager:
+        """Skip gradient synchronisation inside this context (gradient accumulation)."""
+        return nullcontext()
+
+    def backward(self, loss: torch.Tensor, precision: Precision, **kwargs: Any) -> None:
+        precision.backward(loss, **kwargs)
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def teardown(self) -> None:
+        """Release what `setup_environment` acquired."""

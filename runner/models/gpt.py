@@ -1,0 +1,113 @@
+"""A small decoder-only transformer (GPT-2 style, pre-LayerNorm, learned positions)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"model.d_model={d_model} must be divisible by model.n_heads={n_heads}.")
+        self.head_dim = d_model // n_heads
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.o_proj = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # Heads are inferred (-1) so that a tensor-parallel shard of the projections works unchanged.
+        q, k, v = (
+            proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(d_model, hidden)
+        self.fc_out = nn.Linear(hidden, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc_out(F.gelu(self.fc_in(x))))
+
+
+class Block(nn.Module):
+    """One transformer layer: the sharding unit for FSDP and activation checkpointing."""
+
+    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int, dropout: float) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, dropout)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.mlp = FeedForward(d_model, mlp_ratio * d_model, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Token ids (batch, seq) to next-token logits (batch, seq, vocab_size)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        max_seq_len: int = 128,
+        d_model: int = 128,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        mlp_ratio: int = 4,
+        dropout: float = 0.0,
+        tie_embeddings: bool = True,
+    ) -> None:
+        super().__init__()
+        self.max_seq_len = max_seq_len
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(max_seq_len, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, mlp_ratio, dropout) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        if tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(_init_weights)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        seq = input_ids.shape[1]
+        if seq > self.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.max_seq_len}.")
+        positions = torch.arange(seq, device=input_ids.device)
+        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    @torch.no_grad()
+    def generate(
+        self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """Sample `max_new_tokens` tokens after `input_ids` (batch, seq)."""
+        for _ in range(max_new_tokens):
+            logits = self(input_ids[:, -self.max_seq_len :])[:, -1] / max(temperature, 1e-6)
+            next_id = torch.multinomial(F.softmax(logits.float(), dim=-1), 1)
+            input_ids = torch.cat([input_ids, next_id], dim=1)
+        return input_ids
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)

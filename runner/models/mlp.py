@@ -1,0 +1,33 @@
+"""A plain multi-layer perceptron."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    """`num_layers` hidden layers of `hidden_size` units, then a linear head.
+
+    `in_features` and `out_features` are usually left null in YAML: the data source provides them.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        hidden_size: int = 256,
+        num_layers: int = 4,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = in_features
+        for _ in range(num_layers):
+            layers += [nn.Linear(width, hidden_size), nn.GELU(), nn.Dropout(dropout)]
+            width = hidden_size
+        layers.append(nn.Linear(width, out_features))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.net(inputs)

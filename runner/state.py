@@ -1,0 +1,47 @@
+"""Plain state objects the Accelerator passes around explicitly (no process-wide singletons)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ProcessState:
+    """Where this process sits in the job: built once by the hardware strategy."""
+
+    device: torch.device
+    process_index: int = 0
+    num_processes: int = 1
+    local_process_index: int = 0
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+
+@dataclass
+class GradientState:
+    """Gradient-accumulation bookkeeping shared by the Accelerator, its optimizers, schedulers and loaders.
+
+    `end_of_dataloader` refers to the innermost dataloader being iterated, so an evaluation loop run in
+    the middle of a training epoch does not force a gradient sync.
+    """
+
+    num_steps: int = 1
+    sync_gradients: bool = True
+    active_dataloaders: list[Any] = field(default_factory=list)
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        return bool(self.active_dataloaders) and self.active_dataloaders[-1].end_of_dataloader
+
+    @property
+    def in_dataloader(self) -> bool:
+        return bool(self.active_dataloaders)

@@ -1,0 +1,24 @@
+"""The task contract: turn a batch into a loss (training) and per-sample metrics (evaluation)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class Task:
+    """Subclass and implement both steps; see `tasks/` for the shipped ones.
+
+    `evaluation_step` returns per-sample values (first dimension = batch), so that averages over the eval
+    set are exact across processes and uneven last batches. `summarize` derives metrics from their means.
+    """
+
+    def training_step(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def evaluation_step(self, model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def summarize(self, means: dict[str, float]) -> dict[str, float]:
+        return means

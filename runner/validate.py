@@ -1,0 +1,140 @@
+"""Checks on the composed config that run before anything is built, spawned or queued."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from typing import Any
+
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from runner.errors import ConfigError
+
+# Nodes with a dataclass schema (runner/config.py).
+TYPED_NODES = ("trainer", "hardware", "precision")
+# Nodes the runner instantiates, in the order they are reported.
+TARGET_NODES = ("hardware", "precision", "model", "data", "task", "optimizer", "scheduler")
+_HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise a ConfigError whose message lists every problem found, one paragraph each."""
+    problems = _missing_values(cfg) or [
+        *_schema_problems(cfg),
+        *_target_problems(cfg),
+        *_trainer_problems(cfg.trainer),
+    ]
+    if not problems:
+        problems = _data_problems(cfg)
+    if problems:
+        raise ConfigError("\n\n".join(problems))
+
+
+def _missing_values(cfg: DictConfig) -> list[str]:
+    return [
+        f"{key}: no value was given (it is '???' in its YAML). Set it on the command line, e.g. `{key}=...`."
+        for key in sorted(OmegaConf.missing_keys(cfg))
+    ]
+
+
+def _schema_problems(cfg: DictConfig) -> list[str]:
+    """Keys added with `+key=value` to a typed group pass composition; they are still not settings."""
+    problems = []
+    for node in TYPED_NODES:
+        fields = [f.name for f in dataclasses.fields(OmegaConf.get_type(cfg[node]))]
+        problems += [
+            f"{node}.{key}: not a setting of {node} (its settings are {', '.join(fields)}). Remove it."
+            for key in cfg[node]
+            if key not in fields
+        ]
+    return problems
+
+
+def _target_problems(cfg: DictConfig) -> list[str]:
+    problems = []
+    for node in TARGET_NODES:
+        target = cfg[node].get("_target_")
+        try:
+            obj = locate(target)
+        except ImportError as err:
+            problems.append(
+                f"{node}._target_={target!r} cannot be imported ({err}). Check the spelling, or install the "
+                f"package that provides it; `python -m runner --help` lists the {node} options that ship "
+                "with runner."
+            )
+            continue
+        problems += _argument_problems(node, obj, cfg[node])
+    return problems
+
+
+def _argument_problems(node: str, obj: Any, node_cfg: DictConfig) -> list[str]:
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # builtins without a signature: nothing to check
+        return []
+    arguments = {k: v for k, v in node_cfg.items() if k not in _HYDRA_KEYS}
+    try:
+        signature.bind_partial(**arguments)
+    except TypeError as err:
+        names = [p for p in signature.parameters if p not in ("self", "args", "kwargs")]
+        return [
+            f"{node}: {node_cfg._target_} does not accept these settings ({err}). "
+            f"Its parameters are: {', '.join(names)}. Fix the key in your YAML or on the command line."
+        ]
+    return []
+
+
+def _trainer_problems(trainer: DictConfig) -> list[str]:
+    problems = []
+    if trainer.max_steps is None and trainer.max_epochs is None:
+        problems.append("trainer.max_steps and trainer.max_epochs are both null: set one of them.")
+    for key, minimum in (
+        ("max_steps", 1),
+        ("max_epochs", 1),
+        ("log_every", 1),
+        ("eval_every", 0),
+        ("gradient_accumulation_steps", 1),
+    ):
+        value = trainer[key]
+        if value is not None and value < minimum:
+            problems.append(f"trainer.{key}={value}: must be >= {minimum}.")
+    if trainer.max_grad_norm is not None and trainer.max_grad_norm <= 0:
+        problems.append(
+            f"trainer.max_grad_norm={trainer.max_grad_norm}: must be > 0, or null for no clipping."
+        )
+    return problems
+
+
+def _data_problems(cfg: DictConfig) -> list[str]:
+    """Building the data source checks its files exist (reading them happens later, in the ranks)."""
+    try:
+        instantiate(cfg.data)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, ConfigError):
+            return [str(err.__cause__)]
+        raise
+    return []
+
+
+def locate(path: str | None) -> Any:
+    """The object at a dotted `path` (module attributes included), or ImportError saying what failed."""
+    if not path:
+        raise ImportError("no _target_ given")
+    parts = path.split(".")
+    for split in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:split])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name and not module_name.startswith(err.name):
+                raise ImportError(f"importing {module_name!r} failed: {err}") from err
+            continue
+        for attr in parts[split:]:
+            if not hasattr(obj, attr):
+                raise ImportError(f"{'.'.join(parts[:split])!r} has no attribute {attr!r}")
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(f"no module named {parts[0]!r}")

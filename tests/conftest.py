@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def run_cli(tmp_path):
+    """Run `python -m runner <overrides>` in a fresh process with its run dir under tmp_path."""
+
+    def run(*overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:
+        run_dir = tmp_path / "run"
+        args = [
+            sys.executable,
+            "-m",
+            "runner",
+            f"hydra.run.dir={run_dir}",
+            "trainer.progress_bar=false",
+            *overrides,
+        ]
+        env = {**os.environ, "HYDRA_FULL_ERROR": "", "PYTHONUNBUFFERED": "1"}
+        env.pop("HYDRA_FULL_ERROR")
+        proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+        proc.run_dir = run_dir  # type: ignore[attr-defined]
+        return proc
+
+    return run

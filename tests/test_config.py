@@ -1,0 +1,101 @@
+"""Composition and validation in this process, through Hydra's compose API (fast)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+from runner.cli import CONF_DIR
+from runner.config import register_configs
+from runner.errors import ConfigError
+from runner.validate import validate
+
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hydra_context():
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        yield
+
+
+def test_at_least_two_experiments_ship():
+    assert {"gpt_sonnets", "mlp_digits"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_validates(experiment):
+    cfg = compose("config", overrides=[f"experiment={experiment}"])
+    validate(cfg)
+    assert cfg.trainer.max_steps > 0
+
+
+@pytest.mark.parametrize(
+    "group", ["hardware", "precision", "model", "data", "optimizer", "scheduler", "task"]
+)
+def test_every_group_option_composes(group):
+    for option in sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")):
+        cfg = compose("config", overrides=[f"{group}={option}"])
+        assert cfg[group]._target_
+
+
+@pytest.mark.parametrize(
+    ("override", "error"),
+    [
+        ("trainer.max_step=5", (ConfigKeyError, ConfigAttributeError)),  # typo in a typed group
+        ("trainer.max_steps=abc", ValidationError),  # wrong type
+        ("hardware.devices=2", ConfigAttributeError),
+        ("precision.dtype=3", ConfigAttributeError),  # fp32 has no dtype
+    ],
+)
+def test_schema_refuses_typos_and_wrong_types_at_compose_time(override, error):
+    with pytest.raises(ConfigCompositionException) as info:
+        compose("config", overrides=[override])
+    assert isinstance(info.value.__cause__, error)
+    assert override.split("=")[0].lstrip("+").split(".")[-1] in str(info.value.__cause__)
+
+
+def test_unknown_group_option_is_refused():
+    with pytest.raises(Exception, match="Could not find 'hardware/gpu9'"):
+        compose("config", overrides=["hardware=gpu9"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["model._target_=nope.Model"], "model._target_='nope.Model' cannot be imported"),
+        (["+model.hiden=3"], "runner.models.MLP does not accept these settings"),
+        (["data=table"], "data.path: no value was given"),
+        (["data=table", "data.path=missing.csv", "data.target=y"], "data.path='missing.csv': no such file"),
+        (["+trainer.extra=1"], "trainer.extra: not a setting of trainer"),
+        (["model._target_=runner.models.Nope"], "'runner.models' has no attribute 'Nope'"),
+        (["trainer.max_steps=null"], "trainer.max_steps and trainer.max_epochs are both null"),
+        (["trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps=0: must be >= 1"),
+        (["trainer.max_grad_norm=-1"], "trainer.max_grad_norm=-1.0: must be > 0"),
+    ],
+)
+def test_validation_names_the_key(overrides, expected, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = compose("config", overrides=overrides)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert expected in str(info.value)
+
+
+def test_validation_reports_every_problem_at_once():
+    cfg = compose("config", overrides=["model._target_=nope.Model", "trainer.log_every=0"])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert "model._target_" in str(info.value) and "trainer.log_every=0" in str(info.value)
+
+
+def test_assets_exist():
+    assets = Path(__file__).resolve().parents[1] / "runner" / "data" / "assets"
+    assert (assets / "digits.csv.gz").stat().st_size > 10_000 and (
+        assets / "sonnets.txt"
+    ).stat().st_size > 5_000
