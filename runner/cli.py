@@ -10,7 +10,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, InstantiationException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.config import register_configs
@@ -30,8 +30,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)
-        (output_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        metrics = train(cfg)
+        metrics = train(cfg, output_dir)
     except (ConfigError, InstantiationException) as err:
         cause = err.__cause__ if isinstance(err.__cause__, ConfigError) else err
         log.error("Configuration error: %s", cause)

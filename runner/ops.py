@@ -10,32 +10,32 @@ from typing import Any
 import torch
 
 
-def apply_to_tensors(fn: Callable[..., Any], data: Any, *args: Any, **kwargs: Any) -> Any:
-    """Return `data` with `fn(tensor, *args, **kwargs)` applied to every tensor inside it.
+def apply_to_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
+    """Return `data` with `fn(tensor)` applied to every tensor inside it.
 
     Walks lists, tuples (namedtuples keep their type), mappings (their type is kept: mutable ones are
     copied and refilled, so constructors with other signatures are never called) and dataclass instances.
     Anything that is not a tensor or a container passes through unchanged.
     """
     if isinstance(data, torch.Tensor):
-        return fn(data, *args, **kwargs)
+        return fn(data)
     if type(data) is dict:  # the common case first
-        return {k: apply_to_tensors(fn, v, *args, **kwargs) for k, v in data.items()}
+        return {k: apply_to_tensors(fn, v) for k, v in data.items()}
     if isinstance(data, (list, tuple)):
-        items = [apply_to_tensors(fn, v, *args, **kwargs) for v in data]
+        items = [apply_to_tensors(fn, v) for v in data]
         if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
             return type(data)(*items)
         return type(data)(items)
     if isinstance(data, MutableMapping):
         out = copy.copy(data)
         for k, v in data.items():
-            out[k] = apply_to_tensors(fn, v, *args, **kwargs)
+            out[k] = apply_to_tensors(fn, v)
         return out
     if isinstance(data, Mapping):
-        return {k: apply_to_tensors(fn, v, *args, **kwargs) for k, v in data.items()}
+        return {k: apply_to_tensors(fn, v) for k, v in data.items()}
     if dataclasses.is_dataclass(data) and not isinstance(data, type):
         changes = {
-            f.name: apply_to_tensors(fn, getattr(data, f.name), *args, **kwargs)
+            f.name: apply_to_tensors(fn, getattr(data, f.name))
             for f in dataclasses.fields(data)
             if f.init
         }
@@ -45,7 +45,7 @@ def apply_to_tensors(fn: Callable[..., Any], data: Any, *args: Any, **kwargs: An
 
 def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Move every tensor in `data` to `device`."""
-    return apply_to_tensors(torch.Tensor.to, data, device, non_blocking=non_blocking)
+    return apply_to_tensors(lambda t: t.to(device, non_blocking=non_blocking), data)
 
 
 def convert_to_fp32(data: Any) -> Any:

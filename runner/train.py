@@ -5,11 +5,12 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from runner.accelerator import Accelerator
@@ -21,8 +22,12 @@ from runner.validate import locate
 log = logging.getLogger(__name__)
 
 
-def train(cfg: DictConfig) -> dict[str, float]:
-    """Build everything from `cfg`, train, evaluate; return the final metrics."""
+def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
+    """Build everything from `cfg`, train, evaluate; return the final metrics.
+
+    `output_dir` is the job's directory (Hydra's): the resolved config is written there once everything
+    is built, so a run refused for bad input leaves nothing but its log.
+    """
     trainer = cfg.trainer
     accelerator = Accelerator(
         strategy=instantiate(cfg.hardware),
@@ -47,6 +52,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
+    if accelerator.is_main_process:
+        (output_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     log.info(
         "training %s (%.2fM parameters) for %d steps on %s, %d process(es), precision %s",
         type(accelerator.unwrap_model(model)).__name__,

@@ -1,0 +1,91 @@
+"""`python -m runner` end to end, in fresh processes (slow: each starts Python, torch and Hydra)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def metrics_of(proc) -> dict[str, float]:
+    lines = proc.stderr.split("final metrics")[1].splitlines()[1:]
+    return {name: float(value) for name, value in (line.split() for line in lines if line.startswith("  "))}
+
+
+def test_default_experiment_trains_and_leaves_config_and_log(run_cli):
+    proc = run_cli("trainer.progress_bar=true")
+    assert proc.returncode == 0, proc.stderr
+    metrics = metrics_of(proc)
+    assert metrics["eval/loss"] < 0.2 and metrics["train/loss"] < 0.2  # the target variance is ~0.4
+    assert "train: 100%" in proc.stderr  # the progress bar ran
+    files = {p.name for p in proc.run_dir.iterdir()}
+    assert {"resolved_config.yaml", "runner.log", ".hydra"} <= files
+    log = (proc.run_dir / "runner.log").read_text()
+    assert "step 200/200" in log and "final metrics" in log
+    assert "${" not in (proc.run_dir / "resolved_config.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("experiment", "metric", "bound"),
+    [("mlp_digits", "eval/accuracy", 0.5), ("gpt_sonnets", "eval/loss", 4.0)],
+)
+def test_experiments_run_a_few_steps(run_cli, experiment, metric, bound):
+    proc = run_cli(f"experiment={experiment}", "trainer.max_steps=20", "trainer.eval_every=0")
+    assert proc.returncode == 0, proc.stderr
+    value = metrics_of(proc)[metric]
+    assert value > bound if metric == "eval/accuracy" else value < bound
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["precision=bf16"],
+        ["precision=fp16"],
+        ["trainer.gradient_accumulation_steps=4"],
+        ["trainer.max_grad_norm=1.0"],
+        ["precision=fp16", "trainer.gradient_accumulation_steps=4", "trainer.max_grad_norm=1.0"],
+        ["trainer.max_steps=null", "trainer.max_epochs=1", "optimizer=sgd", "scheduler=constant"],
+    ],
+    ids=lambda o: " ".join(o),
+)
+def test_precision_accumulation_and_clipping_options(run_cli, overrides):
+    proc = run_cli("trainer.max_steps=30", "trainer.eval_every=0", *overrides)
+    assert proc.returncode == 0, proc.stderr
+    assert metrics_of(proc)["eval/loss"] < 1.0
+
+
+def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
+    rows = [{"a": i % 7, "b": (i * 3) % 5, "label": "odd" if i % 2 else "even"} for i in range(120)]
+    (tmp_path / "rows.csv").write_text("a,b,label\n" + "".join(f"{r['a']},{r['b']},{r['label']}\n" for r in rows))
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "notes.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    for path in ("rows.csv", "rows.jsonl"):
+        proc = run_cli("data=table", f"data.path={path}", "data.target=label", "task=classification", "trainer.max_steps=5")
+        assert proc.returncode == 0, proc.stderr
+        assert 0.0 <= metrics_of(proc)["eval/accuracy"] <= 1.0
+    proc = run_cli("experiment=gpt_sonnets", "data=text", "data.path=notes.txt", "trainer.max_steps=5", "trainer.eval_every=0")
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["trainer.max_step=5"], "trainer.max_step: there is no key 'max_step' in 'trainer'. Did you mean trainer.max_steps?"),
+        (["trainer.max_steps=abc"], "trainer.max_steps: Value 'abc' of type 'str' could not be converted to Integer"),
+        (["hardware=gpu9"], "hardware=gpu9: there is no option 'gpu9' in the config group 'hardware'. Available: cpu."),
+        (["data=table", "data.path=missing.csv", "data.target=y"], "data.path='missing.csv': no such file"),
+        (["model._target_=nope.Model"], "model._target_='nope.Model' cannot be imported"),
+        (["model=gpt"], "model.vocab_size is null and the data does not provide it"),
+    ],
+)
+def test_bad_input_gives_one_paragraph_and_no_traceback(run_cli, overrides, expected):
+    proc = run_cli(*overrides)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    message = proc.stderr.strip()
+    assert message.startswith("Configuration error: ") and expected in message
+    assert "\n" not in message  # one paragraph
+    assert not (proc.run_dir / "resolved_config.yaml").exists()
+    assert "step " not in message  # nothing trained
