@@ -35,9 +35,7 @@ def apply_to_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
         return {k: apply_to_tensors(fn, v) for k, v in data.items()}
     if dataclasses.is_dataclass(data) and not isinstance(data, type):
         changes = {
-            f.name: apply_to_tensors(fn, getattr(data, f.name))
-            for f in dataclasses.fields(data)
-            if f.init
+            f.name: apply_to_tensors(fn, getattr(data, f.name)) for f in dataclasses.fields(data) if f.init
         }
         return dataclasses.replace(data, **changes)
     return data

@@ -20,7 +20,6 @@ class Precision:
     """Full fp32 (the `fp32` group): no autocast, no loss scaling."""
 
     mixed_precision = "no"
-    dtype: torch.dtype = torch.float32
 
     def setup(self, device: torch.device) -> None:
         """Bind to the device this process trains on."""

@@ -41,7 +41,3 @@ class GradientState:
     @property
     def end_of_dataloader(self) -> bool:
         return bool(self.active_dataloaders) and self.active_dataloaders[-1].end_of_dataloader
-
-    @property
-    def in_dataloader(self) -> bool:
-        return bool(self.active_dataloaders)

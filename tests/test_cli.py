@@ -58,23 +58,46 @@ def test_precision_accumulation_and_clipping_options(run_cli, overrides):
 
 def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
     rows = [{"a": i % 7, "b": (i * 3) % 5, "label": "odd" if i % 2 else "even"} for i in range(120)]
-    (tmp_path / "rows.csv").write_text("a,b,label\n" + "".join(f"{r['a']},{r['b']},{r['label']}\n" for r in rows))
+    (tmp_path / "rows.csv").write_text(
+        "a,b,label\n" + "".join(f"{r['a']},{r['b']},{r['label']}\n" for r in rows)
+    )
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "notes.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
     for path in ("rows.csv", "rows.jsonl"):
-        proc = run_cli("data=table", f"data.path={path}", "data.target=label", "task=classification", "trainer.max_steps=5")
+        proc = run_cli(
+            "data=table",
+            f"data.path={path}",
+            "data.target=label",
+            "task=classification",
+            "trainer.max_steps=5",
+        )
         assert proc.returncode == 0, proc.stderr
         assert 0.0 <= metrics_of(proc)["eval/accuracy"] <= 1.0
-    proc = run_cli("experiment=gpt_sonnets", "data=text", "data.path=notes.txt", "trainer.max_steps=5", "trainer.eval_every=0")
+    proc = run_cli(
+        "experiment=gpt_sonnets",
+        "data=text",
+        "data.path=notes.txt",
+        "trainer.max_steps=5",
+        "trainer.eval_every=0",
+    )
     assert proc.returncode == 0, proc.stderr
 
 
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["trainer.max_step=5"], "trainer.max_step: there is no key 'max_step' in 'trainer'. Did you mean trainer.max_steps?"),
-        (["trainer.max_steps=abc"], "trainer.max_steps: Value 'abc' of type 'str' could not be converted to Integer"),
-        (["hardware=gpu9"], "hardware=gpu9: there is no option 'gpu9' in the config group 'hardware'. Available: cpu."),
+        (
+            ["trainer.max_step=5"],
+            "trainer.max_step: there is no key 'max_step' in 'trainer'. Did you mean trainer.max_steps?",
+        ),
+        (
+            ["trainer.max_steps=abc"],
+            "trainer.max_steps: Value 'abc' of type 'str' could not be converted to Integer",
+        ),
+        (
+            ["hardware=gpu9"],
+            "hardware=gpu9: there is no option 'gpu9' in the config group 'hardware'. Available: cpu.",
+        ),
         (["data=table", "data.path=missing.csv", "data.target=y"], "data.path='missing.csv': no such file"),
         (["model._target_=nope.Model"], "model._target_='nope.Model' cannot be imported"),
         (["model=gpt"], "model.vocab_size is null and the data does not provide it"),
