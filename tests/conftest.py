@@ -24,8 +24,7 @@ def run_cli(tmp_path):
             "trainer.progress_bar=false",
             *overrides,
         ]
-        env = {**os.environ, "HYDRA_FULL_ERROR": "", "PYTHONUNBUFFERED": "1"}
-        env.pop("HYDRA_FULL_ERROR")
+        env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"PYTHONUNBUFFERED": "1"}
         proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
         proc.run_dir = run_dir  # type: ignore[attr-defined]
         return proc
