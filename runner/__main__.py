@@ -1,3 +1,4 @@
 from runner.cli import run
 
-run()
+if __name__ == "__main__":  # spawned ranks import this module again: they must not re-run the CLI
+    run()

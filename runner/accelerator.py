@@ -9,16 +9,16 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from functools import partial, wraps
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from runner import precision as precision_plugins
-from runner.data_loader import DataLoaderShard
-from runner.hardware.base import Strategy
-from runner.hardware.cpu import SingleDevice
-from runner.ops import apply_to_tensors
+from runner.data_loader import DataLoaderShard, last_batch_remainder, shard_dataloader
+from runner.hardware import Strategy, default_strategy
+from runner.ops import apply_to_tensors, is_tensor_structure
 from runner.optimizer import AcceleratedOptimizer
 from runner.precision import Precision
 from runner.scheduler import AcceleratedScheduler
@@ -36,11 +36,12 @@ class Accelerator:
         device_placement: move prepared models and batches to `device`.
         cpu: force the CPU when no `strategy` is given.
         step_scheduler_with_optimizer: step prepared schedulers only on real optimizer steps.
-        rng_types: RNGs synchronised across processes at each dataloader iteration (multi-process).
+        rng_types: RNGs that processes synchronise (from process 0) before each pass over a prepared
+            dataloader: "generator" (the sampler's), "torch", "cuda". Default ["generator"].
         split_batches: the dataloader's batch size is the global one, split across processes.
         even_batches: pad the last batches so that every process gets the same number of batches.
-        strategy: the hardware backend (what `conf/hardware` builds); default one process on CUDA when
-            available, else the CPU.
+        strategy: the hardware backend (what `conf/hardware` builds); default DDP when a launcher started
+            several ranks (torchrun, srun), else one process on CUDA when available, else the CPU.
     """
 
     def __init__(
@@ -57,7 +58,7 @@ class Accelerator:
     ) -> None:
         if gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}.")
-        self.strategy = strategy or SingleDevice("cuda" if torch.cuda.is_available() and not cpu else "cpu")
+        self.strategy = strategy or default_strategy(cpu)
         self.state = self.strategy.setup_environment()
         self.precision = (
             mixed_precision
@@ -68,10 +69,16 @@ class Accelerator:
         self.gradient_state = GradientState(num_steps=gradient_accumulation_steps)
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.rng_types = rng_types
+        self.rng_types = ["generator"] if rng_types is None else list(rng_types)
+        unknown = set(self.rng_types) - {"generator", "torch", "cuda"}
+        if unknown:
+            raise ValueError(
+                f"rng_types={rng_types}: unknown {sorted(unknown)}; use 'generator', 'torch', 'cuda'."
+            )
         self.split_batches = split_batches
         self.even_batches = even_batches
         self.step = 0
+        self._trigger = torch.zeros((), device=self.device)
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -156,8 +163,8 @@ class Accelerator:
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
         if device_placement if device_placement is not None else self.device_placement:
             model = model.to(self.device)
-        model = self.strategy.setup_module(model)
         model = self.precision.setup_module(model)
+        model = self.strategy.setup_module(model)
         self._models.append(model)
         return model
 
@@ -183,20 +190,50 @@ class Accelerator:
     def prepare_data_loader(
         self, dataloader: DataLoader, device_placement: bool | None = None
     ) -> DataLoaderShard:
+        """This process's share of `dataloader`'s batches, placed on the device."""
         place = device_placement if device_placement is not None else self.device_placement
+        shard = shard_dataloader(
+            dataloader, self.num_processes, self.process_index, self.split_batches, self.even_batches
+        )
+        remainder = last_batch_remainder(dataloader, self.num_processes, self.split_batches)
         wrapped = DataLoaderShard(
-            dataloader,
+            shard,
             self.gradient_state,
             device=self.device if place else None,
-            num_processes=1 if self.split_batches else self.num_processes,
+            remainder=remainder if self.even_batches else 0,
+            synchronize_rng=partial(self._synchronize_rng, dataloader) if self.use_distributed else None,
         )
         self._dataloaders.append(wrapped)
         return wrapped
 
+    def skip_first_batches(self, dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard:
+        """A prepared `dataloader` that skips its first `num_batches` batches (resume mid-epoch); use it
+        for the first epoch only, as in Accelerate."""
+        if not isinstance(dataloader, DataLoaderShard):
+            dataloader = self.prepare_data_loader(dataloader)
+        return dataloader.skip_first_batches(num_batches)
+
+    def _synchronize_rng(self, dataloader: DataLoader) -> None:
+        """Give every process process 0's state of the RNGs named by `rng_types`."""
+        generators = {
+            "generator": [getattr(dataloader.sampler, "generator", None), dataloader.generator],
+            "torch": [torch.default_generator],
+            "cuda": [torch.cuda.default_generators[self.device.index or 0]]
+            if self.device.type == "cuda"
+            else [],
+        }
+        seen: set[int] = set()
+        for rng_type in self.rng_types:
+            for generator in generators[rng_type]:
+                if generator is None or id(generator) in seen:
+                    continue
+                seen.add(id(generator))
+                generator.set_state(self.strategy.broadcast(generator.get_state(), src=0))
+
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
         """The user's model from a prepared one; `keep_fp32_wrapper=False` also removes the autocast forward."""
         model = self.strategy.unwrap_module(model)
-        if not keep_fp32_wrapper and "_original_forward" in model.__dict__:
+        if not keep_fp32_wrapper and "_original_forward" in model.__dict__:  # precision's autocast forward
             model.forward = model.__dict__.pop("_original_forward")
         return model
 
@@ -258,17 +295,32 @@ class Accelerator:
         """Concatenate tensors (nested structures too) from all processes along the first dimension."""
         return apply_to_tensors(self.strategy.all_gather, tensor)
 
-    def gather_for_metrics(self, input_data: Any) -> Any:
-        """`gather`, minus the samples that were duplicated to even out the last batch."""
-        data = self.gather(input_data)
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """`gather` (or `gather_object` for non-tensor data), minus the samples that even batches
+        duplicated at the end of the dataloader being iterated."""
+        if use_gather_object or not is_tensor_structure(input_data):
+            data = self.gather_object(input_data)
+        else:
+            data = self.gather(input_data)
         remainder = (
             self.gradient_state.active_dataloaders[-1].remainder
             if self.gradient_state.end_of_dataloader
             else 0
         )
         if remainder > 0:
-            data = apply_to_tensors(lambda t: t[:remainder], data)
+            data = (
+                data[:remainder]
+                if isinstance(data, list)
+                else apply_to_tensors(lambda t: t[:remainder], data)
+            )
         return data
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every process's picklable `obj`, in process order; lists and tuples are concatenated."""
+        gathered = self.strategy.all_gather_object(obj)
+        if isinstance(obj, (list, tuple)):
+            return [item for part in gathered for item in part]
+        return gathered
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Reduce tensors across processes with "sum" or "mean" ("none" returns them as they are)."""
@@ -280,6 +332,47 @@ class Accelerator:
             return out * scale if scale != 1.0 else out
 
         return apply_to_tensors(_reduce, tensor)
+
+    def pad_across_processes(
+        self, tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False
+    ) -> Any:
+        """Pad tensors along `dim` to the largest size any process has, so that they can be gathered."""
+
+        def _pad(t: torch.Tensor) -> torch.Tensor:
+            if dim >= t.ndim or dim < -t.ndim:
+                return t
+            size = torch.tensor(t.shape, device=self.device)
+            longest = int(self.strategy.all_gather(size).view(self.num_processes, -1)[:, dim].max())
+            if longest == t.shape[dim]:
+                return t
+            shape = list(t.shape)
+            shape[dim] = longest
+            padded = t.new_full(shape, pad_index)
+            start = longest - t.shape[dim] if pad_first else 0
+            padded.narrow(dim, start, t.shape[dim]).copy_(t)
+            return padded
+
+        return apply_to_tensors(_pad, tensor)
+
+    def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
+        """Overwrite tensors (nested structures too) with process `from_process`'s, in place."""
+        return apply_to_tensors(lambda t: self.strategy.broadcast(t, src=from_process), tensor)
+
+    def broadcast_object_list(self, object_list: list[Any], from_process: int = 0) -> list[Any]:
+        """Replace the picklable objects of `object_list`, in place, by process `from_process`'s."""
+        return self.strategy.broadcast_object_list(object_list, src=from_process)
+
+    def set_trigger(self) -> None:
+        """Raise this process's flag; the next `check_trigger` on every process sees it."""
+        self._trigger.fill_(1)
+
+    def check_trigger(self) -> bool:
+        """True on every process when any process called `set_trigger` since the last check (which then
+        clears it). A collective: call it on all processes."""
+        if self.strategy.all_reduce(self._trigger.clone()).item() > 0:
+            self._trigger.zero_()
+            return True
+        return False
 
     # --------------------------------------------------------------------------------- execution order
     def wait_for_everyone(self) -> None:
@@ -308,17 +401,29 @@ class Accelerator:
 
     def on_main_process(self, function: Callable) -> Callable:
         """Decorator: run `function` on the main process only."""
-        return self.on_process(function, process_index=0)
+        return self._run_on(function, self.is_main_process)
+
+    def on_local_main_process(self, function: Callable) -> Callable:
+        """Decorator: run `function` on the main process of each machine only."""
+        return self._run_on(function, self.is_local_main_process)
 
     def on_process(self, function: Callable | None = None, process_index: int = 0) -> Callable:
         """Decorator: run `function` on process `process_index` only (usable with or without arguments)."""
         if function is None:
             return lambda fn: self.on_process(fn, process_index=process_index)
+        return self._run_on(function, self.process_index == process_index)
 
+    def on_local_process(self, function: Callable | None = None, local_process_idx: int = 0) -> Callable:
+        """Decorator: run `function` on local process `local_process_idx` of each machine only."""
+        if function is None:
+            return lambda fn: self.on_local_process(fn, local_process_idx=local_process_idx)
+        return self._run_on(function, self.local_process_index == local_process_idx)
+
+    @staticmethod
+    def _run_on(function: Callable, here: bool) -> Callable:
+        @wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if self.process_index == process_index:
-                return function(*args, **kwargs)
-            return None
+            return function(*args, **kwargs) if here else None
 
         return wrapper
 

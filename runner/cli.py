@@ -1,21 +1,27 @@
-"""`python -m runner`: compose the config with Hydra, validate it, train, return the metrics."""
+"""`python -m runner`: compose the config with Hydra, validate it, launch the ranks, return the metrics."""
 
 from __future__ import annotations
 
+import atexit
+import copy
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, InstantiationException
-from omegaconf import DictConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.config import register_configs
+from runner.environment import launched_environment
 from runner.errors import ConfigError, describe_compose_error
-from runner.train import train
+from runner.launchers import Job, Launcher, RankFailedError
 from runner.validate import validate
 
 log = logging.getLogger("runner")
@@ -25,16 +31,26 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> dict[str, float]:
-    """One job: its output dir is Hydra's; the returned metrics go to Hydra's sweepers."""
-    output_dir = Path(HydraConfig.get().runtime.output_dir)
+def main(cfg: DictConfig) -> dict[str, float] | None:
+    """One job: validate, then the launcher runs its ranks; rank 0's metrics go to Hydra's sweepers."""
+    hydra_cfg = HydraConfig.get()
+    output_dir = Path(hydra_cfg.runtime.output_dir)
     try:
         validate(cfg)
-        metrics = train(cfg, output_dir)
+        launcher: Launcher = instantiate(cfg.launcher)
+        job = Job(
+            cfg=_resolved(cfg),
+            output_dir=output_dir,
+            logging_config=OmegaConf.to_container(hydra_cfg.job_logging, resolve=True),  # type: ignore[arg-type]
+        )
+        metrics = launcher.launch(job)
     except (ConfigError, InstantiationException) as err:
         cause = err.__cause__ if isinstance(err.__cause__, ConfigError) else err
         log.error("Configuration error: %s", cause)
         sys.exit(2)
+    except RankFailedError as err:
+        log.error("Training failed: %s", err)
+        sys.exit(1)
     log.info("final metrics (output dir %s):\n%s", output_dir, _table(metrics))
     return metrics
 
@@ -43,11 +59,30 @@ def run() -> None:
     """Console entry point: composition errors become one paragraph on stderr and exit code 2."""
     register_configs()
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra raise instead of printing its own report
+    env = launched_environment()
+    if env is not None and env.rank != 0:
+        sys.argv += _scratch_output_dir(env.rank)
     try:
         main()
     except (HydraException, OmegaConfBaseException) as err:
         print(f"Configuration error: {describe_compose_error(err)}", file=sys.stderr)
         sys.exit(2)
+
+
+def _scratch_output_dir(rank: int) -> list[str]:
+    """Started by torchrun or srun, every rank runs this CLI, but a job has one output dir: rank 0's.
+    The others get a throw-away dir for Hydra (deleted at exit) and use rank 0's, which the Accelerator
+    broadcasts, for everything they write."""
+    scratch = tempfile.mkdtemp(prefix=f"runner-rank{rank}-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null"]
+
+
+def _resolved(cfg: DictConfig) -> DictConfig:
+    """A copy with every interpolation resolved (ranks cannot resolve `${hydra:...}`)."""
+    resolved = copy.deepcopy(cfg)
+    OmegaConf.resolve(resolved)
+    return resolved
 
 
 def _table(metrics: dict[str, float]) -> str:

@@ -40,6 +40,23 @@ class CPUConfig(HardwareConfig):
 
 
 @dataclass
+class ParallelConfig(HardwareConfig):
+    num_processes: int | None = None  # ranks on this machine; null: one per GPU, 2 on CPU
+    device: str | None = None  # cuda | cpu; null: cuda when available
+    backend: str | None = None  # null: nccl on cuda, gloo on cpu
+    timeout_s: float = 1800.0  # collective timeout
+    num_threads: int | None = None  # CPU threads per rank; null: cores / ranks
+
+
+@dataclass
+class DDPConfig(ParallelConfig):
+    find_unused_parameters: bool = False
+    bucket_cap_mb: float | None = None
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+
+@dataclass
 class PrecisionConfig:
     _target_: str = MISSING
 
@@ -58,6 +75,18 @@ class Float16Config(PrecisionConfig):
 
 
 @dataclass
+class LauncherConfig:
+    _target_: str = MISSING
+
+
+@dataclass
+class LocalLauncherConfig(LauncherConfig):
+    start_method: str | None = None  # fork | spawn | forkserver; null: the hardware's choice
+    monitor_interval_s: float = 0.1
+    shutdown_timeout_s: float = 5.0
+
+
+@dataclass
 class RunConfig:
     """The composed config: `model`, `data`, `task`, `optimizer` and `scheduler` are free-form `_target_`
     nodes; the groups the runner reads are typed."""
@@ -70,11 +99,13 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     hardware: HardwareConfig = MISSING
     precision: PrecisionConfig = MISSING
+    launcher: LauncherConfig = MISSING
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "hardware": {"cpu": CPUConfig},
+    "hardware": {"cpu": CPUConfig, "multi_gpu": DDPConfig},
     "precision": {"fp32": PrecisionConfig, "bf16": MixedPrecisionConfig, "fp16": Float16Config},
+    "launcher": {"local": LocalLauncherConfig},
 }
 
 

@@ -1,13 +1,15 @@
-"""The dataloader that `Accelerator.prepare` returns."""
+"""The dataloader that `Accelerator.prepare` returns, and how one DataLoader is split across processes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import itertools
+import math
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
 from runner.ops import send_to_device
 from runner.state import GradientState
@@ -15,12 +17,241 @@ from runner.state import GradientState
 _END = object()
 
 
+class BatchSamplerShard(Sampler[list[int]]):
+    """The batches of `batch_sampler` that belong to process `process_index` of `num_processes`.
+
+    Without `split_batches` batch i goes to process i % num_processes; with it, every batch is cut into
+    `num_processes` equal slices. With `even_batches` the last round is completed with samples from the
+    start of the epoch, so that every process gets as many batches, of the same size, as the others
+    (`Accelerator.gather_for_metrics` drops those duplicates again).
+    """
+
+    def __init__(
+        self,
+        batch_sampler: Iterable[list[int]],
+        num_processes: int,
+        process_index: int,
+        split_batches: bool = False,
+        even_batches: bool = True,
+    ) -> None:
+        batch_size = getattr(batch_sampler, "batch_size", None)
+        if split_batches and (batch_size is None or batch_size % num_processes):
+            raise ValueError(
+                f"split_batches=True needs a batch size divisible by the {num_processes} processes, "
+                f"got batch_size={batch_size}."
+            )
+        self.batch_sampler = batch_sampler
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.source_batch_size = batch_size
+        self.batch_size = batch_size // num_processes if split_batches and batch_size else batch_size
+        # Indices that one round of batches (a batch for each process) holds.
+        self.round_size = (batch_size or 0) if split_batches else (batch_size or 0) * num_processes
+
+    def __len__(self) -> int:
+        batches = len(self.batch_sampler)  # type: ignore[arg-type]
+        if self.split_batches:
+            return batches
+        if self.even_batches:
+            return math.ceil(batches / self.num_processes)
+        return batches // self.num_processes + int(self.process_index < batches % self.num_processes)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        per_round = 1 if self.split_batches else self.num_processes
+        first: list[list[int]] = []  # the epoch's first batches: padding for the last round
+        current: list[list[int]] = []
+        for batch in self.batch_sampler:
+            if len(first) < self.num_processes:
+                first.append(list(batch))
+            current.append(list(batch))
+            full = self.source_batch_size is None or len(batch) == self.source_batch_size
+            if len(current) == per_round and full:
+                yield current[self.process_index] if self.batch_size is None else self._slice(current)
+                current = []
+        if current:
+            yield from self._last_round(current, first)
+
+    def _slice(self, batches: list[list[int]]) -> list[int]:
+        """This process's equal share of the round's indices."""
+        indices = [i for b in batches for i in b]
+        size = len(indices) // self.num_processes
+        return indices[self.process_index * size : (self.process_index + 1) * size]
+
+    def _last_round(self, batches: list[list[int]], first: list[list[int]]) -> Iterator[list[int]]:
+        if self.batch_size is None:  # whole batches only: repeat the first ones for the missing processes
+            padded = batches + list(
+                itertools.islice(itertools.cycle(first), self.num_processes - len(batches))
+            )
+            if self.even_batches or self.process_index < len(batches):
+                yield padded[self.process_index]
+            return
+        indices = [i for b in batches for i in b]
+        if self.even_batches:
+            head = itertools.cycle([i for b in first for i in b])
+            yield self._slice([indices, list(itertools.islice(head, self.round_size - len(indices)))])
+        elif self.split_batches:
+            size = math.ceil(len(indices) / self.num_processes)
+            if own := indices[self.process_index * size : (self.process_index + 1) * size]:
+                yield own
+        elif self.process_index < len(batches):
+            yield batches[self.process_index]
+
+    def set_epoch(self, epoch: int) -> None:
+        _set_epoch([self.batch_sampler, getattr(self.batch_sampler, "sampler", None)], epoch)
+
+
+class IterableDatasetShard(IterableDataset):
+    """The samples of an IterableDataset that belong to one process: of each round of `batch_size` x
+    `num_processes` samples (`batch_size` with `split_batches`), one contiguous slice per process. With
+    `even_batches` an incomplete last round is completed with the epoch's first samples; with `drop_last`
+    it is dropped."""
+
+    def __init__(
+        self,
+        dataset: IterableDataset,
+        batch_size: int,
+        num_processes: int,
+        process_index: int,
+        split_batches: bool = False,
+        even_batches: bool = True,
+        drop_last: bool = False,
+    ) -> None:
+        if split_batches and batch_size % num_processes:
+            raise ValueError(
+                f"split_batches=True needs a batch size divisible by the {num_processes} processes, "
+                f"got batch_size={batch_size}."
+            )
+        self.dataset = dataset
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.even_batches = even_batches
+        self.drop_last = drop_last
+        self.batch_size = batch_size // num_processes if split_batches else batch_size
+        self.round_size = self.batch_size * num_processes
+
+    def __len__(self) -> int:
+        rounds, rest = divmod(len(self.dataset), self.round_size)  # type: ignore[arg-type]
+        if rest and not self.drop_last:
+            own_rest = min(self.batch_size, max(0, rest - self.process_index * self.batch_size))
+            return rounds * self.batch_size + (self.batch_size if self.even_batches else own_rest)
+        return rounds * self.batch_size
+
+    def __iter__(self) -> Iterator[Any]:
+        start, stop = self.process_index * self.batch_size, (self.process_index + 1) * self.batch_size
+        head: list[Any] = []
+        current: list[Any] = []
+        for sample in self.dataset:
+            current.append(sample)
+            if len(head) < self.round_size:
+                head.append(sample)
+            if len(current) == self.round_size:
+                yield from current[start:stop]
+                current = []
+        if current and not self.drop_last:
+            if self.even_batches:
+                current += list(itertools.islice(itertools.cycle(head), self.round_size - len(current)))
+            yield from current[start:stop]
+
+    def set_epoch(self, epoch: int) -> None:
+        _set_epoch([self.dataset], epoch)
+
+
+class SkipBatchSampler(Sampler[list[int]]):
+    """`batch_sampler` without its first `skip` batches (the loader never loads them)."""
+
+    def __init__(self, batch_sampler: Iterable[list[int]], skip: int) -> None:
+        self.batch_sampler = batch_sampler
+        self.skip = skip
+        self.batch_size = getattr(batch_sampler, "batch_size", None)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return itertools.islice(iter(self.batch_sampler), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.batch_sampler) - self.skip)  # type: ignore[arg-type]
+
+    def set_epoch(self, epoch: int) -> None:
+        _set_epoch([self.batch_sampler], epoch)
+
+
+def shard_dataloader(
+    dataloader: DataLoader,
+    num_processes: int,
+    process_index: int,
+    split_batches: bool = False,
+    even_batches: bool = True,
+) -> DataLoader:
+    """A DataLoader over this process's share of `dataloader` (the same loader for one process).
+
+    A map-style dataset is sharded through its batch sampler, an IterableDataset sample by sample. A
+    shuffling RandomSampler without a generator gets one (seeded from torch's RNG), so that the
+    Accelerator can synchronise it and every process draws the same permutation.
+    """
+    if num_processes == 1:
+        return dataloader
+    if isinstance(dataloader.dataset, IterableDataset):
+        shard = IterableDatasetShard(
+            dataloader.dataset,
+            dataloader.batch_size or 1,
+            num_processes,
+            process_index,
+            split_batches,
+            even_batches,
+            dataloader.drop_last,
+        )
+        return loader_like(
+            dataloader, dataset=shard, batch_size=shard.batch_size, drop_last=dataloader.drop_last
+        )
+    if dataloader.batch_sampler is None:
+        raise ValueError(
+            "prepare() shards a DataLoader through its batches: give it a batch_size or a batch_sampler "
+            "(a DataLoader with batch_size=None cannot be split across processes)."
+        )
+    if isinstance(dataloader.sampler, RandomSampler) and dataloader.sampler.generator is None:
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        dataloader.sampler.generator = torch.Generator().manual_seed(seed)
+    shard = BatchSamplerShard(
+        dataloader.batch_sampler, num_processes, process_index, split_batches, even_batches
+    )
+    return loader_like(dataloader, batch_sampler=shard)
+
+
+def loader_like(dataloader: DataLoader, **changes: Any) -> DataLoader:
+    """A new DataLoader with `dataloader`'s settings (workers, collate_fn, pinning, ...) and `changes`."""
+    settings: dict[str, Any] = {
+        "dataset": dataloader.dataset,
+        "num_workers": dataloader.num_workers,
+        "collate_fn": dataloader.collate_fn,
+        "pin_memory": dataloader.pin_memory,
+        "timeout": dataloader.timeout,
+        "worker_init_fn": dataloader.worker_init_fn,
+        "multiprocessing_context": dataloader.multiprocessing_context,
+        "generator": dataloader.generator,
+        "persistent_workers": dataloader.persistent_workers,
+        "pin_memory_device": dataloader.pin_memory_device,
+    }
+    if dataloader.num_workers > 0:
+        settings["prefetch_factor"] = dataloader.prefetch_factor
+    return DataLoader(**(settings | changes))
+
+
 class DataLoaderShard:
-    """Iterates a DataLoader, puts each batch on the device and knows when it yields the last batch.
+    """Iterates this process's DataLoader, puts each batch on the device, knows when it yields the last.
 
     It reads one batch ahead, so `end_of_dataloader` is already True while the last batch is being used
-    (gradient accumulation then syncs on it). Attributes it does not define (`dataset`, `batch_size`,
-    `sampler`, ...) are the wrapped loader's.
+    (gradient accumulation then syncs on it). Before each pass it calls `synchronize_rng` (the
+    Accelerator's: every process then shuffles alike). `len()` is this process's number of batches.
+    Attributes it does not define (`dataset`, `batch_size`, `sampler`, ...) are the wrapped loader's.
+
+    Args:
+        dataloader: this process's loader (what `shard_dataloader` made).
+        gradient_state: the Accelerator's, told which loader is being iterated.
+        device: where batches go; None leaves them where the loader puts them.
+        remainder: real samples in the last global batch (-1: unknown); see `gather_for_metrics`.
+        synchronize_rng: called before each pass over the data.
+        skip_batches: batches skipped at the start of every pass (`Accelerator.skip_first_batches`).
     """
 
     def __init__(
@@ -28,23 +259,31 @@ class DataLoaderShard:
         dataloader: DataLoader,
         gradient_state: GradientState,
         device: torch.device | None = None,
-        num_processes: int = 1,
+        remainder: int = -1,
+        synchronize_rng: Callable[[], None] | None = None,
+        skip_batches: int = 0,
     ) -> None:
         self.base_dataloader = dataloader
         self.gradient_state = gradient_state
         self.device = device
+        self.remainder = remainder
+        self.synchronize_rng = synchronize_rng
+        self.skip_batches = skip_batches
         self.end_of_dataloader = False
         self.iteration = 0
         self._place: Callable[[Any], Any] = (
             (lambda batch: batch) if device is None else partial(send_to_device, device=device)
         )
-        self.remainder = _remainder(dataloader, num_processes)
 
     def __iter__(self) -> Iterator[Any]:
+        if self.synchronize_rng is not None:
+            self.synchronize_rng()
         self.end_of_dataloader = False
         self.gradient_state.active_dataloaders.append(self)
         try:
             iterator = iter(self.base_dataloader)
+            if self.skip_batches and not isinstance(self.base_dataloader.batch_sampler, SkipBatchSampler):
+                iterator = itertools.islice(iterator, self.skip_batches, None)
             batch = next(iterator, _END)
             while batch is not _END:
                 upcoming = next(iterator, _END)
@@ -56,14 +295,24 @@ class DataLoaderShard:
             self.gradient_state.active_dataloaders.remove(self)
 
     def __len__(self) -> int:
-        return len(self.base_dataloader)
+        skipped = 0 if isinstance(self.base_dataloader.batch_sampler, SkipBatchSampler) else self.skip_batches
+        return max(0, len(self.base_dataloader) - skipped)
 
     def set_epoch(self, epoch: int) -> None:
         """Tell the sampler (and a dataset that wants it) which epoch starts, so shuffles differ per epoch."""
         self.iteration = epoch
-        for obj in (self.base_dataloader.sampler, self.base_dataloader.batch_sampler, self.dataset):
-            if hasattr(obj, "set_epoch"):
-                obj.set_epoch(epoch)
+        loader = self.base_dataloader
+        _set_epoch([loader.sampler, loader.batch_sampler, loader.dataset], epoch)
+
+    def skip_first_batches(self, num_batches: int) -> DataLoaderShard:
+        """This loader, minus the first `num_batches` batches of each pass (a map-style loader never
+        loads them)."""
+        loader = self.base_dataloader
+        if loader.batch_sampler is not None:
+            loader = loader_like(loader, batch_sampler=SkipBatchSampler(loader.batch_sampler, num_batches))
+        return DataLoaderShard(
+            loader, self.gradient_state, self.device, self.remainder, self.synchronize_rng, num_batches
+        )
 
     def __getattr__(self, name: str) -> Any:
         if name == "base_dataloader":  # not yet set (unpickling): avoid infinite recursion
@@ -71,10 +320,23 @@ class DataLoaderShard:
         return getattr(self.base_dataloader, name)
 
 
-def _remainder(dataloader: DataLoader, num_processes: int) -> int:
-    """Samples in the last global batch, or -1 where the dataset length is unknown."""
+def last_batch_remainder(dataloader: DataLoader, num_processes: int, split_batches: bool) -> int:
+    """Real samples in the last global batch of `dataloader` once sharded (0: it is full; -1: unknown)."""
+    batch_size = dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", None)
     try:
-        total_batch_size = (dataloader.batch_size or 1) * num_processes
-        return len(dataloader.dataset) % total_batch_size  # type: ignore[arg-type]
+        samples = len(dataloader.dataset)  # type: ignore[arg-type]
     except TypeError:
         return -1
+    if batch_size is None:
+        return -1
+    global_batch = batch_size if split_batches else batch_size * num_processes
+    if dataloader.drop_last:
+        dropped_to = global_batch if isinstance(dataloader.dataset, IterableDataset) else batch_size
+        samples = samples // dropped_to * dropped_to
+    return samples % global_batch
+
+
+def _set_epoch(objects: list[Any], epoch: int) -> None:
+    for obj in objects:
+        if hasattr(obj, "set_epoch"):
+            obj.set_epoch(epoch)

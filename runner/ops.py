@@ -5,40 +5,51 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping, MutableMapping
+from functools import partial
 from typing import Any
 
 import torch
 
 
-def apply_to_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
+def apply_to_tensors(fn: Callable[[torch.Tensor], Any], data: Any, strict: bool = False) -> Any:
     """Return `data` with `fn(tensor)` applied to every tensor inside it.
 
     Walks lists, tuples (namedtuples keep their type), mappings (their type is kept: mutable ones are
     copied and refilled, so constructors with other signatures are never called) and dataclass instances.
-    Anything that is not a tensor or a container passes through unchanged.
+    Anything else passes through unchanged, or raises TypeError with `strict`.
     """
     if isinstance(data, torch.Tensor):
         return fn(data)
+    walk = partial(apply_to_tensors, fn, strict=strict)
     if type(data) is dict:  # the common case first
-        return {k: apply_to_tensors(fn, v) for k, v in data.items()}
+        return {k: walk(v) for k, v in data.items()}
     if isinstance(data, (list, tuple)):
-        items = [apply_to_tensors(fn, v) for v in data]
+        items = [walk(v) for v in data]
         if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
             return type(data)(*items)
         return type(data)(items)
     if isinstance(data, MutableMapping):
         out = copy.copy(data)
         for k, v in data.items():
-            out[k] = apply_to_tensors(fn, v)
+            out[k] = walk(v)
         return out
     if isinstance(data, Mapping):
-        return {k: apply_to_tensors(fn, v) for k, v in data.items()}
+        return {k: walk(v) for k, v in data.items()}
     if dataclasses.is_dataclass(data) and not isinstance(data, type):
-        changes = {
-            f.name: apply_to_tensors(fn, getattr(data, f.name)) for f in dataclasses.fields(data) if f.init
-        }
+        changes = {f.name: walk(getattr(data, f.name)) for f in dataclasses.fields(data) if f.init}
         return dataclasses.replace(data, **changes)
+    if strict:
+        raise TypeError(f"{type(data).__name__} is neither a tensor nor a container of tensors")
     return data
+
+
+def is_tensor_structure(data: Any) -> bool:
+    """True when `data` is a tensor or a nested container holding only tensors."""
+    try:
+        apply_to_tensors(lambda t: t, data, strict=True)
+    except TypeError:
+        return False
+    return True
 
 
 def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) -> Any:

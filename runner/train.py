@@ -34,24 +34,25 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         mixed_precision=instantiate(cfg.precision),
         gradient_accumulation_steps=trainer.gradient_accumulation_steps,
     )
+    # Under torchrun or srun each rank ran Hydra itself: the job's dir is rank 0's.
+    output_dir = Path(accelerator.broadcast_object_list([str(output_dir)])[0])
     set_seed(trainer.seed)
 
     data = instantiate(cfg.data)
     with accelerator.main_process_first():
         data.setup()
+    train_loader, eval_loader = accelerator.prepare(
+        data.train_dataloader(seed=trainer.seed), data.eval_dataloader()
+    )
     model = instantiate(cfg.model, **model_dims(cfg.model, data.dims))
     task: Task = instantiate(cfg.task)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
-    train_loader = data.train_dataloader(seed=trainer.seed)
-    eval_loader = data.eval_dataloader()
-    total_steps = num_training_steps(trainer, len(train_loader))
+    total_steps = num_training_steps(trainer, len(train_loader))  # this rank's share of the batches
     # A prepared scheduler advances once per process on each optimizer step (Accelerate's convention).
     scheduler = instantiate(cfg.scheduler)(
         optimizer, num_training_steps=total_steps * accelerator.num_processes
     )
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler
-    )
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if accelerator.is_main_process:
         (output_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     log.info(

@@ -14,9 +14,11 @@ from omegaconf import DictConfig, OmegaConf
 from runner.errors import ConfigError
 
 # Nodes with a dataclass schema (runner/config.py).
-TYPED_NODES = ("trainer", "hardware", "precision")
+TYPED_NODES = ("trainer", "hardware", "precision", "launcher")
 # Nodes the runner instantiates, in the order they are reported.
-TARGET_NODES = ("hardware", "precision", "model", "data", "task", "optimizer", "scheduler")
+TARGET_NODES = ("hardware", "precision", "launcher", "model", "data", "task", "optimizer", "scheduler")
+# Nodes cheap to build in the launching process; building them checks their values (devices, files).
+BUILT_NODES = ("hardware", "launcher", "data")
 _HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
 
@@ -28,7 +30,7 @@ def validate(cfg: DictConfig) -> None:
         *_trainer_problems(cfg.trainer),
     ]
     if not problems:
-        problems = _data_problems(cfg)
+        problems = _build_problems(cfg)
     if problems:
         raise ConfigError("\n\n".join(problems))
 
@@ -108,15 +110,18 @@ def _trainer_problems(trainer: DictConfig) -> list[str]:
     return problems
 
 
-def _data_problems(cfg: DictConfig) -> list[str]:
-    """Building the data source checks its files exist (reading them happens later, in the ranks)."""
-    try:
-        instantiate(cfg.data)
-    except InstantiationException as err:
-        if isinstance(err.__cause__, ConfigError):
-            return [str(err.__cause__)]
-        raise
-    return []
+def _build_problems(cfg: DictConfig) -> list[str]:
+    """Build the hardware, the launcher and the data source: their constructors check what only they know
+    (process counts against the GPUs here, files that must exist); reading the data happens in the ranks."""
+    problems = []
+    for node in BUILT_NODES:
+        try:
+            instantiate(cfg[node])
+        except InstantiationException as err:
+            if not isinstance(err.__cause__, ConfigError):
+                raise
+            problems.append(str(err.__cause__))
+    return problems
 
 
 def locate(path: str | None) -> Any:

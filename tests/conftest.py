@@ -14,7 +14,9 @@ REPO = Path(__file__).resolve().parents[1]
 def run_cli(tmp_path):
     """Run `python -m runner <overrides>` in a fresh process with its run dir under tmp_path."""
 
-    def run(*overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    def run(
+        *overrides: str, timeout: float = 240, pythonpath: Path | None = None
+    ) -> subprocess.CompletedProcess:
         run_dir = tmp_path / "run"
         args = [
             sys.executable,
@@ -24,9 +26,17 @@ def run_cli(tmp_path):
             "trainer.progress_bar=false",
             *overrides,
         ]
-        env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"PYTHONUNBUFFERED": "1"}
+        env = cli_env(pythonpath)
         proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
         proc.run_dir = run_dir  # type: ignore[attr-defined]
         return proc
 
     return run
+
+
+def cli_env(pythonpath: Path | None = None) -> dict[str, str]:
+    """The environment for a `python -m runner` subprocess; `pythonpath` adds a dir of test modules."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"PYTHONUNBUFFERED": "1"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    return env

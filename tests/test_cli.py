@@ -96,11 +96,14 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
         ),
         (
             ["hardware=gpu9"],
-            "hardware=gpu9: there is no option 'gpu9' in the config group 'hardware'. Available: cpu.",
+            "hardware=gpu9: there is no option 'gpu9' in the config group 'hardware'. Available: cpu, multi_gpu.",
         ),
         (["data=table", "data.path=missing.csv", "data.target=y"], "data.path='missing.csv': no such file"),
         (["model._target_=nope.Model"], "model._target_='nope.Model' cannot be imported"),
         (["model=gpt"], "model.vocab_size is null and the data does not provide it"),
+        (["hardware=multi_gpu", "hardware.num_processes=0"], "hardware.num_processes=0: must be >= 1"),
+        (["hardware=multi_gpu", "hardware.device=tpu"], "hardware.device='tpu': expected 'cuda', 'cpu'"),
+        (["launcher.start_method=thread"], "launcher.start_method='thread': expected one of"),
     ],
 )
 def test_bad_input_gives_one_paragraph_and_no_traceback(run_cli, overrides, expected):
@@ -111,4 +114,4 @@ def test_bad_input_gives_one_paragraph_and_no_traceback(run_cli, overrides, expe
     assert message.startswith("Configuration error: ") and expected in message
     assert "\n" not in message  # one paragraph
     assert not (proc.run_dir / "resolved_config.yaml").exists()
-    assert "step " not in message  # nothing trained
+    assert "step " not in message and "starting" not in message  # nothing trained, no rank started

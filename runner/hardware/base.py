@@ -18,7 +18,11 @@ class Strategy(ABC):
 
     Subclasses implement the process set-up and the collectives; the other hooks have defaults that a
     backend overrides only where it differs (DDP skips gradient sync, DeepSpeed owns backward, ...).
+    A launcher reads `num_processes` (how many ranks to start on this machine) and `start_method`.
     """
+
+    num_processes: int = 1
+    start_method: str = "spawn"
 
     @abstractmethod
     def setup_environment(self) -> ProcessState:
@@ -37,8 +41,16 @@ class Strategy(ABC):
         """Concatenate `tensor` from all processes along the first dimension."""
 
     @abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite `tensor` (in place) with process `src`'s and return it."""
+
+    @abstractmethod
     def broadcast_object_list(self, objects: list[Any], src: int = 0) -> list[Any]:
         """Replace `objects` in place by those of process `src`."""
+
+    @abstractmethod
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """The picklable `obj` of every process, in process order."""
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Wrap the (already placed) model for this backend."""

@@ -36,5 +36,11 @@ class SingleDevice(Strategy):
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return tensor
+
     def broadcast_object_list(self, objects: list[Any], src: int = 0) -> list[Any]:
         return objects
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]

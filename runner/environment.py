@@ -1,0 +1,85 @@
+"""Is this process already one rank of a job started by a launcher (torchrun, srun, our own)?"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankEnvironment:
+    """This process's place in a job, read from the variables its launcher set."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    def export(self) -> None:
+        """Set the torch variables (`RANK`, `MASTER_ADDR`, ...) that `init_process_group("env://")` reads."""
+        os.environ.update(
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(self.local_rank),
+            LOCAL_WORLD_SIZE=str(self.local_world_size),
+            MASTER_ADDR=self.master_addr,
+            MASTER_PORT=str(self.master_port),
+        )
+
+
+def launched_environment() -> RankEnvironment | None:
+    """The rank this process is, when a launcher started it; None when it is a plain process.
+
+    torch's launchers (torchrun, `elastic_launch`, submitit's export) set `RANK` and `WORLD_SIZE`; `srun`
+    with more than one task sets `SLURM_PROCID` and `SLURM_NTASKS`, and the rendezvous address is then the
+    job's first node.
+    """
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world_size = int(env["WORLD_SIZE"])
+        return RankEnvironment(
+            rank=int(env["RANK"]),
+            world_size=world_size,
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+        )
+    if int(env.get("SLURM_NTASKS", 1)) > 1 and "SLURM_PROCID" in env:
+        return RankEnvironment(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_world_size=_tasks_on_node(
+                env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1")),
+                int(env.get("SLURM_NODEID", 0)),
+            ),
+            master_addr=env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
+            master_port=int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)),
+        )
+    return None
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: `node[03-05,09],gpu1` -> `node03`."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]\-,]+))?", nodelist)
+    if match is None:
+        raise ValueError(f"cannot read a host name from the SLURM node list {nodelist!r}")
+    prefix, first_index = match.groups()
+    return prefix + (first_index or "")
+
+
+def _tasks_on_node(tasks_per_node: str, node_index: int) -> int:
+    """Read SLURM's compressed task counts: `2(x3),1` is 2 tasks on each of 3 nodes, then 1."""
+    counts = []
+    for count, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?", tasks_per_node):
+        counts += [int(count)] * int(repeat or 1)
+    return counts[min(node_index, len(counts) - 1)]
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

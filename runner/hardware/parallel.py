@@ -1,0 +1,128 @@
+"""The part every multi-process backend shares: joining the process group and the collectives."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runner.environment import available_cores, launched_environment
+from runner.errors import ConfigError
+from runner.hardware.base import Strategy
+from runner.state import ProcessState
+
+
+class ParallelStrategy(Strategy):
+    """One rank of a `torch.distributed` process group, one device per rank.
+
+    Started by a launcher (ours, torchrun, srun) the rank reads its place from the environment; started as
+    a plain process it forms a group of one, so a script runs unchanged without a launcher.
+
+    Args:
+        num_processes: ranks the launcher starts on this machine; None: one per visible GPU, or 2 on CPU.
+        device: "cuda" or "cpu"; None: cuda when available.
+        backend: process-group backend; None: nccl on cuda, gloo on cpu.
+        timeout_s: how long a collective waits for the other ranks before failing.
+        num_threads: CPU threads per rank; None: `OMP_NUM_THREADS`, else the cores shared out evenly.
+    """
+
+    def __init__(
+        self,
+        num_processes: int | None = None,
+        device: str | None = None,
+        backend: str | None = None,
+        timeout_s: float = 1800.0,
+        num_threads: int | None = None,
+    ) -> None:
+        self.device_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device_type not in ("cuda", "cpu"):
+            raise ConfigError(
+                f"hardware.device={device!r}: expected 'cuda', 'cpu' or null (cuda when available)."
+            )
+        gpus = torch.cuda.device_count() if self.device_type == "cuda" else 0
+        self.num_processes = num_processes if num_processes is not None else (gpus or 2)
+        if self.num_processes < 1:
+            raise ConfigError(
+                f"hardware.num_processes={num_processes}: must be >= 1 (ranks to start on this machine)."
+            )
+        if self.device_type == "cuda" and self.num_processes > gpus:
+            raise ConfigError(
+                f"hardware.num_processes={num_processes}: this machine has {gpus} visible GPU(s) and each rank "
+                f"needs its own. Set hardware.num_processes<={gpus}, or hardware.device=cpu to run on the CPU."
+            )
+        if timeout_s <= 0:
+            raise ConfigError(f"hardware.timeout_s={timeout_s}: must be > 0 seconds.")
+        self.backend = backend or ("nccl" if self.device_type == "cuda" else "gloo")
+        self.timeout = timedelta(seconds=timeout_s)
+        self.num_threads = num_threads
+        # A forked rank starts in milliseconds; CUDA does not survive a fork, so GPU ranks are spawned.
+        self.start_method = "spawn" if self.device_type == "cuda" else "fork"
+        self.device = torch.device(self.device_type)
+
+    def setup_environment(self) -> ProcessState:
+        env = launched_environment()
+        local_rank = env.local_rank if env else 0
+        if self.device_type == "cuda":
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            cores = available_cores()
+            per_rank = max(1, cores // (env.local_world_size if env else 1))
+            torch.set_num_threads(self.num_threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or per_rank)
+        if not dist.is_initialized():
+            if env is None:
+                dist.init_process_group(
+                    self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout
+                )
+            else:
+                env.export()
+                dist.init_process_group(self.backend, init_method="env://", timeout=self.timeout)
+        return ProcessState(
+            device=self.device,
+            process_index=dist.get_rank(),
+            num_processes=dist.get_world_size(),
+            local_process_index=local_rank,
+        )
+
+    # The backend may need tensors on its device (NCCL): move there and back.
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        reduced = self._on_device(tensor)
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+        if op == "mean":
+            reduced = reduced / dist.get_world_size()
+        return reduced.to(tensor.device)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        local = self._on_device(tensor if tensor.ndim else tensor[None]).contiguous()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local)
+        return torch.cat(parts).to(tensor.device)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        shared = self._on_device(tensor)
+        dist.broadcast(shared, src=src)
+        if shared is not tensor:
+            tensor.copy_(shared)
+        return tensor
+
+    def broadcast_object_list(self, objects: list[Any], src: int = 0) -> list[Any]:
+        dist.broadcast_object_list(objects, src=src, device=self.device)
+        return objects
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def teardown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

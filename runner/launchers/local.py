@@ -1,0 +1,171 @@
+"""`launcher=local`: the job's ranks on this machine, through torch's elastic launcher."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch.distributed as dist
+from hydra.utils import instantiate
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from runner.environment import available_cores, launched_environment
+from runner.errors import ConfigError
+from runner.hardware.base import Strategy
+from runner.launchers.base import Job, Launcher, RankFailedError, train_as_rank
+
+log = logging.getLogger(__name__)
+
+START_METHODS = ("fork", "spawn", "forkserver")
+
+
+class LocalLauncher(Launcher):
+    """Train in this process when the hardware wants one process, or when this process already is a rank
+    (torchrun, srun: it never spawns again); otherwise start `hardware.num_processes` ranks with torch's
+    elastic launcher on a free port and return rank 0's metrics.
+
+    If any rank fails, the others are stopped at once and `RankFailedError` names the failed rank with
+    its traceback (or the signal that killed it).
+
+    Args:
+        start_method: how ranks start: "fork", "spawn", "forkserver"; None: the hardware's choice (fork on
+            CPU, where it starts a rank in milliseconds; spawn where CUDA must be initialised in the rank).
+        monitor_interval_s: how often the launcher checks that every rank is alive.
+        shutdown_timeout_s: after a failure, how long the other ranks get to exit before SIGKILL.
+    """
+
+    def __init__(
+        self,
+        start_method: str | None = None,
+        monitor_interval_s: float = 0.1,
+        shutdown_timeout_s: float = 5.0,
+    ) -> None:
+        if start_method is not None and start_method not in START_METHODS:
+            raise ConfigError(
+                f"launcher.start_method={start_method!r}: expected one of {START_METHODS} or null."
+            )
+        self.start_method = start_method
+        self.monitor_interval_s = monitor_interval_s
+        self.shutdown_timeout_s = shutdown_timeout_s
+
+    def launch(self, job: Job) -> dict[str, float]:
+        strategy: Strategy = instantiate(job.cfg.hardware)
+        if launched_environment() is not None or strategy.num_processes == 1:
+            return train_as_rank(job)
+        return self._launch_ranks(job, strategy.num_processes, self.start_method or strategy.start_method)
+
+    def _launch_ranks(self, job: Job, num_processes: int, start_method: str) -> dict[str, float]:
+        log.info("starting %d ranks (%s)", num_processes, start_method)
+        with tempfile.TemporaryDirectory(prefix="runner-elastic-") as error_dir:
+            config = LaunchConfig(
+                min_nodes=1,
+                max_nodes=1,
+                nproc_per_node=num_processes,
+                run_id=uuid.uuid4().hex,
+                rdzv_backend="c10d",
+                rdzv_endpoint="localhost:0",  # a free port: parallel jobs never collide
+                max_restarts=0,
+                monitor_interval=self.monitor_interval_s,
+                start_method=start_method,
+                logs_specs=DefaultLogsSpecs(log_dir=error_dir),
+                shutdown_timeout=int(self.shutdown_timeout_s),
+            )
+            with _threads_per_rank(num_processes), _quiet_elastic_logs():
+                try:
+                    results = elastic_launch(config, _rank_entry)(job, error_dir)
+                except ChildFailedError as err:
+                    raise RankFailedError(describe_failure(err.failures, Path(error_dir))) from None
+        return results[0]
+
+
+@record
+def _rank_entry(job: Job, error_dir: str) -> dict[str, float]:
+    """What each rank runs (module level, so that spawned ranks can unpickle it).
+
+    A forked rank inherits the launcher's SIGTERM handler: restore the default, so that the launcher
+    stopping it ends it quietly. A rank that raises writes its traceback for the launcher's report; one
+    whose collective lost a peer waits a moment first, so that the peer's own failure is seen first.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        return train_as_rank(job)
+    except BaseException as err:
+        lost_peer = lost_a_peer(err)
+        if lost_peer:
+            time.sleep(LOST_PEER_GRACE_S)
+        report = {"time": time.time(), "lost_peer": lost_peer, "traceback": traceback.format_exc()}
+        (Path(error_dir) / f"rank{os.environ['RANK']}.json").write_text(json.dumps(report))
+        raise
+
+
+LOST_PEER_GRACE_S = 2.0
+
+
+def lost_a_peer(err: BaseException) -> bool:
+    """Whether `err` is a collective failing because another rank went away (a consequence, not a cause)."""
+    return isinstance(err, dist.DistError) or bool(
+        re.search(r"(closed|reset) by peer|remote worker|communicator was aborted", str(err))
+    )
+
+
+def describe_failure(failures: dict[int, ProcessFailure], error_dir: Path) -> str:
+    """The failure that came first, and how: the signal that killed the rank, or its traceback.
+
+    A rank killed by a signal is the cause (the launcher stops the others only after); otherwise the
+    rank that raised first, ranks that merely lost a peer last.
+    """
+    killed = [(rank, failure) for rank, failure in sorted(failures.items()) if failure.exitcode < 0]
+    if killed:
+        rank, failure = killed[0]
+        return f"rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}; the other ranks were stopped."
+    reports = {
+        int(path.stem.removeprefix("rank")): json.loads(path.read_text())
+        for path in error_dir.glob("rank*.json")
+    }
+    if not reports:
+        rank, failure = min(failures.items())
+        return f"rank {rank} (pid {failure.pid}) exited with code {failure.exitcode}; the other ranks were stopped."
+    rank = min(reports, key=lambda r: (reports[r]["lost_peer"], reports[r]["time"]))
+    others = sorted(set(reports) - {rank})
+    also = f" (rank {', '.join(map(str, others))} failed too)" if others else ""
+    return f"rank {rank} raised; the other ranks were stopped{also}. Its traceback:\n{reports[rank]['traceback']}"
+
+
+@contextmanager
+def _threads_per_rank(num_processes: int) -> Iterator[None]:
+    """Share the cores out between the ranks (as torchrun does), unless the user set OMP_NUM_THREADS."""
+    if "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    cores = available_cores()
+    os.environ["OMP_NUM_THREADS"] = str(max(1, cores // num_processes))
+    try:
+        yield
+    finally:
+        del os.environ["OMP_NUM_THREADS"]
+
+
+@contextmanager
+def _quiet_elastic_logs() -> Iterator[None]:
+    """torch's launcher logs every step and its own report of a failure; ours replaces that report."""
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)

@@ -1,0 +1,48 @@
+"""Tasks that misbehave on one rank, for the failure tests (imported by `python -m runner` through
+PYTHONPATH)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from tasks.regression import Regression
+
+
+class RaiseOnRank1(Regression):
+    """Rank 1 raises at its third step."""
+
+    steps = 0
+
+    def training_step(self, model, batch):
+        self.steps += 1
+        if os.environ["RANK"] == "1" and self.steps == 3:
+            raise RuntimeError("injected failure on rank 1")
+        return super().training_step(model, batch)
+
+
+class HangOnRank1(Regression):
+    """Rank 1 stops answering collectives at its third step."""
+
+    steps = 0
+
+    def training_step(self, model, batch):
+        self.steps += 1
+        if os.environ["RANK"] == "1" and self.steps == 3:
+            time.sleep(3600)
+        return super().training_step(model, batch)
+
+
+class RecordPid(Regression):
+    """Each rank writes its pid to `<pid_dir>/rank<N>` at its first step, then trains normally."""
+
+    def __init__(self, pid_dir: str) -> None:
+        self.pid_dir = Path(pid_dir)
+        self.recorded = False
+
+    def training_step(self, model, batch):
+        if not self.recorded:
+            (self.pid_dir / f"rank{os.environ['RANK']}").write_text(str(os.getpid()))
+            self.recorded = True
+        return super().training_step(model, batch)

@@ -1,0 +1,176 @@
+"""What each of 2 real ranks (gloo) runs for tests/test_distributed.py; the results are checked there."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any
+
+import torch
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.utils.data import DataLoader, IterableDataset
+
+from runner import Accelerator
+from runner.hardware import DDP
+
+
+def run_ranks(fn, *args: Any, num_processes: int = 2) -> dict[int, Any]:
+    """Run `fn(*args)` in `num_processes` real ranks started by torch's elastic launcher."""
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=num_processes,
+        run_id="test",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        start_method="fork",
+        logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp()),
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return elastic_launch(config, fn)(*args)
+
+
+class Stream(IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def execution_and_collectives(workdir: str) -> dict[str, Any]:
+    accelerator = Accelerator(strategy=DDP(device="cpu"))
+    rank = accelerator.process_index
+    out: dict[str, Any] = {"rank": rank, "num_processes": accelerator.num_processes}
+
+    with accelerator.main_process_first():
+        entered = time.time()
+        if accelerator.is_main_process:
+            time.sleep(0.5)  # the others must still be waiting when this ends
+        out["main_first"] = (entered, time.time())
+    with accelerator.local_main_process_first():
+        out["local_main_first"] = (time.time(), time.time())
+
+    # Decorators run on the chosen process only.
+    out["on_main"] = accelerator.on_main_process(lambda: rank)()
+    out["on_local_main"] = accelerator.on_local_main_process(lambda: rank)()
+    out["on_process_1"] = accelerator.on_process(process_index=1)(lambda: rank)()
+    out["on_local_process_1"] = accelerator.on_local_process(local_process_idx=1)(lambda: rank)()
+
+    # A trigger set on rank 1 only is seen by both at the next check, then cleared.
+    if rank == 1:
+        accelerator.set_trigger()
+    out["trigger"] = (accelerator.check_trigger(), accelerator.check_trigger())
+
+    # Collectives over nested structures.
+    nested = {"a": torch.tensor([rank, rank]), "b": (torch.tensor([[rank * 1.0]]),)}
+    out["gather"] = accelerator.gather(nested)
+    out["reduce_sum"] = accelerator.reduce(torch.tensor([rank + 1.0]), "sum")
+    out["reduce_mean"] = accelerator.reduce({"x": torch.tensor([rank + 1.0])}, "mean")
+    ragged = torch.full((rank + 1, 2), rank + 1)
+    out["pad"] = accelerator.pad_across_processes(ragged, dim=0, pad_index=-1)
+    out["pad_first"] = accelerator.pad_across_processes([ragged], dim=0, pad_first=True)
+    out["broadcast"] = accelerator.broadcast({"t": torch.tensor([rank + 10])}, from_process=1)
+    out["broadcast_object_list"] = accelerator.broadcast_object_list([f"from {rank}", {"r": rank}])
+    out["gather_object"] = accelerator.gather_object([f"hello from {rank}"])
+    out["gather_object_scalar"] = accelerator.gather_object(rank)
+
+    # gather_for_metrics drops what even_batches duplicated: 101 samples, 2 ranks, batch 8.
+    eval_loader = accelerator.prepare(DataLoader(torch.arange(101), batch_size=8))
+    seen = [accelerator.gather_for_metrics(batch) for batch in eval_loader]
+    out["eval_len"] = len(eval_loader)
+    out["eval_batches"] = len(seen)
+    out["eval_gathered"] = torch.cat(seen)
+    words = [accelerator.gather_for_metrics([f"s{int(i)}" for i in batch]) for batch in eval_loader]
+    out["eval_gathered_objects"] = [w for batch in words for w in batch]
+
+    # A shuffled loader: ranks seeded differently still draw one permutation and split it.
+    torch.manual_seed(1000 + rank)
+    base_loader = DataLoader(torch.arange(64), batch_size=4, shuffle=True)
+    train_loader = accelerator.prepare(base_loader)
+    out["epochs"] = []
+    for epoch in range(2):
+        train_loader.set_epoch(epoch)
+        out["epochs"].append(torch.cat(list(train_loader)).tolist())
+    out["train_len"] = len(train_loader)
+    state = base_loader.sampler.generator.get_state()
+    skipped = accelerator.skip_first_batches(train_loader, 3)
+    out["skip"] = (len(skipped), [b.tolist() for b in skipped])
+    base_loader.sampler.generator.set_state(state)  # the same shuffle again, without skipping
+    out["skip_reference"] = [b.tolist() for b in train_loader]
+    torch.manual_seed(0)  # reset the RNG, which the epochs above advanced identically on both ranks
+
+    # IterableDataset: contiguous slices of each round, even batches padded from the start.
+    stream_loader = accelerator.prepare(DataLoader(Stream(37), batch_size=4))
+    out["stream"] = torch.cat([accelerator.gather_for_metrics(b) for b in stream_loader]).tolist()
+
+    accelerator.end_training()
+    return out
+
+
+def split_batches_run() -> dict[str, Any]:
+    accelerator = Accelerator(strategy=DDP(device="cpu"), split_batches=True)
+    loader = accelerator.prepare(DataLoader(torch.arange(32), batch_size=8))
+    batches = [b.tolist() for b in loader]
+    accelerator.end_training()
+    return {"batches": batches, "len": len(loader)}
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def make_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 8, generator=g)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def ddp_training(accumulation: int) -> dict[str, Any]:
+    """3 optimizer steps with DDP over 2 ranks; records gradients around the accumulation boundary."""
+    accelerator = Accelerator(strategy=DDP(device="cpu"), gradient_accumulation_steps=accumulation)
+    torch.manual_seed(123 + accelerator.process_index)  # different init per rank: DDP must broadcast rank 0's
+    x, y = make_data()
+    model = (
+        make_model()
+        if accelerator.is_main_process
+        else torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    grads_after_micro_step = []
+    for inputs, targets in loader:
+        with accelerator.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            accelerator.backward(loss)
+            grads_after_micro_step.append(next(model.parameters()).grad.clone())
+            optimizer.step()
+            optimizer.zero_grad()
+    params = torch.cat([p.detach().flatten() for p in accelerator.unwrap_model(model).parameters()])
+    gathered = accelerator.gather(params[None])
+    accelerator.end_training()
+    return {"params": params, "all_params": gathered, "grads": grads_after_micro_step}
+
+
+def reference_training(accumulation: int, num_processes: int = 2) -> torch.Tensor:
+    """One process, the same optimizer steps, each on the concatenated global batch."""
+    x, y = make_data()
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    global_batch = 8 * num_processes * accumulation
+    for start in range(0, len(x), global_batch):
+        loss = torch.nn.functional.mse_loss(
+            model(x[start : start + global_batch]), y[start : start + global_batch]
+        )
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])

@@ -1,0 +1,97 @@
+"""The Accelerator in 2 real processes over gloo, started by torch's elastic launcher."""
+
+from __future__ import annotations
+
+import pytest
+import rank_checks
+import torch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    results = rank_checks.run_ranks(
+        rank_checks.execution_and_collectives, str(tmp_path_factory.mktemp("ranks"))
+    )
+    return [results[0], results[1]]
+
+
+def test_process_info_and_decorators(ranks):
+    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["num_processes"] == 2
+    assert [r["on_main"] for r in ranks] == [0, None]
+    assert [r["on_local_main"] for r in ranks] == [0, None]
+    assert [r["on_process_1"] for r in ranks] == [None, 1]
+    assert [r["on_local_process_1"] for r in ranks] == [None, 1]
+
+
+def test_main_process_first_runs_the_main_process_to_the_end_first(ranks):
+    main_enter, main_exit = ranks[0]["main_first"]
+    other_enter, _ = ranks[1]["main_first"]
+    assert main_exit - main_enter >= 0.5 and other_enter >= main_exit
+    assert ranks[1]["local_main_first"][0] >= ranks[0]["local_main_first"][1]
+
+
+def test_trigger_set_on_one_rank_is_seen_by_all_then_cleared(ranks):
+    assert [r["trigger"] for r in ranks] == [(True, False), (True, False)]
+
+
+def test_collectives_over_nested_structures(ranks):
+    for r in ranks:
+        assert r["gather"]["a"].tolist() == [0, 0, 1, 1]
+        assert r["gather"]["b"][0].tolist() == [[0.0], [1.0]]
+        assert r["reduce_sum"].tolist() == [3.0]
+        assert r["reduce_mean"]["x"].tolist() == [1.5]
+        assert r["broadcast"]["t"].tolist() == [11]
+        assert r["broadcast_object_list"] == ["from 0", {"r": 0}]
+        assert r["gather_object"] == ["hello from 0", "hello from 1"]
+        assert r["gather_object_scalar"] == [0, 1]
+    assert ranks[0]["pad"].tolist() == [[1, 1], [-1, -1]]
+    assert ranks[1]["pad"].tolist() == [[2, 2], [2, 2]]
+    assert ranks[0]["pad_first"][0].tolist() == [[0, 0], [1, 1]]
+
+
+def test_gather_for_metrics_returns_each_of_101_samples_once(ranks):
+    for r in ranks:
+        assert r["eval_len"] == r["eval_batches"] == 7  # ceil(13 batches / 2 ranks)
+        assert r["eval_gathered"].tolist() == list(range(101))
+        assert r["eval_gathered_objects"] == [f"s{i}" for i in range(101)]
+
+
+def test_shuffled_shards_are_disjoint_complete_and_agree_across_ranks(ranks):
+    for epoch in range(2):
+        mine, theirs = ranks[0]["epochs"][epoch], ranks[1]["epochs"][epoch]
+        assert set(mine).isdisjoint(theirs)  # different seeds, yet one permutation split in two
+        assert sorted(mine + theirs) == list(range(64))
+    assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1]  # a new shuffle each epoch
+    assert ranks[0]["train_len"] == len(ranks[0]["epochs"][0]) // 4 == 8
+
+
+def test_skip_first_batches(ranks):
+    for r in ranks:
+        length, batches = r["skip"]
+        assert length == 5 and batches == r["skip_reference"][3:]
+
+
+def test_iterable_dataset_is_sharded_and_evened_out(ranks):
+    assert ranks[0]["stream"] == list(range(37))
+
+
+def test_split_batches_gives_each_rank_a_slice_of_every_batch():
+    results = rank_checks.run_ranks(rank_checks.split_batches_run)
+    assert results[0]["batches"] == [[0, 1, 2, 3], [8, 9, 10, 11], [16, 17, 18, 19], [24, 25, 26, 27]]
+    assert results[1]["batches"][0] == [4, 5, 6, 7]
+    assert results[0]["len"] == 4
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_ddp_matches_one_process_on_the_concatenated_batches(accumulation):
+    results = rank_checks.run_ranks(rank_checks.ddp_training, accumulation)
+    reference = rank_checks.reference_training(accumulation)
+    for r in (results[0], results[1]):
+        assert torch.equal(r["all_params"][0], r["all_params"][1])  # replicas stay identical
+        torch.testing.assert_close(r["params"], reference, atol=1e-6, rtol=0)
+    grads = [results[0]["grads"], results[1]["grads"]]
+    if accumulation == 2:  # accumulate() skips the all-reduce on the micro-step before the boundary
+        assert not torch.equal(grads[0][0], grads[1][0])
+    assert torch.equal(grads[0][accumulation - 1], grads[1][accumulation - 1])

@@ -1,0 +1,118 @@
+"""`python -m runner` with several ranks: one dir per job, sweeps, external launchers, and failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import cli_env
+from test_cli import metrics_of
+
+pytestmark = pytest.mark.slow
+
+TESTS = Path(__file__).parent
+TWO_RANKS = ("hardware=multi_gpu", "hardware.num_processes=2")
+
+
+def test_two_ranks_write_one_job_dir(run_cli, tmp_path):
+    proc = run_cli(*TWO_RANKS, "trainer.max_steps=30", "trainer.eval_every=0")
+    assert proc.returncode == 0, proc.stderr
+    assert metrics_of(proc)["eval/loss"] < 1.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no dir per rank, nothing in cwd
+    log = (proc.run_dir / "runner.log").read_text()
+    assert log.count("starting 2 ranks") == 1
+    assert log.count("2 process(es)") == 1  # only rank 0 logs below warnings
+    assert (proc.run_dir / "resolved_config.yaml").exists()
+
+
+def test_multirun_gives_each_job_its_own_rank_group_and_dir(run_cli, tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli(
+        *TWO_RANKS, "optimizer.lr=1e-3,1e-2", "trainer.max_steps=10", f"hydra.sweep.dir={sweep}", "-m"
+    )
+    assert proc.returncode == 0, proc.stderr
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert jobs == ["0", "1"]
+    for job, lr in zip(jobs, ("0.001", "0.01"), strict=True):
+        assert f"lr: {lr}" in (sweep / job / "resolved_config.yaml").read_text()
+        assert (sweep / job / "runner.log").read_text().count("starting 2 ranks") == 1
+    assert proc.stderr.count("final metrics") == 2
+
+
+def test_a_rank_that_raises_fails_the_job_with_its_traceback(run_cli, tmp_path):
+    started = time.monotonic()
+    proc = run_cli(*TWO_RANKS, "task._target_=faulty_tasks.RaiseOnRank1", pythonpath=TESTS)
+    assert time.monotonic() - started < 30
+    assert proc.returncode == 1
+    assert "Training failed: rank 1 raised" in proc.stderr
+    assert "RuntimeError: injected failure on rank 1" in proc.stderr
+    assert "faulty_tasks.py" in proc.stderr  # the failing rank's own traceback
+
+
+def test_a_rank_killed_by_sigkill_fails_the_job_fast(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    command = [
+        sys.executable, "-m", "runner", f"hydra.run.dir={tmp_path / 'run'}", "trainer.progress_bar=false",
+        *TWO_RANKS, "trainer.max_steps=1000000", "task._target_=faulty_tasks.RecordPid", f"+task.pid_dir={pids}",
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, env=cli_env(TESTS), stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(pids.iterdir())) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.1)
+        victim = int((pids / "rank1").read_text())
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = proc.communicate(timeout=30)
+        assert time.monotonic() - killed < 30
+    finally:
+        proc.kill()
+    assert proc.returncode == 1
+    assert f"rank 1 (pid {victim}) was killed by SIGKILL" in stderr
+
+
+def test_collective_timeout_is_configurable(run_cli):
+    started = time.monotonic()
+    proc = run_cli(
+        *TWO_RANKS, "hardware.timeout_s=3", "task._target_=faulty_tasks.HangOnRank1", pythonpath=TESTS
+    )
+    assert time.monotonic() - started < 60
+    assert proc.returncode == 1
+    assert "Training failed: rank 0 raised" in proc.stderr
+    assert "Timed out" in proc.stderr or "timeout" in proc.stderr.lower()
+
+
+def test_under_torchrun_ranks_train_without_spawning_and_share_one_dir(tmp_path):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "runner",
+    ]
+    proc = subprocess.run(
+        [*command, "hardware=multi_gpu", "trainer.max_steps=20", "trainer.progress_bar=false"],
+        env=cli_env() | {"TMPDIR": str(scratch)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    runs = list((tmp_path / "outputs" / "runs").iterdir())
+    assert len(runs) == 1  # rank 1 wrote no dir of its own
+    log = (runs[0] / "runner.log").read_text()
+    assert "2 process(es)" in log and "starting" not in log  # torchrun's ranks, not ours
+    assert (runs[0] / "resolved_config.yaml").exists()
+    assert not [p for p in scratch.iterdir() if p.name.startswith("runner-rank")]  # the scratch dir is gone
