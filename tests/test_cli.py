@@ -103,6 +103,7 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
         (["model=gpt"], "model.vocab_size is null and the data does not provide it"),
         (["hardware=multi_gpu", "hardware.num_processes=0"], "hardware.num_processes=0: must be >= 1"),
         (["hardware=multi_gpu", "hardware.device=tpu"], "hardware.device='tpu': expected 'cuda', 'cpu'"),
+        (["hardware=multi_gpu", "hardware.device=cuda"], "this machine has 0 visible GPU(s)"),
         (["launcher.start_method=thread"], "launcher.start_method='thread': expected one of"),
     ],
 )

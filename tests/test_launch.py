@@ -19,15 +19,32 @@ TESTS = Path(__file__).parent
 TWO_RANKS = ("hardware=multi_gpu", "hardware.num_processes=2")
 
 
-def test_two_ranks_write_one_job_dir(run_cli, tmp_path):
-    proc = run_cli(*TWO_RANKS, "trainer.max_steps=30", "trainer.eval_every=0")
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_two_ranks_write_one_job_dir(run_cli, tmp_path, start_method):
+    proc = run_cli(
+        *TWO_RANKS, f"launcher.start_method={start_method}", "trainer.max_steps=30", "trainer.eval_every=0"
+    )
     assert proc.returncode == 0, proc.stderr
     assert metrics_of(proc)["eval/loss"] < 1.0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no dir per rank, nothing in cwd
     log = (proc.run_dir / "runner.log").read_text()
-    assert log.count("starting 2 ranks") == 1
+    assert log.count(f"starting 2 ranks ({start_method})") == 1
     assert log.count("2 process(es)") == 1  # only rank 0 logs below warnings
     assert (proc.run_dir / "resolved_config.yaml").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["precision=fp16", "trainer.gradient_accumulation_steps=2", "trainer.max_grad_norm=1.0"],
+        ["experiment=gpt_sonnets", "precision=bf16", "trainer.max_steps=5"],
+    ],
+    ids=" ".join,
+)
+def test_two_ranks_with_precision_accumulation_and_clipping(run_cli, overrides):
+    proc = run_cli(*TWO_RANKS, "trainer.max_steps=20", "trainer.eval_every=0", *overrides)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 process(es)" in proc.stderr and metrics_of(proc)["eval/loss"] < 5.0
 
 
 def test_multirun_gives_each_job_its_own_rank_group_and_dir(run_cli, tmp_path):
@@ -113,6 +130,6 @@ def test_under_torchrun_ranks_train_without_spawning_and_share_one_dir(tmp_path)
     runs = list((tmp_path / "outputs" / "runs").iterdir())
     assert len(runs) == 1  # rank 1 wrote no dir of its own
     log = (runs[0] / "runner.log").read_text()
-    assert "2 process(es)" in log and "starting" not in log  # torchrun's ranks, not ours
+    assert "2 process(es)" in log and "already rank 0 of 2" in log and "starting 2 ranks" not in log
     assert (runs[0] / "resolved_config.yaml").exists()
     assert not [p for p in scratch.iterdir() if p.name.startswith("runner-rank")]  # the scratch dir is gone

@@ -62,7 +62,14 @@ class LocalLauncher(Launcher):
 
     def launch(self, job: Job) -> dict[str, float]:
         strategy: Strategy = instantiate(job.cfg.hardware)
-        if launched_environment() is not None or strategy.num_processes == 1:
+        env = launched_environment()
+        if env is not None:
+            log.info(
+                "already rank %d of %d (started by torchrun, srun or similar): training without starting ranks",
+                env.rank,
+                env.world_size,
+            )
+        if env is not None or strategy.num_processes == 1:
             return train_as_rank(job)
         return self._launch_ranks(job, strategy.num_processes, self.start_method or strategy.start_method)
 
