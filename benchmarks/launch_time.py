@@ -115,15 +115,15 @@ def main() -> None:
                 extra = [f"hydra.run.dir={workdir}/{round_}"] if "-m runner" in name else []
                 times[name].append(time_to_first_step(command + extra, workdir))
 
-    baseline = statistics.median(times["plain PyTorch, 1 process"])
+    plain = times["plain PyTorch, 1 process"]
+    print(f"command to first optimizer step over {args.rounds} interleaved rounds, {os.cpu_count()} cores")
     print(
-        f"command to first optimizer step, median of {args.rounds} rounds (min-max), {os.cpu_count()} cores"
+        f"{'command':<34} {'median s':>8} {'min s':>6} {'max s':>6} {'ratio (median)':>15} {'ratio (min)':>12}"
     )
-    print(f"{'command':<34} {'seconds':>8} {'range':>13} {'ratio':>6}")
     for name, values in times.items():
-        median = statistics.median(values)
-        spread = f"{min(values):.2f}-{max(values):.2f}"
-        print(f"{name:<34} {median:8.2f} {spread:>13} {median / baseline:6.2f}x")
+        median, best = statistics.median(values), min(values)
+        ratios = f"{median / statistics.median(plain):14.2f}x {best / min(plain):11.2f}x"
+        print(f"{name:<34} {median:8.2f} {best:6.2f} {max(values):6.2f} {ratios}")
 
 
 if __name__ == "__main__":

@@ -35,20 +35,17 @@ class BatchSamplerShard(Sampler[list[int]]):
         even_batches: bool = True,
     ) -> None:
         batch_size = getattr(batch_sampler, "batch_size", None)
-        if split_batches and (batch_size is None or batch_size % num_processes):
-            raise ValueError(
-                f"split_batches=True needs a batch size divisible by the {num_processes} processes, "
-                f"got batch_size={batch_size}."
-            )
+        if split_batches and batch_size is None:
+            raise ValueError("split_batches=True needs a batch sampler with a `batch_size` to split.")
         self.batch_sampler = batch_sampler
         self.num_processes = num_processes
         self.process_index = process_index
         self.split_batches = split_batches
         self.even_batches = even_batches
         self.source_batch_size = batch_size
-        self.batch_size = batch_size // num_processes if split_batches and batch_size else batch_size
+        self.batch_size = batch_size and per_process_batch_size(batch_size, num_processes, split_batches)
         # Indices that one round of batches (a batch for each process) holds.
-        self.round_size = (batch_size or 0) if split_batches else (batch_size or 0) * num_processes
+        self.round_size = (self.batch_size or 0) * num_processes
 
     def __len__(self) -> int:
         batches = len(self.batch_sampler)  # type: ignore[arg-type]
@@ -118,17 +115,12 @@ class IterableDatasetShard(IterableDataset):
         even_batches: bool = True,
         drop_last: bool = False,
     ) -> None:
-        if split_batches and batch_size % num_processes:
-            raise ValueError(
-                f"split_batches=True needs a batch size divisible by the {num_processes} processes, "
-                f"got batch_size={batch_size}."
-            )
         self.dataset = dataset
         self.num_processes = num_processes
         self.process_index = process_index
         self.even_batches = even_batches
         self.drop_last = drop_last
-        self.batch_size = batch_size // num_processes if split_batches else batch_size
+        self.batch_size = per_process_batch_size(batch_size, num_processes, split_batches)
         self.round_size = self.batch_size * num_processes
 
     def __len__(self) -> int:
@@ -156,6 +148,18 @@ class IterableDatasetShard(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         _set_epoch([self.dataset], epoch)
+
+
+def per_process_batch_size(batch_size: int, num_processes: int, split_batches: bool) -> int:
+    """The batch size each process sees: `batch_size`, or its share of it with `split_batches`."""
+    if not split_batches:
+        return batch_size
+    if batch_size % num_processes:
+        raise ValueError(
+            f"split_batches=True needs a batch size divisible by the {num_processes} processes, "
+            f"got batch_size={batch_size}."
+        )
+    return batch_size // num_processes
 
 
 class SkipBatchSampler(Sampler[list[int]]):

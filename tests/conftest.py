@@ -40,3 +40,9 @@ def cli_env(pythonpath: Path | None = None) -> dict[str, str]:
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
     return env
+
+
+def metrics_of(proc: subprocess.CompletedProcess) -> dict[str, float]:
+    """The final metrics table that `python -m runner` logs."""
+    lines = proc.stderr.split("final metrics")[1].splitlines()[1:]
+    return {name: float(value) for name, value in (line.split() for line in lines if line.startswith("  "))}

@@ -5,13 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import metrics_of
 
 pytestmark = pytest.mark.slow
-
-
-def metrics_of(proc) -> dict[str, float]:
-    lines = proc.stderr.split("final metrics")[1].splitlines()[1:]
-    return {name: float(value) for name, value in (line.split() for line in lines if line.startswith("  "))}
 
 
 def test_default_experiment_trains_and_leaves_config_and_log(run_cli):

@@ -10,8 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_env
-from test_cli import metrics_of
+from conftest import cli_env, metrics_of
 
 pytestmark = pytest.mark.slow
 

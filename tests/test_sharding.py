@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
+from rank_checks import Stream
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from runner.data_loader import (
     BatchSamplerShard,
@@ -68,17 +69,6 @@ def test_drop_last_and_split_batches_needs_divisible_batch_size():
     assert last_batch_remainder(DataLoader(range(90), batch_size=8, drop_last=True), 2, False) == 8
     with pytest.raises(ValueError, match="divisible"):
         shards(16, 5, 2, split_batches=True)
-
-
-class Stream(IterableDataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __iter__(self):
-        return iter(range(self.n))
-
-    def __len__(self) -> int:
-        return self.n
 
 
 @pytest.mark.parametrize("even_batches", [True, False])

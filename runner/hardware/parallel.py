@@ -49,9 +49,10 @@ class ParallelStrategy(Strategy):
                 f"hardware.num_processes={num_processes}: must be >= 1 (ranks to start on this machine)."
             )
         if self.device_type == "cuda" and self.num_processes > gpus:
+            fewer = f"Set hardware.num_processes<={gpus}, or" if gpus else "Set"
             raise ConfigError(
-                f"hardware.num_processes={num_processes}: this machine has {gpus} visible GPU(s) and each rank "
-                f"needs its own. Set hardware.num_processes<={gpus}, or hardware.device=cpu to run on the CPU."
+                f"hardware.num_processes={self.num_processes}: this machine has {gpus} visible GPU(s) and each "
+                f"rank needs its own. {fewer} hardware.device=cpu to run the ranks on the CPU."
             )
         if timeout_s <= 0:
             raise ConfigError(f"hardware.timeout_s={timeout_s}: must be > 0 seconds.")
