@@ -1,6 +1,8 @@
 """runner: a declarative experiment runner for PyTorch with an Accelerate-compatible `Accelerator`."""
 
 from runner.accelerator import Accelerator
+from runner.checkpoint import ProjectConfiguration
+from runner.model_files import load_checkpoint_in_model
 from runner.utils import set_seed
 
-__all__ = ["Accelerator", "set_seed"]
+__all__ = ["Accelerator", "ProjectConfiguration", "load_checkpoint_in_model", "set_seed"]

@@ -10,14 +10,33 @@ import gc
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from functools import partial, wraps
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from runner import precision as precision_plugins
-from runner.data_loader import DataLoaderShard, last_batch_remainder, shard_dataloader
+from runner.checkpoint import (
+    ProjectConfiguration,
+    checkpoint_number,
+    commit_staging,
+    latest_checkpoint,
+    load_torch,
+    mark_latest,
+    prune,
+    read_meta,
+    rng_state,
+    save_torch,
+    set_rng_state,
+    staging_path,
+    start_staging,
+    write_meta,
+)
+from runner.data_loader import DataLoaderShard, last_batch_remainder, sampler_generators, shard_dataloader
+from runner.errors import ConfigError
 from runner.hardware import Strategy, default_strategy
+from runner.model_files import save_model_files
 from runner.ops import apply_to_tensors, is_tensor_structure
 from runner.optimizer import AcceleratedOptimizer
 from runner.precision import Precision
@@ -42,6 +61,8 @@ class Accelerator:
         even_batches: pad the last batches so that every process gets the same number of batches.
         strategy: the hardware backend (what `conf/hardware` builds); default DDP when a launcher started
             several ranks (torchrun, srun), else one process on CUDA when available, else the CPU.
+        project_dir: shorthand for `ProjectConfiguration(project_dir=...)`.
+        project_config: where `save_state()` without a directory writes, and how it names checkpoints.
     """
 
     def __init__(
@@ -55,6 +76,8 @@ class Accelerator:
         split_batches: bool = False,
         even_batches: bool = True,
         strategy: Strategy | None = None,
+        project_dir: str | None = None,
+        project_config: ProjectConfiguration | None = None,
     ) -> None:
         if gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}.")
@@ -83,6 +106,8 @@ class Accelerator:
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[DataLoaderShard] = []
+        self._custom_objects: list[Any] = []
+        self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
 
     # ----------------------------------------------------------------------------------- process info
     @property
@@ -192,6 +217,7 @@ class Accelerator:
     ) -> DataLoaderShard:
         """This process's share of `dataloader`'s batches, placed on the device."""
         place = device_placement if device_placement is not None else self.device_placement
+        generators = sampler_generators(dataloader)
         shard = shard_dataloader(
             dataloader, self.num_processes, self.process_index, self.split_batches, self.even_batches
         )
@@ -201,7 +227,8 @@ class Accelerator:
             self.gradient_state,
             device=self.device if place else None,
             remainder=remainder if self.even_batches else 0,
-            synchronize_rng=partial(self._synchronize_rng, dataloader) if self.use_distributed else None,
+            synchronize_rng=partial(self._synchronize_rng, generators) if self.use_distributed else None,
+            generators=generators,
         )
         self._dataloaders.append(wrapped)
         return wrapped
@@ -213,21 +240,17 @@ class Accelerator:
             dataloader = self.prepare_data_loader(dataloader)
         return dataloader.skip_first_batches(num_batches)
 
-    def _synchronize_rng(self, dataloader: DataLoader) -> None:
+    def _synchronize_rng(self, loader_generators: list[torch.Generator]) -> None:
         """Give every process process 0's state of the RNGs named by `rng_types`."""
         generators = {
-            "generator": [getattr(dataloader.sampler, "generator", None), dataloader.generator],
+            "generator": loader_generators,
             "torch": [torch.default_generator],
             "cuda": [torch.cuda.default_generators[self.device.index or 0]]
             if self.device.type == "cuda"
             else [],
         }
-        seen: set[int] = set()
         for rng_type in self.rng_types:
             for generator in generators[rng_type]:
-                if generator is None or id(generator) in seen:
-                    continue
-                seen.add(id(generator))
                 generator.set_state(self.strategy.broadcast(generator.get_state(), src=0))
 
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
@@ -426,6 +449,153 @@ class Accelerator:
             return function(*args, **kwargs) if here else None
 
         return wrapper
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    @property
+    def project_dir(self) -> str | None:
+        return self.project_configuration.project_dir
+
+    @property
+    def save_iteration(self) -> int:
+        return self.project_configuration.iteration
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and load these objects with `save_state`/`load_state` (each needs `state_dict` and
+        `load_state_dict`)."""
+        invalid = [
+            obj for obj in objects if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))
+        ]
+        if invalid:
+            raise ValueError(
+                f"register_for_checkpointing() takes objects with state_dict() and load_state_dict(); "
+                f"these have not: {', '.join(type(obj).__name__ for obj in invalid)}."
+            )
+        self._custom_objects.extend(objects)
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True) -> str:
+        """Write a checkpoint of everything prepared and registered, atomically; return its directory.
+
+        Models (safetensors), optimizers, schedulers, the loss scaler, dataloader positions, registered
+        objects, the step counter and every process's RNG states. Without `output_dir`, automatic
+        naming writes `<project_dir>/checkpoints/checkpoint_<iteration>`, marks it latest and keeps at
+        most `total_limit`. A crash during the save leaves the previous checkpoint untouched.
+        """
+        final = self._checkpoint_target(output_dir)
+        if self.is_main_process:
+            start_staging(final)
+        self.wait_for_everyone()
+        staging = staging_path(final)
+        optimizers = [opt.optimizer for opt in self._optimizers]
+        self.strategy.save_checkpoint(staging, self._models, optimizers, self.is_main_process)
+        if self.is_main_process:
+            parts = {
+                "scheduler": self._schedulers,
+                "dataloader": self._dataloaders,
+                "custom_checkpoint": self._custom_objects,
+            }
+            for prefix, objects in parts.items():
+                for i, obj in enumerate(objects):
+                    save_torch(obj.state_dict(), staging / f"{prefix}_{i}.pt")
+            save_torch(self.precision.state_dict(), staging / "precision.pt")
+        save_torch(rng_state(), staging / f"random_states_{self.process_index}.pt")
+        self.wait_for_everyone()
+        if self.is_main_process:
+            counts = {
+                "models": len(self._models),
+                "optimizers": len(optimizers),
+                **{k: len(v) for k, v in parts.items()},
+            }
+            write_meta(staging, {"num_processes": self.num_processes, "step": self.step, "counts": counts})
+            commit_staging(final)
+            if self.project_configuration.automatic_checkpoint_naming:
+                mark_latest(final)
+                if self.project_configuration.total_limit is not None:
+                    prune(final.parent, self.project_configuration.total_limit)
+        if self.project_configuration.automatic_checkpoint_naming:
+            self.project_configuration.iteration += 1
+        self.wait_for_everyone()
+        return str(final)
+
+    def load_state(self, input_dir: str | None = None) -> None:
+        """Restore a checkpoint that `save_state` wrote (without `input_dir`: the latest one of the
+        project), into the objects prepared and registered, in the same order."""
+        directory = Path(input_dir) if input_dir is not None else self._latest_project_checkpoint()
+        meta = read_meta(directory, key="load_state input_dir")
+        if meta["num_processes"] != self.num_processes:
+            raise ConfigError(
+                f"{directory} was written by {meta['num_processes']} process(es); this run has {self.num_processes}. "
+                "Their data positions and RNG states do not carry over: resume with the same number of processes."
+            )
+        parts = {
+            "scheduler": self._schedulers,
+            "dataloader": self._dataloaders,
+            "custom_checkpoint": self._custom_objects,
+        }
+        counts = {
+            "models": len(self._models),
+            "optimizers": len(self._optimizers),
+            **{k: len(v) for k, v in parts.items()},
+        }
+        if meta["counts"] != counts:
+            raise ConfigError(
+                f"{directory} holds {meta['counts']}, but this Accelerator has {counts} prepared/registered: "
+                "prepare and register the same objects, in the same order, as the run that saved it."
+            )
+        self.strategy.load_checkpoint(directory, self._models, [opt.optimizer for opt in self._optimizers])
+        for prefix, objects in parts.items():
+            for i, obj in enumerate(objects):
+                obj.load_state_dict(load_torch(directory / f"{prefix}_{i}.pt"))
+        self.precision.load_state_dict(load_torch(directory / "precision.pt"))
+        set_rng_state(load_torch(directory / f"random_states_{self.process_index}.pt"))
+        self.step = meta["step"]
+        if (
+            self.project_configuration.automatic_checkpoint_naming
+            and (number := checkpoint_number(directory)) is not None
+        ):
+            self.project_configuration.iteration = number + 1
+
+    def _checkpoint_target(self, output_dir: str | None) -> Path:
+        config = self.project_configuration
+        if not config.automatic_checkpoint_naming:
+            if output_dir is None:
+                raise ValueError(
+                    "save_state() needs a directory, or Accelerator(project_config=ProjectConfiguration("
+                    "project_dir=..., automatic_checkpoint_naming=True))."
+                )
+            return Path(output_dir)
+        final = config.checkpoints_dir / f"checkpoint_{config.iteration}"
+        if final.exists():
+            raise ValueError(
+                f"{final} already exists: set accelerator.project_configuration.iteration to the next free number."
+            )
+        return final
+
+    def _latest_project_checkpoint(self) -> Path:
+        config = self.project_configuration
+        latest = latest_checkpoint(config.checkpoints_dir) if config.project_dir else None
+        if latest is None:
+            raise ValueError(
+                "load_state() needs a directory: the project has no checkpoint marked latest yet."
+            )
+        return latest
+
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        save_directory: str,
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Write the unwrapped model's weights to `save_directory` (from the main process): safetensors (or
+        torch) files of at most `max_shard_size`, with an index when there are several."""
+        state_dict = self.get_state_dict(model)
+        if self.is_main_process:
+            save_model_files(state_dict, save_directory, max_shard_size, safe_serialization)
+        self.wait_for_everyone()
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The model's full state dict (unwrapped by default)."""
+        return (self.unwrap_model(model) if unwrap else model).state_dict()
 
     # ------------------------------------------------------------------------------------------- misc
     def free_memory(self, *objects: Any) -> list[None]:

@@ -18,9 +18,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from runner.checkpoint import check_world_size, resume_checkpoint
 from runner.config import register_configs
 from runner.environment import launched_environment
-from runner.errors import ConfigError, describe_compose_error
+from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingInterrupted, describe_compose_error
 from runner.launchers import Job, Launcher, RankFailedError
 from runner.validate import validate
 
@@ -38,6 +39,9 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
     try:
         validate(cfg)
         launcher: Launcher = instantiate(cfg.launcher)
+        checkpoint = resume_checkpoint(cfg.trainer.resume, output_dir)
+        if checkpoint is not None:
+            check_world_size(checkpoint, launcher.world_size(cfg))
         job = Job(
             cfg=_resolved(cfg),
             output_dir=output_dir,
@@ -51,6 +55,9 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
     except RankFailedError as err:
         log.error("Training failed: %s", err)
         sys.exit(1)
+    except TrainingInterrupted as err:
+        log.warning("Training interrupted: %s", err)
+        sys.exit(EXIT_INTERRUPTED)
     log.info("final metrics (output dir %s):\n%s", output_dir, _table(metrics))
     return metrics
 

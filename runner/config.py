@@ -26,6 +26,10 @@ class TrainerConfig:
     max_grad_norm: float | None = None  # clip the total gradient norm to this value
     seed: int = 0
     progress_bar: bool = True
+    checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: only when stopped by a signal
+    keep_checkpoints: int | None = 2  # newest checkpoints kept; null: all
+    resume: str | None = "auto"  # auto: the output dir's latest checkpoint, if any | a checkpoint dir | null
+    save_model: bool = True  # write the final weights to <output dir>/model
 
 
 @dataclass

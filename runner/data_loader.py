@@ -189,9 +189,7 @@ def shard_dataloader(
 ) -> DataLoader:
     """A DataLoader over this process's share of `dataloader` (the same loader for one process).
 
-    A map-style dataset is sharded through its batch sampler, an IterableDataset sample by sample. A
-    shuffling RandomSampler without a generator gets one (seeded from torch's RNG), so that the
-    Accelerator can synchronise it and every process draws the same permutation.
+    A map-style dataset is sharded through its batch sampler, an IterableDataset sample by sample.
     """
     if num_processes == 1:
         return dataloader
@@ -213,13 +211,28 @@ def shard_dataloader(
             "prepare() shards a DataLoader through its batches: give it a batch_size or a batch_sampler "
             "(a DataLoader with batch_size=None cannot be split across processes)."
         )
-    if isinstance(dataloader.sampler, RandomSampler) and dataloader.sampler.generator is None:
-        seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        dataloader.sampler.generator = torch.Generator().manual_seed(seed)
     shard = BatchSamplerShard(
         dataloader.batch_sampler, num_processes, process_index, split_batches, even_batches
     )
     return loader_like(dataloader, batch_sampler=shard)
+
+
+def sampler_generators(dataloader: DataLoader) -> list[torch.Generator]:
+    """The generators that decide `dataloader`'s order.
+
+    A shuffling RandomSampler without one gets one (seeded from torch's RNG): processes can then agree on
+    it, and a checkpoint can restore it. The loader itself draws a seed at the start of every pass; it is
+    given the sampler's generator to draw from, so that a pass never touches torch's global RNG (a
+    resumed run would otherwise replay that draw out of order).
+    """
+    sampler = dataloader.sampler
+    if isinstance(sampler, RandomSampler) and sampler.generator is None:
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        sampler.generator = torch.Generator().manual_seed(seed)
+    if dataloader.generator is None and getattr(sampler, "generator", None) is not None:
+        dataloader.generator = sampler.generator
+    found = [getattr(sampler, "generator", None), dataloader.generator]
+    return list({id(g): g for g in found if g is not None}.values())
 
 
 def loader_like(dataloader: DataLoader, **changes: Any) -> DataLoader:
@@ -256,6 +269,7 @@ class DataLoaderShard:
         remainder: real samples in the last global batch (-1: unknown); see `gather_for_metrics`.
         synchronize_rng: called before each pass over the data.
         skip_batches: batches skipped at the start of every pass (`Accelerator.skip_first_batches`).
+        generators: the RNGs that decide the order (`sampler_generators`).
     """
 
     def __init__(
@@ -266,6 +280,7 @@ class DataLoaderShard:
         remainder: int = -1,
         synchronize_rng: Callable[[], None] | None = None,
         skip_batches: int = 0,
+        generators: list[torch.Generator] | None = None,
     ) -> None:
         self.base_dataloader = dataloader
         self.gradient_state = gradient_state
@@ -273,8 +288,12 @@ class DataLoaderShard:
         self.remainder = remainder
         self.synchronize_rng = synchronize_rng
         self.skip_batches = skip_batches
+        self.generators = generators or []
         self.end_of_dataloader = False
         self.iteration = 0
+        self.batches_yielded = 0  # in the current pass
+        self._pass_start: list[torch.Tensor] | None = None  # the generators' states when it began
+        self.resume_batches = 0  # batches the loaded position had handed out (`load_state_dict`)
         self._place: Callable[[Any], Any] = (
             (lambda batch: batch) if device is None else partial(send_to_device, device=device)
         )
@@ -282,6 +301,8 @@ class DataLoaderShard:
     def __iter__(self) -> Iterator[Any]:
         if self.synchronize_rng is not None:
             self.synchronize_rng()
+        self._pass_start = [g.get_state() for g in self.generators]
+        self.batches_yielded = self.skip_batches
         self.end_of_dataloader = False
         self.gradient_state.active_dataloaders.append(self)
         try:
@@ -292,11 +313,38 @@ class DataLoaderShard:
             while batch is not _END:
                 upcoming = next(iterator, _END)
                 self.end_of_dataloader = upcoming is _END
+                self.batches_yielded += 1
                 yield self._place(batch)
                 batch = upcoming
             self.iteration += 1
         finally:
             self.gradient_state.active_dataloaders.remove(self)
+            self._pass_start = None
+            self.batches_yielded = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: passes done, batches handed out in the current pass, and the generator
+        states that pass started from (the current ones between passes)."""
+        in_pass = self._pass_start is not None
+        states = self._pass_start if in_pass else [g.get_state() for g in self.generators]
+        return {
+            "iteration": self.iteration,
+            "batches_yielded": self.batches_yielded,
+            "generator_states": states,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position: the next pass draws the order the saved pass drew. Skipping the batches
+        it had handed out is the caller's, with `skip_first_batches(loader, state["batches_yielded"])`."""
+        if len(state["generator_states"]) != len(self.generators):
+            raise ValueError(
+                f"the saved dataloader had {len(state['generator_states'])} RNG(s) deciding its order, this one "
+                f"has {len(self.generators)}: it is not the same kind of loader."
+            )
+        self.iteration = state["iteration"]
+        self.resume_batches = state["batches_yielded"]
+        for generator, saved in zip(self.generators, state["generator_states"], strict=True):
+            generator.set_state(saved)
 
     def __len__(self) -> int:
         skipped = 0 if isinstance(self.base_dataloader.batch_sampler, SkipBatchSampler) else self.skip_batches
@@ -315,7 +363,13 @@ class DataLoaderShard:
         if loader.batch_sampler is not None:
             loader = loader_like(loader, batch_sampler=SkipBatchSampler(loader.batch_sampler, num_batches))
         return DataLoaderShard(
-            loader, self.gradient_state, self.device, self.remainder, self.synchronize_rng, num_batches
+            loader,
+            self.gradient_state,
+            self.device,
+            self.remainder,
+            self.synchronize_rng,
+            num_batches,
+            self.generators,
         )
 
     def __getattr__(self, name: str) -> Any:

@@ -50,3 +50,10 @@ def _unknown_key(cause: OmegaConfBaseException) -> str:
         f"{cause.full_key}: there is no key {key!r} in {where}.{hint} "
         f"Valid keys: {', '.join(valid) or '(none)'}. Check the spelling in your YAML or on the command line."
     )
+
+
+EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after checkpointing; run the same command again
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped on SIGTERM, SIGUSR1 or SIGUSR2 after writing a checkpoint it can resume from."""

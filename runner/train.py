@@ -5,6 +5,11 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from runner.accelerator import Accelerator
-from runner.errors import ConfigError
+from runner.checkpoint import ProjectConfiguration, resume_checkpoint
+from runner.errors import ConfigError, TrainingInterrupted
 from runner.task import Task
 from runner.utils import set_seed
 from runner.validate import locate
@@ -22,20 +28,45 @@ from runner.validate import locate
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Progress:
+    """Where the loop is, saved with every checkpoint: optimizer steps done, the epoch, micro-batches
+    consumed in it, and the loss accumulated since the last log line."""
+
+    window_loss: torch.Tensor  # on the device: adding to it never waits for the device
+    step: int = 0
+    epoch: int = 0
+    batches: int = 0
+    window_batches: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "window_loss": self.window_loss.item()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.window_loss.fill_(state.pop("window_loss"))
+        self.__dict__.update(state)
+
+
 def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     """Build everything from `cfg`, train, evaluate; return the final metrics.
 
     `output_dir` is the job's directory (Hydra's): the resolved config is written there once everything
-    is built, so a run refused for bad input leaves nothing but its log.
+    is built, so a run refused for bad input leaves nothing but its log. Checkpoints go to its
+    `checkpoints/`, the final weights to `model/`. SIGTERM, SIGUSR1 or SIGUSR2 make every rank checkpoint
+    at the next optimizer step and raise `TrainingInterrupted`.
     """
     trainer = cfg.trainer
     accelerator = Accelerator(
         strategy=instantiate(cfg.hardware),
         mixed_precision=instantiate(cfg.precision),
         gradient_accumulation_steps=trainer.gradient_accumulation_steps,
+        project_config=ProjectConfiguration(
+            automatic_checkpoint_naming=True, total_limit=trainer.keep_checkpoints
+        ),
     )
     # Under torchrun or srun each rank ran Hydra itself: the job's dir is rank 0's.
     output_dir = Path(accelerator.broadcast_object_list([str(output_dir)])[0])
+    accelerator.project_configuration.project_dir = str(output_dir)
     set_seed(trainer.seed)
 
     data = instantiate(cfg.data)
@@ -53,6 +84,14 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         optimizer, num_training_steps=total_steps * accelerator.num_processes
     )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    done = Progress(window_loss=torch.zeros((), device=accelerator.device))
+    accelerator.register_for_checkpointing(done)
+    checkpoint = resume_checkpoint(trainer.resume, output_dir)
+    if checkpoint is not None:
+        load_checkpoint(accelerator, checkpoint)
+        log.info(
+            "resumed from %s at step %d (epoch %d, batch %d)", checkpoint, done.step, done.epoch, done.batches
+        )
     if accelerator.is_main_process:
         (output_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     log.info(
@@ -68,47 +107,104 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     metrics: dict[str, float] = {}
     progress = tqdm(
         total=total_steps,
+        initial=done.step,
         desc="train",
         dynamic_ncols=True,
         disable=not (trainer.progress_bar and accelerator.is_local_main_process),
     )
-    step, epoch = 0, 0
-    window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
     model.train()
-    while step < total_steps:
-        train_loader.set_epoch(epoch)
-        for batch in train_loader:
-            with accelerator.accumulate(model):
-                loss = task.training_step(model, batch)
-                accelerator.backward(loss)
-                if trainer.max_grad_norm is not None and accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), trainer.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            window_loss += loss.detach()
-            window_batches += 1
-            if not accelerator.sync_gradients:
-                continue
-            step += 1
-            progress.update()
+    with stop_signals() as received:
+        while done.step < total_steps:
+            train_loader.set_epoch(done.epoch)
+            batches = (
+                accelerator.skip_first_batches(train_loader, done.batches) if done.batches else train_loader
+            )
+            for batch in batches:
+                with accelerator.accumulate(model):
+                    loss = task.training_step(model, batch)
+                    accelerator.backward(loss)
+                    if trainer.max_grad_norm is not None and accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), trainer.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                done.batches += 1
+                done.window_loss += loss.detach()
+                done.window_batches += 1
+                if not accelerator.sync_gradients:
+                    continue
+                done.step += 1
+                progress.update()
 
-            if step % trainer.log_every == 0 or step == total_steps:
-                metrics["train/loss"] = accelerator.reduce(window_loss / window_batches, "mean").item()
-                metrics["train/lr"] = scheduler.get_last_lr()[0]
-                window_loss.zero_()
-                window_batches = 0
-                progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
-                log.debug("step %d: %s", step, _fmt(metrics))
-            if step == total_steps or (trainer.eval_every and step % trainer.eval_every == 0):
-                metrics.update(evaluate(accelerator, model, task, eval_loader))
-                log.info("step %d/%d: %s", step, total_steps, _fmt(metrics))
-            if step >= total_steps:
-                break
-        epoch += 1
+                if done.step % trainer.log_every == 0 or done.step == total_steps:
+                    metrics["train/loss"] = accelerator.reduce(
+                        done.window_loss / done.window_batches, "mean"
+                    ).item()
+                    metrics["train/lr"] = scheduler.get_last_lr()[0]
+                    done.window_loss.zero_()
+                    done.window_batches = 0
+                    progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+                    log.debug("step %d: %s", done.step, _fmt(metrics))
+                if done.step == total_steps or (trainer.eval_every and done.step % trainer.eval_every == 0):
+                    metrics.update(evaluate(accelerator, model, task, eval_loader))
+                    log.info("step %d/%d: %s", done.step, total_steps, _fmt(metrics))
+                if trainer.checkpoint_every and done.step % trainer.checkpoint_every == 0:
+                    log.info("checkpoint %s", accelerator.save_state())
+                if received:
+                    accelerator.set_trigger()
+                if accelerator.check_trigger():
+                    path = accelerator.save_state()
+                    raise TrainingInterrupted(
+                        f"stopped by a signal at step {done.step}/{total_steps}; checkpoint {path}. Run the same "
+                        f"command with the same output dir ({output_dir}) to resume."
+                    )
+                if done.step >= total_steps:
+                    break
+            else:  # the epoch ran out before the steps did
+                done.epoch += 1
+                done.batches = 0
     progress.close()
+    if not metrics:  # resumed from a checkpoint of the last step: nothing left to train
+        log.info("the checkpoint was written at the last step (%d): evaluating only", done.step)
+        metrics.update(evaluate(accelerator, model, task, eval_loader))
+    if trainer.save_model:
+        accelerator.save_model(model, str(output_dir / "model"))
     accelerator.end_training()
     return metrics
+
+
+def load_checkpoint(accelerator: Accelerator, checkpoint: Path) -> None:
+    """`load_state`, with a checkpoint that does not fit this run reported as a configuration error."""
+    try:
+        accelerator.load_state(str(checkpoint))
+    except (RuntimeError, KeyError, ValueError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(
+            f"trainer.resume: {checkpoint} does not fit this run ({str(err).splitlines()[0][:300]}). Resume with the "
+            "model, optimizer and data settings it was written with, or start fresh with trainer.resume=null."
+        ) from err
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@contextmanager
+def stop_signals() -> Iterator[list[int]]:
+    """Record SIGTERM, SIGUSR1 and SIGUSR2 instead of dying, so that the loop checkpoints and stops at the
+    next optimizer step (in the main thread only: elsewhere signals cannot be caught)."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in STOP_SIGNALS
+    }
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @torch.no_grad()

@@ -7,6 +7,11 @@ import random
 import numpy as np
 import torch
 
+from runner.checkpoint import ProjectConfiguration
+from runner.model_files import load_checkpoint_in_model
+
+__all__ = ["ProjectConfiguration", "load_checkpoint_in_model", "set_seed"]
+
 
 def set_seed(seed: int, deterministic: bool = False) -> None:
     """Seed python, numpy and torch (all devices); `deterministic` also asks torch for deterministic kernels."""

@@ -99,6 +99,8 @@ def _trainer_problems(trainer: DictConfig) -> list[str]:
         ("log_every", 1),
         ("eval_every", 0),
         ("gradient_accumulation_steps", 1),
+        ("checkpoint_every", 0),
+        ("keep_checkpoints", 1),
     ):
         value = trainer[key]
         if value is not None and value < minimum:

@@ -12,6 +12,7 @@ from runner.data_loader import (
     IterableDatasetShard,
     SkipBatchSampler,
     last_batch_remainder,
+    sampler_generators,
     shard_dataloader,
 )
 
@@ -87,16 +88,26 @@ def test_iterable_dataset_shards(even_batches):
     ]
 
 
-def test_shard_dataloader_keeps_settings_and_gives_a_generator():
+def test_shard_dataloader_keeps_settings():
     loader = DataLoader(
         list(range(20)), batch_size=4, shuffle=True, collate_fn=lambda b: torch.tensor(b) * 10
     )
-    assert loader.sampler.generator is None
     shard = shard_dataloader(loader, 2, 1)
-    assert loader.sampler.generator is not None  # what the Accelerator synchronises across ranks
     batches = list(shard)
     assert len(shard) == len(batches) == 3 and all(int(b.sum()) % 10 == 0 for b in batches)
     assert shard_dataloader(loader, 1, 0) is loader
+
+
+def test_a_shuffling_sampler_gets_a_generator_that_decides_its_order():
+    loader = DataLoader(list(range(20)), batch_size=4, shuffle=True)
+    assert loader.sampler.generator is None
+    (generator,) = sampler_generators(loader)
+    assert loader.sampler.generator is generator
+    state = generator.get_state()
+    first = [b.tolist() for b in loader]
+    generator.set_state(state)
+    assert [b.tolist() for b in loader] == first
+    assert sampler_generators(DataLoader(list(range(4)))) == []
 
 
 def test_skip_batch_sampler():

@@ -5,10 +5,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
+from runner.checkpoint import load_torch
+from runner.model_files import distinct_tensors, load_checkpoint_in_model
 from runner.precision import Precision
 from runner.state import ProcessState
 
@@ -71,6 +75,28 @@ class Strategy(ABC):
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def save_checkpoint(
+        self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], is_main_process: bool
+    ) -> None:
+        """Write the models' weights and the optimizers' states into `directory`. Here every process holds
+        the whole of each, so the main process writes `model_<i>.safetensors` and `optimizer_<i>.pt`;
+        a sharding backend writes its shards from every process instead."""
+        if not is_main_process:
+            return
+        for i, model in enumerate(models):
+            save_file(
+                distinct_tensors(self.unwrap_module(model).state_dict()), directory / f"model_{i}.safetensors"
+            )
+        for i, optimizer in enumerate(optimizers):
+            torch.save(optimizer.state_dict(), directory / f"optimizer_{i}.pt")
+
+    def load_checkpoint(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
+        """Load what `save_checkpoint` wrote into the (prepared) models and optimizers."""
+        for i, model in enumerate(models):
+            load_checkpoint_in_model(self.unwrap_module(model), directory / f"model_{i}.safetensors")
+        for i, optimizer in enumerate(optimizers):
+            optimizer.load_state_dict(load_torch(directory / f"optimizer_{i}.pt"))
 
     def teardown(self) -> None:
         """Release what `setup_environment` acquired."""

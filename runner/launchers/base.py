@@ -39,6 +39,10 @@ class Launcher(ABC):
     @abstractmethod
     def launch(self, job: Job) -> dict[str, float]: ...
 
+    @abstractmethod
+    def world_size(self, cfg: DictConfig) -> int:
+        """How many ranks `launch` will run for `cfg` (checked against a checkpoint before launching)."""
+
 
 def train_as_rank(job: Job) -> dict[str, float]:
     """The body of every rank: its logging (only rank 0 logs below warnings), then the loop."""

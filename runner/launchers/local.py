@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
 import re
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -14,15 +16,17 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 import torch.distributed as dist
 from hydra.utils import instantiate
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from runner.environment import available_cores, launched_environment
-from runner.errors import ConfigError
+from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingInterrupted
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher, RankFailedError, train_as_rank
 
@@ -73,6 +77,10 @@ class LocalLauncher(Launcher):
             return train_as_rank(job)
         return self._launch_ranks(job, strategy.num_processes, self.start_method or strategy.start_method)
 
+    def world_size(self, cfg: DictConfig) -> int:
+        env = launched_environment()
+        return env.world_size if env is not None else instantiate(cfg.hardware).num_processes
+
     def _launch_ranks(self, job: Job, num_processes: int, start_method: str) -> dict[str, float]:
         log.info("starting %d ranks (%s)", num_processes, start_method)
         with tempfile.TemporaryDirectory(prefix="runner-elastic-") as error_dir:
@@ -88,12 +96,18 @@ class LocalLauncher(Launcher):
                 start_method=start_method,
                 logs_specs=DefaultLogsSpecs(log_dir=error_dir),
                 shutdown_timeout=int(self.shutdown_timeout_s),
+                signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",  # passed on to the ranks
             )
             with _threads_per_rank(num_processes), _quiet_elastic_logs():
                 try:
                     results = elastic_launch(config, _rank_entry)(job, error_dir)
+                except SignalException as err:  # this process was signalled; the ranks got it too
+                    raise TrainingInterrupted(
+                        f"stopped by {signal.Signals(err.sigval).name}; the ranks checkpointed if they could. Run the "
+                        f"same command with the same output dir ({job.output_dir}) to resume."
+                    ) from None
                 except ChildFailedError as err:
-                    raise RankFailedError(describe_failure(err.failures, Path(error_dir))) from None
+                    raise_failure(err.failures, Path(error_dir))
         return results[0]
 
 
@@ -101,20 +115,36 @@ class LocalLauncher(Launcher):
 def _rank_entry(job: Job, error_dir: str) -> dict[str, float]:
     """What each rank runs (module level, so that spawned ranks can unpickle it).
 
-    A forked rank inherits the launcher's SIGTERM handler: restore the default, so that the launcher
-    stopping it ends it quietly. A rank that raises writes its traceback for the launcher's report; one
-    whose collective lost a peer waits a moment first, so that the peer's own failure is seen first.
+    The rank dies with the launching process (never an orphan that keeps training). A forked rank
+    inherits the launcher's SIGTERM handler: restore the default, so that the launcher stopping it ends
+    it quietly. A rank that stops on a signal exits with EXIT_INTERRUPTED; one that raises writes its
+    traceback for the launcher's report, after a moment if its collective merely lost a peer, so that
+    the peer's own failure is seen first.
     """
+    _die_with_parent()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         return train_as_rank(job)
+    except TrainingInterrupted:
+        sys.exit(EXIT_INTERRUPTED)
     except BaseException as err:
         lost_peer = lost_a_peer(err)
         if lost_peer:
             time.sleep(LOST_PEER_GRACE_S)
-        report = {"time": time.time(), "lost_peer": lost_peer, "traceback": traceback.format_exc()}
+        report = {
+            "time": time.time(),
+            "lost_peer": lost_peer,
+            "config_error": str(err) if isinstance(err, ConfigError) else None,
+            "traceback": traceback.format_exc(),
+        }
         (Path(error_dir) / f"rank{os.environ['RANK']}.json").write_text(json.dumps(report))
         raise
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when its parent (the launcher) dies."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 LOST_PEER_GRACE_S = 2.0
@@ -127,27 +157,41 @@ def lost_a_peer(err: BaseException) -> bool:
     )
 
 
-def describe_failure(failures: dict[int, ProcessFailure], error_dir: Path) -> str:
-    """The failure that came first, and how: the signal that killed the rank, or its traceback.
+def raise_failure(failures: dict[int, ProcessFailure], error_dir: Path) -> NoReturn:
+    """Raise what the first failure was: ranks that stopped on a signal (TrainingInterrupted), a
+    configuration problem found in a rank (ConfigError), or RankFailedError naming the rank and how it
+    failed: the signal that killed it, or its traceback.
 
     A rank killed by a signal is the cause (the launcher stops the others only after); otherwise the
     rank that raised first, ranks that merely lost a peer last.
     """
+    if all(f.exitcode == EXIT_INTERRUPTED for f in failures.values()):
+        raise TrainingInterrupted(
+            "the ranks stopped on a signal after checkpointing; run the same command to resume."
+        )
     killed = [(rank, failure) for rank, failure in sorted(failures.items()) if failure.exitcode < 0]
     if killed:
         rank, failure = killed[0]
-        return f"rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}; the other ranks were stopped."
+        raise RankFailedError(
+            f"rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}; the other ranks were stopped."
+        )
     reports = {
         int(path.stem.removeprefix("rank")): json.loads(path.read_text())
         for path in error_dir.glob("rank*.json")
     }
     if not reports:
         rank, failure = min(failures.items())
-        return f"rank {rank} (pid {failure.pid}) exited with code {failure.exitcode}; the other ranks were stopped."
+        raise RankFailedError(
+            f"rank {rank} (pid {failure.pid}) exited with code {failure.exitcode}; the other ranks were stopped."
+        )
     rank = min(reports, key=lambda r: (reports[r]["lost_peer"], reports[r]["time"]))
+    if reports[rank]["config_error"]:
+        raise ConfigError(reports[rank]["config_error"])
     others = sorted(set(reports) - {rank})
     also = f" (rank {', '.join(map(str, others))} failed too)" if others else ""
-    return f"rank {rank} raised; the other ranks were stopped{also}. Its traceback:\n{reports[rank]['traceback']}"
+    raise RankFailedError(
+        f"rank {rank} raised; the other ranks were stopped{also}. Its traceback:\n{reports[rank]['traceback']}"
+    )
 
 
 @contextmanager
@@ -167,7 +211,9 @@ def _threads_per_rank(num_processes: int) -> Iterator[None]:
 @contextmanager
 def _quiet_elastic_logs() -> Iterator[None]:
     """torch's launcher logs every step and its own report of a failure; ours replaces that report."""
-    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    names = [name for name in logging.root.manager.loggerDict if name.startswith(prefixes)]
+    loggers = [logging.getLogger(name) for name in (*prefixes, *names)]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)

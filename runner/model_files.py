@@ -1,0 +1,126 @@
+"""Model weights as files: safetensors (or torch) shards with an index, and loading them back."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from runner.checkpoint import atomic_directory, load_torch
+
+SAFE_NAME, TORCH_NAME = "model.safetensors", "pytorch_model.bin"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in `size`: an int, or a string like "10GB", "500MB", "2GiB"."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", size.upper())
+    if match is None:
+        raise ValueError(
+            f"max_shard_size={size!r}: expected bytes as an int or a string like '10GB' or '500MB'."
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+
+
+def distinct_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` without the names that alias an earlier tensor (tied weights are stored once)."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    out = {}
+    for name, tensor in state_dict.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach().cpu().contiguous()
+    return out
+
+
+def write_weights(
+    state_dict: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str, safe_serialization: bool
+) -> list[str]:
+    """Write `state_dict` into `directory` as one file or as shards with an index; return the file names."""
+    tensors = distinct_tensors(state_dict)
+    limit = parse_size(max_shard_size)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    base = SAFE_NAME if safe_serialization else TORCH_NAME
+    stem, suffix = base.rsplit(".", 1)
+    names = (
+        [base]
+        if len(shards) == 1
+        else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{suffix}" for i in range(len(shards))]
+    )
+    for shard, name in zip(shards, names, strict=True):
+        if safe_serialization:
+            save_file(shard, directory / name, metadata={"format": "pt"})
+        else:
+            torch.save(shard, directory / name)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": {key: name for shard, name in zip(shards, names, strict=True) for key in shard},
+        }
+        (directory / f"{base}.index.json").write_text(json.dumps(index, indent=1))
+    return names
+
+
+def save_model_files(
+    state_dict: dict[str, torch.Tensor],
+    save_directory: str | Path,
+    max_shard_size: int | str = "10GB",
+    safe_serialization: bool = True,
+) -> None:
+    """Write a model's weights to `save_directory` atomically (see `write_weights`)."""
+    with atomic_directory(Path(save_directory)) as staging:
+        write_weights(state_dict, staging, max_shard_size, safe_serialization)
+
+
+def read_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a weights file (.safetensors, or a torch file read with weights_only), or of a
+    directory holding one such file or shards with an index."""
+    path = Path(checkpoint)
+    if path.is_dir():
+        for base in (SAFE_NAME, TORCH_NAME):
+            if (path / f"{base}.index.json").is_file():
+                weight_map = json.loads((path / f"{base}.index.json").read_text())["weight_map"]
+                state: dict[str, torch.Tensor] = {}
+                for shard in dict.fromkeys(weight_map.values()):
+                    state.update(read_weights(path / shard))
+                return state
+            if (path / base).is_file():
+                return read_weights(path / base)
+        raise FileNotFoundError(f"{path} holds no {SAFE_NAME}, {TORCH_NAME} or an index of their shards.")
+    if not path.is_file():
+        raise FileNotFoundError(f"no such weights file: {path}")
+    return load_file(path) if path.suffix == ".safetensors" else load_torch(path)
+
+
+def load_checkpoint_in_model(model: torch.nn.Module, checkpoint: str | Path, strict: bool = True) -> None:
+    """Load weights written by `save_model` (or any safetensors/torch state dict) into `model`, in place.
+
+    Names missing from the files are fine when they alias a loaded tensor (tied weights); any other
+    missing or unexpected name, or a shape that differs, raises (with `strict`).
+    """
+    state = read_weights(checkpoint)
+    result = model.load_state_dict(state, strict=False)
+    if not strict:
+        return
+    own = model.state_dict(keep_vars=True)
+    loaded_storage = {own[name].untyped_storage().data_ptr() for name in state if name in own}
+    missing = [n for n in result.missing_keys if own[n].untyped_storage().data_ptr() not in loaded_storage]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"{checkpoint} does not match the model: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}."
+        )
