@@ -1,0 +1,225 @@
+"""save_state/load_state, ProjectConfiguration, save_model and atomic checkpoints, in one process."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from runner import Accelerator, ProjectConfiguration, load_checkpoint_in_model
+from runner.checkpoint import (
+    check_world_size,
+    latest_checkpoint,
+    load_torch,
+    read_meta,
+    resume_checkpoint,
+    rng_state,
+    set_rng_state,
+)
+from runner.errors import ConfigError
+from runner.models import GPT
+
+DATA = (torch.randn(40, 4, generator=torch.Generator().manual_seed(0)), torch.randn(40, 1))
+
+
+def setup(project_dir: Path, seed: int = 0, precision: str = "fp16", **config):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 3, gamma=0.7)
+    loader = DataLoader(TensorDataset(*DATA), batch_size=4, shuffle=True)
+    project = ProjectConfiguration(project_dir=str(project_dir), automatic_checkpoint_naming=True, **config)
+    accelerator = Accelerator(mixed_precision=precision, project_config=project)
+    return accelerator, *accelerator.prepare(model, optimizer, loader, scheduler)
+
+
+def run(accelerator, model, optimizer, loader, scheduler, epochs, save_at=(), start=(0, 0)):
+    """Train `epochs` epochs from (epoch, batch) `start`; save a checkpoint after each (epoch, batch) in `save_at`."""
+    for epoch in range(start[0], epochs):
+        skip = start[1] if epoch == start[0] else 0
+        for i, (x, y) in enumerate(
+            accelerator.skip_first_batches(loader, skip) if skip else loader, start=skip
+        ):
+            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            if (epoch, i) in save_at:
+                accelerator.save_state()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("precision", ["no", "fp16"])
+def test_resume_mid_epoch_is_bitwise_identical(tmp_path, precision):
+    reference = run(*setup(tmp_path / "a", precision=precision), epochs=3)
+    saved = run(*setup(tmp_path / "b", precision=precision), epochs=3, save_at={(1, 4)})
+    assert torch.equal(saved, reference)  # saving changes nothing
+    accelerator, model, optimizer, loader, scheduler = setup(tmp_path / "b", seed=7, precision=precision)
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)  # every RNG elsewhere
+    accelerator.load_state()  # the latest of the project
+    assert loader.resume_batches == 5 and loader.iteration == 1
+    resumed = run(accelerator, model, optimizer, loader, scheduler, epochs=3, start=(1, 5))
+    assert torch.equal(resumed, reference)
+
+
+def test_automatic_naming_total_limit_and_latest(tmp_path):
+    accelerator, *objects = setup(tmp_path, total_limit=2)
+    run(accelerator, *objects, epochs=1, save_at={(0, 1), (0, 3), (0, 5)})
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint_1", "checkpoint_2", "latest"]
+    assert latest_checkpoint(checkpoints) == checkpoints / "checkpoint_2"
+    assert accelerator.save_iteration == 3
+    accelerator.project_configuration.iteration = 2
+    with pytest.raises(ValueError, match="already exists"):
+        accelerator.save_state()
+    other, *_ = setup(tmp_path)
+    other.load_state(str(checkpoints / "checkpoint_1"))
+    assert other.save_iteration == 2  # the next number after the loaded one
+    assert read_meta(checkpoints / "checkpoint_2")["num_processes"] == 1
+
+
+def test_register_for_checkpointing(tmp_path):
+    class Counter:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, state):
+            self.n = state["n"]
+
+    accelerator = Accelerator()
+    with pytest.raises(ValueError, match="these have not: object"):
+        accelerator.register_for_checkpointing(Counter(), object())
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    counter.n = 41
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    counter.n = 0
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    assert counter.n == 41
+    fresh = Accelerator()
+    with pytest.raises(ConfigError, match="prepare and register the same objects"):
+        fresh.load_state(str(tmp_path / "ckpt"))
+
+
+def test_rng_state_round_trip():
+    state = rng_state()
+    first = (random.random(), np.random.rand(), torch.rand(1).item())
+    set_rng_state(load_torch_round_trip(state))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
+
+
+def load_torch_round_trip(obj, tmp=Path("/tmp")):
+    path = tmp / f"runner-rng-{os.getpid()}.pt"
+    torch.save(obj, path)
+    try:
+        return load_torch(path)
+    finally:
+        path.unlink()
+
+
+def test_loading_never_unpickles_code(tmp_path):
+    accelerator = Accelerator()
+    model = torch.nn.Linear(2, 2)
+    accelerator.prepare(model, torch.optim.SGD(model.parameters()))
+    directory = Path(accelerator.save_state(str(tmp_path / "ckpt")))
+    torch.save({"state": Path("/etc/passwd"), "param_groups": []}, directory / "optimizer_0.pt")  # any object
+    with pytest.raises(Exception, match=r"[Ww]eights only"):
+        accelerator.load_state(str(directory))
+
+
+@pytest.mark.parametrize("safe", [True, False])
+def test_save_model_shards_and_loads_back(tmp_path, safe):
+    torch.manual_seed(0)
+    model = GPT(vocab_size=50, d_model=32, n_layers=2, n_heads=2, max_seq_len=16)  # tied embeddings
+    accelerator = Accelerator()
+    accelerator.save_model(model, str(tmp_path / "sharded"), max_shard_size="20KB", safe_serialization=safe)
+    files = sorted(p.name for p in (tmp_path / "sharded").iterdir())
+    suffix = "safetensors" if safe else "bin"
+    assert len([f for f in files if f.endswith(suffix)]) > 1 and any(f.endswith(".index.json") for f in files)
+    accelerator.save_model(model, str(tmp_path / "single"), safe_serialization=safe)
+    for checkpoint in (tmp_path / "sharded", tmp_path / "single", next((tmp_path / "single").iterdir())):
+        torch.manual_seed(1)
+        fresh = GPT(vocab_size=50, d_model=32, n_layers=2, n_heads=2, max_seq_len=16)
+        load_checkpoint_in_model(fresh, checkpoint)
+        assert fresh.lm_head.weight is fresh.tok_emb.weight  # still tied
+        for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+            assert torch.equal(a, b), name
+    wider = GPT(vocab_size=50, d_model=64, n_layers=2, n_heads=2, max_seq_len=16)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        load_checkpoint_in_model(wider, tmp_path / "single")
+
+
+def test_resume_argument_checks(tmp_path):
+    assert resume_checkpoint(None, tmp_path) is None
+    assert resume_checkpoint("auto", tmp_path) is None  # nothing saved yet: start fresh
+    with pytest.raises(ConfigError, match="no such directory"):
+        resume_checkpoint(str(tmp_path / "nope"), tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="not a checkpoint"):
+        resume_checkpoint(str(tmp_path / "empty"), tmp_path)
+    accelerator = Accelerator(project_dir=str(tmp_path))
+    accelerator.project_configuration.automatic_checkpoint_naming = True
+    saved = Path(accelerator.save_state())
+    assert resume_checkpoint("auto", tmp_path) == saved
+    check_world_size(saved, 1)
+    with pytest.raises(ConfigError, match="written by 1 process"):
+        check_world_size(saved, 2)
+
+
+def _save_forever(project_dir: str, ready) -> None:
+    """A child that saves checkpoints back to back (each ~8 MB), announcing each save before it starts."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024)
+    optimizer = torch.optim.Adam(model.parameters())
+    accelerator = Accelerator(
+        project_config=ProjectConfiguration(
+            project_dir=project_dir, automatic_checkpoint_naming=True, total_limit=2
+        )
+    )
+    model, optimizer = accelerator.prepare(model, optimizer)
+    while True:
+        with torch.no_grad():
+            model.weight.fill_(accelerator.save_iteration)  # a checkpoint's weights say which one it is
+        ready.set()
+        accelerator.save_state()
+
+
+@pytest.mark.slow
+def test_kill_9_at_any_moment_of_a_save_leaves_a_loadable_latest_checkpoint(tmp_path):
+    # Children fork from a fresh server process: forking this one, whose OpenMP threads already ran, could hang.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "runner", "test_checkpoint"])
+    rng = random.Random(0)
+    interrupted_saves = 0
+    for trial in range(20):
+        project = tmp_path / str(trial)
+        ready = context.Event()
+        child = context.Process(target=_save_forever, args=(str(project), ready))
+        child.start()
+        assert ready.wait(60)
+        ready.clear()
+        assert ready.wait(60)  # the second save has started: there is a previous one to protect
+        time.sleep(rng.uniform(0, 0.08))  # somewhere inside a save (one takes ~20-80 ms here)
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        interrupted_saves += any((project / "checkpoints").glob(".*.partial"))
+        latest = latest_checkpoint(project / "checkpoints")
+        assert latest is not None and latest.is_dir(), trial
+        accelerator = Accelerator()
+        model = torch.nn.Linear(1024, 1024)
+        model, _ = accelerator.prepare(model, torch.optim.Adam(model.parameters()))
+        accelerator.load_state(str(latest))
+        number = int(latest.name.removeprefix("checkpoint_"))
+        assert torch.all(model.weight == number), trial  # complete, and the one `latest` names
+    assert interrupted_saves >= 10  # most kills did land inside a save (its staging dir was left behind)

@@ -1,0 +1,113 @@
+"""`python -m runner` interrupted (SIGTERM, kill -9) and run again ends exactly where an uninterrupted run
+does: the final weights are bitwise identical, with 1 and with 2 processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import cli_env
+
+pytestmark = pytest.mark.slow
+
+# A dropout MLP for ~1000 steps: long enough to interrupt, with every RNG in play.
+TRAIN = [
+    "trainer.max_steps=1500",
+    "trainer.eval_every=500",
+    "trainer.checkpoint_every=100",
+    "model.dropout=0.1",
+]
+RANKS = {1: [], 2: ["hardware=multi_gpu", "hardware.num_processes=2"]}
+
+
+def command(run_dir: Path, *overrides: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "runner",
+        f"hydra.run.dir={run_dir}",
+        "trainer.progress_bar=false",
+        *overrides,
+    ]
+
+
+def run(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command(run_dir, *overrides), env=cli_env(), capture_output=True, text=True, timeout=300
+    )
+
+
+def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(command(run_dir, *overrides), env=cli_env(), stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "latest").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, bytes]:
+    weights = {}
+    for ranks, overrides in RANKS.items():
+        run_dir = tmp_path_factory.mktemp(f"reference{ranks}")
+        proc = run(run_dir, *TRAIN, *overrides)
+        assert proc.returncode == 0, proc.stderr
+        weights[ranks] = (run_dir / "model" / "model.safetensors").read_bytes()
+    return weights
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sigterm_checkpoints_exits_75_and_a_rerun_finishes_identically(tmp_path, uninterrupted, ranks):
+    proc = start(tmp_path, *TRAIN, *RANKS[ranks])
+    wait_for_checkpoint(tmp_path, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 75, stderr
+    assert "Training interrupted" in stderr and "to resume" in stderr
+    rerun = run(tmp_path, *TRAIN, *RANKS[ranks])
+    assert rerun.returncode == 0, rerun.stderr
+    assert "resumed from" in (tmp_path / "runner.log").read_text()
+    assert (tmp_path / "model" / "model.safetensors").read_bytes() == uninterrupted[ranks]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_kill_9_after_a_checkpoint_then_rerun_finishes_identically(tmp_path, uninterrupted, ranks):
+    proc = start(tmp_path, *TRAIN, *RANKS[ranks])
+    wait_for_checkpoint(tmp_path, proc)
+    if ranks == 1:
+        os.kill(proc.pid, signal.SIGKILL)
+    else:  # kill a rank: the job fails, and its dir keeps the last complete checkpoint
+        rank = int(subprocess.check_output(["pgrep", "-P", str(proc.pid), "-n"], text=True).split()[0])
+        os.kill(rank, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    rerun = run(tmp_path, *TRAIN, *RANKS[ranks])
+    assert rerun.returncode == 0, rerun.stderr
+    assert (tmp_path / "model" / "model.safetensors").read_bytes() == uninterrupted[ranks]
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_before_training(tmp_path):
+    first = run(tmp_path, "trainer.max_steps=20", "trainer.checkpoint_every=10", "model.hidden_size=64")
+    assert first.returncode == 0, first.stderr
+    checkpoint = tmp_path / "checkpoints" / "checkpoint_1"
+    cases = {
+        ("model.hidden_size=128",): "does not fit this run",
+        ("hardware=multi_gpu", "hardware.num_processes=2"): "was written by 1 process(es) and this run has 2",
+        (f"trainer.resume={tmp_path / 'missing'}",): "no such directory",
+        (f"trainer.resume={tmp_path / 'model'}",): "not a checkpoint",
+    }
+    for overrides, expected in cases.items():
+        proc = run(tmp_path, "trainer.max_steps=30", "model.hidden_size=64", *overrides)
+        message = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 2, proc.stderr
+        assert message.startswith("Configuration error: ") and expected in message, message
+        assert "starting 2 ranks" not in proc.stderr and "step 30" not in proc.stderr
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == checkpoint.name  # nothing was lost
