@@ -17,9 +17,9 @@ pytestmark = pytest.mark.slow
 
 # A dropout MLP for ~1000 steps: long enough to interrupt, with every RNG in play.
 TRAIN = [
-    "trainer.max_steps=1500",
-    "trainer.eval_every=500",
-    "trainer.checkpoint_every=100",
+    "trainer.max_steps=1000",
+    "trainer.eval_every=250",
+    "trainer.checkpoint_every=50",
     "model.dropout=0.1",
 ]
 RANKS = {1: [], 2: ["hardware=multi_gpu", "hardware.num_processes=2"]}
