@@ -101,7 +101,7 @@ class Accelerator:
         self.split_batches = split_batches
         self.even_batches = even_batches
         self.step = 0
-        self._trigger = torch.zeros((), device=self.device)
+        self._trigger = False
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -387,15 +387,17 @@ class Accelerator:
 
     def set_trigger(self) -> None:
         """Raise this process's flag; the next `check_trigger` on every process sees it."""
-        self._trigger.fill_(1)
+        self._trigger = True
 
     def check_trigger(self) -> bool:
         """True on every process when any process called `set_trigger` since the last check (which then
         clears it). A collective: call it on all processes."""
-        if self.strategy.all_reduce(self._trigger.clone()).item() > 0:
-            self._trigger.zero_()
-            return True
-        return False
+        raised = self._trigger
+        if self.use_distributed:
+            flag = torch.tensor(float(raised), device=self.device)
+            raised = self.strategy.all_reduce(flag).item() > 0
+        self._trigger = False
+        return raised
 
     # --------------------------------------------------------------------------------- execution order
     def wait_for_everyone(self) -> None:

@@ -87,7 +87,7 @@ class LauncherConfig:
 class LocalLauncherConfig(LauncherConfig):
     start_method: str | None = None  # fork | spawn | forkserver; null: the hardware's choice
     monitor_interval_s: float = 0.1
-    shutdown_timeout_s: float = 5.0
+    shutdown_timeout_s: float = 30.0
 
 
 @dataclass

@@ -53,7 +53,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     `output_dir` is the job's directory (Hydra's): the resolved config is written there once everything
     is built, so a run refused for bad input leaves nothing but its log. Checkpoints go to its
     `checkpoints/`, the final weights to `model/`. SIGTERM, SIGUSR1 or SIGUSR2 make every rank checkpoint
-    at the next optimizer step and raise `TrainingInterrupted`.
+    at the next logging step (every `trainer.log_every` steps) and raise `TrainingInterrupted`.
     """
     trainer = cfg.trainer
     accelerator = Accelerator(
@@ -152,7 +152,8 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
                     log.info("checkpoint %s", accelerator.save_state())
                 if received:
                     accelerator.set_trigger()
-                if accelerator.check_trigger():
+                # Checked where the loss is read anyway: the check waits for the device and the other ranks.
+                if done.step % trainer.log_every == 0 and accelerator.check_trigger():
                     path = accelerator.save_state()
                     raise TrainingInterrupted(
                         f"stopped by a signal at step {done.step}/{total_steps}; checkpoint {path}. Run the same "
@@ -191,8 +192,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 @contextmanager
 def stop_signals() -> Iterator[list[int]]:
-    """Record SIGTERM, SIGUSR1 and SIGUSR2 instead of dying, so that the loop checkpoints and stops at the
-    next optimizer step (in the main thread only: elsewhere signals cannot be caught)."""
+    """Record SIGTERM, SIGUSR1 and SIGUSR2 instead of dying, so that the loop checkpoints and stops at its
+    next logging step (in the main thread only: elsewhere signals cannot be caught)."""
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield received

@@ -64,11 +64,15 @@ def uninterrupted(tmp_path_factory) -> dict[int, bytes]:
     return weights
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_sigterm_checkpoints_exits_75_and_a_rerun_finishes_identically(tmp_path, uninterrupted, ranks):
+@pytest.mark.parametrize(
+    ("ranks", "stop"), [(1, signal.SIGTERM), (2, signal.SIGTERM), (1, signal.SIGUSR1), (2, signal.SIGUSR2)]
+)
+def test_a_stop_signal_checkpoints_exits_75_and_a_rerun_finishes_identically(
+    tmp_path, uninterrupted, ranks, stop
+):
     proc = start(tmp_path, *TRAIN, *RANKS[ranks])
     wait_for_checkpoint(tmp_path, proc)
-    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, stop)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 75, stderr
     assert "Training interrupted" in stderr and "to resume" in stderr

@@ -54,7 +54,7 @@ class LocalLauncher(Launcher):
         self,
         start_method: str | None = None,
         monitor_interval_s: float = 0.1,
-        shutdown_timeout_s: float = 5.0,
+        shutdown_timeout_s: float = 30.0,
     ) -> None:
         if start_method is not None and start_method not in START_METHODS:
             raise ConfigError(
