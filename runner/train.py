@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from runner.accelerator import Accelerator
-from runner.checkpoint import ProjectConfiguration, resume_checkpoint
+from runner.checkpoint import ProjectConfiguration, checkpoint_number, numbered_checkpoints, resume_checkpoint
 from runner.errors import ConfigError, TrainingInterrupted
 from runner.task import Task
 from runner.utils import set_seed
@@ -67,6 +67,9 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     # Under torchrun or srun each rank ran Hydra itself: the job's dir is rank 0's.
     output_dir = Path(accelerator.broadcast_object_list([str(output_dir)])[0])
     accelerator.project_configuration.project_dir = str(output_dir)
+    # Number after what the dir holds (a run with trainer.resume=null in a dir that has checkpoints).
+    existing = numbered_checkpoints(output_dir / "checkpoints")
+    accelerator.project_configuration.iteration = checkpoint_number(existing[-1]) + 1 if existing else 0
     set_seed(trainer.seed)
 
     data = instantiate(cfg.data)
