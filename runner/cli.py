@@ -9,9 +9,12 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, InstantiationException
 from hydra.utils import instantiate
@@ -37,11 +40,12 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        validate(cfg)
-        launcher: Launcher = instantiate(cfg.launcher)
-        checkpoint = resume_checkpoint(cfg.trainer.resume, output_dir)
-        if checkpoint is not None:
-            check_world_size(checkpoint, launcher.world_size(cfg))
+        with _single_threaded():
+            validate(cfg)
+            launcher: Launcher = instantiate(cfg.launcher)
+            checkpoint = resume_checkpoint(cfg.trainer.resume, output_dir)
+            if checkpoint is not None:
+                check_world_size(checkpoint, launcher.world_size(cfg))
         job = Job(
             cfg=_resolved(cfg),
             output_dir=output_dir,
@@ -83,6 +87,18 @@ def _scratch_output_dir(rank: int) -> list[str]:
     scratch = tempfile.mkdtemp(prefix=f"runner-rank{rank}-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     return [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null"]
+
+
+@contextmanager
+def _single_threaded() -> Iterator[None]:
+    """Run the checks (which build user objects) on one torch thread: once OpenMP's threads have run in a
+    process, ranks forked from it hang at their first parallel op."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _resolved(cfg: DictConfig) -> DictConfig:

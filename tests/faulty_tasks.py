@@ -1,4 +1,4 @@
-"""Tasks that misbehave on one rank, for the failure tests (imported by `python -m runner` through
+"""Tasks and data that misbehave, for the failure tests (imported by `python -m runner` through
 PYTHONPATH)."""
 
 from __future__ import annotations
@@ -7,6 +7,9 @@ import os
 import time
 from pathlib import Path
 
+import torch
+
+from runner.data import SyntheticRegression
 from tasks.regression import Regression
 
 
@@ -46,3 +49,12 @@ class RecordPid(Regression):
             (self.pid_dir / f"rank{os.environ['RANK']}").write_text(str(os.getpid()))
             self.recorded = True
         return super().training_step(model, batch)
+
+
+class ComputeInInit(SyntheticRegression):
+    """Data whose constructor computes with all of torch's threads (it runs in the launching process)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        matrix = torch.randn(1500, 1500)
+        self.checksum = float((matrix @ matrix).sum())

@@ -46,6 +46,19 @@ def test_two_ranks_with_precision_accumulation_and_clipping(run_cli, overrides):
     assert "2 process(es)" in proc.stderr and metrics_of(proc)["eval/loss"] < 5.0
 
 
+def test_user_code_computing_in_the_launching_process_does_not_hang_forked_ranks(run_cli):
+    # Ranks with 2 threads each hang at their first parallel op if the launching process had used its own.
+    proc = run_cli(
+        *TWO_RANKS,
+        "hardware.num_threads=2",
+        "data._target_=faulty_tasks.ComputeInInit",
+        "trainer.max_steps=10",
+        pythonpath=TESTS,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_multirun_gives_each_job_its_own_rank_group_and_dir(run_cli, tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_cli(
