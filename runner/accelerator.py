@@ -46,6 +46,18 @@ from runner.state import GradientState
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
 
 
+def _is_model(obj: Any) -> bool:
+    return isinstance(obj, torch.nn.Module)
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, LRScheduler)
+
+
+def _is_neither_model_nor_scheduler(obj: Any) -> bool:
+    return not (_is_model(obj) or _is_scheduler(obj))
+
+
 class Accelerator:
     """Prepares models, optimizers, dataloaders and schedulers, and runs the training step around them.
 
@@ -83,7 +95,7 @@ class Accelerator:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}.")
         self.strategy = strategy or default_strategy(cpu)
         self.state = self.strategy.setup_environment()
-        self.precision = (
+        self.precision = self.strategy.setup_precision(
             mixed_precision
             if isinstance(mixed_precision, Precision)
             else precision_plugins.from_name(mixed_precision)
@@ -164,17 +176,20 @@ class Accelerator:
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """Prepare models, optimizers, dataloaders and schedulers, in any order; returned in that order.
 
-        Schedulers are prepared last, so that they see the prepared optimizers. Other objects pass through.
+        Models are prepared first (a sharding backend replaces their parameters, which the optimizers are
+        then pointed at), schedulers last (they see the prepared optimizers). Other objects pass through.
         """
         placements = device_placement or [self.device_placement] * len(args)
         if len(placements) != len(args):
             raise ValueError("device_placement needs one entry per object passed to prepare().")
-        first = [
-            obj if isinstance(obj, LRScheduler) else self._prepare_one(obj, place)
-            for obj, place in zip(args, placements, strict=True)
-        ]
-        result = tuple(self.prepare_scheduler(obj) if isinstance(obj, LRScheduler) else obj for obj in first)
-        return result[0] if len(result) == 1 else result
+        result = list(args)
+        for stage in (_is_model, _is_neither_model_nor_scheduler, _is_scheduler):
+            for i, (obj, place) in enumerate(zip(args, placements, strict=True)):
+                if stage(obj):
+                    result[i] = (
+                        self.prepare_scheduler(obj) if _is_scheduler(obj) else self._prepare_one(obj, place)
+                    )
+        return result[0] if len(result) == 1 else tuple(result)
 
     def _prepare_one(self, obj: Any, device_placement: bool) -> Any:
         if isinstance(obj, torch.nn.Module):
@@ -196,6 +211,7 @@ class Accelerator:
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
+        self.strategy.setup_optimizer(optimizer)
         wrapped = AcceleratedOptimizer(optimizer, self.precision, self.gradient_state)
         self._optimizers.append(wrapped)
         return wrapped
@@ -596,8 +612,9 @@ class Accelerator:
         self.wait_for_everyone()
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """The model's full state dict (unwrapped by default)."""
-        return (self.unwrap_model(model) if unwrap else model).state_dict()
+        """The model's full state dict (unwrapped by default); with a sharding backend a collective whose
+        result is complete on the main process."""
+        return self.strategy.full_state_dict(model) if unwrap else model.state_dict()
 
     # ------------------------------------------------------------------------------------------- misc
     def free_memory(self, *objects: Any) -> list[None]:

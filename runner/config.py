@@ -61,6 +61,13 @@ class DDPConfig(ParallelConfig):
 
 
 @dataclass
+class FSDPConfig(ParallelConfig):
+    shard_modules: list[str] | None = None  # class names of the sharding units, e.g. [Block]; null: root only
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+
+
+@dataclass
 class PrecisionConfig:
     _target_: str = MISSING
 
@@ -107,7 +114,7 @@ class RunConfig:
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "hardware": {"cpu": CPUConfig, "multi_gpu": DDPConfig},
+    "hardware": {"cpu": CPUConfig, "multi_gpu": DDPConfig, "fsdp": FSDPConfig},
     "precision": {"fp32": PrecisionConfig, "bf16": MixedPrecisionConfig, "fp16": Float16Config},
     "launcher": {"local": LocalLauncherConfig},
 }

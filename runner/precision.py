@@ -75,6 +75,14 @@ class MixedPrecision(Precision):
         return torch.autocast(self.device.type, dtype=self.dtype)
 
 
+class ShardedMixedPrecision(Precision):
+    """Mixed precision that the strategy applies itself (FSDP's MixedPrecisionPolicy casts parameters and
+    outputs): no autocast here, only the name."""
+
+    def __init__(self, mixed_precision: str) -> None:
+        self.mixed_precision = mixed_precision
+
+
 class Float16MixedPrecision(MixedPrecision):
     """fp16 autocast with dynamic loss scaling through `torch.amp.GradScaler` (the `fp16` group).
 

@@ -114,15 +114,22 @@ def _trainer_problems(trainer: DictConfig) -> list[str]:
 
 def _build_problems(cfg: DictConfig) -> list[str]:
     """Build the hardware, the launcher and the data source: their constructors check what only they know
-    (process counts against the GPUs here, files that must exist); reading the data happens in the ranks."""
+    (process counts against the GPUs here, files that must exist); reading the data happens in the ranks.
+    Then ask the hardware whether it can run the precision."""
     problems = []
+    built = {}
     for node in BUILT_NODES:
         try:
-            instantiate(cfg[node])
+            built[node] = instantiate(cfg[node])
         except InstantiationException as err:
             if not isinstance(err.__cause__, ConfigError):
                 raise
             problems.append(str(err.__cause__))
+    if "hardware" in built:
+        try:
+            built["hardware"].setup_precision(instantiate(cfg.precision))
+        except ConfigError as err:
+            problems.append(str(err))
     return problems
 
 

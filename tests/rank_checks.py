@@ -174,3 +174,54 @@ def reference_training(accumulation: int, num_processes: int = 2) -> torch.Tenso
         optimizer.step()
         optimizer.zero_grad()
     return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+# --- the correctness matrix: one tiny GPT, every hardware group, same global batches -------------------------
+MATRIX_STEPS, MATRIX_BATCH, MATRIX_SEQ = 12, 8, 16
+
+
+def matrix_strategy(hardware: str):
+    from runner.hardware import FSDP, SingleDevice
+
+    strategies = {
+        "cpu": lambda: SingleDevice("cpu"),
+        "multi_gpu": lambda: DDP(device="cpu"),
+        "fsdp": lambda: FSDP(device="cpu", shard_modules=["Block"]),
+    }
+    return strategies[hardware]()
+
+
+def matrix_run(hardware: str, precision: str, checkpoint_dir: str) -> dict[str, Any]:
+    """Train the tiny GPT for MATRIX_STEPS steps; each rank takes its slice of the same global batches.
+    Then save a checkpoint, take one more step, load the checkpoint and take that step again."""
+    from runner.models import GPT
+
+    accelerator = Accelerator(strategy=matrix_strategy(hardware), mixed_precision=precision)
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, max_seq_len=MATRIX_SEQ, d_model=32, n_layers=2, n_heads=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # Learnable sequences: each row counts up (mod 32) from a random start.
+    starts = torch.randint(
+        0, 32, (MATRIX_STEPS + 1, MATRIX_BATCH, 1), generator=torch.Generator().manual_seed(1)
+    )
+    tokens = (starts + torch.arange(MATRIX_SEQ + 1)) % 32
+    share = MATRIX_BATCH // accelerator.num_processes
+    mine = slice(accelerator.process_index * share, (accelerator.process_index + 1) * share)
+
+    def step(k: int) -> float:
+        batch = tokens[k, mine]
+        logits = model(batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 32), batch[:, 1:].reshape(-1))
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        return accelerator.reduce(loss.detach().float(), "mean").item()
+
+    losses = [step(k) for k in range(MATRIX_STEPS)]
+    accelerator.save_state(checkpoint_dir)
+    continued = step(MATRIX_STEPS)
+    accelerator.load_state(checkpoint_dir)
+    after_load = step(MATRIX_STEPS)
+    accelerator.end_training()
+    return {"losses": losses, "continued": continued, "after_load": after_load}

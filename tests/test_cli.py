@@ -92,7 +92,7 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
         ),
         (
             ["hardware=gpu9"],
-            "hardware=gpu9: there is no option 'gpu9' in the config group 'hardware'. Available: cpu, multi_gpu.",
+            "hardware=gpu9: there is no option 'gpu9' in the config group 'hardware'. Available: cpu, fsdp, multi_gpu.",
         ),
         (["data=table", "data.path=missing.csv", "data.target=y"], "data.path='missing.csv': no such file"),
         (["model._target_=nope.Model"], "model._target_='nope.Model' cannot be imported"),
@@ -101,6 +101,11 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
         (["hardware=multi_gpu", "hardware.device=tpu"], "hardware.device='tpu': expected 'cuda', 'cpu'"),
         (["hardware=multi_gpu", "hardware.device=cuda"], "this machine has 0 visible GPU(s)"),
         (["launcher.start_method=thread"], "launcher.start_method='thread': expected one of"),
+        (["hardware=fsdp", "precision=fp16"], "precision=fp16 with hardware=fsdp"),
+        (
+            ["hardware=fsdp", "hardware.shard_modules=[Blok]", "model=gpt", "data=sonnets"],
+            "has no module of those classes",
+        ),
     ],
 )
 def test_bad_input_gives_one_paragraph_and_no_traceback(run_cli, overrides, expected):

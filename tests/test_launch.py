@@ -11,6 +11,11 @@ from pathlib import Path
 
 import pytest
 from conftest import cli_env, metrics_of
+from omegaconf import OmegaConf
+
+from runner import load_checkpoint_in_model
+from runner.model_files import read_weights
+from runner.models import GPT
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +62,20 @@ def test_user_code_computing_in_the_launching_process_does_not_hang_forked_ranks
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_fsdp_shards_gpt_blocks_in_bf16_and_saves_full_weights(run_cli):
+    fsdp = ("hardware=fsdp", "hardware.num_processes=2", "hardware.shard_modules=[Block]", "precision=bf16")
+    proc = run_cli(*fsdp, "experiment=gpt_sonnets", "trainer.max_steps=10", "trainer.checkpoint_every=5")
+    assert proc.returncode == 0, proc.stderr
+    assert metrics_of(proc)["eval/loss"] < 5.0
+    assert (proc.run_dir / "checkpoints" / "checkpoint_1" / "model_0" / ".metadata").exists()  # sharded (DCP)
+    settings = OmegaConf.load(proc.run_dir / "resolved_config.yaml").model
+    vocab_size = read_weights(proc.run_dir / "model")["tok_emb.weight"].shape[0]  # taken from the data
+    model = GPT(
+        **{key: value for key, value in settings.items() if key != "_target_"} | {"vocab_size": vocab_size}
+    )
+    load_checkpoint_in_model(model, proc.run_dir / "model")  # full, unsharded weights
 
 
 def test_multirun_gives_each_job_its_own_rank_group_and_dir(run_cli, tmp_path):

@@ -56,9 +56,21 @@ class Strategy(ABC):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """The picklable `obj` of every process, in process order."""
 
+    def setup_precision(self, precision: Precision) -> Precision:
+        """The precision plugin to train with: `precision` itself, unless this backend applies it its own
+        way (FSDP's MixedPrecisionPolicy). Raises ConfigError for a precision it cannot run."""
+        return precision
+
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Wrap the (already placed) model for this backend."""
         return module
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point `optimizer` at the parameters `setup_module` left in the model (in place)."""
+
+    def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The model's complete weights (a collective for sharding backends; the main process's count)."""
+        return self.unwrap_module(module).state_dict()
 
     def unwrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Return the user's model from what `setup_module` made of it."""

@@ -125,5 +125,8 @@ class ParallelStrategy(Strategy):
         return gathered
 
     def teardown(self) -> None:
+        """Leave the process group together: a rank tearing down while a peer still has work in flight
+        can leave the peer's backend threads waiting forever."""
         if dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
