@@ -102,10 +102,6 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
         (["hardware=multi_gpu", "hardware.device=cuda"], "this machine has 0 visible GPU(s)"),
         (["launcher.start_method=thread"], "launcher.start_method='thread': expected one of"),
         (["hardware=fsdp", "precision=fp16"], "precision=fp16 with hardware=fsdp"),
-        (
-            ["hardware=fsdp", "hardware.shard_modules=[Blok]", "model=gpt", "data=sonnets"],
-            "has no module of those classes",
-        ),
     ],
 )
 def test_bad_input_gives_one_paragraph_and_no_traceback(run_cli, overrides, expected):
