@@ -47,7 +47,8 @@ class LocalLauncher(Launcher):
         start_method: how ranks start: "fork", "spawn", "forkserver"; None: the hardware's choice (fork on
             CPU, where it starts a rank in milliseconds; spawn where CUDA must be initialised in the rank).
         monitor_interval_s: how often the launcher checks that every rank is alive.
-        shutdown_timeout_s: after a failure, how long the other ranks get to exit before SIGKILL.
+        shutdown_timeout_s: after a failure or a stop signal, how long the ranks get to exit (and
+            checkpoint) before SIGKILL.
     """
 
     def __init__(
