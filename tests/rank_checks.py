@@ -17,7 +17,9 @@ from runner.hardware import DDP
 
 
 def run_ranks(fn, *args: Any, num_processes: int = 2) -> dict[int, Any]:
-    """Run `fn(*args)` in `num_processes` real ranks started by torch's elastic launcher."""
+    """Run `fn(*args)` in `num_processes` real ranks started by torch's elastic launcher (forked: each rank
+    must compute on one thread, as ParallelStrategy's do with OMP_NUM_THREADS=1, since this process's
+    OpenMP threads may already have run)."""
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
