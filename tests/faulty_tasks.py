@@ -46,7 +46,9 @@ class RecordPid(Regression):
 
     def training_step(self, model, batch):
         if not self.recorded:
-            (self.pid_dir / f"rank{os.environ['RANK']}").write_text(str(os.getpid()))
+            staged = self.pid_dir / f".rank{os.environ['RANK']}.tmp"
+            staged.write_text(str(os.getpid()))
+            staged.rename(self.pid_dir / f"rank{os.environ['RANK']}")  # readers never see a half-written file
             self.recorded = True
         return super().training_step(model, batch)
 
