@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from runner import precision as precision_plugins
 from runner.checkpoint import (
     ProjectConfiguration,
+    check_format,
     checkpoint_number,
     commit_staging,
     latest_checkpoint,
@@ -33,7 +34,13 @@ from runner.checkpoint import (
     start_staging,
     write_meta,
 )
-from runner.data_loader import DataLoaderShard, last_batch_remainder, sampler_generators, shard_dataloader
+from runner.data_loader import (
+    DataLoaderShard,
+    last_batch_remainder,
+    per_process_batch_size,
+    sampler_generators,
+    shard_dataloader,
+)
 from runner.errors import ConfigError
 from runner.hardware import Strategy, default_strategy
 from runner.model_files import save_model_files
@@ -50,12 +57,8 @@ def _is_model(obj: Any) -> bool:
     return isinstance(obj, torch.nn.Module)
 
 
-def _is_scheduler(obj: Any) -> bool:
-    return isinstance(obj, LRScheduler)
-
-
-def _is_neither_model_nor_scheduler(obj: Any) -> bool:
-    return not (_is_model(obj) or _is_scheduler(obj))
+def _is_new_optimizer(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer)
 
 
 class Accelerator:
@@ -118,6 +121,7 @@ class Accelerator:
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[DataLoaderShard] = []
+        self._micro_batch_size: int | None = None  # per process, of the first prepared dataloader
         self._custom_objects: list[Any] = []
         self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
 
@@ -176,35 +180,49 @@ class Accelerator:
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """Prepare models, optimizers, dataloaders and schedulers, in any order; returned in that order.
 
-        Models are prepared first (a sharding backend replaces their parameters, which the optimizers are
-        then pointed at), schedulers last (they see the prepared optimizers). Other objects pass through.
+        Dataloaders come first (a backend may size its engine by their batches), then the models with the
+        optimizers of the same call (a sharding backend replaces the parameters those optimizers hold; a
+        model and its optimizer may become one engine), schedulers last (they see the prepared
+        optimizers). Other objects pass through.
         """
         placements = device_placement or [self.device_placement] * len(args)
         if len(placements) != len(args):
             raise ValueError("device_placement needs one entry per object passed to prepare().")
         result = list(args)
-        for stage in (_is_model, _is_neither_model_nor_scheduler, _is_scheduler):
-            for i, (obj, place) in enumerate(zip(args, placements, strict=True)):
-                if stage(obj):
-                    result[i] = (
-                        self.prepare_scheduler(obj) if _is_scheduler(obj) else self._prepare_one(obj, place)
-                    )
+        for i, (obj, place) in enumerate(zip(args, placements, strict=True)):
+            if isinstance(obj, DataLoader):
+                result[i] = self.prepare_data_loader(obj, device_placement=place)
+        models = [i for i, obj in enumerate(args) if _is_model(obj)]
+        optimizers = [i for i, obj in enumerate(args) if _is_new_optimizer(obj)]
+        for n, i in enumerate(models):
+            paired = optimizers if n == len(models) - 1 else []  # the optimizers go with the last model
+            result[i] = self._prepare_model(args[i], [args[k] for k in paired], placements[i])
+            for k in paired:
+                result[k] = self._wrap_optimizer(args[k])
+        if not models:
+            for k in optimizers:
+                result[k] = self.prepare_optimizer(args[k])
+        for i, obj in enumerate(args):
+            if isinstance(obj, LRScheduler):
+                result[i] = self.prepare_scheduler(obj)
         return result[0] if len(result) == 1 else tuple(result)
 
-    def _prepare_one(self, obj: Any, device_placement: bool) -> Any:
-        if isinstance(obj, torch.nn.Module):
-            return self.prepare_model(obj, device_placement=device_placement)
-        if isinstance(obj, torch.optim.Optimizer):
-            return self.prepare_optimizer(obj)
-        if isinstance(obj, DataLoader):
-            return self.prepare_data_loader(obj, device_placement=device_placement)
-        return obj
-
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
-        if device_placement if device_placement is not None else self.device_placement:
+        place = device_placement if device_placement is not None else self.device_placement
+        return self._prepare_model(model, [], place)
+
+    def _prepare_model(
+        self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], device_placement: bool
+    ) -> torch.nn.Module:
+        if device_placement:
             model = model.to(self.device)
         model = self.precision.setup_module(model)
-        model = self.strategy.setup_module(model)
+        model = self.strategy.setup_module_and_optimizers(
+            model,
+            optimizers,
+            micro_batch_size=self._micro_batch_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+        )
         self._models.append(model)
         return model
 
@@ -212,7 +230,10 @@ class Accelerator:
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
         self.strategy.setup_optimizer(optimizer)
-        wrapped = AcceleratedOptimizer(optimizer, self.precision, self.gradient_state)
+        return self._wrap_optimizer(optimizer)
+
+    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+        wrapped = AcceleratedOptimizer(optimizer, self.strategy, self.precision, self.gradient_state)
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -238,6 +259,11 @@ class Accelerator:
             dataloader, self.num_processes, self.process_index, self.split_batches, self.even_batches
         )
         remainder = last_batch_remainder(dataloader, self.num_processes, self.split_batches)
+        batch_size = dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", None)
+        if self._micro_batch_size is None and batch_size:
+            self._micro_batch_size = per_process_batch_size(
+                batch_size, self.num_processes, self.split_batches
+            )
         wrapped = DataLoaderShard(
             shard,
             self.gradient_state,
@@ -281,7 +307,7 @@ class Accelerator:
         """`loss.backward()`, divided by the accumulation steps and scaled for fp16."""
         if self.gradient_state.num_steps > 1:
             loss = loss / self.gradient_state.num_steps
-        self.strategy.backward(loss, self.precision, **kwargs)
+        self.strategy.backward(loss, self.precision, sync_gradients=self.sync_gradients, **kwargs)
 
     @contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
@@ -327,7 +353,7 @@ class Accelerator:
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         """Unscale, then clamp every gradient element to [-clip_value, clip_value]."""
         self.unscale_gradients()
-        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+        self.strategy.clip_grad_value_(parameters, clip_value)
 
     # ------------------------------------------------------------------------------------ collectives
     def gather(self, tensor: Any) -> Any:
@@ -523,7 +549,13 @@ class Accelerator:
                 "optimizers": len(optimizers),
                 **{k: len(v) for k, v in parts.items()},
             }
-            write_meta(staging, {"num_processes": self.num_processes, "step": self.step, "counts": counts})
+            meta = {
+                "num_processes": self.num_processes,
+                "checkpoint_format": self.strategy.checkpoint_format,
+                "step": self.step,
+                "counts": counts,
+            }
+            write_meta(staging, meta)
             commit_staging(final)
             if self.project_configuration.automatic_checkpoint_naming:
                 mark_latest(final)
@@ -539,6 +571,7 @@ class Accelerator:
         project), into the objects prepared and registered, in the same order."""
         directory = Path(input_dir) if input_dir is not None else self._latest_project_checkpoint()
         meta = read_meta(directory, key="load_state input_dir")
+        check_format(directory, meta, self.strategy.checkpoint_format)
         if meta["num_processes"] != self.num_processes:
             raise ConfigError(
                 f"{directory} was written by {meta['num_processes']} process(es); this run has {self.num_processes}. "
@@ -623,6 +656,7 @@ class Accelerator:
         self._optimizers.clear()
         self._schedulers.clear()
         self._dataloaders.clear()
+        self._micro_batch_size = None
         self.step = 0
         gc.collect()
         if self.device.type == "cuda":

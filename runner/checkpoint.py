@@ -230,12 +230,27 @@ def resume_checkpoint(resume: str | None, output_dir: Path) -> Path | None:
     return Path(resume)
 
 
-def check_world_size(checkpoint: Path, world_size: int) -> None:
-    """Refuse, before any rank starts, a checkpoint whose per-rank state this many ranks cannot use."""
-    written_by = read_meta(checkpoint)["num_processes"]
+def check_checkpoint_fits(checkpoint: Path, world_size: int, checkpoint_format: str) -> None:
+    """Refuse, before any rank starts, a checkpoint whose model state this hardware cannot read (another
+    `Strategy.checkpoint_format`) or whose per-rank state this many ranks cannot use."""
+    meta = read_meta(checkpoint)
+    check_format(checkpoint, meta, checkpoint_format)
+    written_by = meta["num_processes"]
     if written_by != world_size:
         raise ConfigError(
             f"trainer.resume: {checkpoint} was written by {written_by} process(es) and this run has {world_size}; "
             "each rank's data position and RNG state do not carry over to another number of ranks. Resume with "
             f"{written_by} process(es) (hardware.num_processes={written_by}), or start fresh with trainer.resume=null."
+        )
+
+
+def check_format(checkpoint: Path, meta: dict[str, Any], checkpoint_format: str) -> None:
+    """Refuse a checkpoint whose models and optimizers were written in another format than this
+    hardware's (whole-model safetensors, sharded DCP, DeepSpeed partitions)."""
+    written_as = meta.get("checkpoint_format", "full")
+    if written_as != checkpoint_format:
+        raise ConfigError(
+            f"{checkpoint} holds {written_as!r} model state and this run's hardware reads "
+            f"{checkpoint_format!r} checkpoints. Resume it with the hardware group that wrote it (see its run's "
+            "resolved_config.yaml), or start fresh with trainer.resume=null."
         )

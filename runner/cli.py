@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.checkpoint import check_world_size, resume_checkpoint
+from runner.checkpoint import check_checkpoint_fits, resume_checkpoint
 from runner.config import register_configs
 from runner.environment import launched_environment
 from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingInterrupted, describe_compose_error
@@ -45,7 +45,9 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
             launcher: Launcher = instantiate(cfg.launcher)
             checkpoint = resume_checkpoint(cfg.trainer.resume, output_dir)
             if checkpoint is not None:
-                check_world_size(checkpoint, launcher.world_size(cfg))
+                check_checkpoint_fits(
+                    checkpoint, launcher.world_size(cfg), instantiate(cfg.hardware).checkpoint_format
+                )
         job = Job(
             cfg=_resolved(cfg),
             output_dir=output_dir,

@@ -68,6 +68,16 @@ class FSDPConfig(ParallelConfig):
 
 
 @dataclass
+class DeepSpeedConfig(ParallelConfig):
+    zero_stage: int | None = None  # 1 | 2 | 3; null: the stage of `config`, else 2
+    offload_optimizer: bool = False
+    offload_params: bool = False  # stage 3 only
+    gradient_clipping: float | None = None  # max gradient norm; null: none
+    micro_batch_size: int | None = None  # null: the prepared dataloader's per-process batch
+    config: Any = None  # a DeepSpeed JSON file, or its contents
+
+
+@dataclass
 class PrecisionConfig:
     _target_: str = MISSING
 
@@ -114,7 +124,7 @@ class RunConfig:
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "hardware": {"cpu": CPUConfig, "multi_gpu": DDPConfig, "fsdp": FSDPConfig},
+    "hardware": {"cpu": CPUConfig, "multi_gpu": DDPConfig, "fsdp": FSDPConfig, "deepspeed": DeepSpeedConfig},
     "precision": {"fp32": PrecisionConfig, "bf16": MixedPrecisionConfig, "fp16": Float16Config},
     "launcher": {"local": LocalLauncherConfig},
 }

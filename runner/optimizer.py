@@ -7,21 +7,29 @@ from typing import Any
 
 import torch
 
+from runner.hardware.base import Strategy
 from runner.precision import Precision
 from runner.state import GradientState
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
-    """Wraps an optimizer so that it steps only when gradients are synchronised, through the precision
-    plugin (fp16 loss scaling), as Accelerate's `AcceleratedOptimizer` does.
+    """Wraps an optimizer so that it steps only when gradients are synchronised, through the strategy and
+    the precision plugin (fp16 loss scaling), as Accelerate's `AcceleratedOptimizer` does.
 
     `step()` and `zero_grad()` do nothing on accumulation micro-steps; `step_was_skipped` is True after an
     fp16 step that found inf/nan gradients.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, precision: Precision, gradient_state: GradientState):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        strategy: Strategy,
+        precision: Precision,
+        gradient_state: GradientState,
+    ) -> None:
         # The base __init__ is not called: state, param_groups and defaults are the wrapped optimizer's.
         self.optimizer = optimizer
+        self.strategy = strategy
         self.precision = precision
         self.gradient_state = gradient_state
         self.step_was_skipped = False
@@ -53,11 +61,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.gradient_state.sync_gradients:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+            self.strategy.zero_grad(self.optimizer, set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
         if self.gradient_state.sync_gradients:
-            self.step_was_skipped = not self.precision.optimizer_step(self.optimizer, closure)
+            self.step_was_skipped = not self.strategy.optimizer_step(self.optimizer, self.precision, closure)
 
     def __repr__(self) -> str:
         return f"AcceleratedOptimizer({self.optimizer!r})"

@@ -97,7 +97,7 @@ class Float16MixedPrecision(MixedPrecision):
         growth_interval: int = 2000,
     ) -> None:
         super().__init__("float16")
-        self._scaler_kwargs = dict(
+        self.scaler_kwargs = dict(
             init_scale=init_scale,
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
@@ -106,7 +106,7 @@ class Float16MixedPrecision(MixedPrecision):
 
     def setup(self, device: torch.device) -> None:
         super().setup(device)
-        self.scaler = torch.amp.GradScaler(device.type, **self._scaler_kwargs)
+        self.scaler = torch.amp.GradScaler(device.type, **self.scaler_kwargs)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         self.scaler.scale(loss).backward(**kwargs)

@@ -86,6 +86,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     scheduler = instantiate(cfg.scheduler)(
         optimizer, num_training_steps=total_steps * accelerator.num_processes
     )
+    num_parameters = sum(p.numel() for p in model.parameters())  # before a sharding backend partitions them
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     done = Progress(window_loss=torch.zeros((), device=accelerator.device))
     accelerator.register_for_checkpointing(done)
@@ -100,7 +101,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     log.info(
         "training %s (%.2fM parameters) for %d steps on %s, %d process(es), precision %s",
         type(accelerator.unwrap_model(model)).__name__,
-        sum(p.numel() for p in model.parameters()) / 1e6,
+        num_parameters / 1e6,
         total_steps,
         accelerator.device,
         accelerator.num_processes,

@@ -124,9 +124,15 @@ def split_batches_run() -> dict[str, Any]:
     return {"batches": batches, "len": len(loader)}
 
 
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def rank_model(accelerator: Accelerator) -> torch.nn.Module:
+    """`make_model()` on rank 0 and another initialisation on each other rank: the backend must start
+    every rank from rank 0's weights."""
+    return make_model(seed=123 + accelerator.process_index if accelerator.process_index else 0)
 
 
 def make_data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,13 +144,8 @@ def make_data() -> tuple[torch.Tensor, torch.Tensor]:
 def ddp_training(accumulation: int) -> dict[str, Any]:
     """3 optimizer steps with DDP over 2 ranks; records gradients around the accumulation boundary."""
     accelerator = Accelerator(strategy=DDP(device="cpu"), gradient_accumulation_steps=accumulation)
-    torch.manual_seed(123 + accelerator.process_index)  # different init per rank: DDP must broadcast rank 0's
     x, y = make_data()
-    model = (
-        make_model()
-        if accelerator.is_main_process
-        else torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    )
+    model = rank_model(accelerator)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loader = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -162,33 +163,100 @@ def ddp_training(accumulation: int) -> dict[str, Any]:
     return {"params": params, "all_params": gathered, "grads": grads_after_micro_step}
 
 
-def reference_training(accumulation: int, num_processes: int = 2) -> torch.Tensor:
+def deepspeed_training(
+    zero_stage: int, accumulation: int, max_grad_norm: float | None, offload: bool = False
+) -> dict[str, Any]:
+    """`ddp_training` through a DeepSpeed engine, clipping at `max_grad_norm` as the runner's loop does,
+    with a learning-rate schedule stepped by the loop."""
+    from runner.hardware import DeepSpeed
+
+    strategy = DeepSpeed(
+        device="cpu",
+        zero_stage=zero_stage,
+        gradient_clipping=max_grad_norm,
+        offload_optimizer=offload,
+        offload_params=offload and zero_stage == 3,
+    )
+    accelerator = Accelerator(strategy=strategy, gradient_accumulation_steps=accumulation)
+    x, y = make_data()
+    model = rank_model(accelerator)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    loader = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    norms = []
+    for inputs, targets in loader:
+        with accelerator.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            accelerator.backward(loss)
+            if max_grad_norm is not None and accelerator.sync_gradients:
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm).item())
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    params = torch.cat([p.flatten() for p in accelerator.get_state_dict(model).values()])
+    accelerator.end_training()
+    return {"params": params, "norms": norms}
+
+
+def deepspeed_generated_config() -> dict[str, Any]:
+    """The DeepSpeed config built from a user's JSON with "auto" values and the run's settings; and what
+    preparing an optimizer without its model says."""
+    from runner.hardware import DeepSpeed
+
+    user = {"gradient_accumulation_steps": "auto", "zero_optimization": {"reduce_bucket_size": 1000}}
+    strategy = DeepSpeed(device="cpu", zero_stage=1, config=user)
+    accelerator = Accelerator(strategy=strategy, gradient_accumulation_steps=2, mixed_precision="bf16")
+    accelerator.prepare(DataLoader(torch.utils.data.TensorDataset(torch.zeros(64, 8)), batch_size=4))
+    try:
+        accelerator.prepare(torch.optim.SGD(make_model().parameters(), lr=0.1))
+    except ValueError as err:
+        alone = str(err)
+    model = make_model()
+    accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    accelerator.end_training()
+    return {"config": strategy.config, "user": user, "optimizer_alone": alone}
+
+
+def reference_training(
+    accumulation: int, num_processes: int = 2, max_grad_norm: float | None = None, schedule: bool = False
+) -> dict[str, Any]:
     """One process, the same optimizer steps, each on the concatenated global batch."""
     x, y = make_data()
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # The prepared scheduler advances once per process at each step (Accelerate's convention).
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2 // num_processes, gamma=0.5)
     global_batch = 8 * num_processes * accumulation
+    norms = []
     for start in range(0, len(x), global_batch):
         loss = torch.nn.functional.mse_loss(
             model(x[start : start + global_batch]), y[start : start + global_batch]
         )
         loss.backward()
+        if max_grad_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item())
         optimizer.step()
+        if schedule:
+            scheduler.step()
         optimizer.zero_grad()
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
+    return {"params": torch.cat([p.detach().flatten() for p in model.parameters()]), "norms": norms}
 
 
 # --- the correctness matrix: one tiny GPT, every hardware group, same global batches -------------------------
-MATRIX_STEPS, MATRIX_BATCH, MATRIX_SEQ = 12, 8, 16
+MATRIX_STEPS, MATRIX_BATCH, MATRIX_SEQ = 20, 8, 16
 
 
 def matrix_strategy(hardware: str):
-    from runner.hardware import FSDP, SingleDevice
+    from runner.hardware import FSDP, DeepSpeed, SingleDevice
 
     strategies = {
         "cpu": lambda: SingleDevice("cpu"),
         "multi_gpu": lambda: DDP(device="cpu"),
         "fsdp": lambda: FSDP(device="cpu", shard_modules=["Block"]),
+        "deepspeed_zero1": lambda: DeepSpeed(device="cpu", zero_stage=1),
+        "deepspeed_zero2": lambda: DeepSpeed(device="cpu", zero_stage=2),
+        "deepspeed_zero3": lambda: DeepSpeed(device="cpu", zero_stage=3),
     }
     return strategies[hardware]()
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from runner import Accelerator, ProjectConfiguration, load_checkpoint_in_model
 from runner.checkpoint import (
-    check_world_size,
+    check_checkpoint_fits,
     latest_checkpoint,
     load_torch,
     read_meta,
@@ -172,9 +172,13 @@ def test_resume_argument_checks(tmp_path):
     accelerator.project_configuration.automatic_checkpoint_naming = True
     saved = Path(accelerator.save_state())
     assert resume_checkpoint("auto", tmp_path) == saved
-    check_world_size(saved, 1)
+    check_checkpoint_fits(saved, 1, "full")
     with pytest.raises(ConfigError, match="written by 1 process"):
-        check_world_size(saved, 2)
+        check_checkpoint_fits(saved, 2, "full")
+    with pytest.raises(
+        ConfigError, match="holds 'full' model state and this run's hardware reads 'deepspeed'"
+    ):
+        check_checkpoint_fits(saved, 1, "deepspeed")
 
 
 def _save_forever(project_dir: str, ready) -> None:

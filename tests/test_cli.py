@@ -92,7 +92,7 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
         ),
         (
             ["hardware=gpu9"],
-            "hardware=gpu9: there is no option 'gpu9' in the config group 'hardware'. Available: cpu, fsdp, multi_gpu.",
+            "hardware=gpu9: there is no option 'gpu9' in the config group 'hardware'. Available: cpu, deepspeed, fsdp, multi_gpu.",
         ),
         (["data=table", "data.path=missing.csv", "data.target=y"], "data.path='missing.csv': no such file"),
         (["model._target_=nope.Model"], "model._target_='nope.Model' cannot be imported"),
@@ -102,6 +102,18 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
         (["hardware=multi_gpu", "hardware.device=cuda"], "this machine has 0 visible GPU(s)"),
         (["launcher.start_method=thread"], "launcher.start_method='thread': expected one of"),
         (["hardware=fsdp", "precision=fp16"], "precision=fp16 with hardware=fsdp"),
+        (["hardware=deepspeed", "precision=fp16"], "precision=fp16 with hardware=deepspeed on the CPU"),
+        (["hardware=deepspeed", "hardware.zero_stage=4"], "hardware.zero_stage=4: expected 1"),
+        (["hardware=deepspeed", "hardware.offload_params=true"], "needs hardware.zero_stage=3"),
+        (["hardware=deepspeed", "hardware.config=missing.json"], "not a readable DeepSpeed JSON file"),
+        (
+            ["hardware=deepspeed", "+hardware.config.gradient_clipping=1.0"],
+            "hardware.config.gradient_clipping=1.0 contradicts",
+        ),
+        (
+            ["hardware=deepspeed", "precision=bf16", "+hardware.config.bf16.enabled=false"],
+            "hardware.config.bf16.enabled=False contradicts the precision group",
+        ),
     ],
 )
 def test_bad_input_gives_one_paragraph_and_no_traceback(run_cli, overrides, expected):
@@ -113,3 +125,16 @@ def test_bad_input_gives_one_paragraph_and_no_traceback(run_cli, overrides, expe
     assert "\n" not in message  # one paragraph
     assert not (proc.run_dir / "resolved_config.yaml").exists()
     assert "step " not in message and "starting" not in message  # nothing trained, no rank started
+
+
+def test_deepspeed_without_its_extra_names_the_pip_install(run_cli, tmp_path):
+    hidden = tmp_path / "no_deepspeed"
+    hidden.mkdir()
+    (hidden / "sitecustomize.py").write_text("import sys\nsys.modules['deepspeed'] = None  # not installed\n")
+    proc = run_cli("hardware=deepspeed", pythonpath=hidden)
+    assert proc.returncode == 2, proc.stderr
+    message = proc.stderr.strip()
+    assert message.startswith(
+        "Configuration error: hardware=deepspeed needs DeepSpeed, which is not installed"
+    )
+    assert "pip install --no-build-isolation" in message and "\n" not in message

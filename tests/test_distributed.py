@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import rank_checks
 import torch
@@ -87,7 +89,7 @@ def test_split_batches_gives_each_rank_a_slice_of_every_batch():
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_ddp_matches_one_process_on_the_concatenated_batches(accumulation):
     results = rank_checks.run_ranks(rank_checks.ddp_training, accumulation)
-    reference = rank_checks.reference_training(accumulation)
+    reference = rank_checks.reference_training(accumulation)["params"]
     for r in (results[0], results[1]):
         assert torch.equal(r["all_params"][0], r["all_params"][1])  # replicas stay identical
         torch.testing.assert_close(r["params"], reference, atol=1e-6, rtol=0)
@@ -95,3 +97,44 @@ def test_ddp_matches_one_process_on_the_concatenated_batches(accumulation):
     if accumulation == 2:  # accumulate() skips the all-reduce on the micro-step before the boundary
         assert not torch.equal(grads[0][0], grads[1][0])
     assert torch.equal(grads[0][accumulation - 1], grads[1][accumulation - 1])
+
+
+@pytest.mark.parametrize(
+    ("zero_stage", "accumulation", "max_grad_norm", "offload"),
+    [
+        (1, 1, None, False),
+        (2, 2, 0.05, False),
+        (3, 1, None, False),
+        (3, 2, 0.05, False),
+        (2, 1, None, True),
+        (3, 2, 0.05, True),
+    ],
+)
+def test_deepspeed_matches_one_process(zero_stage, accumulation, max_grad_norm, offload):
+    """Accumulation, clipping only when asked, a schedule stepped by the loop and CPU offload (of the
+    optimizer; of the parameters too at stage 3), through the engine."""
+    results = rank_checks.run_ranks(
+        rank_checks.deepspeed_training, zero_stage, accumulation, max_grad_norm, offload
+    )
+    reference = rank_checks.reference_training(
+        accumulation, max_grad_norm=max_grad_norm or math.inf, schedule=True
+    )
+    for r in (results[0], results[1]):
+        torch.testing.assert_close(r["params"], reference["params"], atol=1e-6, rtol=0)
+    if max_grad_norm is None:  # DeepSpeed's own default (clip at 1.0) would have changed these steps
+        assert max(reference["norms"]) > 1.0
+    else:  # the engine clipped, and clip_grad_norm_ returns the norm it measured
+        assert max(reference["norms"]) > max_grad_norm
+        torch.testing.assert_close(results[0]["norms"], reference["norms"], atol=1e-5, rtol=1e-5)
+
+
+def test_deepspeed_config_is_generated_from_the_run():
+    result = rank_checks.run_ranks(rank_checks.deepspeed_generated_config)[0]
+    config = result["config"]
+    assert config["train_micro_batch_size_per_gpu"] == 4  # the dataloader's per-rank batch
+    assert config["gradient_accumulation_steps"] == 2  # "auto": the Accelerator's
+    assert config["gradient_clipping"] == 0.0  # no clipping asked for: none (DeepSpeed's default is 1.0)
+    assert config["bf16"] == {"enabled": True} and "fp16" not in config
+    assert config["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 1000}  # the user's kept
+    assert result["user"]["gradient_accumulation_steps"] == "auto"  # the user's dict is not modified
+    assert "in the same call" in result["optimizer_alone"]

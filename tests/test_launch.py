@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import cli_env, metrics_of
 from omegaconf import OmegaConf
 
@@ -76,6 +77,38 @@ def test_fsdp_shards_gpt_blocks_in_bf16_and_saves_full_weights(run_cli):
         **{key: value for key, value in settings.items() if key != "_target_"} | {"vocab_size": vocab_size}
     )
     load_checkpoint_in_model(model, proc.run_dir / "model")  # full, unsharded weights
+
+
+def test_deepspeed_zero3_from_a_users_json_trains_resumes_and_saves_fp32_weights(run_cli, tmp_path):
+    """ZeRO-3 from the user's DeepSpeed JSON ("auto" filled from the run), bf16, engine checkpoints, a
+    resumed rerun, and consolidated fp32 weights that load into a fresh GPT."""
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(
+        '{"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},'
+        ' "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}'
+    )
+    deepspeed = (
+        "hardware=deepspeed",
+        "hardware.num_processes=2",
+        f"hardware.config={ds_config}",
+        "precision=bf16",
+    )
+    proc = run_cli(*deepspeed, "experiment=gpt_sonnets", "trainer.max_steps=10", "trainer.checkpoint_every=5")
+    assert proc.returncode == 0, proc.stderr
+    assert metrics_of(proc)["eval/loss"] < 5.0
+    engine_state = proc.run_dir / "checkpoints" / "checkpoint_1" / "deepspeed" / "state"
+    assert len(list(engine_state.glob("*optim_states.pt"))) == 2  # one partition per rank
+    proc = run_cli(*deepspeed, "experiment=gpt_sonnets", "trainer.max_steps=12")
+    assert proc.returncode == 0, proc.stderr
+    assert "resumed from" in proc.stderr and "at step 10" in proc.stderr
+    settings = OmegaConf.load(proc.run_dir / "resolved_config.yaml").model
+    weights = read_weights(proc.run_dir / "model")
+    assert {tensor.dtype for tensor in weights.values()} == {torch.float32}  # the fp32 master weights
+    model = GPT(
+        **{key: value for key, value in settings.items() if key != "_target_"}
+        | {"vocab_size": weights["tok_emb.weight"].shape[0]}
+    )
+    load_checkpoint_in_model(model, proc.run_dir / "model")
 
 
 def test_multirun_gives_each_job_its_own_rank_group_and_dir(run_cli, tmp_path):

@@ -12,7 +12,7 @@ import rank_checks
 
 pytestmark = pytest.mark.slow
 
-HARDWARE = ["multi_gpu", "fsdp"]
+HARDWARE = ["multi_gpu", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3"]
 TOLERANCE = {"no": 1e-5, "bf16": 2e-2}
 
 

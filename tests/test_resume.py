@@ -105,6 +105,10 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_training(tmp_path):
     cases = {
         ("model.hidden_size=128",): "does not fit this run",
         ("hardware=multi_gpu", "hardware.num_processes=2"): "was written by 1 process(es) and this run has 2",
+        (
+            "hardware=deepspeed",
+            "hardware.num_processes=1",
+        ): "holds 'full' model state and this run's hardware reads 'deepspeed'",
         (f"trainer.resume={tmp_path / 'missing'}",): "no such directory",
         (f"trainer.resume={tmp_path / 'model'}",): "not a checkpoint",
     }

@@ -8,10 +8,11 @@ from runner.environment import launched_environment
 from runner.hardware.base import Strategy
 from runner.hardware.cpu import SingleDevice
 from runner.hardware.ddp import DDP
+from runner.hardware.deepspeed import DeepSpeed
 from runner.hardware.fsdp import FSDP
 from runner.hardware.parallel import ParallelStrategy
 
-__all__ = ["DDP", "FSDP", "ParallelStrategy", "SingleDevice", "Strategy", "default_strategy"]
+__all__ = ["DDP", "FSDP", "DeepSpeed", "ParallelStrategy", "SingleDevice", "Strategy", "default_strategy"]
 
 
 def default_strategy(cpu: bool = False) -> Strategy:

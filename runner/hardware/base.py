@@ -27,6 +27,7 @@ class Strategy(ABC):
 
     num_processes: int = 1
     start_method: str = "spawn"
+    checkpoint_format: str = "full"  # how save_checkpoint writes models and optimizers (see there)
 
     @abstractmethod
     def setup_environment(self) -> ProcessState:
@@ -68,6 +69,24 @@ class Strategy(ABC):
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Point `optimizer` at the parameters `setup_module` left in the model (in place)."""
 
+    def setup_module_and_optimizers(
+        self,
+        module: torch.nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        micro_batch_size: int | None,
+        gradient_accumulation_steps: int,
+    ) -> torch.nn.Module:
+        """Wrap a model together with the optimizers over its parameters, in place for the optimizers.
+
+        `micro_batch_size` (per process, None when no dataloader was prepared) and
+        `gradient_accumulation_steps` are for a backend that builds one engine of all of them (DeepSpeed);
+        by default this is `setup_module`, then `setup_optimizer` for each optimizer.
+        """
+        module = self.setup_module(module)
+        for optimizer in optimizers:
+            self.setup_optimizer(optimizer)
+        return module
+
     def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The model's complete weights (a collective for sharding backends; the main process's count)."""
         return self.unwrap_module(module).state_dict()
@@ -80,13 +99,29 @@ class Strategy(ABC):
         """Skip gradient synchronisation inside this context (gradient accumulation)."""
         return nullcontext()
 
-    def backward(self, loss: torch.Tensor, precision: Precision, **kwargs: Any) -> None:
+    def backward(
+        self, loss: torch.Tensor, precision: Precision, sync_gradients: bool = True, **kwargs: Any
+    ) -> None:
+        """Backpropagate `loss` (already divided by the accumulation steps); `sync_gradients` is False on
+        the micro-steps of an accumulation."""
         precision.backward(loss, **kwargs)
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, precision: Precision, closure: Any = None
+    ) -> bool:
+        """Step `optimizer` (at a synchronisation step); return False when the step was skipped."""
+        return precision.optimizer_step(optimizer, closure)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        optimizer.zero_grad(set_to_none=set_to_none)
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     def save_checkpoint(
         self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], is_main_process: bool

@@ -48,6 +48,8 @@ class FSDP(ParallelStrategy):
     `save_model` gathers the full weights on rank 0.
     """
 
+    checkpoint_format = "sharded"
+
     def __init__(
         self,
         num_processes: int | None = None,

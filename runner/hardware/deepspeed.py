@@ -1,0 +1,354 @@
+"""`hardware=deepspeed`: ZeRO stages 1-3 through a DeepSpeed engine that owns backward and the optimizer
+step."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import logging
+import math
+import os
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from runner.errors import ConfigError
+from runner.hardware.parallel import ParallelStrategy
+from runner.precision import Float16MixedPrecision, MixedPrecision, Precision
+from runner.state import ProcessState
+
+INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation 'deepspeed>=0.16,<0.20'"
+CHECKPOINT_DIR, CHECKPOINT_TAG = "deepspeed", "state"  # inside a save_state directory
+
+
+class DeepSpeed(ParallelStrategy):
+    """Data parallel with ZeRO: optimizer states (stage 1), gradients (2) and parameters (3) partitioned
+    over the ranks by one DeepSpeed engine built from the model and its optimizer.
+
+    The DeepSpeed config is generated from the run: micro batch (the prepared dataloader's per-process
+    batch), gradient accumulation (the Accelerator's), precision (the precision group) and gradient
+    clipping (`gradient_clipping`, which the runner's YAML takes from `trainer.max_grad_norm`; None: none,
+    where DeepSpeed alone would clip to 1.0). A user's own DeepSpeed JSON (`config`) may set anything
+    else; a value of it that contradicts the run must be "auto" or agree, or the run is refused.
+
+    `Accelerator.backward` runs the engine's backward and, at the end of an accumulation, its step (clip,
+    optimizer step, zero grad): the prepared optimizer's `step()`/`zero_grad()` then do nothing, as in
+    Accelerate. Checkpoints are DeepSpeed's (every rank writes its partitions); `save_model` writes the
+    consolidated fp32 weights.
+
+    Args (beyond `ParallelStrategy`'s):
+        zero_stage: 1, 2 or 3; None: the stage of `config`, else 2.
+        offload_optimizer: keep optimizer states (and their fp32 weights) in CPU memory.
+        offload_params: keep parameters in CPU memory (stage 3 only).
+        gradient_clipping: max total gradient norm; None: no clipping.
+        micro_batch_size: per-process batch; None: the first prepared dataloader's (only DeepSpeed's
+            throughput accounting reads it: the loop, not DeepSpeed, feeds the batches).
+        config: a DeepSpeed JSON file, or its contents as a mapping.
+    """
+
+    checkpoint_format = "deepspeed"
+
+    def __init__(
+        self,
+        num_processes: int | None = None,
+        device: str | None = None,
+        backend: str | None = None,
+        timeout_s: float = 1800.0,
+        num_threads: int | None = None,
+        zero_stage: int | None = None,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
+        gradient_clipping: float | None = None,
+        micro_batch_size: int | None = None,
+        config: str | dict[str, Any] | None = None,
+    ) -> None:
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError(f"hardware=deepspeed needs DeepSpeed, which is not installed: run `{INSTALL}`.")
+        super().__init__(num_processes, device, backend, timeout_s, num_threads)
+        self.user_config = _read_user_config(config)
+        for block, group in (("optimizer", "optimizer"), ("scheduler", "scheduler")):
+            if block in self.user_config:
+                raise ConfigError(
+                    f"hardware.config has a {block!r} block: the {block} comes from the `{group}` config group "
+                    f"(a torch {block} the engine steps). Remove the block from the DeepSpeed JSON."
+                )
+        if zero_stage is None:
+            zero_stage = self.user_config.get("zero_optimization", {}).get("stage", 2)
+        if zero_stage not in (1, 2, 3):
+            raise ConfigError(
+                f"hardware.zero_stage={zero_stage}: expected 1 (optimizer states partitioned), 2 (and "
+                "gradients) or 3 (and parameters)."
+            )
+        if offload_params and zero_stage != 3:
+            raise ConfigError(
+                f"hardware.offload_params=true needs hardware.zero_stage=3 (parameters are partitioned "
+                f"only there); this run has zero_stage={zero_stage}."
+            )
+        if gradient_clipping is not None and gradient_clipping <= 0:
+            raise ConfigError(
+                f"hardware.gradient_clipping={gradient_clipping}: must be > 0, or null for no clipping."
+            )
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ConfigError(f"hardware.micro_batch_size={micro_batch_size}: must be >= 1, or null.")
+        self.zero_stage = zero_stage
+        self.offload_optimizer = offload_optimizer
+        self.offload_params = offload_params
+        self.gradient_clipping = gradient_clipping
+        self.micro_batch_size = micro_batch_size
+        self.precision_config: dict[str, Any] = {}
+        self.config: dict[str, Any] = {}  # what the engine was built with
+        self.engine: Any = None
+        _check_agreement(self.user_config, self._settings_from_yaml(), "hardware.config")
+
+    def _settings_from_yaml(self) -> dict[str, Any]:
+        zero: dict[str, Any] = {"stage": self.zero_stage}
+        if self.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        if self.offload_params:
+            zero["offload_param"] = {"device": "cpu"}
+        return {"zero_optimization": zero, "gradient_clipping": self.gradient_clipping or 0.0}
+
+    def setup_precision(self, precision: Precision) -> Precision:
+        """DeepSpeed keeps fp32 master weights and casts the model itself (`bf16`/`fp16` blocks); the
+        forward still runs under autocast, so fp32 inputs meet low-precision weights safely."""
+        if not isinstance(precision, MixedPrecision):
+            self.precision_config = {}
+        elif precision.mixed_precision == "bf16":
+            self.precision_config = {"bf16": {"enabled": True}}
+        elif self.device_type == "cpu":
+            raise ConfigError(
+                "precision=fp16 with hardware=deepspeed on the CPU: DeepSpeed cannot train in fp16 there. "
+                "Use precision=bf16 or precision=fp32, or run on GPUs."
+            )
+        else:
+            self.precision_config = {"fp16": _loss_scaling(precision)}
+            precision = MixedPrecision("float16")  # autocast only: the engine scales the loss
+        _check_agreement(
+            self.user_config,
+            {
+                "bf16": {"enabled": "bf16" in self.precision_config},
+                "fp16": {"enabled": "fp16" in self.precision_config},
+            },
+            "hardware.config",
+            "the precision group",
+        )
+        return precision
+
+    def setup_environment(self) -> ProcessState:
+        os.environ.setdefault("DS_ACCELERATOR", self.device_type)
+        state = super().setup_environment()
+        import deepspeed
+        import deepspeed.ops
+
+        # On the CPU, DeepSpeed would JIT-compile a shared-memory all-reduce (a minute, or a crash
+        # without a compiler); the process group's own collectives are what we want.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        warnings.filterwarnings(
+            "ignore", message=r".*`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+        )
+        deepspeed.init_distributed(dist_backend=self.backend, timeout=self.timeout)
+        return state
+
+    def deepspeed_config(
+        self, micro_batch_size: int | None, gradient_accumulation_steps: int
+    ) -> dict[str, Any]:
+        """The config the engine is built with: the user's JSON with the run's settings filled in."""
+        run = {
+            "train_micro_batch_size_per_gpu": self.micro_batch_size or micro_batch_size or 1,
+            "gradient_accumulation_steps": gradient_accumulation_steps,
+            **self.precision_config,
+            **self._settings_from_yaml(),
+        }
+        _check_agreement(self.user_config, run, "hardware.config", "the run's settings")
+        global_batch = (
+            run["train_micro_batch_size_per_gpu"] * gradient_accumulation_steps * dist.get_world_size()
+        )
+        _check_agreement(
+            self.user_config, {"train_batch_size": global_batch}, "hardware.config", "the run's settings"
+        )
+        config = _fill(copy.deepcopy(self.user_config), run)
+        config.pop("train_batch_size", None)  # DeepSpeed derives it: micro batch x accumulation x ranks
+        config.setdefault("steps_per_print", 2**62)  # the runner logs progress itself
+        config.setdefault("zero_allow_untested_optimizer", True)  # any torch optimizer the user configured
+        if config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none":
+            config.setdefault("zero_force_ds_cpu_optimizer", False)  # offload the user's optimizer, as it is
+        return config
+
+    def setup_module_and_optimizers(
+        self,
+        module: torch.nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        micro_batch_size: int | None,
+        gradient_accumulation_steps: int,
+    ) -> torch.nn.Module:
+        import deepspeed
+
+        if self.engine is not None:
+            raise ValueError("hardware=deepspeed trains one model per Accelerator: prepare a single model.")
+        if len(optimizers) > 1:
+            raise ValueError("hardware=deepspeed steps one optimizer per model: prepare a single optimizer.")
+        self.config = self.deepspeed_config(micro_batch_size, gradient_accumulation_steps)
+        self.engine, *_ = deepspeed.initialize(
+            model=module,
+            optimizer=optimizers[0] if optimizers else None,
+            config=self.config,
+            dist_init_required=False,
+        )
+        return self.engine
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        raise ValueError(
+            "hardware=deepspeed builds one engine of the model and its optimizer: prepare them in the same "
+            "call, `model, optimizer = accelerator.prepare(model, optimizer)`."
+        )
+
+    def unwrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.module if module is self.engine else module
+
+    def backward(
+        self, loss: torch.Tensor, precision: Precision, sync_gradients: bool = True, **kwargs: Any
+    ) -> None:
+        self.engine.set_gradient_accumulation_boundary(sync_gradients)
+        self.engine.backward(loss, scale_wrt_gas=False, **kwargs)  # the Accelerator divided the loss
+        if sync_gradients:
+            self.engine.step()
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, precision: Precision, closure: Any = None
+    ) -> bool:
+        """The engine stepped in `backward`: report whether it applied the update (not an fp16 overflow)."""
+        if closure is not None:
+            raise ValueError("hardware=deepspeed cannot step an optimizer with a closure.")
+        return self.engine.was_step_applied()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        """The engine zeroes the gradients after its step."""
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """The engine clipped inside its step at `gradient_clipping`; return the norm it measured."""
+        if norm_type != 2.0 or max_norm != self.gradient_clipping:
+            raise ConfigError(
+                f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}) with hardware=deepspeed: the "
+                f"engine clips the 2-norm at hardware.gradient_clipping={self.gradient_clipping}. Set "
+                "hardware.gradient_clipping to the same value (the runner's YAML takes trainer.max_grad_norm)."
+            )
+        norm = self.engine.get_global_grad_norm()
+        return torch.tensor(float("nan") if norm is None else float(norm))
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        raise ConfigError(
+            "clip_grad_value_ with hardware=deepspeed: the engine clips by norm only, inside its step. "
+            "Use clip_grad_norm_ with hardware.gradient_clipping."
+        )
+
+    def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The fp32 weights assembled from every rank's partition (a collective): DeepSpeed's fp32 master
+        copy of each trained parameter, the module's own value of the others, buffers as they are."""
+        import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        full: dict[int, torch.Tensor] = {}  # by parameter: tied weights stay one tensor
+        state: dict[str, torch.Tensor] = {}
+        for name, tensor in self.unwrap_module(module).state_dict(keep_vars=True).items():
+            if id(tensor) not in full:
+                value = safe_get_full_fp32_param(tensor) if _has_fp32_master(tensor) else None
+                if value is None:
+                    with deepspeed.zero.GatheredParameters([tensor], enabled=hasattr(tensor, "ds_id")):
+                        value = tensor.detach().clone()
+                full[id(tensor)] = value.float().cpu() if value.is_floating_point() else value.cpu()
+            state[name] = full[id(tensor)]
+        return state
+
+    def save_checkpoint(
+        self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], is_main_process: bool
+    ) -> None:
+        """Every rank writes its partitions through the engine (`deepspeed/state/`)."""
+        self.engine.save_checkpoint(str(directory / CHECKPOINT_DIR), tag=CHECKPOINT_TAG, save_latest=False)
+
+    def load_checkpoint(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
+        try:
+            loaded, _ = self.engine.load_checkpoint(
+                str(directory / CHECKPOINT_DIR),
+                tag=CHECKPOINT_TAG,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,
+            )
+        except (AssertionError, FileNotFoundError):  # DeepSpeed asserts that its files exist
+            loaded = None
+        if loaded is None:  # or it logs a warning and carries on untouched
+            raise ConfigError(
+                f"{directory} has no complete DeepSpeed state in {CHECKPOINT_DIR}/{CHECKPOINT_TAG}. Resume from "
+                "another checkpoint, or start fresh with trainer.resume=null."
+            )
+
+
+def _has_fp32_master(tensor: torch.Tensor) -> bool:
+    """Whether DeepSpeed's optimizer keeps an fp32 copy of `tensor` (a trained parameter)."""
+    return getattr(tensor, "_z3_optimizer", None) is not None or hasattr(tensor, "_hp_mapping")
+
+
+def _read_user_config(config: str | dict[str, Any] | None) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, DictConfig):  # written inline in YAML
+        return OmegaConf.to_container(config, resolve=True)
+    if not isinstance(config, str):
+        return copy.deepcopy(dict(config))
+    try:
+        loaded = json.loads(Path(config).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"hardware.config={config!r}: not a readable DeepSpeed JSON file ({err}).") from err
+    if not isinstance(loaded, dict):
+        raise ConfigError(
+            f"hardware.config={config!r}: a DeepSpeed config is a JSON object, not {type(loaded).__name__}."
+        )
+    return loaded
+
+
+def _loss_scaling(precision: MixedPrecision) -> dict[str, Any]:
+    """DeepSpeed's dynamic loss scaling from the fp16 group's settings (it doubles and halves only)."""
+    scaler = precision.scaler_kwargs if isinstance(precision, Float16MixedPrecision) else {}
+    if scaler.get("growth_factor", 2.0) != 2.0 or scaler.get("backoff_factor", 0.5) != 0.5:
+        raise ConfigError(
+            "precision.growth_factor/backoff_factor with hardware=deepspeed: DeepSpeed's loss scale only "
+            "doubles and halves. Leave them at 2.0 and 0.5."
+        )
+    return {
+        "enabled": True,
+        "loss_scale": 0,  # dynamic
+        "initial_scale_power": int(math.log2(scaler.get("init_scale", 2.0**16))),
+        "loss_scale_window": scaler.get("growth_interval", 2000),
+        "hysteresis": 1,
+    }
+
+
+def _check_agreement(user: dict[str, Any], run: dict[str, Any], source: str, by: str = "hardware.*") -> None:
+    """Refuse a user's config value that contradicts the run's (None in `run`: the run does not care)."""
+    for key, ours in run.items():
+        theirs = user.get(key, "auto")
+        if isinstance(ours, dict) and isinstance(theirs, dict):
+            _check_agreement(theirs, ours, f"{source}.{key}", by)
+        elif theirs != "auto" and ours is not None and theirs != ours:
+            raise ConfigError(
+                f'{source}.{key}={theirs!r} contradicts {by}, which give {ours!r}. Set it to "auto" (or '
+                f"remove it) to take the run's value, or change the run's setting."
+            )
+
+
+def _fill(user: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """`user` with every "auto" or missing value taken from `run` (nested)."""
+    for key, ours in run.items():
+        if isinstance(ours, dict) and isinstance(user.get(key), dict):
+            _fill(user[key], ours)
+        elif user.get(key, "auto") == "auto":
+            user[key] = ours
+    return user
