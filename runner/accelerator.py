@@ -49,6 +49,7 @@ from runner.optimizer import AcceleratedOptimizer
 from runner.precision import Precision
 from runner.scheduler import AcceleratedScheduler
 from runner.state import GradientState
+from runner.trackers import BlankTracker, Tracker, tracker_from_name
 
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
 
@@ -78,6 +79,8 @@ class Accelerator:
             several ranks (torchrun, srun), else one process on CUDA when available, else the CPU.
         project_dir: shorthand for `ProjectConfiguration(project_dir=...)`.
         project_config: where `save_state()` without a directory writes, and how it names checkpoints.
+        log_with: trackers ("mlflow", "all", or `runner.trackers.Tracker` objects) that `init_trackers`
+            starts and `log` writes to, on the main process only.
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class Accelerator:
         strategy: Strategy | None = None,
         project_dir: str | None = None,
         project_config: ProjectConfiguration | None = None,
+        log_with: str | Tracker | list[str | Tracker] | None = None,
     ) -> None:
         if gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}.")
@@ -124,6 +128,9 @@ class Accelerator:
         self._micro_batch_size: int | None = None  # per process, of the first prepared dataloader
         self._custom_objects: list[Any] = []
         self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
+        entries = log_with if isinstance(log_with, list) else [] if log_with is None else [log_with]
+        self.log_with = [tracker_from_name(e) if isinstance(e, str) else e for e in entries]
+        self.trackers: list[Tracker] = []
 
     # ----------------------------------------------------------------------------------- process info
     @property
@@ -649,6 +656,44 @@ class Accelerator:
         result is complete on the main process."""
         return self.strategy.full_state_dict(model) if unwrap else model.state_dict()
 
+    # --------------------------------------------------------------------------------------- tracking
+    def init_trackers(
+        self,
+        project_name: str,
+        config: dict[str, Any] | None = None,
+        init_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """Start the `log_with` trackers on the main process (local files under `project_dir`) and record
+        `config` as the run's parameters; `init_kwargs={"mlflow": {"tags": {...}}}` adds run tags."""
+        if not self.is_main_process:
+            return
+        for tracker in self.log_with:
+            tracker.start(
+                project_name, logging_dir=self.project_dir, **(init_kwargs or {}).get(tracker.name, {})
+            )
+            if config is not None:
+                tracker.store_init_configuration(config)
+            self.trackers.append(tracker)
+
+    def log(
+        self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None
+    ) -> None:
+        """Record scalar `values` at `step` with every started tracker (nothing on other processes)."""
+        for tracker in self.trackers:
+            tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The started tracker called `name` (its client object with `unwrap`); a tracker whose calls do
+        nothing on processes that run none."""
+        if not self.trackers:
+            return BlankTracker()
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker.tracker if unwrap else tracker
+        raise ValueError(
+            f"{name!r} is not a tracker of this Accelerator; it has {[t.name for t in self.trackers]}."
+        )
+
     # ------------------------------------------------------------------------------------------- misc
     def free_memory(self, *objects: Any) -> list[None]:
         """Drop the references held to prepared objects, collect garbage, empty the device cache."""
@@ -666,5 +711,8 @@ class Accelerator:
     clear = free_memory
 
     def end_training(self) -> None:
-        """Release the process group and other resources of the strategy."""
+        """Close the trackers' runs, then release the process group and the strategy's other resources."""
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers.clear()
         self.strategy.teardown()

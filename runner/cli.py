@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import json
 import logging
 import os
 import shutil
@@ -17,6 +18,7 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, InstantiationException
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -35,8 +37,9 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> dict[str, float] | None:
-    """One job: validate, then the launcher runs its ranks; rank 0's metrics go to Hydra's sweepers."""
+def main(cfg: DictConfig) -> float | dict[str, float]:
+    """One job: validate, then the launcher runs its ranks. Rank 0's final metrics are written to
+    `metrics.json` in the job's dir; `trainer.objective` among them is what Hydra's sweepers get."""
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     try:
@@ -48,6 +51,9 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
                 check_checkpoint_fits(
                     checkpoint, launcher.world_size(cfg), instantiate(cfg.hardware).checkpoint_format
                 )
+        if hydra_cfg.mode == RunMode.MULTIRUN and cfg.tracker._target_ and not cfg.tracker.parent_run_id:
+            # One parent run per sweep; each job's run is its child.
+            cfg.tracker.parent_run_id = instantiate(cfg.tracker).parent_for_sweep(Path(hydra_cfg.sweep.dir))
         job = Job(
             cfg=_resolved(cfg),
             output_dir=output_dir,
@@ -65,7 +71,19 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
         log.warning("Training interrupted: %s", err)
         sys.exit(EXIT_INTERRUPTED)
     log.info("final metrics (output dir %s):\n%s", output_dir, _table(metrics))
-    return metrics
+    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    objective = cfg.trainer.objective
+    if objective is None:
+        return metrics
+    if objective not in metrics:
+        log.error(
+            "Configuration error: trainer.objective=%s is not among the final metrics (%s). Name one of those, "
+            "or null to return them all.",
+            objective,
+            ", ".join(metrics),
+        )
+        sys.exit(2)
+    return metrics[objective]
 
 
 def run() -> None:

@@ -30,6 +30,7 @@ class TrainerConfig:
     keep_checkpoints: int | None = 2  # newest checkpoints kept; null: all
     resume: str | None = "auto"  # auto: the output dir's latest checkpoint, if any | a checkpoint dir | null
     save_model: bool = True  # write the final weights to <output dir>/model
+    objective: str | None = "eval/loss"  # the metric the Hydra main returns to sweepers; null: all metrics
 
 
 @dataclass
@@ -108,6 +109,22 @@ class LocalLauncherConfig(LauncherConfig):
 
 
 @dataclass
+class TrackerConfig:
+    _target_: str | None = None  # null: no tracking (tracker=none)
+
+
+@dataclass
+class MLflowTrackerConfig(TrackerConfig):
+    experiment_name: str = "runner"
+    uri: str | None = None  # null: $MLFLOW_TRACKING_URI, else sqlite in ./outputs/mlflow.db
+    run_name: str | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+    parent_run_id: str | None = None  # set by the runner for the jobs of a sweep
+    log_model: bool = False
+    finish_timeout_s: float = 120.0
+
+
+@dataclass
 class RunConfig:
     """The composed config: `model`, `data`, `task`, `optimizer` and `scheduler` are free-form `_target_`
     nodes; the groups the runner reads are typed."""
@@ -121,12 +138,14 @@ class RunConfig:
     hardware: HardwareConfig = MISSING
     precision: PrecisionConfig = MISSING
     launcher: LauncherConfig = MISSING
+    tracker: TrackerConfig = MISSING
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
     "hardware": {"cpu": CPUConfig, "multi_gpu": DDPConfig, "fsdp": FSDPConfig, "deepspeed": DeepSpeedConfig},
     "precision": {"fp32": PrecisionConfig, "bf16": MixedPrecisionConfig, "fp16": Float16Config},
     "launcher": {"local": LocalLauncherConfig},
+    "tracker": {"mlflow": MLflowTrackerConfig, "none": TrackerConfig},
 }
 
 

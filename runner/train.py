@@ -56,6 +56,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     at the next logging step (every `trainer.log_every` steps) and raise `TrainingInterrupted`.
     """
     trainer = cfg.trainer
+    tracker = instantiate(cfg.tracker) if cfg.tracker._target_ else None
     accelerator = Accelerator(
         strategy=instantiate(cfg.hardware),
         mixed_precision=instantiate(cfg.precision),
@@ -63,6 +64,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         project_config=ProjectConfiguration(
             automatic_checkpoint_naming=True, total_limit=trainer.keep_checkpoints
         ),
+        log_with=tracker,
     )
     # Under torchrun or srun each rank ran Hydra itself: the job's dir is rank 0's.
     output_dir = Path(accelerator.broadcast_object_list([str(output_dir)])[0])
@@ -98,6 +100,17 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         )
     if accelerator.is_main_process:
         (output_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if tracker is not None:
+        run_tags = {
+            "hardware": type(accelerator.strategy).__name__,
+            "precision": accelerator.mixed_precision,
+            "world_size": accelerator.num_processes,
+        }
+        accelerator.init_trackers(
+            cfg.tracker.experiment_name,
+            config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+            init_kwargs={tracker.name: {"tags": run_tags}},
+        )
     log.info(
         "training %s (%.2fM parameters) for %d steps on %s, %d process(es), precision %s",
         type(accelerator.unwrap_model(model)).__name__,
@@ -148,9 +161,14 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
                     done.window_loss.zero_()
                     done.window_batches = 0
                     progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+                    accelerator.log(
+                        {"train/loss": metrics["train/loss"], "train/lr": metrics["train/lr"]}, step=done.step
+                    )
                     log.debug("step %d: %s", done.step, _fmt(metrics))
                 if done.step == total_steps or (trainer.eval_every and done.step % trainer.eval_every == 0):
-                    metrics.update(evaluate(accelerator, model, task, eval_loader))
+                    evaluated = evaluate(accelerator, model, task, eval_loader)
+                    metrics.update(evaluated)
+                    accelerator.log(evaluated, step=done.step)
                     log.info("step %d/%d: %s", done.step, total_steps, _fmt(metrics))
                 if trainer.checkpoint_every and done.step % trainer.checkpoint_every == 0:
                     log.info("checkpoint %s", accelerator.save_state())
@@ -174,6 +192,11 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         metrics.update(evaluate(accelerator, model, task, eval_loader))
     if trainer.save_model:
         accelerator.save_model(model, str(output_dir / "model"))
+    for run_tracker in accelerator.trackers:  # the main process's
+        for artifact in (output_dir / "resolved_config.yaml", *output_dir.glob("*.log")):  # and Hydra's log
+            run_tracker.log_artifact(str(artifact))
+        if run_tracker.log_model and trainer.save_model:
+            run_tracker.log_artifact(str(output_dir / "model"), "model")
     accelerator.end_training()
     return metrics
 

@@ -14,9 +14,20 @@ from omegaconf import DictConfig, OmegaConf
 from runner.errors import ConfigError
 
 # Nodes with a dataclass schema (runner/config.py).
-TYPED_NODES = ("trainer", "hardware", "precision", "launcher")
+TYPED_NODES = ("trainer", "hardware", "precision", "launcher", "tracker")
 # Nodes the runner instantiates, in the order they are reported.
-TARGET_NODES = ("hardware", "precision", "launcher", "model", "data", "task", "optimizer", "scheduler")
+TARGET_NODES = (
+    "hardware",
+    "precision",
+    "launcher",
+    "tracker",
+    "model",
+    "data",
+    "task",
+    "optimizer",
+    "scheduler",
+)
+OPTIONAL_NODES = ("tracker",)  # `_target_: null` turns them off
 # Nodes cheap to build in the launching process; building them checks their values (devices, files).
 BUILT_NODES = ("hardware", "launcher", "data")
 _HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
@@ -59,6 +70,8 @@ def _target_problems(cfg: DictConfig) -> list[str]:
     problems = []
     for node in TARGET_NODES:
         target = cfg[node].get("_target_")
+        if target is None and node in OPTIONAL_NODES:
+            continue
         try:
             obj = locate(target)
         except ImportError as err:

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,8 +39,10 @@ def run_cli(tmp_path):
 
 
 def cli_env(pythonpath: Path | None = None) -> dict[str, str]:
-    """The environment for a `python -m runner` subprocess; `pythonpath` adds a dir of test modules."""
+    """The environment for a `python -m runner` subprocess; `pythonpath` adds a dir of test modules.
+    Runs without a `tracker.uri` track to the session's shared MLflow store."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"PYTHONUNBUFFERED": "1"}
+    env.setdefault("MLFLOW_TRACKING_URI", shared_mlflow_store())
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
     return env
@@ -46,3 +52,15 @@ def metrics_of(proc: subprocess.CompletedProcess) -> dict[str, float]:
     """The final metrics table that `python -m runner` logs."""
     lines = proc.stderr.split("final metrics")[1].splitlines()[1:]
     return {name: float(value) for name, value in (line.split() for line in lines if line.startswith("  "))}
+
+
+@functools.cache
+def shared_mlflow_store() -> str:
+    """One local MLflow store for the session's runs: its tables are created once, not in each test's
+    fresh working directory (seconds each)."""
+    store = Path(tempfile.mkdtemp(prefix="runner-mlflow-"))
+    atexit.register(shutil.rmtree, store, ignore_errors=True)
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    create = f"from mlflow import MlflowClient; MlflowClient({uri!r}).search_experiments()"
+    subprocess.run([sys.executable, "-c", create], check=True, capture_output=True)
+    return uri

@@ -117,7 +117,9 @@ def test_multirun_gives_each_job_its_own_rank_group_and_dir(run_cli, tmp_path):
         *TWO_RANKS, "optimizer.lr=1e-3,1e-2", "trainer.max_steps=10", f"hydra.sweep.dir={sweep}", "-m"
     )
     assert proc.returncode == 0, proc.stderr
-    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    jobs = sorted(
+        p.name for p in sweep.iterdir() if p.is_dir() and p.name != "tracking"
+    )  # the sweep's parent run
     assert jobs == ["0", "1"]
     for job, lr in zip(jobs, ("0.001", "0.01"), strict=True):
         assert f"lr: {lr}" in (sweep / job / "resolved_config.yaml").read_text()

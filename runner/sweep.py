@@ -1,0 +1,123 @@
+"""After a multirun (`python -m runner -m ...`): the swept values against each job's final metrics,
+printed and saved in the sweep's dir as `summary.csv` and `summary.png`; the sweep's parent run (one
+per sweep in the tracker) gets both and is closed."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("runner")
+
+
+@dataclass
+class JobResult:
+    name: str  # its dir in the sweep
+    overrides: dict[str, str]
+    metrics: dict[str, float]
+
+
+class SweepSummary(Callback):
+    """Hydra callback (registered in `conf/config.yaml`)."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        jobs = read_jobs(sweep_dir)
+        if not jobs:
+            return
+        swept = swept_keys(jobs)
+        metrics = sorted({name for job in jobs for name in job.metrics})
+        rows = [
+            [job.name, *(job.overrides.get(k, "") for k in swept), *(job.metrics.get(m) for m in metrics)]
+            for job in jobs
+        ]
+        header = ["job", *swept, *metrics]
+        with open(sweep_dir / "summary.csv", "w", newline="") as f:
+            csv.writer(f).writerows([header, *rows])
+        plot(jobs, swept, metrics, sweep_dir / "summary.png")
+        log.info("sweep summary (%s):\n%s", sweep_dir, format_table(header, rows))
+        if config.tracker.get("_target_"):
+            instantiate(config.tracker).end_sweep(
+                sweep_dir, [sweep_dir / "summary.csv", sweep_dir / "summary.png"]
+            )
+
+
+def read_jobs(sweep_dir: Path) -> list[JobResult]:
+    """The jobs of the sweep that finished (their dir holds `metrics.json`), in job order."""
+    jobs = []
+    for metrics_file in sweep_dir.glob("*/metrics.json"):
+        job_dir = metrics_file.parent
+        overrides = OmegaConf.load(job_dir / ".hydra" / "overrides.yaml")
+        jobs.append(
+            JobResult(
+                name=job_dir.name,
+                overrides=dict(str(o).split("=", 1) for o in overrides if "=" in str(o)),
+                metrics=json.loads(metrics_file.read_text()),
+            )
+        )
+    return sorted(
+        jobs, key=lambda job: (not job.name.isdigit(), int(job.name) if job.name.isdigit() else job.name)
+    )
+
+
+def swept_keys(jobs: list[JobResult]) -> list[str]:
+    """The overrides whose values differ between jobs (all of them for a one-job sweep)."""
+    keys = list(dict.fromkeys(k for job in jobs for k in job.overrides))
+    differing = [k for k in keys if len({job.overrides.get(k) for job in jobs}) > 1]
+    return differing or keys
+
+
+def format_table(header: list[str], rows: list[list[Any]]) -> str:
+    cells = [header, *[[_cell(v) for v in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells)
+
+
+def _cell(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else "" if value is None else str(value)
+
+
+def plot(jobs: list[JobResult], swept: list[str], metrics: list[str], path: Path) -> None:
+    """One panel per metric: against the swept value when a single numeric value was swept, else one bar
+    per job."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    numeric = len(swept) == 1 and all(_is_number(job.overrides.get(swept[0])) for job in jobs)
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(7, 2.6 * len(metrics)), squeeze=False)
+    for ax, metric in zip(axes[:, 0], metrics, strict=True):
+        done = [job for job in jobs if metric in job.metrics]
+        values = [job.metrics[metric] for job in done]
+        if numeric:
+            xs = [float(job.overrides[swept[0]]) for job in done]
+            order = sorted(range(len(xs)), key=xs.__getitem__)
+            ax.plot([xs[i] for i in order], [values[i] for i in order], marker="o")
+            if min(xs) > 0 and max(xs) / min(xs) > 100:
+                ax.set_xscale("log")
+            ax.set_xlabel(swept[0])
+        else:
+            labels = [", ".join(f"{k}={job.overrides.get(k, '')}" for k in swept) for job in done]
+            ax.barh(range(len(done)), values)
+            ax.set_yticks(range(len(done)), labels, fontsize=7)
+        ax.set_title(metric, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _is_number(value: str | None) -> bool:
+    try:
+        return value is not None and math.isfinite(float(value))
+    except ValueError:
+        return False

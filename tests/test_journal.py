@@ -1,0 +1,26 @@
+"""The tracking journal: records survive the process, delivery is remembered, a torn last line is dropped."""
+
+from __future__ import annotations
+
+from runner.trackers.journal import EVENTS, Journal
+
+
+def test_events_and_delivery_survive_a_restart(tmp_path):
+    journal = Journal(tmp_path)
+    for step in range(3):
+        assert journal.append({"op": "metrics", "step": step}) == step
+    journal.mark_delivered(1, "run-1")
+    again = Journal(tmp_path)
+    assert [event["step"] for event in again.events] == [0, 1, 2]
+    assert again.state == {"run_id": "run-1", "delivered": 1} and again.pending == 2
+
+
+def test_a_line_cut_short_by_a_kill_is_dropped(tmp_path):
+    journal = Journal(tmp_path)
+    journal.append({"op": "start"})
+    with open(tmp_path / EVENTS, "a") as f:
+        f.write('{"op": "metr')  # the writer died here
+    again = Journal(tmp_path)
+    assert again.events == [{"op": "start"}]
+    again.append({"op": "end"})
+    assert [event["op"] for event in Journal(tmp_path).events] == ["start", "end"]

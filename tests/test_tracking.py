@@ -1,0 +1,245 @@
+"""MLflow tracking against a real `mlflow server` on 127.0.0.1 and the local default store, read back
+with `MlflowClient`; a server that goes away mid-run loses no metric."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import rank_checks
+from conftest import cli_env
+from mlflow import MlflowClient
+from omegaconf import OmegaConf
+
+pytestmark = pytest.mark.slow
+
+TRAIN = ("trainer.max_steps=30", "trainer.log_every=5", "trainer.eval_every=10")
+
+
+class Server:
+    """`mlflow server` with a sqlite backend and served artifacts, on a free port of 127.0.0.1."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        command = [
+            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+            "--backend-store-uri", f"sqlite:///{self.directory / 'mlflow.db'}",
+            "--artifacts-destination", str(self.directory / "artifacts"), "--workers", "1",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            command, cwd=self.directory, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            assert self.proc.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for the module's tests (a server takes seconds to start)."""
+    server = Server(tmp_path_factory.mktemp("server"))
+    server.start()
+    yield server
+    server.stop()
+
+
+def run_id_of(run_dir: Path) -> str:
+    return json.loads((run_dir / "tracking" / "delivered.json").read_text())["run_id"]
+
+
+def test_a_two_rank_run_logs_params_tags_metrics_and_artifacts_to_a_server(run_cli, server, tmp_path):
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(
+        ["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-m", "x"],
+        cwd=tmp_path,
+        check=True,
+    )
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True
+    ).stdout.strip()
+    proc = run_cli(
+        *TRAIN, "hardware=multi_gpu", "hardware.num_processes=2", f"tracker.uri={server.uri}",
+        "tracker.log_model=true", "tracker.experiment_name=served", "+tracker.tags.team=vision",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    client = MlflowClient(server.uri)
+    run = client.get_run(run_id_of(proc.run_dir))
+    assert run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "served"
+    assert run.data.params["trainer.max_steps"] == "30" and run.data.params["optimizer.lr"] == "0.001"
+    tags = run.data.tags
+    assert tags["git_commit"] == commit and tags["world_size"] == "2" and tags["hardware"] == "DDP"
+    assert tags["precision"] == "no" and tags["team"] == "vision" and tags["host"] == socket.gethostname()
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [
+        5,
+        10,
+        15,
+        20,
+        25,
+        30,
+    ]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/loss")] == [10, 20, 30]
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"resolved_config.yaml", "runner.log", "model"} <= artifacts
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "model")] == ["model/model.safetensors"]
+    assert len(client.search_runs([run.info.experiment_id])) == 1  # rank 1 logged nothing
+
+
+def test_the_default_store_is_local_inside_outputs(tmp_path):
+    env = cli_env()
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", *TRAIN, "trainer.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    run = client.get_run(run_id_of(tmp_path / "run"))
+    assert run.data.metrics["eval/loss"] < 0.5
+    assert run.info.artifact_uri.startswith(str(tmp_path / "outputs" / "mlartifacts"))
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"resolved_config.yaml", "runner.log"}
+
+
+def test_tracker_none_tracks_nothing(run_cli):
+    proc = run_cli(*TRAIN, "tracker=none")
+    assert proc.returncode == 0, proc.stderr
+    assert not (proc.run_dir / "tracking").exists()
+
+
+def test_a_server_that_dies_mid_run_loses_no_metric(tmp_path):
+    server = Server(tmp_path / "server")
+    server.directory.mkdir()
+    server.start()
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "runner", f"hydra.run.dir={run_dir}", "trainer.progress_bar=false",
+        f"tracker.uri={server.uri}", "trainer.max_steps=3000", "trainer.log_every=10", "trainer.eval_every=1000",
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=tmp_path, env=cli_env(), stderr=subprocess.PIPE, text=True)
+    delivered = run_dir / "tracking" / "delivered.json"
+    deadline = time.monotonic() + 120
+    while not (
+        delivered.exists() and json.loads(delivered.read_text())["delivered"] >= 3
+    ):  # run, params, metrics
+        assert proc.poll() is None and time.monotonic() < deadline, "nothing reached the server"
+        time.sleep(0.05)
+    server.stop()
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr  # training went on
+    assert stderr.count("MLflow at") == 1 and "python -m runner.trackers.upload" in stderr  # one warning
+    server.start()  # the same store, back up
+    upload = subprocess.run(
+        [sys.executable, "-m", "runner.trackers.upload", str(run_dir)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert upload.returncode == 0, upload.stderr
+    client = MlflowClient(server.uri)
+    run = client.get_run(run_id_of(run_dir))
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert steps == list(range(10, 3001, 10))  # every logged step, once
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/loss")] == [1000, 2000, 3000]
+    assert run.info.status == "FINISHED"
+    again = subprocess.run(
+        [sys.executable, "-m", "runner.trackers.upload", str(run_dir)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+    )
+    server.stop()
+    assert again.returncode == 0 and "nothing to upload" in again.stdout
+
+
+def test_only_the_main_process_tracks(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    results = rank_checks.run_ranks(rank_checks.tracking_from_two_ranks, str(tmp_path))
+    assert results[1] == {"run_id": None, "tracker": "BlankTracker"}
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    run = client.get_run(results[0]["run_id"])
+    assert run.data.params == {"lr": "0.1", "model.width": "8"}
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "loss")] == [1.0, 0.5, 1 / 3]
+    assert run.data.metrics["rank"] == 0.0
+
+
+def test_a_sweep_is_one_parent_run_with_a_child_per_job_and_a_summary(run_cli, server, tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli(
+        *TRAIN, f"tracker.uri={server.uri}", "optimizer.lr=1e-3,1e-2", f"hydra.sweep.dir={sweep}", "-m"
+    )
+    assert proc.returncode == 0, proc.stderr
+    client = MlflowClient(server.uri)
+    parent = client.get_run(json.loads((sweep / "tracking" / "parent.json").read_text())["run_id"])
+    assert parent.info.status == "FINISHED"
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"summary.csv", "summary.png"}
+    children = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    assert sorted(run.data.params["optimizer.lr"] for run in children) == ["0.001", "0.01"]
+    rows = list(csv.DictReader((sweep / "summary.csv").open()))
+    for job, row in enumerate(rows):
+        metrics = json.loads((sweep / str(job) / "metrics.json").read_text())
+        assert row["job"] == str(job) and float(row["eval/loss"]) == metrics["eval/loss"]
+    assert [row["optimizer.lr"] for row in rows] == ["0.001", "0.01"]
+    assert (sweep / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "sweep summary" in proc.stdout + proc.stderr  # printed
+
+
+def test_the_objective_drives_an_optuna_sweep(run_cli, tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli(
+        "trainer.max_steps=20", "tracker=none", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=4",
+        "hydra.sweeper.sampler.seed=0", "optimizer.lr=interval(0.0001,0.1)", f"hydra.sweep.dir={sweep}", "-m",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    trials = {
+        float(OmegaConf.load(job / ".hydra" / "overrides.yaml")[0].split("=")[1]): json.loads(
+            (job / "metrics.json").read_text()
+        )["eval/loss"]
+        for job in sweep.glob("[0-9]*")
+    }
+    assert len(trials) == 4
+    best = OmegaConf.load(sweep / "optimization_results.yaml")
+    assert best.best_value == min(trials.values())
+    assert trials[best.best_params["optimizer.lr"]] == best.best_value
+
+
+def test_a_server_that_is_not_there_costs_one_warning_and_keeps_everything(run_cli):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    proc = run_cli(*TRAIN, f"tracker.uri=http://127.0.0.1:{closed}", "tracker.finish_timeout_s=60")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("MLflow at") == 1 and "python -m runner.trackers.upload" in proc.stderr
+    events = (proc.run_dir / "tracking" / "events.jsonl").read_text().splitlines()
+    assert [json.loads(line)["op"] for line in events].count(
+        "metrics"
+    ) == 6 + 3  # train every 5, eval every 10
+    assert not (proc.run_dir / "tracking" / "delivered.json").exists()  # nothing was sent
