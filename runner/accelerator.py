@@ -7,6 +7,7 @@ Every call is forwarded once to the injected `Strategy` (process group, wrapping
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from functools import partial, wraps
@@ -66,7 +67,8 @@ class Accelerator:
     """Prepares models, optimizers, dataloaders and schedulers, and runs the training step around them.
 
     Args:
-        mixed_precision: "no", "fp16", "bf16", or a `Precision` plugin (what `conf/precision` builds).
+        mixed_precision: "no", "fp16", "bf16", or a `Precision` plugin (what `conf/precision` builds);
+            None: `$ACCELERATE_MIXED_PRECISION`, else "no".
         gradient_accumulation_steps: micro-batches per optimizer step, driven by `accumulate()`.
         device_placement: move prepared models and batches to `device`.
         cpu: force the CPU when no `strategy` is given.
@@ -105,7 +107,9 @@ class Accelerator:
         self.precision = self.strategy.setup_precision(
             mixed_precision
             if isinstance(mixed_precision, Precision)
-            else precision_plugins.from_name(mixed_precision)
+            else precision_plugins.from_name(
+                mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")  # set by notebook_launcher
+            )
         )
         self.precision.setup(self.state.device)
         self.gradient_state = GradientState(num_steps=gradient_accumulation_steps)

@@ -28,6 +28,7 @@ from runner.config import register_configs
 from runner.environment import launched_environment
 from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingInterrupted, describe_compose_error
 from runner.launchers import Job, Launcher, RankFailedError
+from runner.plan import describe as describe_plan
 from runner.validate import validate
 
 log = logging.getLogger("runner")
@@ -51,6 +52,10 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
                 check_checkpoint_fits(
                     checkpoint, launcher.world_size(cfg), instantiate(cfg.hardware).checkpoint_format
                 )
+        if cfg.plan:
+            with _single_threaded():
+                print(describe_plan(cfg, launcher.world_size(cfg), str(checkpoint) if checkpoint else None))
+            return {}
         if hydra_cfg.mode == RunMode.MULTIRUN and cfg.tracker._target_ and not cfg.tracker.parent_run_id:
             # One parent run per sweep; each job's run is its child.
             cfg.tracker.parent_run_id = instantiate(cfg.tracker).parent_for_sweep(Path(hydra_cfg.sweep.dir))

@@ -139,6 +139,7 @@ class RunConfig:
     precision: PrecisionConfig = MISSING
     launcher: LauncherConfig = MISSING
     tracker: TrackerConfig = MISSING
+    plan: bool = False  # print what the run would do, start nothing
 
 
 SCHEMAS: dict[str, dict[str, type]] = {

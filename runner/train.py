@@ -190,6 +190,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     if not metrics:  # resumed from a checkpoint of the last step: nothing left to train
         log.info("the checkpoint was written at the last step (%d): evaluating only", done.step)
         metrics.update(evaluate(accelerator, model, task, eval_loader))
+        accelerator.log(metrics, step=done.step)
     if trainer.save_model:
         accelerator.save_model(model, str(output_dir / "model"))
     for run_tracker in accelerator.trackers:  # the main process's

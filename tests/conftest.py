@@ -61,6 +61,11 @@ def shared_mlflow_store() -> str:
     store = Path(tempfile.mkdtemp(prefix="runner-mlflow-"))
     atexit.register(shutil.rmtree, store, ignore_errors=True)
     uri = f"sqlite:///{store / 'mlflow.db'}"
-    create = f"from mlflow import MlflowClient; MlflowClient({uri!r}).search_experiments()"
+    # The runs' experiment, with its artifacts in the store (MLflow's default would be ./mlruns of
+    # whichever test's working directory created it).
+    artifacts = str(store / "artifacts")
+    create = (
+        f"from mlflow import MlflowClient; MlflowClient({uri!r}).create_experiment('runner', {artifacts!r})"
+    )
     subprocess.run([sys.executable, "-c", create], check=True, capture_output=True)
     return uri

@@ -138,3 +138,41 @@ def test_deepspeed_without_its_extra_names_the_pip_install(run_cli, tmp_path):
         "Configuration error: hardware=deepspeed needs DeepSpeed, which is not installed"
     )
     assert "pip install --no-build-isolation" in message and "\n" not in message
+
+
+def test_plan_prints_what_the_run_would_do_and_starts_nothing(run_cli):
+    proc = run_cli(
+        "plan=true",
+        "hardware=deepspeed",
+        "hardware.zero_stage=3",
+        "hardware.num_processes=2",
+        "precision=bf16",
+    )
+    assert proc.returncode == 0, proc.stderr
+    header, *lines = proc.stdout.strip().splitlines()
+    assert header == "plan (nothing was started):"
+    plan = dict(line.split(maxsplit=1) for line in lines)
+    assert plan["launcher"] == "LocalLauncher: 1 node x 2 process(es), started with fork"
+    assert plan["devices"].startswith("2 x cpu")
+    assert (
+        plan["hardware"].startswith("runner.hardware.deepspeed.DeepSpeed")
+        and "'zero_stage': 3" in plan["hardware"]
+    )
+    assert plan["precision"] == "bf16"
+    assert (
+        plan["batch"]
+        == "64 per device x 2 device(s) x 1 accumulation step(s) = 128 samples per optimizer step"
+    )
+    assert plan["steps"].startswith("200 optimizer steps") and "resume from nothing" in plan["checkpoints"]
+    assert plan["tracker"].startswith("mlflow -> ")
+    assert plan["model"] == "runner.models.MLP, 0.20M parameters"
+    assert (
+        "optimizer 0.8 MB (sharded)" in plan["memory/device"]
+    )  # AdamW's 2 fp32 states, 0.2M params, 2 ranks
+    assert "starting" not in proc.stderr and "step " not in proc.stderr
+    assert not (proc.run_dir / "resolved_config.yaml").exists() and not (proc.run_dir / "tracking").exists()
+
+
+def test_plan_still_refuses_bad_input(run_cli):
+    proc = run_cli("plan=true", "hardware=multi_gpu", "hardware.num_processes=0")
+    assert proc.returncode == 2 and "hardware.num_processes=0: must be >= 1" in proc.stderr

@@ -28,6 +28,8 @@ class Strategy(ABC):
     num_processes: int = 1
     start_method: str = "spawn"
     checkpoint_format: str = "full"  # how save_checkpoint writes models and optimizers (see there)
+    # Which of "weights", "gradients", "optimizer" each rank holds only a 1/world_size share of.
+    sharded_states: frozenset[str] = frozenset()
 
     @abstractmethod
     def setup_environment(self) -> ProcessState:

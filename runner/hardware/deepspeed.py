@@ -54,6 +54,10 @@ class DeepSpeed(ParallelStrategy):
 
     checkpoint_format = "deepspeed"
 
+    @property
+    def sharded_states(self) -> frozenset[str]:  # type: ignore[override]
+        return frozenset(["optimizer", "gradients", "weights"][: self.zero_stage])
+
     def __init__(
         self,
         num_processes: int | None = None,

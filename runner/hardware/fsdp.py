@@ -49,6 +49,7 @@ class FSDP(ParallelStrategy):
     """
 
     checkpoint_format = "sharded"
+    sharded_states = frozenset({"weights", "gradients", "optimizer"})
 
     def __init__(
         self,

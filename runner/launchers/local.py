@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 from hydra.utils import instantiate
@@ -85,17 +85,12 @@ class LocalLauncher(Launcher):
     def _launch_ranks(self, job: Job, num_processes: int, start_method: str) -> dict[str, float]:
         log.info("starting %d ranks (%s)", num_processes, start_method)
         with tempfile.TemporaryDirectory(prefix="runner-elastic-") as error_dir:
-            config = LaunchConfig(
-                min_nodes=1,
-                max_nodes=1,
-                nproc_per_node=num_processes,
-                run_id=uuid.uuid4().hex,
-                rdzv_backend="c10d",
-                rdzv_endpoint="localhost:0",  # a free port: parallel jobs never collide
-                max_restarts=0,
+            config = single_node_config(
+                num_processes,
+                "localhost:0",  # a free port: parallel jobs never collide
+                start_method,
+                error_dir,
                 monitor_interval=self.monitor_interval_s,
-                start_method=start_method,
-                logs_specs=DefaultLogsSpecs(log_dir=error_dir),
                 shutdown_timeout=int(self.shutdown_timeout_s),
                 signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",  # passed on to the ranks
             )
@@ -223,3 +218,21 @@ def _quiet_elastic_logs() -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
+
+
+def single_node_config(
+    num_processes: int, rdzv_endpoint: str, start_method: str, log_dir: str, **options: Any
+) -> LaunchConfig:
+    """torch's elastic launcher on this machine: `num_processes` ranks meeting at `rdzv_endpoint` (c10d),
+    no restarts, each rank's error file under `log_dir`."""
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=num_processes,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint=rdzv_endpoint,
+        start_method=start_method,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        **{"max_restarts": 0, **options},
+    )

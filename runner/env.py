@@ -1,0 +1,77 @@
+"""`python -m runner.env`: what this machine offers runner, to paste into a bug report."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import sys
+
+import torch
+import torch.distributed as dist
+
+from runner.environment import available_cores
+
+# Distribution name -> what it gives runner (the extra that installs it, if any).
+INTEGRATIONS = {
+    "hydra-core": "config composition",
+    "omegaconf": "config objects",
+    "mlflow": "tracker=mlflow",
+    "deepspeed": "hardware=deepspeed (extra: deepspeed)",
+    "hydra-optuna-sweeper": "hydra/sweeper=optuna (extra: sweeps)",
+    "safetensors": "model files",
+}
+ENVIRONMENT = (
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+    "MLFLOW_TRACKING_URI",
+    "DS_ACCELERATOR",
+    "RANK",
+    "WORLD_SIZE",
+    "SLURM_JOB_ID",
+    "SLURM_NTASKS",
+)
+
+
+def report() -> str:
+    """The report, as Markdown."""
+    from runner.cli import CONF_DIR
+
+    lines = [
+        "## runner environment",
+        f"- runner: {_version('runner')} ({os.path.dirname(os.path.abspath(__file__))})",
+        f"- Python: {sys.version.split()[0]} ({sys.executable}); platform: {platform.platform()}",
+        f"- CPU cores available: {available_cores()}",
+        f"- torch: {torch.__version__} (CUDA build: {torch.version.cuda or 'none'})",
+        f"- devices: {_devices()}",
+        "- distributed backends: "
+        + ", ".join(f"{name} {'yes' if available() else 'no'}" for name, available in _backends().items()),
+        "- integrations:",
+        *(f"  - {name}: {_version(name)} ({use})" for name, use in INTEGRATIONS.items()),
+        f"- config search path: {CONF_DIR} (then Hydra's `--config-dir` / `hydra.searchpath`)",
+        "- environment: "
+        + (", ".join(f"{k}={os.environ[k]}" for k in ENVIRONMENT if k in os.environ) or "none set"),
+    ]
+    return "\n".join(lines)
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _devices() -> str:
+    if not torch.cuda.is_available():
+        return "cpu only"
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return f"{len(names)} CUDA GPU(s): " + ", ".join(names)
+
+
+def _backends() -> dict[str, object]:
+    return {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available, "mpi": dist.is_mpi_available}
+
+
+if __name__ == "__main__":
+    print(report())

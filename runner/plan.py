@@ -1,0 +1,84 @@
+"""`python -m runner plan=true ...`: what the run would do, printed without starting anything."""
+
+from __future__ import annotations
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from runner.environment import available_cores
+from runner.hardware.base import Strategy
+from runner.train import model_dims
+
+MB = 1024**2
+
+
+def describe(cfg: DictConfig, world_size: int, resume_from: str | None) -> str:
+    """The plan of one job, one line per aspect (the config must have passed validation)."""
+    strategy: Strategy = instantiate(cfg.hardware)
+    precision = strategy.setup_precision(instantiate(cfg.precision)).mixed_precision
+    data = instantiate(cfg.data)
+    data.setup()
+    with torch.device("meta"):  # counted, not allocated
+        model = instantiate(cfg.model, **model_dims(cfg.model, data.dims))
+    parameters = sum(p.numel() for p in model.parameters())  # tied weights once
+    trainer = cfg.trainer
+    batch = cfg.data.get("batch_size")
+    hardware = {
+        k: v for k, v in OmegaConf.to_container(cfg.hardware, resolve=True).items() if k != "_target_"
+    }
+    lines = {
+        "launcher": f"{cfg.launcher._target_.rsplit('.', 1)[-1]}: 1 node x {world_size} process(es)"
+        + (f", started with {strategy.start_method}" if world_size > 1 else ", in this process"),
+        "devices": f"{world_size} x {strategy.device.type} ({available_cores()} CPU cores on this machine)",
+        "hardware": f"{cfg.hardware._target_} {hardware}",
+        "precision": precision,
+        "batch": (
+            f"{batch} per device x {world_size} device(s) x {trainer.gradient_accumulation_steps} accumulation "
+            f"step(s) = {batch * world_size * trainer.gradient_accumulation_steps} samples per optimizer step"
+            if batch
+            else "set by the data source"
+        ),
+        "steps": (
+            f"{trainer.max_steps} optimizer steps" if trainer.max_steps else f"{trainer.max_epochs} epoch(s)"
+        )
+        + f"; evaluate every {trainer.eval_every or 'run end'}, log every {trainer.log_every}",
+        "checkpoints": (
+            f"every {trainer.checkpoint_every} steps"
+            if trainer.checkpoint_every
+            else "on SIGTERM/SIGUSR1/SIGUSR2 only"
+        )
+        + f", keep {trainer.keep_checkpoints}; resume from {resume_from or 'nothing (a fresh start)'}",
+        "tracker": _tracker(cfg),
+        "model": f"{cfg.model._target_}, {parameters / 1e6:.2f}M parameters",
+        "memory/device": _memory(parameters, strategy, world_size, cfg.optimizer._target_),
+    }
+    width = max(map(len, lines))
+    return "plan (nothing was started):\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in lines.items())
+
+
+def _tracker(cfg: DictConfig) -> str:
+    if not cfg.tracker._target_:
+        return "none"
+    tracker = instantiate(cfg.tracker)
+    return (
+        f"{tracker.name} -> {getattr(tracker, 'uri', '?')} (experiment {cfg.tracker.get('experiment_name')})"
+    )
+
+
+def _memory(parameters: int, strategy: Strategy, world_size: int, optimizer: str) -> str:
+    """Weights, gradients and optimizer states in fp32 on one device, after the backend's sharding;
+    activations depend on the batch and are not estimated."""
+    name = optimizer.lower()
+    states_per_parameter = 2 if "adam" in name else 1 if "sgd" in name else 2  # momentum buffers
+    sizes = {
+        "weights": parameters * 4,
+        "gradients": parameters * 4,
+        "optimizer": parameters * 4 * states_per_parameter,
+    }
+    sharded = strategy.sharded_states
+    per_device = {k: v / (world_size if k in sharded else 1) for k, v in sizes.items()}
+    parts = ", ".join(
+        f"{k} {v / MB:.1f} MB" + (" (sharded)" if k in sharded else "") for k, v in per_device.items()
+    )
+    return f"{parts}; total {sum(per_device.values()) / MB:.1f} MB + activations (not estimated)"
