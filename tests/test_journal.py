@@ -1,4 +1,5 @@
-"""The tracking journal: records survive the process, delivery is remembered, a torn last line is dropped."""
+"""The tracking journal (records survive the process, delivery is remembered, a torn last line is dropped)
+and where a tracker sends them by default."""
 
 from __future__ import annotations
 
@@ -24,3 +25,14 @@ def test_a_line_cut_short_by_a_kill_is_dropped(tmp_path):
     assert again.events == [{"op": "start"}]
     again.append({"op": "end"})
     assert [event["op"] for event in Journal(tmp_path).events] == ["start", "end"]
+
+
+def test_the_default_store_is_outputs_unless_mlflow_tracking_uri_names_one(tmp_path, monkeypatch):
+    from runner.trackers import MLflowTracker
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # set but empty: as if unset
+    assert MLflowTracker().uri == f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking:5000")
+    assert MLflowTracker().uri == "http://tracking:5000"
+    assert MLflowTracker(uri="sqlite:///x.db").uri == "sqlite:///x.db"

@@ -65,9 +65,10 @@ class MLflowTracker(Tracker):
     ) -> None:
         self.experiment_name = experiment_name
         self.artifact_location: str | None = None
-        if uri is None and "MLFLOW_TRACKING_URI" not in os.environ:
+        uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or None
+        if uri is None:
             uri, self.artifact_location = local_store()
-        self.uri = uri or os.environ["MLFLOW_TRACKING_URI"]
+        self.uri = uri
         self.run_name = run_name
         self.tags = {key: str(value) for key, value in (tags or {}).items()}
         self.parent_run_id = parent_run_id
