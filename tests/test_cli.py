@@ -112,7 +112,7 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
         ),
         (
             ["hardware=deepspeed", "precision=bf16", "+hardware.config.bf16.enabled=false"],
-            "hardware.config.bf16.enabled=False contradicts the precision group",
+            "hardware.config.bf16.enabled=False contradicts the run's value True (from the precision group)",
         ),
     ],
 )

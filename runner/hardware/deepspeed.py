@@ -108,7 +108,12 @@ class DeepSpeed(ParallelStrategy):
         self.precision_config: dict[str, Any] = {}
         self.config: dict[str, Any] = {}  # what the engine was built with
         self.engine: Any = None
-        _check_agreement(self.user_config, self._settings_from_yaml(), "hardware.config")
+        _check_agreement(
+            self.user_config,
+            self._settings_from_yaml(),
+            "hardware.config",
+            "hardware.zero_stage/offload_*/gradient_clipping (gradient_clipping is trainer.max_grad_norm)",
+        )
 
     def _settings_from_yaml(self) -> dict[str, Any]:
         zero: dict[str, Any] = {"stage": self.zero_stage}
@@ -335,7 +340,7 @@ def _loss_scaling(precision: MixedPrecision) -> dict[str, Any]:
     }
 
 
-def _check_agreement(user: dict[str, Any], run: dict[str, Any], source: str, by: str = "hardware.*") -> None:
+def _check_agreement(user: dict[str, Any], run: dict[str, Any], source: str, by: str) -> None:
     """Refuse a user's config value that contradicts the run's (None in `run`: the run does not care)."""
     for key, ours in run.items():
         theirs = user.get(key, "auto")
@@ -343,8 +348,8 @@ def _check_agreement(user: dict[str, Any], run: dict[str, Any], source: str, by:
             _check_agreement(theirs, ours, f"{source}.{key}", by)
         elif theirs != "auto" and ours is not None and theirs != ours:
             raise ConfigError(
-                f'{source}.{key}={theirs!r} contradicts {by}, which give {ours!r}. Set it to "auto" (or '
-                f"remove it) to take the run's value, or change the run's setting."
+                f'{source}.{key}={theirs!r} contradicts the run\'s value {ours!r} (from {by}). Set it to "auto" '
+                "(or remove it) to take the run's value, or change the run's setting."
             )
 
 
