@@ -51,7 +51,7 @@ def describe(cfg: DictConfig, world_size: int, resume_from: str | None) -> str:
         + f", keep {trainer.keep_checkpoints}; resume from {resume_from or 'nothing (a fresh start)'}",
         "tracker": _tracker(cfg),
         "model": f"{cfg.model._target_}, {parameters / 1e6:.2f}M parameters",
-        "memory/device": _memory(parameters, strategy, world_size, cfg.optimizer._target_),
+        "memory/device": _memory(parameters, strategy, world_size, cfg.optimizer),
     }
     width = max(map(len, lines))
     return "plan (nothing was started):\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in lines.items())
@@ -66,11 +66,12 @@ def _tracker(cfg: DictConfig) -> str:
     )
 
 
-def _memory(parameters: int, strategy: Strategy, world_size: int, optimizer: str) -> str:
+def _memory(parameters: int, strategy: Strategy, world_size: int, optimizer: DictConfig) -> str:
     """Weights, gradients and optimizer states in fp32 on one device, after the backend's sharding;
     activations depend on the batch and are not estimated."""
-    name = optimizer.lower()
-    states_per_parameter = 2 if "adam" in name else 1 if "sgd" in name else 2  # momentum buffers
+    # SGD keeps a buffer if it has momentum; Adam-like optimizers (and those not known here) two moments.
+    sgd = "sgd" in optimizer._target_.lower()
+    states_per_parameter = int(bool(optimizer.get("momentum"))) if sgd else 2
     sizes = {
         "weights": parameters * 4,
         "gradients": parameters * 4,

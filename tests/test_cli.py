@@ -176,3 +176,10 @@ def test_plan_prints_what_the_run_would_do_and_starts_nothing(run_cli):
 def test_plan_still_refuses_bad_input(run_cli):
     proc = run_cli("plan=true", "hardware=multi_gpu", "hardware.num_processes=0")
     assert proc.returncode == 2 and "hardware.num_processes=0: must be >= 1" in proc.stderr
+
+
+@pytest.mark.parametrize(("momentum", "optimizer_mb"), [(0.9, "0.8"), (0.0, "0.0")])
+def test_plan_counts_sgd_momentum_buffers(run_cli, momentum, optimizer_mb):
+    proc = run_cli("plan=true", "optimizer=sgd", f"optimizer.momentum={momentum}")
+    assert proc.returncode == 0, proc.stderr
+    assert f"optimizer {optimizer_mb} MB;" in proc.stdout  # 0.2M fp32 parameters, one process
