@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import copy
-import json
 import logging
 import os
 import shutil
@@ -28,6 +27,8 @@ from runner.config import register_configs
 from runner.environment import launched_environment
 from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingInterrupted, describe_compose_error
 from runner.launchers import Job, Launcher, RankFailedError
+from runner.launchers.slurm import requeue_if_preempted
+from runner.log import configure_rank_logging
 from runner.plan import describe as describe_plan
 from runner.validate import validate
 
@@ -39,14 +40,18 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float | dict[str, float]:
-    """One job: validate, then the launcher runs its ranks. Rank 0's final metrics are written to
-    `metrics.json` in the job's dir; `trainer.objective` among them is what Hydra's sweepers get."""
+    """One job: validate, then the launcher runs its ranks. Rank 0's final metrics (also in the job dir's
+    `metrics.json`) are returned: `trainer.objective` among them is what Hydra's sweepers get."""
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
+    env = launched_environment()
+    if env is not None and env.rank != 0:  # every task of a SLURM sweep job runs this; rank 0 logs
+        configure_rank_logging(None, env.rank)
     try:
         with _single_threaded():
             validate(cfg)
             launcher: Launcher = instantiate(cfg.launcher)
+            launcher.check(cfg)
             checkpoint = resume_checkpoint(cfg.trainer.resume, output_dir)
             if checkpoint is not None:
                 check_checkpoint_fits(
@@ -54,7 +59,7 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
                 )
         if cfg.plan:
             with _single_threaded():
-                print(describe_plan(cfg, launcher.world_size(cfg), str(checkpoint) if checkpoint else None))
+                print(describe_plan(cfg, launcher, str(checkpoint) if checkpoint else None))
             return {}
         if hydra_cfg.mode == RunMode.MULTIRUN and cfg.tracker._target_ and not cfg.tracker.parent_run_id:
             # One parent run per sweep; each job's run is its child.
@@ -73,10 +78,12 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
         log.error("Training failed: %s", err)
         sys.exit(1)
     except TrainingInterrupted as err:
+        requeue_if_preempted(err)  # a job of a SLURM sweep (hydra/launcher=submitit_slurm)
         log.warning("Training interrupted: %s", err)
         sys.exit(EXIT_INTERRUPTED)
+    if not metrics:  # queued, not waited for (launcher.wait=false)
+        return metrics
     log.info("final metrics (output dir %s):\n%s", output_dir, _table(metrics))
-    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     objective = cfg.trainer.objective
     if objective is None:
         return metrics

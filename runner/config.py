@@ -109,6 +109,28 @@ class LocalLauncherConfig(LauncherConfig):
 
 
 @dataclass
+class SlurmLauncherConfig(LauncherConfig):
+    partition: str | None = None  # null: the cluster's default partition
+    nodes: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int | None = None
+    mem_gb: float | None = None  # per node
+    time_min: int = 60
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    setup: list[str] = field(default_factory=list)  # shell lines before the ranks start
+    sbatch_args: dict[str, Any] = field(default_factory=dict)  # {"mail-type": "END"} -> --mail-type=END
+    srun_args: list[str] = field(default_factory=list)
+    wait: bool = True  # false: return once queued
+    signal_delay_s: int = 120  # the preemption signal comes this long before the time limit
+    max_timeouts: int = 3  # requeues at the time limit
+    folder: str | None = None  # submitit's files; null: <job dir>/slurm
+    poll_interval_s: float = 1.0
+    name: str = "runner"
+
+
+@dataclass
 class TrackerConfig:
     _target_: str | None = None  # null: no tracking (tracker=none)
 
@@ -145,7 +167,7 @@ class RunConfig:
 SCHEMAS: dict[str, dict[str, type]] = {
     "hardware": {"cpu": CPUConfig, "multi_gpu": DDPConfig, "fsdp": FSDPConfig, "deepspeed": DeepSpeedConfig},
     "precision": {"fp32": PrecisionConfig, "bf16": MixedPrecisionConfig, "fp16": Float16Config},
-    "launcher": {"local": LocalLauncherConfig},
+    "launcher": {"local": LocalLauncherConfig, "slurm": SlurmLauncherConfig},
     "tracker": {"mlflow": MLflowTrackerConfig, "none": TrackerConfig},
 }
 

@@ -15,11 +15,24 @@ class ConfigError(ValueError):
     """A problem with the user's configuration or inputs, found before training starts."""
 
 
+# Config group options that Hydra plugins provide: the package that brings each.
+HYDRA_PLUGINS = {
+    "submitit_slurm": "hydra-submitit-launcher>=1.2",
+    "submitit_local": "hydra-submitit-launcher>=1.2",
+    "optuna": "hydra-optuna-sweeper>=1.2",
+}
+
+
 def describe_compose_error(err: Exception) -> str:
     """One paragraph for an error Hydra raised while composing the config."""
     cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
     if isinstance(err, MissingConfigException) and err.options is not None:
         group, _, option = (err.missing_cfg_file or "").rpartition("/")
+        if option in HYDRA_PLUGINS:
+            return (
+                f"{group}={option}: that option comes from a Hydra plugin that is not installed. Install it with "
+                f"`pip install '{HYDRA_PLUGINS[option]}'` (or this project's extra, see README)."
+            )
         return (
             f"{group}={option}: there is no option {option!r} in the config group {group!r}. "
             f"Available: {', '.join(sorted(err.options))}. Pick one of those, or add conf/{group}/{option}.yaml."
@@ -56,4 +69,12 @@ EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after checkpointing; r
 
 
 class TrainingInterrupted(Exception):
-    """Training stopped on SIGTERM, SIGUSR1 or SIGUSR2 after writing a checkpoint it can resume from."""
+    """Training stopped on SIGTERM, SIGUSR1 or SIGUSR2 after writing a checkpoint it can resume from.
+
+    Args:
+        signum: the signal that stopped it, where known (SLURM's preemption signal means: requeue).
+    """
+
+    def __init__(self, message: str, signum: int | None = None) -> None:
+        super().__init__(message)
+        self.signum = signum

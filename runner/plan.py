@@ -8,13 +8,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.environment import available_cores
 from runner.hardware.base import Strategy
+from runner.launchers.base import Launcher
 from runner.train import model_dims
 
 MB = 1024**2
 
 
-def describe(cfg: DictConfig, world_size: int, resume_from: str | None) -> str:
+def describe(cfg: DictConfig, launcher: Launcher, resume_from: str | None) -> str:
     """The plan of one job, one line per aspect (the config must have passed validation)."""
+    world_size = launcher.world_size(cfg)
     strategy: Strategy = instantiate(cfg.hardware)
     precision = strategy.setup_precision(instantiate(cfg.precision)).mixed_precision
     data = instantiate(cfg.data)
@@ -28,8 +30,7 @@ def describe(cfg: DictConfig, world_size: int, resume_from: str | None) -> str:
         k: v for k, v in OmegaConf.to_container(cfg.hardware, resolve=True).items() if k != "_target_"
     }
     lines = {
-        "launcher": f"{cfg.launcher._target_.rsplit('.', 1)[-1]}: 1 node x {world_size} process(es)"
-        + (f", started with {strategy.start_method}" if world_size > 1 else ", in this process"),
+        "launcher": launcher.describe(cfg),
         "devices": f"{world_size} x {strategy.device.type} ({available_cores()} CPU cores on this machine)",
         "hardware": f"{cfg.hardware._target_} {hardware}",
         "precision": precision,

@@ -27,7 +27,12 @@ class JobResult:
 
 
 class SweepSummary(Callback):
-    """Hydra callback (registered in `conf/config.yaml`)."""
+    """Hydra callback (registered in `conf/config.yaml`). The sweep's parent run is created before any
+    job starts, so that jobs running at once (SLURM array tasks) all find it."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.tracker.get("_target_") and not config.tracker.get("parent_run_id"):
+            instantiate(config.tracker).parent_for_sweep(Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

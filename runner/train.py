@@ -179,7 +179,8 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
                     path = accelerator.save_state()
                     raise TrainingInterrupted(
                         f"stopped by a signal at step {done.step}/{total_steps}; checkpoint {path}. Run the same "
-                        f"command with the same output dir ({output_dir}) to resume."
+                        f"command with the same output dir ({output_dir}) to resume.",
+                        signum=received[0] if received else None,
                     )
                 if done.step >= total_steps:
                     break

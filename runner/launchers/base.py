@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,9 +44,21 @@ class Launcher(ABC):
     def world_size(self, cfg: DictConfig) -> int:
         """How many ranks `launch` will run for `cfg` (checked against a checkpoint before launching)."""
 
+    def check(self, cfg: DictConfig) -> None:
+        """Raise ConfigError for what would fail only once launched (e.g. more than a cluster has)."""
+
+    @abstractmethod
+    def describe(self, cfg: DictConfig) -> str:
+        """One line for the plan: where and how the ranks would start."""
+
 
 def train_as_rank(job: Job) -> dict[str, float]:
-    """The body of every rank: its logging (only rank 0 logs below warnings), then the loop."""
+    """The body of every rank: its logging (only rank 0 logs below warnings), then the loop; rank 0
+    writes the final metrics to `metrics.json` in the job's dir."""
     env = launched_environment()
-    configure_rank_logging(job.logging_config, env.rank if env else 0)
-    return train(job.cfg, job.output_dir)
+    rank = env.rank if env else 0
+    configure_rank_logging(job.logging_config, rank)
+    metrics = train(job.cfg, job.output_dir)
+    if rank == 0:
+        (job.output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return metrics

@@ -82,6 +82,13 @@ class LocalLauncher(Launcher):
         env = launched_environment()
         return env.world_size if env is not None else instantiate(cfg.hardware).num_processes
 
+    def describe(self, cfg: DictConfig) -> str:
+        ranks = self.world_size(cfg)
+        if ranks == 1:
+            return "LocalLauncher: 1 node x 1 process, in this process"
+        start_method = self.start_method or instantiate(cfg.hardware).start_method
+        return f"LocalLauncher: 1 node x {ranks} process(es), started with {start_method}"
+
     def _launch_ranks(self, job: Job, num_processes: int, start_method: str) -> dict[str, float]:
         log.info("starting %d ranks (%s)", num_processes, start_method)
         with tempfile.TemporaryDirectory(prefix="runner-elastic-") as error_dir:
@@ -100,7 +107,8 @@ class LocalLauncher(Launcher):
                 except SignalException as err:  # this process was signalled; the ranks got it too
                     raise TrainingInterrupted(
                         f"stopped by {signal.Signals(err.sigval).name}; the ranks checkpointed if they could. Run the "
-                        f"same command with the same output dir ({job.output_dir}) to resume."
+                        f"same command with the same output dir ({job.output_dir}) to resume.",
+                        signum=err.sigval,
                     ) from None
                 except ChildFailedError as err:
                     raise_failure(err.failures, Path(error_dir))

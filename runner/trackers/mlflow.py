@@ -141,7 +141,7 @@ class MLflowTracker(Tracker):
             )
 
     def parent_for_sweep(self, sweep_dir: Path) -> str | None:
-        """Created by the sweep's first job, in the launching process; recorded in the sweep's dir."""
+        """Created once, before the jobs start (`SweepSummary`); recorded in the sweep's dir for its jobs."""
         record = sweep_dir / JOURNAL_DIR / PARENT
         if record.exists():
             return json.loads(record.read_text())["run_id"]

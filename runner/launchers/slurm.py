@@ -1,0 +1,438 @@
+"""`launcher=slurm`: the job on a SLURM cluster through submitit, one task per rank; and what a job running
+under SLURM does on the preemption or time-limit signal (checkpoint, requeue, resume)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from runner.environment import launched_environment
+from runner.errors import ConfigError, TrainingInterrupted
+from runner.launchers.base import Job, Launcher, RankFailedError, train_as_rank
+
+log = logging.getLogger(__name__)
+
+SUBMITIT_REQUIREMENT = "submitit>=1.5"
+PREEMPTION_SIGNAL = signal.SIGUSR2  # what submitit asks SLURM to send before the time limit
+REQUEUE_WAIT_S = 120.0  # how long a rank other than 0 waits for the requeue to stop it
+
+
+class SlurmLauncher(Launcher):
+    """Submit the job with submitit: `nodes` x (the hardware's processes per node) tasks, each one rank
+    that reads its place from SLURM's environment (the first node of the job is the rendezvous). Prints
+    the job id and log, streams rank 0's log and returns its metrics; with `wait=False` returns at once.
+
+    On SLURM's preemption or time-limit signal (USR2, `signal_delay_s` before the limit) the ranks
+    checkpoint, rank 0 requeues the job, and the requeued job resumes from the job dir's latest
+    checkpoint. Everything is checked against the cluster (`sinfo`) before anything is queued.
+
+    Args:
+        partition: None: the cluster's default partition.
+        nodes: nodes of the job; ranks = nodes x the hardware's `num_processes` (one task per device).
+        gpus_per_node: GPUs to request on each node (0: none).
+        cpus_per_task: CPUs per rank; None: SLURM's default (1).
+        mem_gb: memory per node; None: SLURM's default.
+        time_min: the job's time limit in minutes.
+        account, qos, constraint: as sbatch's options of the same names; None: not passed.
+        setup: shell lines run in the batch script before the ranks start (modules, venvs).
+        sbatch_args: further sbatch options, `{"mail-type": "END"}` for `--mail-type=END`.
+        srun_args: further srun options.
+        wait: wait for the job and return its metrics; False: return once it is queued.
+        signal_delay_s: how long before the time limit SLURM sends the preemption signal.
+        max_timeouts: how many times a job that reaches its time limit is requeued.
+        folder: submitit's files (batch script, logs); None: `<job output dir>/slurm`.
+        poll_interval_s: how often the log is read and the job's state checked while waiting.
+        name: the SLURM job name.
+    """
+
+    def __init__(
+        self,
+        partition: str | None = None,
+        nodes: int = 1,
+        gpus_per_node: int = 0,
+        cpus_per_task: int | None = None,
+        mem_gb: float | None = None,
+        time_min: int = 60,
+        account: str | None = None,
+        qos: str | None = None,
+        constraint: str | None = None,
+        setup: list[str] | None = None,
+        sbatch_args: dict[str, Any] | None = None,
+        srun_args: list[str] | None = None,
+        wait: bool = True,
+        signal_delay_s: int = 120,
+        max_timeouts: int = 3,
+        folder: str | None = None,
+        poll_interval_s: float = 1.0,
+        name: str = "runner",
+    ) -> None:
+        for key, value, minimum in (
+            ("nodes", nodes, 1),
+            ("gpus_per_node", gpus_per_node, 0),
+            ("cpus_per_task", cpus_per_task, 1),
+            ("mem_gb", mem_gb, 0),
+            ("time_min", time_min, 1),
+            ("signal_delay_s", signal_delay_s, 0),
+            ("max_timeouts", max_timeouts, 0),
+        ):
+            if value is not None and value < minimum:
+                raise ConfigError(f"launcher.{key}={value}: must be >= {minimum}.")
+        self.partition = partition
+        self.nodes = nodes
+        self.gpus_per_node = gpus_per_node
+        self.cpus_per_task = cpus_per_task
+        self.mem_gb = mem_gb
+        self.time_min = time_min
+        self.account = account
+        self.qos = qos
+        self.constraint = constraint
+        self.setup = list(setup or [])
+        self.sbatch_args = dict(sbatch_args or {})
+        self.srun_args = list(srun_args or [])
+        self.wait = wait
+        self.signal_delay_s = signal_delay_s
+        self.max_timeouts = max_timeouts
+        self.folder = folder
+        self.poll_interval_s = poll_interval_s
+        self.name = name
+        require_slurm("launcher=slurm")
+
+    def world_size(self, cfg: DictConfig) -> int:
+        return self.nodes * self.tasks_per_node(cfg)
+
+    def tasks_per_node(self, cfg: DictConfig) -> int:
+        """One task per rank: the hardware's `num_processes` (per node), else one per requested GPU."""
+        if "num_processes" not in cfg.hardware:
+            return 1
+        if cfg.hardware.num_processes is None and self.gpus_per_node:
+            return self.gpus_per_node
+        tasks = instantiate(cfg.hardware).num_processes
+        if self.gpus_per_node and tasks != self.gpus_per_node:
+            raise ConfigError(
+                f"hardware.num_processes={tasks} but launcher.gpus_per_node={self.gpus_per_node}: on SLURM each "
+                "rank is one task with one GPU. Make them equal, or set hardware.num_processes=null."
+            )
+        return tasks
+
+    def check(self, cfg: DictConfig) -> None:
+        """What the cluster would refuse, or queue forever, refused here before anything is queued."""
+        check_request(
+            self.partition,
+            nodes=self.nodes,
+            cpus_per_node=self.tasks_per_node(cfg) * (self.cpus_per_task or 1),
+            gpus_per_node=self.gpus_per_node,
+            mem_gb=self.mem_gb,
+            time_min=self.time_min,
+            key="launcher",
+        )
+
+    def describe(self, cfg: DictConfig) -> str:
+        gpus = f", {self.gpus_per_node} GPU(s)" if self.gpus_per_node else ""
+        return (
+            f"SlurmLauncher: {self.nodes} node(s) x {self.tasks_per_node(cfg)} task(s){gpus} on partition "
+            f"{self.partition or '(default)'}, time limit {self.time_min} min, requeued on preemption"
+        )
+
+    def launch(self, job: Job) -> dict[str, float]:
+        import submitit
+
+        folder = Path(self.folder) if self.folder else job.output_dir / "slurm"
+        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=self.max_timeouts)
+        executor.update_parameters(**self._sbatch_parameters(job))
+        submitted = executor.submit(SlurmTask(job))
+        rank0 = submitted.task(0)
+        tasks = self.world_size(job.cfg) // self.nodes
+        log.info(
+            "submitted SLURM job %s: %d node(s) x %d task(s), partition %s; rank 0's log: %s",
+            submitted.job_id,
+            self.nodes,
+            tasks,
+            self.partition or "(default)",
+            rank0.paths.stderr,
+        )
+        if not self.wait:
+            log.info(
+                "launcher.wait=false: not waiting; its metrics will be in %s", job.output_dir / "metrics.json"
+            )
+            return {}
+        try:
+            follow(submitted, rank0.paths.stderr, self.poll_interval_s)
+            return submitted.results()[0]
+        except KeyboardInterrupt:
+            raise TrainingInterrupted(
+                f"stopped waiting; SLURM job {submitted.job_id} goes on (`scancel {submitted.job_id}` stops it)."
+            ) from None
+        except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
+            state = submitted.state
+            raise RankFailedError(
+                f"SLURM job {submitted.job_id} ended {state} without a result. Rank 0's log: "
+                f"{rank0.paths.stderr}; the others' are next to it.\n{err}"
+            ) from None
+
+    def _sbatch_parameters(self, job: Job) -> dict[str, Any]:
+        optional = {
+            "partition": self.partition,
+            "cpus_per_task": self.cpus_per_task,
+            "mem": f"{int(self.mem_gb * 1024)}MB" if self.mem_gb is not None else None,
+            "account": self.account,
+            "qos": self.qos,
+            "constraint": self.constraint,
+            "gpus_per_node": self.gpus_per_node or None,
+        }
+        return {
+            "job_name": self.name,
+            "nodes": self.nodes,
+            "ntasks_per_node": self.world_size(job.cfg) // self.nodes,
+            "time": self.time_min,
+            "signal_delay_s": self.signal_delay_s,
+            "setup": self.setup,
+            "additional_parameters": self.sbatch_args,
+            # A rank that dies (a signal, an OOM kill) ends the job instead of leaving its peers waiting.
+            "srun_args": ["--kill-on-bad-exit=1", *self.srun_args],
+            **{key: value for key, value in optional.items() if value is not None},
+        }
+
+
+@dataclass
+class SlurmTask:
+    """What each task of the job runs (pickled by submitit). Its `checkpoint` is what submitit calls on
+    the preemption signal: the same task again, which resumes from the job dir's latest checkpoint."""
+
+    job: Job
+
+    def __call__(self) -> dict[str, float]:
+        try:
+            return train_as_rank(self.job)
+        except TrainingInterrupted as err:
+            requeue_if_preempted(err)
+            raise
+
+    def checkpoint(self) -> Any:
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self)
+
+
+def requeue_if_preempted(err: TrainingInterrupted) -> None:
+    """In a submitit job stopped by SLURM's preemption signal (after checkpointing), hand over to
+    submitit: rank 0 requeues the job and exits; the other ranks wait for the requeue to stop them (a
+    rank exiting first would end the job before it is requeued). Elsewhere, return."""
+    if "SUBMITIT_FOLDER" not in os.environ or err.signum != PREEMPTION_SIGNAL:
+        return
+    env = launched_environment()
+    if env is not None and env.rank != 0:
+        time.sleep(REQUEUE_WAIT_S)
+        return
+    requeue = signal.getsignal(PREEMPTION_SIGNAL)  # submitit's, restored when the loop stopped
+    if callable(requeue):
+        log.warning("preempted or at the time limit: requeueing SLURM job %s", os.environ.get("SLURM_JOB_ID"))
+        requeue(PREEMPTION_SIGNAL, None)  # exits
+
+
+def require_slurm(what: str) -> None:
+    """ConfigError unless submitit is installed and this machine can submit SLURM jobs."""
+    try:
+        import submitit  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            f"{what} needs submitit, which is not installed. Install it with "
+            f"`pip install '{SUBMITIT_REQUIREMENT}'` (or this project's `slurm` extra)."
+        ) from None
+    if shutil.which("sbatch") is None:
+        raise ConfigError(
+            f"{what}: `sbatch` is not on PATH, so this machine cannot submit SLURM jobs. Run from a SLURM "
+            "login node (or add SLURM's bin dir to PATH), or use launcher=local to run here."
+        )
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A partition as `sinfo` reports it (largest node, for what one node can hold)."""
+
+    name: str
+    default: bool
+    nodes: int
+    cpus_per_node: int
+    mem_mb_per_node: int
+    gpus_per_node: int
+    max_time_min: int | None  # None: no limit
+
+
+def read_partitions() -> dict[str, Partition]:
+    """The cluster's partitions, from `sinfo`."""
+    try:
+        out = subprocess.run(
+            ["sinfo", "--noheader", "--format=%P|%D|%c|%m|%G|%l"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", None) or err
+        raise ConfigError(
+            f"launcher: could not ask SLURM about its partitions (`sinfo` failed: {str(detail).strip()}). Check "
+            "that slurmctld is reachable from this machine (`sinfo`), or use launcher=local."
+        ) from None
+    partitions: dict[str, Partition] = {}
+    for line in out.splitlines():
+        name, nodes, cpus, mem, gres, limit = line.split("|")
+        default = name.endswith("*")
+        name = name.rstrip("*")
+        seen = partitions.get(name)
+        partitions[name] = Partition(
+            name=name,
+            default=default,
+            nodes=int(nodes) + (seen.nodes if seen else 0),
+            cpus_per_node=max(_number(cpus), seen.cpus_per_node if seen else 0),
+            mem_mb_per_node=max(_number(mem), seen.mem_mb_per_node if seen else 0),
+            gpus_per_node=max(_gpus(gres), seen.gpus_per_node if seen else 0),
+            max_time_min=_minutes(limit),
+        )
+    return partitions
+
+
+def check_request(
+    partition: str | None,
+    *,
+    nodes: int,
+    cpus_per_node: int,
+    gpus_per_node: int,
+    mem_gb: float | None,
+    time_min: int,
+    key: str,
+) -> None:
+    """ConfigError naming each thing asked of `partition` that it does not have (nodes, CPUs, GPUs,
+    memory per node, time limit)."""
+    partitions = read_partitions()
+    if partition is None:
+        defaults = [p for p in partitions.values() if p.default]
+        if not defaults:
+            raise ConfigError(
+                f"{key}.partition is null and the cluster has no default partition. Set {key}.partition to one "
+                f"of: {', '.join(partitions) or '(none)'}."
+            )
+        found = defaults[0]
+    elif partition not in partitions:
+        raise ConfigError(
+            f"{key}.partition={partition!r}: the cluster has no such partition (it has "
+            f"{', '.join(partitions) or 'none'}; `sinfo` lists them). Set {key}.partition to one of those."
+        )
+    else:
+        found = partitions[partition]
+    problems = []
+    if nodes > found.nodes:
+        problems.append(
+            f"{key}.nodes={nodes}: partition {found.name} has {found.nodes} node(s). Ask for at most {found.nodes}."
+        )
+    if cpus_per_node > found.cpus_per_node:
+        problems.append(
+            f"{key}: each node would need {cpus_per_node} CPUs (tasks per node x cpus_per_task) but the nodes of "
+            f"partition {found.name} have at most {found.cpus_per_node}. Lower {key}.cpus_per_task or the "
+            "processes per node (hardware.num_processes), or use more nodes."
+        )
+    if gpus_per_node > found.gpus_per_node:
+        problems.append(
+            f"{key}.gpus_per_node={gpus_per_node}: the nodes of partition {found.name} have "
+            f"{found.gpus_per_node or 'no'} GPUs (SLURM gres). Pick a GPU partition, or ask for fewer."
+        )
+    if mem_gb is not None and mem_gb * 1024 > found.mem_mb_per_node:
+        problems.append(
+            f"{key}.mem_gb={mem_gb}: the nodes of partition {found.name} have {found.mem_mb_per_node / 1024:.1f} GB. "
+            "Ask for less, or null for SLURM's default."
+        )
+    if found.max_time_min is not None and time_min > found.max_time_min:
+        problems.append(
+            f"{key}: a time limit of {time_min} min is over partition {found.name}'s limit of "
+            f"{found.max_time_min} min. Ask for less (the job checkpoints and requeues itself at its limit)."
+        )
+    if problems:
+        raise ConfigError("\n\n".join(problems))
+
+
+def follow(submitted: Any, log_file: Path, poll_interval_s: float) -> None:
+    """Copy what rank 0 writes to its log onto this process's stderr until the job ends (a requeued job
+    starts its log again: read it from the start)."""
+    offset = 0
+    while True:
+        done = submitted.done()
+        try:
+            size = log_file.stat().st_size
+        except FileNotFoundError:
+            size = 0
+        if size < offset:
+            offset = 0
+        if size > offset:
+            with open(log_file, "rb") as f:
+                f.seek(offset)
+                chunk = f.read(size - offset)
+            offset = size
+            sys.stderr.write(chunk.decode(errors="replace"))
+            sys.stderr.flush()
+        if done:
+            return
+        time.sleep(poll_interval_s)
+
+
+class SlurmSweepCheck(Callback):
+    """Hydra callback: before `hydra/launcher=submitit_slurm` queues a sweep's jobs, check what they ask
+    of the cluster, so that bad input fails here and not in every array task. (Hydra turns a callback's
+    exceptions into warnings: a refusal exits here, with code 2.)"""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        launcher = config.hydra.launcher
+        if not str(launcher.get("_target_", "")).endswith("submitit_launcher.SlurmLauncher"):
+            return
+        try:
+            require_slurm("hydra/launcher=submitit_slurm")
+            check_request(
+                launcher.partition,
+                nodes=launcher.nodes,
+                cpus_per_node=launcher.tasks_per_node * (launcher.cpus_per_task or 1),
+                gpus_per_node=launcher.gpus_per_node or 0,
+                mem_gb=launcher.mem_gb,
+                time_min=launcher.timeout_min,
+                key="hydra.launcher",
+            )
+        except ConfigError as err:
+            print(f"Configuration error: {err}", file=sys.stderr)
+            sys.exit(2)
+
+
+def _number(value: str) -> int:
+    """`sinfo` numbers: `8`, or `8+` where nodes differ (the smallest)."""
+    return int(value.rstrip("+")) if value.rstrip("+").isdigit() else 0
+
+
+def _gpus(gres: str) -> int:
+    """GPUs per node from a gres string: `gpu:8`, `gpu:a100:4(S:0-1)`, `(null)`."""
+    counts = [int(m) for m in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres)]
+    return max(counts, default=0)
+
+
+def _minutes(limit: str) -> int | None:
+    """A SLURM time limit (`infinite`, `30`, `30:00`, `2:00:00`, `1-00:00:00`, `1-12`) in minutes."""
+    if limit in ("infinite", "UNLIMITED", "n/a"):
+        return None
+    days, _, clock = limit.rpartition("-")
+    fields = [int(part) for part in clock.split(":")]
+    if days:  # d-h, d-h:m, d-h:m:s
+        hours, minutes, seconds = ([*fields, 0, 0])[:3]
+    elif len(fields) == 3:  # h:m:s
+        hours, minutes, seconds = fields
+    else:  # m, m:s
+        hours, minutes, seconds = 0, fields[0], ([*fields, 0])[1]
+    return int(days or 0) * 1440 + hours * 60 + minutes + (1 if seconds else 0)

@@ -1,0 +1,268 @@
+"""`launcher=slurm` and `hydra/launcher=submitit_slurm` on a real SLURM cluster on this machine (slurmctld,
+slurmd, slurmdbd; `bash .ci/slurm.sh up` starts it, as CI does). Without one these tests skip, saying so."""
+
+from __future__ import annotations
+
+import csv
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import cli_env, metrics_of
+
+pytestmark = pytest.mark.slow
+
+TESTS = Path(__file__).parent
+TWO_TASKS = ["launcher=slurm", "hardware=multi_gpu", "hardware.num_processes=2"]
+
+
+@pytest.fixture(scope="module")
+def slurm() -> None:
+    """Skip unless a SLURM cluster answers here."""
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        pytest.skip("no SLURM on this machine: `bash .ci/slurm.sh up` (as root) starts one")
+    proc = subprocess.run(["sinfo", "--noheader", "--format=%T"], capture_output=True, text=True)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        pytest.skip(
+            f"SLURM does not answer ({proc.stderr.strip()}): `bash .ci/slurm.sh up` (as root) starts it"
+        )
+
+
+def command(run_dir: Path, *overrides: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "runner",
+        f"hydra.run.dir={run_dir}",
+        "trainer.progress_bar=false",
+        *overrides,
+    ]
+
+
+def run(run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command(run_dir, *overrides),
+        env=env or cli_env(TESTS),
+        cwd=run_dir.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def job_id(run_dir: Path, proc: subprocess.Popen) -> str:
+    """The SLURM job id of the run in `run_dir`, once submitit has written its files."""
+    deadline = time.monotonic() + 60
+    while not (submitted := list((run_dir / "slurm").glob("*_submitted.pkl"))):
+        assert proc.poll() is None and time.monotonic() < deadline, "the job was not submitted"
+        time.sleep(0.1)
+    return submitted[0].name.split("_")[0]
+
+
+def test_a_two_task_ddp_job_trains_exactly_as_two_local_ranks(slurm, tmp_path):
+    proc = run(tmp_path / "slurm", *TWO_TASKS, "trainer.max_steps=30")
+    assert proc.returncode == 0, proc.stderr
+    assert "submitted SLURM job" in proc.stderr and "1 node(s) x 2 task(s)" in proc.stderr
+    assert "2 process(es)" in proc.stderr  # rank 0's log, streamed while the job ran
+    assert sorted(p.name for p in (tmp_path / "slurm" / "slurm").glob("*_log.err"))[-1].endswith("_1_log.err")
+    local = run(tmp_path / "local", "hardware=multi_gpu", "hardware.num_processes=2", "trainer.max_steps=30")
+    assert local.returncode == 0, local.stderr
+    assert metrics_of(proc) == metrics_of(local)
+    weights = [tmp_path / name / "model" / "model.safetensors" for name in ("slurm", "local")]
+    assert weights[0].read_bytes() == weights[1].read_bytes()
+
+
+def test_wait_false_returns_once_queued_and_the_job_writes_its_metrics(slurm, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run(run_dir, "launcher=slurm", "launcher.wait=false", "trainer.max_steps=20")
+    assert proc.returncode == 0, proc.stderr
+    assert "not waiting" in proc.stderr and "final metrics" not in proc.stderr
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.json").exists():
+        assert time.monotonic() < deadline, "the queued job wrote no metrics"
+        time.sleep(0.5)
+
+
+def test_a_sweep_runs_as_a_slurm_array_with_one_dir_per_job(slurm, tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "runner", f"hydra.sweep.dir={sweep}", "trainer.progress_bar=false",
+            "trainer.max_steps=20", "hardware=multi_gpu", "hardware.num_processes=2",
+            "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2", "optimizer.lr=1e-3,1e-4", "-m",
+        ],
+        env=cli_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    array_tasks = sorted(p.name for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name))
+    assert len(array_tasks) == 2 and array_tasks[0].endswith("_0") and array_tasks[1].endswith("_1")
+    with open(sweep / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [row["optimizer.lr"] for row in rows] == ["0.001", "0.0001"]
+    for job in ("0", "1"):
+        assert (sweep / job / "metrics.json").exists() and (sweep / job / "model").is_dir()
+        log = (sweep / job / "runner.log").read_text()
+        assert "2 process(es)" in log and "already rank 1" not in log  # rank 1 logs warnings only
+
+
+def test_a_preempted_job_requeues_itself_and_ends_bitwise_equal_to_an_uninterrupted_run(slurm, tmp_path):
+    train = [
+        "trainer.max_steps=600",
+        "trainer.eval_every=200",
+        "trainer.checkpoint_every=50",
+        "model.dropout=0.1",
+    ]
+    reference = run(tmp_path / "reference", "hardware=multi_gpu", "hardware.num_processes=2", *train)
+    assert reference.returncode == 0, reference.stderr
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        command(run_dir, *TWO_TASKS, *train),
+        env=cli_env(),
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        job = job_id(run_dir, proc)
+        deadline = time.monotonic() + 120
+        while not (run_dir / "checkpoints" / "latest").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.05)
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)  # what SLURM sends before preempting
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert f"requeueing SLURM job {job}" in stderr
+    assert "Restarts=1" in subprocess.check_output(["scontrol", "show", "job", job], text=True)
+    assert "resumed from" in (run_dir / "runner.log").read_text()
+    weights = [d / "model" / "model.safetensors" for d in (run_dir, tmp_path / "reference")]
+    assert weights[0].read_bytes() == weights[1].read_bytes()
+
+
+def test_a_job_whose_rank_is_killed_is_reported_failed(slurm, tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    run_dir = tmp_path / "run"
+    overrides = [*TWO_TASKS, "trainer.max_steps=1000000", "task._target_=faulty_tasks.RecordPid"]
+    proc = subprocess.Popen(
+        command(run_dir, *overrides, f"+task.pid_dir={pids}"),
+        env=cli_env(TESTS),
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        job = job_id(run_dir, proc)
+        deadline = time.monotonic() + 120
+        while len(list(pids.glob("rank*"))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.1)
+        (pids / "rank1").read_text()
+        subprocess.run(["kill", "-KILL", (pids / "rank1").read_text()], check=True)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, stderr
+    assert f"Training failed: SLURM job {job} ended FAILED" in stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["launcher.partition=gpu"],
+            "launcher.partition='gpu': the cluster has no such partition (it has debug",
+        ),
+        (["launcher.nodes=3"], "launcher.nodes=3: partition debug has 1 node(s). Ask for at most 1."),
+        (["launcher.cpus_per_task=1000"], "each node would need 2000 CPUs (tasks per node x cpus_per_task)"),
+        (
+            ["launcher.gpus_per_node=2", "hardware.num_processes=null"],
+            "the nodes of partition debug have no GPUs",
+        ),
+        (["launcher.mem_gb=100000"], "launcher.mem_gb=100000.0: the nodes of partition debug have"),
+        (["launcher.time_min=0"], "launcher.time_min=0: must be >= 1."),
+    ],
+)
+def test_what_the_cluster_cannot_give_is_refused_before_anything_is_queued(
+    slurm, tmp_path, overrides, message
+):
+    proc = run(tmp_path / "run", *TWO_TASKS, *overrides)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr and "submitted" not in proc.stderr
+    assert not (tmp_path / "run" / "slurm").exists()
+
+
+def test_a_bad_sweep_is_refused_before_its_array_is_queued(slurm, tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "runner", f"hydra.sweep.dir={sweep}", "hydra/launcher=submitit_slurm",
+            "hydra.launcher.partition=nope", "optimizer.lr=1e-3,1e-4", "-m",
+        ],
+        env=cli_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "hydra.launcher.partition='nope': the cluster has no such partition" in proc.stderr
+    assert not (sweep / ".submitit").exists()
+
+
+def test_without_sbatch_launcher_slurm_says_so_before_anything_starts(tmp_path):
+    env = cli_env() | {"PATH": str(Path(sys.executable).parent)}  # python, and no SLURM commands
+    proc = run(tmp_path / "run", "launcher=slurm", env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "launcher=slurm: `sbatch` is not on PATH" in proc.stderr and "launcher=local" in proc.stderr
+
+
+def test_without_submitit_launcher_slurm_names_the_pip_install(tmp_path):
+    hidden = tmp_path / "no_submitit"
+    hidden.mkdir()
+    (hidden / "sitecustomize.py").write_text("import sys\nsys.modules['submitit'] = None  # not installed\n")
+    proc = run(tmp_path / "run", "launcher=slurm", env=cli_env(hidden))
+    assert proc.returncode == 2, proc.stderr
+    assert "launcher=slurm needs submitit, which is not installed" in proc.stderr
+    assert "pip install 'submitit>=1.5'" in proc.stderr
+
+
+def test_slurm_time_limits_and_gres_are_read_as_sinfo_prints_them():
+    from runner.launchers.slurm import _gpus, _minutes
+
+    assert [_minutes(t) for t in ("infinite", "30", "30:00", "2:00:00", "1-00:00:00", "1-12", "0:30")] == [
+        None, 30, 30, 120, 1440, 2160, 1,
+    ]  # fmt: skip
+    assert [_gpus(g) for g in ("(null)", "gpu:8", "gpu:a100:4(S:0-1)", "gpu:2,gpu:v100:4")] == [0, 8, 4, 4]
+
+
+def test_without_the_hydra_plugin_a_slurm_sweep_names_the_pip_install(tmp_path):
+    hidden = tmp_path / "no_plugin"
+    hidden.mkdir()
+    (hidden / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['hydra_plugins.hydra_submitit_launcher'] = None  # not installed\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", "hydra/launcher=submitit_slurm", "optimizer.lr=1e-3,1e-4", "-m"],
+        env=cli_env(hidden),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        "hydra/launcher=submitit_slurm: that option comes from a Hydra plugin that is not installed"
+        in proc.stderr
+    )
+    assert "pip install 'hydra-submitit-launcher>=1.2'" in proc.stderr
