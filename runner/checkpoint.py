@@ -214,9 +214,10 @@ def save_torch(obj: Any, path: Path) -> None:
     torch.save(obj, path)
 
 
-def load_torch(path: Path) -> Any:
-    """Read a file `save_torch` wrote, without unpickling arbitrary objects."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+def load_torch(path: Path, mmap: bool = False) -> Any:
+    """Read a file `save_torch` wrote, without unpickling arbitrary objects; with `mmap`, its tensors are
+    mapped from the file and read only when used."""
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
 def resume_checkpoint(resume: str | None, output_dir: Path) -> Path | None:

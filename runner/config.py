@@ -79,6 +79,17 @@ class DeepSpeedConfig(ParallelConfig):
 
 
 @dataclass
+class BigModelConfig(HardwareConfig):
+    device_map: Any = "auto"  # auto | balanced | balanced_low_0 | sequential | {module: device}
+    max_memory: dict[str, Any] = field(default_factory=lambda: {"cpu": None})
+    offload_folder: str | None = None
+    no_split_module_classes: list[str] = field(default_factory=list)
+    dtype: str | None = None
+    offload_buffers: bool = False
+    num_threads: int | None = None
+
+
+@dataclass
 class PrecisionConfig:
     _target_: str = MISSING
 
@@ -162,10 +173,19 @@ class RunConfig:
     launcher: LauncherConfig = MISSING
     tracker: TrackerConfig = MISSING
     plan: bool = False  # print what the run would do, start nothing
+    checkpoint: str | None = (
+        None  # model weights (a save_model dir or file): fine-tune from them, or run them
+    )
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "hardware": {"cpu": CPUConfig, "multi_gpu": DDPConfig, "fsdp": FSDPConfig, "deepspeed": DeepSpeedConfig},
+    "hardware": {
+        "cpu": CPUConfig,
+        "multi_gpu": DDPConfig,
+        "fsdp": FSDPConfig,
+        "deepspeed": DeepSpeedConfig,
+        "big_model": BigModelConfig,
+    },
     "precision": {"fp32": PrecisionConfig, "bf16": MixedPrecisionConfig, "fp16": Float16Config},
     "launcher": {"local": LocalLauncherConfig, "slurm": SlurmLauncherConfig},
     "tracker": {"mlflow": MLflowTrackerConfig, "none": TrackerConfig},

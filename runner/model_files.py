@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -87,40 +88,69 @@ def save_model_files(
         write_weights(state_dict, staging, max_shard_size, safe_serialization)
 
 
-def read_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a weights file (.safetensors, or a torch file read with weights_only), or of a
-    directory holding one such file or shards with an index."""
+# safetensors' dtype names
+_SAFE_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor in a safetensors file, read on demand straight into fresh memory (no mapping, no copy)."""
+
+    file: Path
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def read(self) -> torch.Tensor:
+        tensor = torch.empty(self.shape, dtype=self.dtype)
+        if tensor.numel():
+            with open(self.file, "rb", buffering=0) as f:
+                f.seek(self.offset)
+                f.readinto(tensor.reshape(-1).view(torch.uint8).numpy())
+        return tensor
+
+
+def stored_tensors(path: Path) -> dict[str, StoredTensor]:
+    """Where each tensor of a safetensors file lies, from its header alone."""
+    with open(path, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_size))
+    header.pop("__metadata__", None)
+    return {
+        name: StoredTensor(
+            path,
+            8 + header_size + entry["data_offsets"][0],
+            _SAFE_DTYPES[entry["dtype"]],
+            tuple(entry["shape"]),
+        )
+        for name, entry in header.items()
+    }
+
+
+def weight_files(checkpoint: str | Path) -> list[Path]:
+    """The weight files of a checkpoint: a file, or a directory holding one file or shards with an index."""
     path = Path(checkpoint)
+    if path.is_file():
+        return [path]
     if path.is_dir():
         for base in (SAFE_NAME, TORCH_NAME):
             if (path / f"{base}.index.json").is_file():
                 weight_map = json.loads((path / f"{base}.index.json").read_text())["weight_map"]
-                state: dict[str, torch.Tensor] = {}
-                for shard in dict.fromkeys(weight_map.values()):
-                    state.update(read_weights(path / shard))
-                return state
+                return [path / shard for shard in dict.fromkeys(weight_map.values())]
             if (path / base).is_file():
-                return read_weights(path / base)
+                return [path / base]
         raise FileNotFoundError(f"{path} holds no {SAFE_NAME}, {TORCH_NAME} or an index of their shards.")
-    if not path.is_file():
-        raise FileNotFoundError(f"no such weights file: {path}")
-    return load_file(path) if path.suffix == ".safetensors" else load_torch(path)
+    raise FileNotFoundError(f"no such weights file or directory: {path}")
 
 
-def load_checkpoint_in_model(model: torch.nn.Module, checkpoint: str | Path, strict: bool = True) -> None:
-    """Load weights written by `save_model` (or any safetensors/torch state dict) into `model`, in place.
-
-    Names missing from the files are fine when they alias a loaded tensor (tied weights); any other
-    missing or unexpected name, or a shape that differs, raises (with `strict`).
-    """
-    state = read_weights(checkpoint)
-    result = model.load_state_dict(state, strict=False)
-    if not strict:
-        return
-    own = model.state_dict(keep_vars=True)
-    loaded_storage = {own[name].untyped_storage().data_ptr() for name in state if name in own}
-    missing = [n for n in result.missing_keys if own[n].untyped_storage().data_ptr() not in loaded_storage]
-    if missing or result.unexpected_keys:
-        raise RuntimeError(
-            f"{checkpoint} does not match the model: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}."
-        )
+def read_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a weights file (.safetensors, or a torch file read with weights_only), or of a
+    directory holding one such file or shards with an index."""
+    state: dict[str, torch.Tensor] = {}
+    for path in weight_files(checkpoint):
+        state.update(load_file(path) if path.suffix == ".safetensors" else load_torch(path))
+    return state

@@ -19,11 +19,7 @@ def describe(cfg: DictConfig, launcher: Launcher, resume_from: str | None) -> st
     world_size = launcher.world_size(cfg)
     strategy: Strategy = instantiate(cfg.hardware)
     precision = strategy.setup_precision(instantiate(cfg.precision)).mixed_precision
-    data = instantiate(cfg.data)
-    data.setup()
-    with torch.device("meta"):  # counted, not allocated
-        model = instantiate(cfg.model, **model_dims(cfg.model, data.dims))
-    parameters = sum(p.numel() for p in model.parameters())  # tied weights once
+    parameters = sum(p.numel() for p in build_on_meta(cfg).parameters())  # tied weights once
     trainer = cfg.trainer
     batch = cfg.data.get("batch_size")
     hardware = {
@@ -67,19 +63,40 @@ def _tracker(cfg: DictConfig) -> str:
     )
 
 
+def build_on_meta(cfg: DictConfig) -> torch.nn.Module:
+    """The configured model with its sizes from the data, on the meta device (counted, not allocated)."""
+    data = instantiate(cfg.data)
+    data.setup()
+    with torch.device("meta"):
+        return instantiate(cfg.model, **model_dims(cfg.model, data.dims))
+
+
+def optimizer_states(optimizer: DictConfig) -> int:
+    """Values the optimizer keeps per parameter: SGD one with momentum (else none); Adam-like ones (and
+    those not known here) two moments."""
+    if "sgd" in optimizer._target_.lower():
+        return int(bool(optimizer.get("momentum")))
+    return 2
+
+
+def state_memory(
+    parameters: int, bytes_per_value: float, states: int, sharded: frozenset[str], world_size: int
+) -> dict[str, float]:
+    """Bytes on one device of the weights, gradients and optimizer states, those in `sharded` split over
+    `world_size` devices."""
+    sizes = {
+        "weights": parameters * bytes_per_value,
+        "gradients": parameters * bytes_per_value,
+        "optimizer": parameters * bytes_per_value * states,
+    }
+    return {k: v / (world_size if k in sharded else 1) for k, v in sizes.items()}
+
+
 def _memory(parameters: int, strategy: Strategy, world_size: int, optimizer: DictConfig) -> str:
     """Weights, gradients and optimizer states in fp32 on one device, after the backend's sharding;
     activations depend on the batch and are not estimated."""
-    # SGD keeps a buffer if it has momentum; Adam-like optimizers (and those not known here) two moments.
-    sgd = "sgd" in optimizer._target_.lower()
-    states_per_parameter = int(bool(optimizer.get("momentum"))) if sgd else 2
-    sizes = {
-        "weights": parameters * 4,
-        "gradients": parameters * 4,
-        "optimizer": parameters * 4 * states_per_parameter,
-    }
     sharded = strategy.sharded_states
-    per_device = {k: v / (world_size if k in sharded else 1) for k, v in sizes.items()}
+    per_device = state_memory(parameters, 4, optimizer_states(optimizer), sharded, world_size)
     parts = ", ".join(
         f"{k} {v / MB:.1f} MB" + (" (sharded)" if k in sharded else "") for k, v in per_device.items()
     )

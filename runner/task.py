@@ -1,4 +1,5 @@
-"""The task contract: turn a batch into a loss (training) and per-sample metrics (evaluation)."""
+"""The task contracts: a training task turns a batch into a loss (training) and per-sample metrics
+(evaluation); an inference task runs a loaded model."""
 
 from __future__ import annotations
 
@@ -22,3 +23,18 @@ class Task:
 
     def summarize(self, means: dict[str, float]) -> dict[str, float]:
         return means
+
+
+class InferenceTask:
+    """Runs a model loaded from `checkpoint=` (by `hardware=big_model`) and returns metrics about the run."""
+
+    def run(self, model: torch.nn.Module) -> dict[str, float]:
+        raise NotImplementedError
+
+
+def is_inference(task_target: str) -> bool:
+    """Whether the task class at `task_target` is an inference task (else a training one)."""
+    from runner.validate import locate
+
+    task = locate(task_target)
+    return isinstance(task, type) and issubclass(task, InferenceTask)

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from runner.accelerator import Accelerator
+from runner.big_modeling import load_checkpoint_in_model
 from runner.checkpoint import ProjectConfiguration, checkpoint_number, numbered_checkpoints, resume_checkpoint
 from runner.errors import ConfigError, TrainingInterrupted
 from runner.task import Task
@@ -81,6 +82,8 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         data.train_dataloader(seed=trainer.seed), data.eval_dataloader()
     )
     model = instantiate(cfg.model, **model_dims(cfg.model, data.dims))
+    if cfg.checkpoint is not None:  # fine-tune from these weights
+        load_weights(model, cfg.checkpoint)
     task: Task = instantiate(cfg.task)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     total_steps = num_training_steps(trainer, len(train_loader))  # this rank's share of the batches
@@ -201,6 +204,15 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
             run_tracker.log_artifact(str(output_dir / "model"), "model")
     accelerator.end_training()
     return metrics
+
+
+def load_weights(model: torch.nn.Module, checkpoint: str) -> None:
+    """`checkpoint=`'s weights into `model`, or a ConfigError naming what does not match."""
+    try:
+        load_checkpoint_in_model(model, checkpoint)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"checkpoint={checkpoint}: {err}") from None
+    log.info("weights from %s", checkpoint)
 
 
 def load_checkpoint(accelerator: Accelerator, checkpoint: Path) -> None:

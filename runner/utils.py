@@ -7,8 +7,8 @@ import random
 import numpy as np
 import torch
 
+from runner.big_modeling import load_checkpoint_in_model
 from runner.checkpoint import ProjectConfiguration
-from runner.model_files import load_checkpoint_in_model
 
 __all__ = ["ProjectConfiguration", "load_checkpoint_in_model", "set_seed"]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+from pathlib import Path
 from typing import Any
 
 from hydra.errors import InstantiationException
@@ -143,6 +144,39 @@ def _build_problems(cfg: DictConfig) -> list[str]:
             built["hardware"].setup_precision(instantiate(cfg.precision))
         except ConfigError as err:
             problems.append(str(err))
+        problems += _checkpoint_problems(cfg, built["hardware"])
+    return problems
+
+
+def _checkpoint_problems(cfg: DictConfig, hardware: Any) -> list[str]:
+    """An inference task runs `checkpoint=` on `hardware=big_model`; training starts from `checkpoint=`
+    (when given) on a training backend."""
+    from runner.hardware.big_model import BigModel
+    from runner.task import is_inference
+
+    problems = []
+    inference = is_inference(cfg.task._target_)
+    if inference and not isinstance(hardware, BigModel):
+        problems.append(
+            f"task._target_={cfg.task._target_} is an inference task: it runs with hardware=big_model, which loads "
+            "checkpoint= onto the devices. Add hardware=big_model (experiment=gpt_generate has it)."
+        )
+    if not inference and isinstance(hardware, BigModel):
+        problems.append(
+            f"hardware=big_model places a model for inference, but task._target_={cfg.task._target_} trains. Train "
+            "with hardware=cpu, multi_gpu, fsdp or deepspeed; run inference with an inference task "
+            "(experiment=gpt_generate)."
+        )
+    if inference and cfg.checkpoint is None:
+        problems.append(
+            "checkpoint: an inference task needs the weights to run. Set checkpoint=<a model dir written by "
+            "save_model>, e.g. outputs/runs/<run>/model."
+        )
+    if cfg.checkpoint is not None and not Path(cfg.checkpoint).exists():
+        problems.append(
+            f"checkpoint={cfg.checkpoint}: no such file or directory. Give a model dir written by save_model "
+            "(outputs/runs/<run>/model) or a weights file."
+        )
     return problems
 
 

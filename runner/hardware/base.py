@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from runner.big_modeling import load_checkpoint_in_model
 from runner.checkpoint import load_torch
-from runner.model_files import distinct_tensors, load_checkpoint_in_model
+from runner.model_files import distinct_tensors
 from runner.precision import Precision
 from runner.state import ProcessState
 

@@ -11,7 +11,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from runner.environment import launched_environment
+from runner.infer import infer
 from runner.log import configure_rank_logging
+from runner.task import is_inference
 from runner.train import train
 
 
@@ -53,12 +55,13 @@ class Launcher(ABC):
 
 
 def train_as_rank(job: Job) -> dict[str, float]:
-    """The body of every rank: its logging (only rank 0 logs below warnings), then the loop; rank 0
-    writes the final metrics to `metrics.json` in the job's dir."""
+    """The body of every rank: its logging (only rank 0 logs below warnings), then the training loop (or
+    the inference task); rank 0 writes the final metrics to `metrics.json` in the job's dir."""
     env = launched_environment()
     rank = env.rank if env else 0
     configure_rank_logging(job.logging_config, rank)
-    metrics = train(job.cfg, job.output_dir)
+    run = infer if is_inference(job.cfg.task._target_) else train
+    metrics = run(job.cfg, job.output_dir)
     if rank == 0:
         (job.output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics

@@ -61,6 +61,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token ids (batch, seq) to next-token logits (batch, seq, vocab_size)."""
 
+    _no_split_modules = ["Block"]  # kept whole on one device by a device map (the residual stream)
+
     def __init__(
         self,
         vocab_size: int,
