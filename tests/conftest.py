@@ -14,6 +14,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def runner_command(run_dir: Path, *overrides: str) -> list[str]:
+    """`python -m runner` with its run dir at `run_dir`, no progress bar, and `overrides`."""
+    return [
+        sys.executable,
+        "-m",
+        "runner",
+        f"hydra.run.dir={run_dir}",
+        "trainer.progress_bar=false",
+        *overrides,
+    ]
+
+
 @pytest.fixture
 def run_cli(tmp_path):
     """Run `python -m runner <overrides>` in a fresh process with its run dir under tmp_path."""
@@ -22,16 +34,14 @@ def run_cli(tmp_path):
         *overrides: str, timeout: float = 240, pythonpath: Path | None = None
     ) -> subprocess.CompletedProcess:
         run_dir = tmp_path / "run"
-        args = [
-            sys.executable,
-            "-m",
-            "runner",
-            f"hydra.run.dir={run_dir}",
-            "trainer.progress_bar=false",
-            *overrides,
-        ]
-        env = cli_env(pythonpath)
-        proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            runner_command(run_dir, *overrides),
+            cwd=tmp_path,
+            env=cli_env(pythonpath),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         proc.run_dir = run_dir  # type: ignore[attr-defined]
         return proc
 

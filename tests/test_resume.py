@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_env
+from conftest import cli_env, runner_command
 
 pytestmark = pytest.mark.slow
 
@@ -25,25 +24,16 @@ TRAIN = [
 RANKS = {1: [], 2: ["hardware=multi_gpu", "hardware.num_processes=2"]}
 
 
-def command(run_dir: Path, *overrides: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "runner",
-        f"hydra.run.dir={run_dir}",
-        "trainer.progress_bar=false",
-        *overrides,
-    ]
-
-
 def run(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        command(run_dir, *overrides), env=cli_env(), capture_output=True, text=True, timeout=300
+        runner_command(run_dir, *overrides), env=cli_env(), capture_output=True, text=True, timeout=300
     )
 
 
 def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen(command(run_dir, *overrides), env=cli_env(), stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        runner_command(run_dir, *overrides), env=cli_env(), stderr=subprocess.PIPE, text=True
+    )
 
 
 def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen) -> None:

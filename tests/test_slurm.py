@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, metrics_of
+from conftest import cli_env, metrics_of, runner_command
 
 pytestmark = pytest.mark.slow
 
@@ -32,20 +32,9 @@ def slurm() -> None:
         )
 
 
-def command(run_dir: Path, *overrides: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "runner",
-        f"hydra.run.dir={run_dir}",
-        "trainer.progress_bar=false",
-        *overrides,
-    ]
-
-
 def run(run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        command(run_dir, *overrides),
+        runner_command(run_dir, *overrides),
         env=env or cli_env(TESTS),
         cwd=run_dir.parent,
         capture_output=True,
@@ -87,19 +76,22 @@ def test_wait_false_returns_once_queued_and_the_job_writes_its_metrics(slurm, tm
         time.sleep(0.5)
 
 
+def sweep_on_slurm(
+    sweep: Path, *overrides: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m runner -m hydra/launcher=submitit_slurm <overrides>` with its sweep dir at `sweep`."""
+    return subprocess.run(
+        [sys.executable, "-m", "runner", f"hydra.sweep.dir={sweep}", "trainer.progress_bar=false",
+         "hydra/launcher=submitit_slurm", *overrides, "-m"],
+        env=env or cli_env(), cwd=sweep.parent, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
 def test_a_sweep_runs_as_a_slurm_array_with_one_dir_per_job(slurm, tmp_path):
     sweep = tmp_path / "sweep"
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "runner", f"hydra.sweep.dir={sweep}", "trainer.progress_bar=false",
-            "trainer.max_steps=20", "hardware=multi_gpu", "hardware.num_processes=2",
-            "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2", "optimizer.lr=1e-3,1e-4", "-m",
-        ],
-        env=cli_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = sweep_on_slurm(
+        sweep, "trainer.max_steps=20", "hardware=multi_gpu", "hardware.num_processes=2",
+        "hydra.launcher.tasks_per_node=2", "optimizer.lr=1e-3,1e-4",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     array_tasks = sorted(p.name for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name))
@@ -124,7 +116,7 @@ def test_a_preempted_job_requeues_itself_and_ends_bitwise_equal_to_an_uninterrup
     assert reference.returncode == 0, reference.stderr
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        command(run_dir, *TWO_TASKS, *train),
+        runner_command(run_dir, *TWO_TASKS, *train),
         env=cli_env(),
         cwd=tmp_path,
         stderr=subprocess.PIPE,
@@ -154,7 +146,7 @@ def test_a_job_whose_rank_is_killed_is_reported_failed(slurm, tmp_path):
     run_dir = tmp_path / "run"
     overrides = [*TWO_TASKS, "trainer.max_steps=1000000", "task._target_=faulty_tasks.RecordPid"]
     proc = subprocess.Popen(
-        command(run_dir, *overrides, f"+task.pid_dir={pids}"),
+        runner_command(run_dir, *overrides, f"+task.pid_dir={pids}"),
         env=cli_env(TESTS),
         cwd=tmp_path,
         stderr=subprocess.PIPE,
@@ -204,17 +196,7 @@ def test_what_the_cluster_cannot_give_is_refused_before_anything_is_queued(
 
 def test_a_bad_sweep_is_refused_before_its_array_is_queued(slurm, tmp_path):
     sweep = tmp_path / "sweep"
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "runner", f"hydra.sweep.dir={sweep}", "hydra/launcher=submitit_slurm",
-            "hydra.launcher.partition=nope", "optimizer.lr=1e-3,1e-4", "-m",
-        ],
-        env=cli_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )  # fmt: skip
+    proc = sweep_on_slurm(sweep, "hydra.launcher.partition=nope", "optimizer.lr=1e-3,1e-4")
     assert proc.returncode == 2, proc.stderr
     assert "hydra.launcher.partition='nope': the cluster has no such partition" in proc.stderr
     assert not (sweep / ".submitit").exists()
@@ -252,17 +234,26 @@ def test_without_the_hydra_plugin_a_slurm_sweep_names_the_pip_install(tmp_path):
     (hidden / "sitecustomize.py").write_text(
         "import sys\nsys.modules['hydra_plugins.hydra_submitit_launcher'] = None  # not installed\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "runner", "hydra/launcher=submitit_slurm", "optimizer.lr=1e-3,1e-4", "-m"],
-        env=cli_env(hidden),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = sweep_on_slurm(tmp_path / "sweep", "optimizer.lr=1e-3,1e-4", env=cli_env(hidden))
     assert proc.returncode == 2, proc.stderr
     assert (
         "hydra/launcher=submitit_slurm: that option comes from a Hydra plugin that is not installed"
         in proc.stderr
     )
     assert "pip install 'hydra-submitit-launcher>=1.2'" in proc.stderr
+
+
+def test_a_configuration_error_found_in_a_rank_is_reported_as_one(slurm, tmp_path):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("too short")
+    proc = run(
+        tmp_path / "run",
+        "launcher=slurm",
+        "data=text",
+        f"data.path={tiny}",
+        "task=language_modeling",
+        "model=gpt",
+    )
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]  # after rank 0's streamed log (its traceback included)
+    assert last.startswith("Configuration error: data.path=") and "bytes are too few" in last

@@ -154,12 +154,11 @@ class SlurmLauncher(Launcher):
         executor.update_parameters(**self._sbatch_parameters(job))
         submitted = executor.submit(SlurmTask(job))
         rank0 = submitted.task(0)
-        tasks = self.world_size(job.cfg) // self.nodes
         log.info(
             "submitted SLURM job %s: %d node(s) x %d task(s), partition %s; rank 0's log: %s",
             submitted.job_id,
             self.nodes,
-            tasks,
+            self.tasks_per_node(job.cfg),
             self.partition or "(default)",
             rank0.paths.stderr,
         )
@@ -176,10 +175,15 @@ class SlurmLauncher(Launcher):
                 f"stopped waiting; SLURM job {submitted.job_id} goes on (`scancel {submitted.job_id}` stops it)."
             ) from None
         except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
-            state = submitted.state
+            report = str(err)
+            for error in (ConfigError, TrainingInterrupted):  # what a rank raised, as it would be raised here
+                name = f"{error.__module__}.{error.__name__}: "
+                if name in report:
+                    message = report.rsplit(name, 1)[1].split("\n-----", 1)[0]  # submitit's log paths follow
+                    raise error(message.strip()) from None
             raise RankFailedError(
-                f"SLURM job {submitted.job_id} ended {state} without a result. Rank 0's log: "
-                f"{rank0.paths.stderr}; the others' are next to it.\n{err}"
+                f"SLURM job {submitted.job_id} ended {submitted.state} without a result. Rank 0's log: "
+                f"{rank0.paths.stderr}; the others' are next to it.\n{report}"
             ) from None
 
     def _sbatch_parameters(self, job: Job) -> dict[str, Any]:
@@ -195,7 +199,7 @@ class SlurmLauncher(Launcher):
         return {
             "job_name": self.name,
             "nodes": self.nodes,
-            "ntasks_per_node": self.world_size(job.cfg) // self.nodes,
+            "ntasks_per_node": self.tasks_per_node(job.cfg),
             "time": self.time_min,
             "signal_delay_s": self.signal_delay_s,
             "setup": self.setup,
