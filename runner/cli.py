@@ -30,7 +30,7 @@ from runner.launchers import Job, Launcher, RankFailedError
 from runner.launchers.slurm import requeue_if_preempted
 from runner.log import configure_rank_logging
 from runner.plan import describe as describe_plan
-from runner.validate import validate
+from runner.validate import validate, validate_for_world
 
 log = logging.getLogger("runner")
 
@@ -52,6 +52,7 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
             validate(cfg)
             launcher: Launcher = instantiate(cfg.launcher)
             launcher.check(cfg)
+            validate_for_world(cfg, launcher.world_size(cfg))
             checkpoint = resume_checkpoint(cfg.trainer.resume, output_dir)
             if checkpoint is not None:
                 check_checkpoint_fits(

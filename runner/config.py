@@ -23,6 +23,7 @@ class TrainerConfig:
     eval_every: int = 100  # optimizer steps between evaluations; 0: evaluate at the end only
     log_every: int = 10  # optimizer steps between log lines
     gradient_accumulation_steps: int = 1
+    split_batches: bool = False  # data.batch_size is the global batch, split over the processes
     max_grad_norm: float | None = None  # clip the total gradient norm to this value
     seed: int = 0
     progress_bar: bool = True

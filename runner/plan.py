@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from runner.data.base import DataSource
 from runner.environment import available_cores
 from runner.hardware.base import Strategy
 from runner.launchers.base import Launcher
+from runner.ops import apply_to_tensors, send_to_device
 from runner.train import model_dims
 
 MB = 1024**2
@@ -19,9 +23,14 @@ def describe(cfg: DictConfig, launcher: Launcher, resume_from: str | None) -> st
     world_size = launcher.world_size(cfg)
     strategy: Strategy = instantiate(cfg.hardware)
     precision = strategy.setup_precision(instantiate(cfg.precision)).mixed_precision
-    parameters = sum(p.numel() for p in build_on_meta(cfg).parameters())  # tied weights once
+    data = instantiate(cfg.data)
+    data.setup()
+    model = build_on_meta(cfg, data)
+    parameters = sum(p.numel() for p in model.parameters())  # tied weights once
     trainer = cfg.trainer
     batch = cfg.data.get("batch_size")
+    if batch and trainer.split_batches:
+        batch //= world_size
     hardware = {
         k: v for k, v in OmegaConf.to_container(cfg.hardware, resolve=True).items() if k != "_target_"
     }
@@ -49,6 +58,7 @@ def describe(cfg: DictConfig, launcher: Launcher, resume_from: str | None) -> st
         "tracker": _tracker(cfg),
         "model": f"{cfg.model._target_}, {parameters / 1e6:.2f}M parameters",
         "memory/device": _memory(parameters, strategy, world_size, cfg.optimizer),
+        "activations": _activations(cfg, model, data, world_size),
     }
     width = max(map(len, lines))
     return "plan (nothing was started):\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in lines.items())
@@ -63,10 +73,12 @@ def _tracker(cfg: DictConfig) -> str:
     )
 
 
-def build_on_meta(cfg: DictConfig) -> torch.nn.Module:
-    """The configured model with its sizes from the data, on the meta device (counted, not allocated)."""
-    data = instantiate(cfg.data)
-    data.setup()
+def build_on_meta(cfg: DictConfig, data: DataSource | None = None) -> torch.nn.Module:
+    """The configured model with its sizes from the (set up) data, on the meta device (counted, not
+    allocated)."""
+    if data is None:
+        data = instantiate(cfg.data)
+        data.setup()
     with torch.device("meta"):
         return instantiate(cfg.model, **model_dims(cfg.model, data.dims))
 
@@ -92,6 +104,38 @@ def state_memory(
     return {k: v / (world_size if k in sharded else 1) for k, v in sizes.items()}
 
 
+def _activations(cfg: DictConfig, model: torch.nn.Module, data: DataSource, world_size: int) -> str:
+    """The outputs of every leaf module in one training step of a per-device batch, run on meta tensors:
+    roughly what autograd keeps for the backward pass (fp32; bf16/fp16 autocast halves the matmul ones)."""
+    batch = next(iter(data.train_dataloader(seed=0)))
+    if cfg.trainer.split_batches:
+        batch = apply_to_tensors(lambda t: t[: len(t) // world_size], batch)
+    total = 0
+
+    def count(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        nonlocal total
+        for tensor in tensors_in(output):
+            total += tensor.numel() * tensor.element_size()
+
+    leaves = [m for m in model.modules() if next(m.children(), None) is None]
+    handles = [m.register_forward_hook(count) for m in leaves]
+    try:
+        instantiate(cfg.task).training_step(model.train(), send_to_device(batch, torch.device("meta")))
+    except Exception as err:  # a task that reads values (`.item()`) cannot run on meta tensors
+        return f"not estimated (the task's training_step cannot run on meta tensors: {str(err).splitlines()[0][:120]})"
+    finally:
+        for handle in handles:
+            handle.remove()
+    return f"about {total / MB:.1f} MB per device for one micro-batch (module outputs kept for backward)"
+
+
+def tensors_in(data: Any) -> list[torch.Tensor]:
+    """The tensors inside a nested output."""
+    found: list[torch.Tensor] = []
+    apply_to_tensors(found.append, data)
+    return found
+
+
 def _memory(parameters: int, strategy: Strategy, world_size: int, optimizer: DictConfig) -> str:
     """Weights, gradients and optimizer states in fp32 on one device, after the backend's sharding;
     activations depend on the batch and are not estimated."""
@@ -100,4 +144,4 @@ def _memory(parameters: int, strategy: Strategy, world_size: int, optimizer: Dic
     parts = ", ".join(
         f"{k} {v / MB:.1f} MB" + (" (sharded)" if k in sharded else "") for k, v in per_device.items()
     )
-    return f"{parts}; total {sum(per_device.values()) / MB:.1f} MB + activations (not estimated)"
+    return f"{parts}; total {sum(per_device.values()) / MB:.1f} MB, plus activations"

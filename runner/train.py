@@ -62,6 +62,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
         strategy=instantiate(cfg.hardware),
         mixed_precision=instantiate(cfg.precision),
         gradient_accumulation_steps=trainer.gradient_accumulation_steps,
+        split_batches=trainer.split_batches,
         project_config=ProjectConfiguration(
             automatic_checkpoint_naming=True, total_limit=trainer.keep_checkpoints
         ),

@@ -13,6 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError
+from runner.task import is_inference
 
 # Nodes with a dataclass schema (runner/config.py).
 TYPED_NODES = ("trainer", "hardware", "precision", "launcher", "tracker")
@@ -148,11 +149,35 @@ def _build_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
+def validate_for_world(cfg: DictConfig, world_size: int) -> None:
+    """The checks that need the number of ranks the launcher will start (ConfigError listing all)."""
+    problems = []
+    batch_size = cfg.data.get("batch_size")
+    if cfg.trainer.split_batches and batch_size and batch_size % world_size:
+        problems.append(
+            f"trainer.split_batches=true: data.batch_size={batch_size} is the global batch and must split evenly "
+            f"over the {world_size} processes. Use a multiple of {world_size} (e.g. "
+            f"{batch_size - batch_size % world_size or world_size}), or trainer.split_batches=false for "
+            f"{batch_size} per process."
+        )
+    if world_size > 1 and not is_inference(cfg.task._target_):
+        data = instantiate(cfg.data)
+        data.setup()
+        eval_size = len(data.eval_set)
+        if eval_size < world_size:
+            problems.append(
+                f"the eval set has {eval_size} sample(s), fewer than the {world_size} processes: each process needs "
+                "at least one to evaluate. Hold out more data (e.g. a larger data.eval_fraction) or run fewer "
+                "processes."
+            )
+    if problems:
+        raise ConfigError("\n\n".join(problems))
+
+
 def _checkpoint_problems(cfg: DictConfig, hardware: Any) -> list[str]:
     """An inference task runs `checkpoint=` on `hardware=big_model`; training starts from `checkpoint=`
     (when given) on a training backend."""
     from runner.hardware.big_model import BigModel
-    from runner.task import is_inference
 
     problems = []
     inference = is_inference(cfg.task._target_)

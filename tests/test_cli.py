@@ -92,12 +92,30 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
         ),
         (
             ["hardware=gpu9"],
-            "hardware=gpu9: there is no option 'gpu9' in the config group 'hardware'. Available: cpu, deepspeed, fsdp, multi_gpu.",
+            "hardware=gpu9: there is no option 'gpu9' in the config group 'hardware'. Available: big_model, cpu, deepspeed, fsdp, multi_gpu.",
         ),
         (["data=table", "data.path=missing.csv", "data.target=y"], "data.path='missing.csv': no such file"),
         (["model._target_=nope.Model"], "model._target_='nope.Model' cannot be imported"),
         (["model=gpt"], "model.vocab_size is null and the data does not provide it"),
         (["hardware=multi_gpu", "hardware.num_processes=0"], "hardware.num_processes=0: must be >= 1"),
+        (
+            [
+                "hardware=multi_gpu",
+                "hardware.num_processes=2",
+                "trainer.split_batches=true",
+                "data.batch_size=33",
+            ],
+            "data.batch_size=33 is the global batch and must split evenly over the 2 processes",
+        ),
+        (
+            [
+                "hardware=multi_gpu",
+                "hardware.num_processes=2",
+                "data.num_samples=20",
+                "data.eval_fraction=0.05",
+            ],
+            "the eval set has 1 sample(s), fewer than the 2 processes",
+        ),
         (["hardware=multi_gpu", "hardware.device=tpu"], "hardware.device='tpu': expected 'cuda', 'cpu'"),
         (["hardware=multi_gpu", "hardware.device=cuda"], "this machine has 0 visible GPU(s)"),
         (["launcher.start_method=thread"], "launcher.start_method='thread': expected one of"),
@@ -171,6 +189,28 @@ def test_plan_prints_what_the_run_would_do_and_starts_nothing(run_cli):
     )  # AdamW's 2 fp32 states, 0.2M params, 2 ranks
     assert "starting" not in proc.stderr and "step " not in proc.stderr
     assert not (proc.run_dir / "resolved_config.yaml").exists() and not (proc.run_dir / "tracking").exists()
+
+
+def test_every_problem_is_reported_at_once(run_cli):
+    proc = run_cli(
+        "trainer.gradient_accumulation_steps=0", "trainer.max_grad_norm=-1", "model._target_=nope.Model"
+    )
+    assert proc.returncode == 2
+    paragraphs = proc.stderr.removeprefix("Configuration error: ").strip().split("\n\n")
+    assert len(paragraphs) == 3, proc.stderr
+    assert paragraphs[0].startswith("model._target_='nope.Model' cannot be imported")
+    assert "trainer.gradient_accumulation_steps=0: must be >= 1" in paragraphs[1]
+    assert "trainer.max_grad_norm=-1.0: must be > 0" in paragraphs[2]
+
+
+def test_plan_estimates_activations_from_a_step_on_meta_tensors(run_cli):
+    sizes = []
+    for batch in (16, 32):
+        proc = run_cli("plan=true", "experiment=gpt_sonnets", f"data.batch_size={batch}")
+        assert proc.returncode == 0, proc.stderr
+        line = next(line for line in proc.stdout.splitlines() if line.strip().startswith("activations"))
+        sizes.append(float(line.split("about ")[1].split(" MB")[0]))
+    assert sizes[0] > 1 and sizes[1] == pytest.approx(2 * sizes[0], rel=0.02)  # linear in the batch
 
 
 def test_plan_still_refuses_bad_input(run_cli):
