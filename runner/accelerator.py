@@ -253,7 +253,7 @@ class Accelerator:
             scheduler,
             self._optimizers,
             self.gradient_state,
-            num_processes=self.num_processes,
+            num_processes=self.state.data_parallel_size,  # the processes that split the data
             step_with_optimizer=self.step_scheduler_with_optimizer,
             split_batches=self.split_batches,
         )
@@ -266,15 +266,12 @@ class Accelerator:
         """This process's share of `dataloader`'s batches, placed on the device."""
         place = device_placement if device_placement is not None else self.device_placement
         generators = sampler_generators(dataloader)
-        shard = shard_dataloader(
-            dataloader, self.num_processes, self.process_index, self.split_batches, self.even_batches
-        )
-        remainder = last_batch_remainder(dataloader, self.num_processes, self.split_batches)
+        readers, reader = self.state.data_parallel_size, self.state.data_parallel_index
+        shard = shard_dataloader(dataloader, readers, reader, self.split_batches, self.even_batches)
+        remainder = last_batch_remainder(dataloader, readers, self.split_batches)
         batch_size = dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", None)
         if self._micro_batch_size is None and batch_size:
-            self._micro_batch_size = per_process_batch_size(
-                batch_size, self.num_processes, self.split_batches
-            )
+            self._micro_batch_size = per_process_batch_size(batch_size, readers, self.split_batches)
         wrapped = DataLoaderShard(
             shard,
             self.gradient_state,
@@ -418,7 +415,7 @@ class Accelerator:
             if dim >= t.ndim or dim < -t.ndim:
                 return t
             size = torch.tensor(t.shape, device=self.device)
-            longest = int(self.strategy.all_gather(size).view(self.num_processes, -1)[:, dim].max())
+            longest = int(self.strategy.all_gather(size).view(-1, size.numel())[:, dim].max())
             if longest == t.shape[dim]:
                 return t
             shape = list(t.shape)

@@ -70,6 +70,13 @@ class FSDPConfig(ParallelConfig):
 
 
 @dataclass
+class MegatronConfig(ParallelConfig):
+    tp_size: int = 2  # ranks each layer is split over; the rest of the world is data parallel
+    shard_modules: list[str] | None = None  # FSDP2 units for the data-parallel dimension
+    reshard_after_forward: bool = True
+
+
+@dataclass
 class DeepSpeedConfig(ParallelConfig):
     zero_stage: int | None = None  # 1 | 2 | 3; null: the stage of `config`, else 2
     offload_optimizer: bool = False
@@ -185,6 +192,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "multi_gpu": DDPConfig,
         "fsdp": FSDPConfig,
         "deepspeed": DeepSpeedConfig,
+        "megatron": MegatronConfig,
         "big_model": BigModelConfig,
     },
     "precision": {"fp32": PrecisionConfig, "bf16": MixedPrecisionConfig, "fp16": Float16Config},

@@ -16,6 +16,16 @@ class ProcessState:
     process_index: int = 0
     num_processes: int = 1
     local_process_index: int = 0
+    # Which share of the data this process reads: its process index among all, unless the model itself
+    # is split over several processes that then read the same batches (tensor parallel).
+    data_parallel_index: int | None = None
+    data_parallel_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_index is None:
+            object.__setattr__(self, "data_parallel_index", self.process_index)
+        if self.data_parallel_size is None:
+            object.__setattr__(self, "data_parallel_size", self.num_processes)
 
     @property
     def is_main_process(self) -> bool:

@@ -88,9 +88,10 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     task: Task = instantiate(cfg.task)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     total_steps = num_training_steps(trainer, len(train_loader))  # this rank's share of the batches
-    # A prepared scheduler advances once per process on each optimizer step (Accelerate's convention).
+    # A prepared scheduler advances once per data-parallel process on each optimizer step (Accelerate's
+    # convention; tensor-parallel ranks share their data).
     scheduler = instantiate(cfg.scheduler)(
-        optimizer, num_training_steps=total_steps * accelerator.num_processes
+        optimizer, num_training_steps=total_steps * accelerator.state.data_parallel_size
     )
     num_parameters = sum(p.numel() for p in model.parameters())  # before a sharding backend partitions them
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)

@@ -161,8 +161,14 @@ def validate_for_world(cfg: DictConfig, world_size: int) -> None:
             f"{batch_size} per process."
         )
     if world_size > 1 and not is_inference(cfg.task._target_):
+        from runner.plan import build_on_meta  # (imports the training loop, which imports this module)
+
         data = instantiate(cfg.data)
         data.setup()
+        try:
+            instantiate(cfg.hardware).check_model(build_on_meta(cfg, data), world_size)
+        except ConfigError as err:
+            problems.append(str(err))
         eval_size = len(data.eval_set)
         if eval_size < world_size:
             problems.append(

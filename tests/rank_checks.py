@@ -249,8 +249,11 @@ MATRIX_STEPS, MATRIX_BATCH, MATRIX_SEQ = 20, 8, 16
 
 def matrix_strategy(hardware: str):
     from runner.hardware import FSDP, DeepSpeed, SingleDevice
+    from runner.hardware.megatron import TensorParallel
 
     strategies = {
+        "megatron_tp2": lambda: TensorParallel(device="cpu", tp_size=2),
+        "megatron_tp2_dp2": lambda: TensorParallel(device="cpu", tp_size=2, shard_modules=["Block"]),
         "cpu": lambda: SingleDevice("cpu"),
         "multi_gpu": lambda: DDP(device="cpu"),
         "fsdp": lambda: FSDP(device="cpu", shard_modules=["Block"]),
@@ -276,8 +279,10 @@ def matrix_run(hardware: str, precision: str, checkpoint_dir: str) -> dict[str, 
         0, 32, (MATRIX_STEPS + 1, MATRIX_BATCH, 1), generator=torch.Generator().manual_seed(1)
     )
     tokens = (starts + torch.arange(MATRIX_SEQ + 1)) % 32
-    share = MATRIX_BATCH // accelerator.num_processes
-    mine = slice(accelerator.process_index * share, (accelerator.process_index + 1) * share)
+    # Ranks that split the model (tensor parallel) read the same rows: slice by the data-parallel rank.
+    readers, reader = accelerator.state.data_parallel_size, accelerator.state.data_parallel_index
+    share = MATRIX_BATCH // readers
+    mine = slice(reader * share, (reader + 1) * share)
 
     def step(k: int) -> float:
         batch = tokens[k, mine]

@@ -12,7 +12,8 @@ import rank_checks
 
 pytestmark = pytest.mark.slow
 
-HARDWARE = ["multi_gpu", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3"]
+HARDWARE = ["multi_gpu", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "megatron_tp2"]
+PROCESSES = {"megatron_tp2_dp2": 4}
 TOLERANCE = {"no": 1e-5, "bf16": 2e-2}
 
 
@@ -27,9 +28,15 @@ def single_process(tmp_path_factory):
 
 
 @pytest.mark.parametrize("precision", list(TOLERANCE))
-@pytest.mark.parametrize("hardware", HARDWARE)
-def test_two_ranks_match_one_process(single_process, tmp_path, hardware, precision):
-    result = rank_checks.run_ranks(rank_checks.matrix_run, hardware, precision, str(tmp_path / "ckpt"))[0]
+@pytest.mark.parametrize("hardware", [*HARDWARE, *PROCESSES])
+def test_several_ranks_match_one_process(single_process, tmp_path, hardware, precision):
+    result = rank_checks.run_ranks(
+        rank_checks.matrix_run,
+        hardware,
+        precision,
+        str(tmp_path / "ckpt"),
+        num_processes=PROCESSES.get(hardware, 2),
+    )[0]
     reference = single_process[precision]
     assert result["losses"][-1] < result["losses"][0]  # it learns
     for step, (ours, theirs) in enumerate(zip(result["losses"], reference["losses"], strict=True)):

@@ -10,9 +10,19 @@ from runner.hardware.cpu import SingleDevice
 from runner.hardware.ddp import DDP
 from runner.hardware.deepspeed import DeepSpeed
 from runner.hardware.fsdp import FSDP
+from runner.hardware.megatron import TensorParallel
 from runner.hardware.parallel import ParallelStrategy
 
-__all__ = ["DDP", "FSDP", "DeepSpeed", "ParallelStrategy", "SingleDevice", "Strategy", "default_strategy"]
+__all__ = [
+    "DDP",
+    "FSDP",
+    "DeepSpeed",
+    "ParallelStrategy",
+    "SingleDevice",
+    "Strategy",
+    "TensorParallel",
+    "default_strategy",
+]
 
 
 def default_strategy(cpu: bool = False) -> Strategy:

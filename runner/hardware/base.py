@@ -60,6 +60,10 @@ class Strategy(ABC):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """The picklable `obj` of every process, in process order."""
 
+    def check_model(self, model: torch.nn.Module, world_size: int) -> None:
+        """Before launch, with the model on the meta device: raise ConfigError for what this backend cannot
+        do with it on `world_size` ranks."""
+
     def setup_precision(self, precision: Precision) -> Precision:
         """The precision plugin to train with: `precision` itself, unless this backend applies it its own
         way (FSDP's MixedPrecisionPolicy). Raises ConfigError for a precision it cannot run."""

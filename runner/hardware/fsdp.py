@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -81,7 +81,14 @@ class FSDP(ParallelStrategy):
         return precision
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        mesh = init_device_mesh(self.device.type, (torch.distributed.get_world_size(),))
+        before = dict(module.named_parameters())
+        self.shard_fully(module, init_device_mesh(self.device.type, (torch.distributed.get_world_size(),)))
+        # fully_shard replaces each parameter by a sharded one: remember which, for the optimizers.
+        self._sharded.update({id(before[name]): param for name, param in module.named_parameters()})
+        return module
+
+    def shard_fully(self, module: torch.nn.Module, mesh: DeviceMesh) -> None:
+        """`fully_shard` each unit named by `shard_modules`, then the root, over `mesh`."""
         options = {
             "mesh": mesh,
             "reshard_after_forward": self.reshard_after_forward,
@@ -95,7 +102,6 @@ class FSDP(ParallelStrategy):
                 f"hardware.shard_modules={self.shard_modules}: {type(module).__name__} has no module of those "
                 f"classes. Its classes are: {', '.join(classes)}. Name one of them, or null to shard the root only."
             )
-        before = dict(module.named_parameters())
         for unit in units:
             fully_shard(unit, **options)
         # Units hand low-precision activations to each other; the model's outputs are fp32 (as autocast's).
@@ -103,9 +109,6 @@ class FSDP(ParallelStrategy):
             self.mp_policy.param_dtype, self.mp_policy.reduce_dtype, torch.float32
         )
         fully_shard(module, **(options | {"mp_policy": root_policy}))
-        # fully_shard replaces each parameter by a sharded one: remember which, for the optimizers.
-        self._sharded.update({id(before[name]): param for name, param in module.named_parameters()})
-        return module
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:

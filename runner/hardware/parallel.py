@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 from typing import Any
@@ -81,6 +82,9 @@ class ParallelStrategy(Strategy):
             else:
                 env.export()
                 dist.init_process_group(self.backend, init_method="env://", timeout=self.timeout)
+            # A script that never calls end_training() still leaves the group before the interpreter
+            # tears down (the backend's threads otherwise abort the process at exit).
+            atexit.register(_release_process_group)
         return ProcessState(
             device=self.device,
             process_index=dist.get_rank(),
@@ -130,3 +134,8 @@ class ParallelStrategy(Strategy):
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _release_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

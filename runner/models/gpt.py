@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 
 class CausalSelfAttention(nn.Module):
@@ -95,6 +96,32 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+    def tp_plan(self, tp_size: int) -> dict[str, ParallelStyle]:
+        """Megatron-style tensor parallelism over `tp_size` ranks: in every block q/k/v and the first MLP
+        layer are split column-wise (each rank computes n_heads / tp_size heads and its slice of the
+        hidden layer), the output projections row-wise (one all-reduce per sub-layer). Embeddings, layer
+        norms and the head stay replicated. ValueError if `tp_size` does not divide the heads or widths."""
+        n_heads = (
+            self.blocks[0].attn.q_proj.out_features // self.blocks[0].attn.head_dim if self.blocks else 0
+        )
+        hidden = self.blocks[0].mlp.fc_in.out_features if self.blocks else 0
+        if n_heads % tp_size:
+            raise ValueError(
+                f"tp_size={tp_size} does not divide model.n_heads={n_heads}: each rank computes whole heads."
+            )
+        if hidden % tp_size:
+            raise ValueError(
+                f"tp_size={tp_size} does not divide the MLP width {hidden} (model.mlp_ratio x model.d_model)."
+            )
+        return {
+            "blocks.*.attn.q_proj": ColwiseParallel(),
+            "blocks.*.attn.k_proj": ColwiseParallel(),
+            "blocks.*.attn.v_proj": ColwiseParallel(),
+            "blocks.*.attn.o_proj": RowwiseParallel(),
+            "blocks.*.mlp.fc_in": ColwiseParallel(),
+            "blocks.*.mlp.fc_out": RowwiseParallel(),
+        }
 
     @torch.no_grad()
     def generate(
