@@ -89,18 +89,19 @@ def compute_module_sizes(model: nn.Module, dtype: torch.dtype | str | None = Non
     return sizes
 
 
-def get_max_memory(max_memory: Mapping[Device, int | str] | None = None) -> dict[Device, int]:
-    """Bytes each device may hold, in placement order (GPUs, then "cpu", then "disk"); None: what is free
-    on every GPU and the CPU memory available now."""
+def get_max_memory(max_memory: Mapping[Device, int | str | None] | None = None) -> dict[Device, int]:
+    """Bytes each device may hold, in placement order (GPUs, then "cpu", then "disk"); None (or a None
+    value for a device): what is free on every GPU and the CPU memory available now."""
+    free: dict[Device, int] = {i: torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())}
+    free["cpu"] = available_cpu_memory()
     if max_memory is None:
-        memory: dict[Device, int] = {
-            i: torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())
-        }
-        memory["cpu"] = available_cpu_memory()
-        return memory
+        return free
     memory = {}
     for device, size in max_memory.items():
         key = _device_key(device)
+        if size is None:
+            memory[key] = free.get(key, 0)
+            continue
         try:
             memory[key] = parse_size(size)
         except ValueError:

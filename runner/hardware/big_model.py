@@ -46,14 +46,10 @@ class BigModel(SingleDevice):
                 "names to devices such as {'': 'cpu'}."
             )
         self.device_map = device_map if isinstance(device_map, str) else dict(device_map)
+        # All null (the default): every device, with what is free on it.
+        asked = dict(max_memory or {}) if any(v is not None for v in (max_memory or {}).values()) else None
         try:
-            free = get_max_memory()
-            asked = {k: v for k, v in (max_memory or {}).items() if v is not None}
             self.max_memory = get_max_memory(asked) if asked else None
-            if self.max_memory is not None:  # devices given as null: what is free on them
-                for key in max_memory or {}:
-                    if (max_memory or {})[key] is None and key in free:
-                        self.max_memory[key] = free[key]
         except ValueError as err:
             raise ConfigError(f"hardware.{err}") from None
         self.offload_folder = offload_folder
