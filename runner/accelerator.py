@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from runner import precision as precision_plugins
+from runner.big_modeling import set_module_tensor
 from runner.checkpoint import (
     ProjectConfiguration,
     check_format,
@@ -113,6 +114,9 @@ class Accelerator:
         )
         self.precision.setup(self.state.device)
         self.gradient_state = GradientState(num_steps=gradient_accumulation_steps)
+        # id of a parameter -> (it, what device placement replaced it with); the old one is kept alive so
+        # that its id is not reused.
+        self._placed: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = ["generator"] if rng_types is None else list(rng_types)
@@ -226,7 +230,9 @@ class Accelerator:
         self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], device_placement: bool
     ) -> torch.nn.Module:
         if device_placement:
-            model = model.to(self.device)
+            model = self._place(model)
+            for optimizer in optimizers:
+                self._follow_placement(optimizer)
         model = self.precision.setup_module(model)
         model = self.strategy.setup_module_and_optimizers(
             model,
@@ -237,9 +243,32 @@ class Accelerator:
         self._models.append(model)
         return model
 
+    def _place(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`model` on the device. Where that makes new parameter objects (XLA), tied weights are tied again
+        and optimizers prepared later follow the new parameters (`_follow_placement`)."""
+        before = dict(model.named_parameters(remove_duplicate=False))
+        model = model.to(self.device)
+        after = dict(model.named_parameters(remove_duplicate=False))
+        first: dict[int, str] = {}
+        for name, param in before.items():
+            owner = first.setdefault(id(param), name)
+            if after[name] is not after[owner]:  # a tie that the move broke
+                set_module_tensor(model, name, after[owner])
+            if after[owner] is not param:
+                self._placed[id(param)] = (param, after[owner])
+        return model
+
+    def _follow_placement(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point `optimizer` at the parameters that device placement put in place of its own."""
+        for group in optimizer.param_groups:
+            group["params"] = [
+                self._placed[id(p)][1] if id(p) in self._placed else p for p in group["params"]
+            ]
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
+        self._follow_placement(optimizer)
         self.strategy.setup_optimizer(optimizer)
         return self._wrap_optimizer(optimizer)
 
@@ -279,6 +308,7 @@ class Accelerator:
             remainder=remainder if self.even_batches else 0,
             synchronize_rng=partial(self._synchronize_rng, generators) if self.use_distributed else None,
             generators=generators,
+            place=self.strategy.place_batch,
         )
         self._dataloaders.append(wrapped)
         return wrapped

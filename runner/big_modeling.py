@@ -245,7 +245,7 @@ def load_checkpoint_in_model(
             if isinstance(current[name], nn.Parameter):
                 placeholder = nn.Parameter(placeholder, requires_grad=current[name].requires_grad)
             for alias in aliases.get(name, [name]):
-                _set_tensor(model, alias, placeholder)
+                set_module_tensor(model, alias, placeholder)
                 offloaded[alias] = name
             continue
         own = current[name]
@@ -263,7 +263,7 @@ def load_checkpoint_in_model(
         if isinstance(own, nn.Parameter):  # one Parameter for all its names: ties stay ties
             tensor = nn.Parameter(tensor, requires_grad=own.requires_grad)
         for alias in aliases.get(name, [name]):
-            _set_tensor(model, alias, tensor)
+            set_module_tensor(model, alias, tensor)
     if offloaded or pending:
         if offload_folder is None:
             raise ValueError(
@@ -407,12 +407,12 @@ def _attach(
     def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         for name, load in loaders.items():
             kept[name] = _get_tensor(model, name)
-            _set_tensor(model, name, load().to(device))
+            set_module_tensor(model, name, load().to(device))
         return send_to_device(args, device), send_to_device(kwargs, device)
 
     def after(mod: nn.Module, args: tuple, output: Any) -> None:
         for name, tensor in kept.items():
-            _set_tensor(model, name, tensor)
+            set_module_tensor(model, name, tensor)
         kept.clear()
 
     module.register_forward_pre_hook(before, with_kwargs=True)
@@ -495,7 +495,8 @@ def _get_tensor(model: nn.Module, name: str) -> torch.Tensor:
     return module._parameters[attribute] if attribute in module._parameters else module._buffers[attribute]
 
 
-def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+def set_module_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put `tensor` in `model` as the parameter or buffer `name` (a Parameter keeps its requires_grad)."""
     module, attribute = _owner(model, name)
     if attribute in module._parameters:
         if not isinstance(tensor, nn.Parameter):

@@ -87,6 +87,11 @@ class DeepSpeedConfig(ParallelConfig):
 
 
 @dataclass
+class XLAConfig(HardwareConfig):
+    spmd: bool | None = None  # shard each batch over the host's devices; null: when there are several
+
+
+@dataclass
 class BigModelConfig(HardwareConfig):
     device_map: Any = "auto"  # auto | balanced | balanced_low_0 | sequential | {module: device}
     max_memory: dict[str, Any] = field(default_factory=lambda: {"cpu": None})
@@ -193,6 +198,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "fsdp": FSDPConfig,
         "deepspeed": DeepSpeedConfig,
         "megatron": MegatronConfig,
+        "tpu": XLAConfig,
         "big_model": BigModelConfig,
     },
     "precision": {"fp32": PrecisionConfig, "bf16": MixedPrecisionConfig, "fp16": Float16Config},

@@ -270,6 +270,7 @@ class DataLoaderShard:
         synchronize_rng: called before each pass over the data.
         skip_batches: batches skipped at the start of every pass (`Accelerator.skip_first_batches`).
         generators: the RNGs that decide the order (`sampler_generators`).
+        place: how a batch goes to `device` (`Strategy.place_batch`); None: `send_to_device`.
     """
 
     def __init__(
@@ -281,10 +282,12 @@ class DataLoaderShard:
         synchronize_rng: Callable[[], None] | None = None,
         skip_batches: int = 0,
         generators: list[torch.Generator] | None = None,
+        place: Callable[..., Any] | None = None,
     ) -> None:
         self.base_dataloader = dataloader
         self.gradient_state = gradient_state
         self.device = device
+        self.place = place
         self.remainder = remainder
         self.synchronize_rng = synchronize_rng
         self.skip_batches = skip_batches
@@ -295,7 +298,7 @@ class DataLoaderShard:
         self._pass_start: list[torch.Tensor] | None = None  # the generators' states when it began
         self.resume_batches = 0  # batches the loaded position had handed out (`load_state_dict`)
         self._place: Callable[[Any], Any] = (
-            (lambda batch: batch) if device is None else partial(send_to_device, device=device)
+            (lambda batch: batch) if device is None else partial(place or send_to_device, device=device)
         )
 
     def __iter__(self) -> Iterator[Any]:
@@ -370,6 +373,7 @@ class DataLoaderShard:
             self.synchronize_rng,
             num_batches,
             self.generators,
+            self.place,
         )
 
     def __getattr__(self, name: str) -> Any:

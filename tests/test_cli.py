@@ -92,7 +92,7 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
         ),
         (
             ["hardware=gpu9"],
-            "hardware=gpu9: there is no option 'gpu9' in the config group 'hardware'. Available: big_model, cpu, deepspeed, fsdp, megatron, multi_gpu.",
+            "hardware=gpu9: there is no option 'gpu9' in the config group 'hardware'. Available: big_model, cpu, deepspeed, fsdp, megatron, multi_gpu, tpu.",
         ),
         (["data=table", "data.path=missing.csv", "data.target=y"], "data.path='missing.csv': no such file"),
         (["model._target_=nope.Model"], "model._target_='nope.Model' cannot be imported"),

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from runner.big_modeling import load_checkpoint_in_model
 from runner.checkpoint import load_torch
 from runner.model_files import distinct_tensors
+from runner.ops import send_to_device
 from runner.precision import Precision
 from runner.state import ProcessState
 
@@ -139,11 +140,15 @@ class Strategy(ABC):
         if not is_main_process:
             return
         for i, model in enumerate(models):
-            save_file(
-                distinct_tensors(self.unwrap_module(model).state_dict()), directory / f"model_{i}.safetensors"
+            save_file(distinct_tensors(self.full_state_dict(model)), directory / f"model_{i}.safetensors")
+        for i, optimizer in enumerate(optimizers):  # off the device (loading moves it back to the params')
+            torch.save(
+                send_to_device(optimizer.state_dict(), torch.device("cpu")), directory / f"optimizer_{i}.pt"
             )
-        for i, optimizer in enumerate(optimizers):
-            torch.save(optimizer.state_dict(), directory / f"optimizer_{i}.pt")
+
+    def place_batch(self, batch: Any, device: torch.device) -> Any:
+        """Put a batch from a prepared dataloader on `device` (a backend may also lay it out there)."""
+        return send_to_device(batch, device)
 
     def load_checkpoint(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
         """Load what `save_checkpoint` wrote into the (prepared) models and optimizers."""

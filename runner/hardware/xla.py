@@ -1,0 +1,111 @@
+"""`hardware=tpu`: torch_xla. One process drives every XLA device of the host; with several, data parallel
+through SPMD: each batch is sharded over a ("data",) mesh of the devices and the compiler inserts the
+gradient all-reduces."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from runner.errors import ConfigError
+from runner.hardware.base import Strategy
+from runner.ops import apply_to_tensors, send_to_device
+from runner.precision import MixedPrecision, Precision
+from runner.state import ProcessState
+
+XLA_REQUIREMENT = "pip install -e '.[tpu]' in its own environment (torch_xla 2.9 needs torch 2.9)"
+
+
+class XLA(Strategy):
+    """Train on XLA devices (TPU; `PJRT_DEVICE=CPU` runs the same path on the CPU).
+
+    Each step ends with the optimizer step and a graph sync (`torch_xla.sync()`), so every step runs one
+    compiled graph. bf16 runs the forward under `torch.autocast("xla", torch.bfloat16)`; fp16 is refused.
+
+    Args:
+        spmd: shard each batch over all the host's devices (SPMD data parallel); None: when there are
+            several devices.
+    """
+
+    def __init__(self, spmd: bool | None = None) -> None:
+        try:
+            import torch_xla  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                f"hardware=tpu needs torch_xla, which is not installed here: {XLA_REQUIREMENT}."
+            ) from None
+        self.spmd = spmd
+        self.mesh: Any = None
+        self.device = torch.device("cpu")  # until setup_environment
+
+    def setup_environment(self) -> ProcessState:
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+
+        devices = xr.global_runtime_device_count()
+        if self.spmd if self.spmd is not None else devices > 1:
+            xr.use_spmd()  # before the first tensor touches a device
+            devices = xr.global_runtime_device_count()
+            self.mesh = xs.Mesh(np.arange(devices), (devices,), ("data",))
+        self.device = torch_xla.device()
+        return ProcessState(device=self.device)
+
+    def setup_precision(self, precision: Precision) -> Precision:
+        if isinstance(precision, MixedPrecision) and precision.mixed_precision == "fp16":
+            raise ConfigError(
+                "precision=fp16 with hardware=tpu: XLA devices compute in bf16 without loss scaling. Use "
+                "precision=bf16 or precision=fp32."
+            )
+        return precision
+
+    def place_batch(self, batch: Any, device: torch.device) -> Any:
+        """On the device and, under SPMD, split along the batch dimension over the devices."""
+        batch = send_to_device(batch, device)
+        if self.mesh is not None:
+            import torch_xla.distributed.spmd as xs
+
+            def shard(tensor: torch.Tensor) -> None:
+                if tensor.ndim:
+                    xs.mark_sharding(tensor, self.mesh, ("data", *([None] * (tensor.ndim - 1))))
+
+            apply_to_tensors(shard, batch)
+        return batch
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, precision: Precision, closure: Any = None
+    ) -> bool:
+        import torch_xla
+
+        stepped = precision.optimizer_step(optimizer, closure)
+        torch_xla.sync()
+        return stepped
+
+    def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The weights copied to the CPU (XLA tensors have no storage to compare); tied ones stay one tensor."""
+        copies: dict[int, torch.Tensor] = {}
+        return {
+            name: copies.setdefault(id(tensor), tensor.detach().cpu())
+            for name, tensor in self.unwrap_module(module).state_dict(keep_vars=True).items()
+        }
+
+    # One process: the collectives have nobody to talk to (SPMD's reductions are in the compiled graph).
+    def barrier(self) -> None:
+        pass
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return tensor
+
+    def broadcast_object_list(self, objects: list[Any], src: int = 0) -> list[Any]:
+        return objects
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
