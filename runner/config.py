@@ -72,6 +72,7 @@ class FSDPConfig(ParallelConfig):
 @dataclass
 class MegatronConfig(ParallelConfig):
     tp_size: int = 2  # ranks each layer is split over; the rest of the world is data parallel
+    sequence_parallel: bool = False  # also split the activations between layers along the sequence
     shard_modules: list[str] | None = None  # FSDP2 units for the data-parallel dimension
     reshard_after_forward: bool = True
 

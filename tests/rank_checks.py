@@ -253,6 +253,7 @@ def matrix_strategy(hardware: str):
 
     strategies = {
         "megatron_tp2": lambda: TensorParallel(device="cpu", tp_size=2),
+        "megatron_tp2_sp": lambda: TensorParallel(device="cpu", tp_size=2, sequence_parallel=True),
         "megatron_tp2_dp2": lambda: TensorParallel(device="cpu", tp_size=2, shard_modules=["Block"]),
         "cpu": lambda: SingleDevice("cpu"),
         "multi_gpu": lambda: DDP(device="cpu"),

@@ -12,7 +12,15 @@ import rank_checks
 
 pytestmark = pytest.mark.slow
 
-HARDWARE = ["multi_gpu", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "megatron_tp2"]
+HARDWARE = [
+    "multi_gpu",
+    "fsdp",
+    "deepspeed_zero1",
+    "deepspeed_zero2",
+    "deepspeed_zero3",
+    "megatron_tp2",
+    "megatron_tp2_sp",
+]
 PROCESSES = {"megatron_tp2_dp2": 4}
 TOLERANCE = {"no": 1e-5, "bf16": 2e-2}
 

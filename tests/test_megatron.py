@@ -17,10 +17,16 @@ pytestmark = pytest.mark.slow
 TRAIN = ("experiment=gpt_sonnets", "trainer.max_steps=20", "trainer.eval_every=10", "tracker=none")
 
 
-def test_tensor_parallel_trains_exactly_as_one_process_on_the_same_batches(run_cli, tmp_path):
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_trains_exactly_as_one_process_on_the_same_batches(run_cli, sequence_parallel):
     single = run_cli(*TRAIN, "hardware.num_threads=1")
     assert single.returncode == 0, single.stderr
-    tp = run_cli(*TRAIN, "hardware=megatron", "hardware.num_processes=2", "hardware.tp_size=2")
+    tp = run_cli(
+        *TRAIN,
+        "hardware=megatron",
+        "hardware.num_processes=2",
+        f"hardware.sequence_parallel={sequence_parallel}",
+    )
     assert tp.returncode == 0, tp.stderr
     assert "2 process(es)" in tp.stderr
     for name, value in metrics_of(single).items():

@@ -20,7 +20,7 @@ from runner.state import ProcessState
 
 
 class TensorParallel(FSDP):
-    """Split each layer of the model over `tp_size` ranks by the model's own plan (`model.tp_plan(tp_size)`,
+    """Split each layer of the model over `tp_size` ranks by the model's own plan (`model.tp_plan(tp_size, sequence_parallel)`,
     declared next to its definition: column-wise then row-wise linear layers, one all-reduce per
     sub-layer). A world of `tp_size` x N ranks is N-way data parallel too: FSDP2 shards the model over the
     "dp" dimension of the mesh. Ranks of one tensor-parallel group read the same batches: the data is
@@ -29,6 +29,8 @@ class TensorParallel(FSDP):
 
     Args (beyond `ParallelStrategy`'s):
         tp_size: ranks each layer is split over; must divide the world size and the model's heads and widths.
+        sequence_parallel: also split the activations between the tensor-parallel layers along the
+            sequence (the plan's `sequence_parallel`).
         shard_modules, reshard_after_forward: FSDP2's, for the data-parallel dimension.
     """
 
@@ -40,6 +42,7 @@ class TensorParallel(FSDP):
         timeout_s: float = 1800.0,
         num_threads: int | None = None,
         tp_size: int = 2,
+        sequence_parallel: bool = False,
         shard_modules: list[str] | None = None,
         reshard_after_forward: bool = True,
     ) -> None:
@@ -49,6 +52,7 @@ class TensorParallel(FSDP):
             num_processes, device, backend, timeout_s, num_threads, shard_modules, reshard_after_forward
         )
         self.tp_size = tp_size
+        self.sequence_parallel = sequence_parallel
         self.mesh: DeviceMesh | None = None
 
     @property
@@ -75,12 +79,12 @@ class TensorParallel(FSDP):
     def _plan(self, model: torch.nn.Module) -> dict[str, Any]:
         if not callable(getattr(model, "tp_plan", None)):
             raise ConfigError(
-                f"hardware=megatron: {type(model).__name__} declares no tensor-parallel plan (a `tp_plan(tp_size)` "
+                f"hardware=megatron: {type(model).__name__} declares no tensor-parallel plan (a `tp_plan(tp_size, sequence_parallel)` "
                 "method returning {module name pattern: ParallelStyle}, as runner.models.GPT has). Add one, or use "
                 "hardware=fsdp or multi_gpu."
             )
         try:
-            return model.tp_plan(self.tp_size)
+            return model.tp_plan(self.tp_size, sequence_parallel=self.sequence_parallel)
         except ValueError as err:
             raise ConfigError(f"hardware.tp_size: {err} Pick a tp_size that divides it.") from None
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 
 class CausalSelfAttention(nn.Module):
@@ -97,11 +105,13 @@ class GPT(nn.Module):
             x = block(x)
         return self.lm_head(self.ln_f(x))
 
-    def tp_plan(self, tp_size: int) -> dict[str, ParallelStyle]:
+    def tp_plan(self, tp_size: int, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
         """Megatron-style tensor parallelism over `tp_size` ranks: in every block q/k/v and the first MLP
         layer are split column-wise (each rank computes n_heads / tp_size heads and its slice of the
-        hidden layer), the output projections row-wise (one all-reduce per sub-layer). Embeddings, layer
-        norms and the head stay replicated. ValueError if `tp_size` does not divide the heads or widths."""
+        hidden layer), the output projections row-wise (one all-reduce per sub-layer). Embeddings and the
+        head stay replicated. With `sequence_parallel`, inside each block the residual stream and the
+        layer norms are split along the sequence (the all-reduces become reduce-scatter + all-gather).
+        ValueError if `tp_size` does not divide the heads or the MLP width."""
         n_heads = (
             self.blocks[0].attn.q_proj.out_features // self.blocks[0].attn.head_dim if self.blocks else 0
         )
@@ -114,14 +124,36 @@ class GPT(nn.Module):
             raise ValueError(
                 f"tp_size={tp_size} does not divide the MLP width {hidden} (model.mlp_ratio x model.d_model)."
             )
-        return {
+        sequence = Shard(1)
+        rowwise = (
+            RowwiseParallel(output_layouts=sequence, use_local_output=False)
+            if sequence_parallel
+            else RowwiseParallel()
+        )
+        plan: dict[str, ParallelStyle] = {
             "blocks.*.attn.q_proj": ColwiseParallel(),
             "blocks.*.attn.k_proj": ColwiseParallel(),
             "blocks.*.attn.v_proj": ColwiseParallel(),
-            "blocks.*.attn.o_proj": RowwiseParallel(),
+            "blocks.*.attn.o_proj": rowwise,
             "blocks.*.mlp.fc_in": ColwiseParallel(),
-            "blocks.*.mlp.fc_out": RowwiseParallel(),
+            "blocks.*.mlp.fc_out": rowwise,
         }
+        if sequence_parallel:
+            gather = PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(Replicate(),))
+            plan |= {
+                # Enter a block split along the sequence, leave it whole.
+                "blocks.*": PrepareModuleInputOutput(
+                    input_layouts=(Replicate(),),
+                    desired_input_layouts=(sequence,),
+                    output_layouts=(sequence,),
+                    desired_output_layouts=(Replicate(),),
+                ),
+                "blocks.*.ln_1": SequenceParallel(),
+                "blocks.*.attn": gather,
+                "blocks.*.ln_2": SequenceParallel(),
+                "blocks.*.mlp": gather,
+            }
+        return plan
 
     @torch.no_grad()
     def generate(
