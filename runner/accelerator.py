@@ -308,7 +308,7 @@ class Accelerator:
             remainder=remainder if self.even_batches else 0,
             synchronize_rng=partial(self._synchronize_rng, generators) if self.use_distributed else None,
             generators=generators,
-            place=self.strategy.place_batch,
+            place=self.strategy.device_batches,
         )
         self._dataloaders.append(wrapped)
         return wrapped

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
-from functools import partial
 from typing import Any
 
 import torch
@@ -254,6 +253,11 @@ def loader_like(dataloader: DataLoader, **changes: Any) -> DataLoader:
     return DataLoader(**(settings | changes))
 
 
+def on_device(batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
+    """Each batch of `batches` moved to `device`."""
+    return (send_to_device(batch, device) for batch in batches)
+
+
 class DataLoaderShard:
     """Iterates this process's DataLoader, puts each batch on the device, knows when it yields the last.
 
@@ -270,7 +274,7 @@ class DataLoaderShard:
         synchronize_rng: called before each pass over the data.
         skip_batches: batches skipped at the start of every pass (`Accelerator.skip_first_batches`).
         generators: the RNGs that decide the order (`sampler_generators`).
-        place: how a batch goes to `device` (`Strategy.place_batch`); None: `send_to_device`.
+        place: how batches go to `device` (`Strategy.device_batches`); None: `on_device`.
     """
 
     def __init__(
@@ -282,7 +286,7 @@ class DataLoaderShard:
         synchronize_rng: Callable[[], None] | None = None,
         skip_batches: int = 0,
         generators: list[torch.Generator] | None = None,
-        place: Callable[..., Any] | None = None,
+        place: Callable[[Iterator[Any], torch.device], Iterator[Any]] | None = None,
     ) -> None:
         self.base_dataloader = dataloader
         self.gradient_state = gradient_state
@@ -297,9 +301,6 @@ class DataLoaderShard:
         self.batches_yielded = 0  # in the current pass
         self._pass_start: list[torch.Tensor] | None = None  # the generators' states when it began
         self.resume_batches = 0  # batches the loaded position had handed out (`load_state_dict`)
-        self._place: Callable[[Any], Any] = (
-            (lambda batch: batch) if device is None else partial(place or send_to_device, device=device)
-        )
 
     def __iter__(self) -> Iterator[Any]:
         if self.synchronize_rng is not None:
@@ -312,12 +313,14 @@ class DataLoaderShard:
             iterator = iter(self.base_dataloader)
             if self.skip_batches and not isinstance(self.base_dataloader.batch_sampler, SkipBatchSampler):
                 iterator = itertools.islice(iterator, self.skip_batches, None)
+            if self.device is not None:
+                iterator = (self.place or on_device)(iterator, self.device)
             batch = next(iterator, _END)
             while batch is not _END:
                 upcoming = next(iterator, _END)
                 self.end_of_dataloader = upcoming is _END
                 self.batches_yielded += 1
-                yield self._place(batch)
+                yield batch
                 batch = upcoming
             self.iteration += 1
         finally:

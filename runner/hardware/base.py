@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from runner.big_modeling import load_checkpoint_in_model
 from runner.checkpoint import load_torch
+from runner.data_loader import on_device
 from runner.model_files import distinct_tensors
 from runner.ops import send_to_device
 from runner.precision import Precision
@@ -146,9 +147,9 @@ class Strategy(ABC):
                 send_to_device(optimizer.state_dict(), torch.device("cpu")), directory / f"optimizer_{i}.pt"
             )
 
-    def place_batch(self, batch: Any, device: torch.device) -> Any:
-        """Put a batch from a prepared dataloader on `device` (a backend may also lay it out there)."""
-        return send_to_device(batch, device)
+    def device_batches(self, batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
+        """The batches of a prepared dataloader on `device` (a backend may also lay them out there)."""
+        return on_device(batches, device)
 
     def load_checkpoint(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
         """Load what `save_checkpoint` wrote into the (prepared) models and optimizers."""

@@ -4,6 +4,7 @@ gradient all-reduces."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
-from runner.ops import apply_to_tensors, send_to_device
+from runner.ops import apply_to_tensors
 from runner.precision import MixedPrecision, Precision
 from runner.state import ProcessState
 
@@ -61,18 +62,20 @@ class XLA(Strategy):
             )
         return precision
 
-    def place_batch(self, batch: Any, device: torch.device) -> Any:
-        """On the device and, under SPMD, split along the batch dimension over the devices."""
-        batch = send_to_device(batch, device)
-        if self.mesh is not None:
-            import torch_xla.distributed.spmd as xs
+    def device_batches(self, batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
+        """torch_xla's MpDeviceLoader moves the batches to the device in the background (and syncs the
+        graph at each); under SPMD each batch is then split along its first dimension over the devices."""
+        import torch_xla.distributed.parallel_loader as pl
+        import torch_xla.distributed.spmd as xs
 
-            def shard(tensor: torch.Tensor) -> None:
-                if tensor.ndim:
-                    xs.mark_sharding(tensor, self.mesh, ("data", *([None] * (tensor.ndim - 1))))
+        def shard(tensor: torch.Tensor) -> None:
+            if tensor.ndim:
+                xs.mark_sharding(tensor, self.mesh, ("data", *([None] * (tensor.ndim - 1))))
 
-            apply_to_tensors(shard, batch)
-        return batch
+        for batch in pl.MpDeviceLoader(batches, device):
+            if self.mesh is not None:
+                apply_to_tensors(shard, batch)
+            yield batch
 
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, precision: Precision, closure: Any = None
