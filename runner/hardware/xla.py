@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from runner.errors import ConfigError
-from runner.hardware.base import Strategy
+from runner.hardware.cpu import SingleDevice
 from runner.ops import apply_to_tensors
 from runner.precision import MixedPrecision, Precision
 from runner.state import ProcessState
@@ -19,11 +19,13 @@ from runner.state import ProcessState
 XLA_REQUIREMENT = "pip install -e '.[tpu]' in its own environment (torch_xla 2.9 needs torch 2.9)"
 
 
-class XLA(Strategy):
+class XLA(SingleDevice):
     """Train on XLA devices (TPU; `PJRT_DEVICE=CPU` runs the same path on the CPU).
 
     Each step ends with the optimizer step and a graph sync (`torch_xla.sync()`), so every step runs one
     compiled graph. bf16 runs the forward under `torch.autocast("xla", torch.bfloat16)`; fp16 is refused.
+
+    One process (the collectives are SingleDevice's: SPMD's reductions are in the compiled graph).
 
     Args:
         spmd: shard each batch over all the host's devices (SPMD data parallel); None: when there are
@@ -37,9 +39,9 @@ class XLA(Strategy):
             raise ConfigError(
                 f"hardware=tpu needs torch_xla, which is not installed here: {XLA_REQUIREMENT}."
             ) from None
+        super().__init__(device="cpu")  # the XLA device, once setup_environment has made it
         self.spmd = spmd
         self.mesh: Any = None
-        self.device = torch.device("cpu")  # until setup_environment
 
     def setup_environment(self) -> ProcessState:
         import torch_xla
@@ -47,7 +49,7 @@ class XLA(Strategy):
         import torch_xla.runtime as xr
 
         devices = xr.global_runtime_device_count()
-        if self.spmd if self.spmd is not None else devices > 1:
+        if devices > 1 if self.spmd is None else self.spmd:
             xr.use_spmd()  # before the first tensor touches a device
             devices = xr.global_runtime_device_count()
             self.mesh = xs.Mesh(np.arange(devices), (devices,), ("data",))
@@ -93,22 +95,3 @@ class XLA(Strategy):
             name: copies.setdefault(id(tensor), tensor.detach().cpu())
             for name, tensor in self.unwrap_module(module).state_dict(keep_vars=True).items()
         }
-
-    # One process: the collectives have nobody to talk to (SPMD's reductions are in the compiled graph).
-    def barrier(self) -> None:
-        pass
-
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return tensor
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        return tensor
-
-    def broadcast_object_list(self, objects: list[Any], src: int = 0) -> list[Any]:
-        return objects
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj]
