@@ -63,6 +63,13 @@ def launched_environment() -> RankEnvironment | None:
     return None
 
 
+def export_local_rank(local_rank: int) -> None:
+    """Set `LOCAL_RANK` where no launcher did (a process group of one formed in this process): DeepSpeed reads
+    it from the environment. `RANK` and `WORLD_SIZE` stay unset, so this process is still not a launched
+    rank for `launched_environment`."""
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+
+
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: `node[03-05,09],gpu1` -> `node03`."""
     match = re.match(r"([^,\[]+)(?:\[([^\]\-,]+))?", nodelist)

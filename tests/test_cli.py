@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from conftest import metrics_of
@@ -50,6 +51,33 @@ def test_precision_accumulation_and_clipping_options(run_cli, overrides):
     proc = run_cli("trainer.max_steps=30", "trainer.eval_every=0", *overrides)
     assert proc.returncode == 0, proc.stderr
     assert metrics_of(proc)["eval/loss"] < 1.0
+
+
+@pytest.mark.parametrize("hardware", ["deepspeed", "fsdp", "multi_gpu"])
+def test_a_parallel_backend_in_one_process_trains_like_the_cpu_group(run_cli, hardware):
+    """num_processes=1 trains in this process, in a process group of one (DeepSpeed included, whose engine
+    wants LOCAL_RANK although no launcher set it)."""
+    steps = ("trainer.max_steps=20", "trainer.eval_every=0", "tracker=none")
+    reference = run_cli(*steps)
+    proc = run_cli(*steps, f"hardware={hardware}", "hardware.num_processes=1")
+    assert proc.returncode == 0, proc.stderr
+    assert "starting" not in proc.stderr  # no rank was launched
+    assert metrics_of(proc) == pytest.approx(metrics_of(reference), rel=1e-5)
+
+
+def test_random_tokens_feed_a_gpt_of_their_vocabulary(run_cli):
+    proc = run_cli(
+        "experiment=gpt_sonnets",
+        "data=random_tokens",
+        "data.vocab_size=50",
+        "data.seq_len=16",
+        "data.num_samples=64",
+        "trainer.max_steps=5",
+        "tracker=none",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "vocab_size: 50" in (proc.run_dir / "resolved_config.yaml").read_text()
+    assert abs(metrics_of(proc)["eval/loss"] - math.log(50)) < 0.2  # nothing to learn: ln(vocabulary)
 
 
 def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):

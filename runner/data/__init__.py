@@ -2,12 +2,13 @@
 
 from runner.data.base import DataSource, TensorDictDataset
 from runner.data.builtin import digits, sonnets
-from runner.data.synthetic import SyntheticRegression
+from runner.data.synthetic import RandomTokens, SyntheticRegression
 from runner.data.table import TableFile
 from runner.data.text import TextFile
 
 __all__ = [
     "DataSource",
+    "RandomTokens",
     "SyntheticRegression",
     "TableFile",
     "TensorDictDataset",

@@ -1,4 +1,4 @@
-"""Synthetic regression: a fixed random teacher network with noise."""
+"""Synthetic data: regression on a fixed random teacher network, and random token sequences."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from typing import Any
 import torch
 
 from runner.data.base import DataSource, TensorDictDataset, random_split
+from runner.data.text import TokenWindows
+from runner.errors import ConfigError
 
 
 class SyntheticRegression(DataSource):
@@ -44,3 +46,44 @@ class SyntheticRegression(DataSource):
             TensorDictDataset(inputs=inputs, targets=targets), self.eval_fraction, self.seed
         )
         return train, eval_, {"in_features": self.num_features, "out_features": self.num_targets}
+
+
+class RandomTokens(DataSource):
+    """Uniformly random token ids in windows of `seq_len` (inputs and targets shifted by one), fully determined
+    by `seed`: language-model-shaped batches of any vocabulary and length, for throughput runs and smoke
+    tests. There is nothing to learn beyond the uniform distribution (loss ln(vocab_size))."""
+
+    def __init__(
+        self,
+        vocab_size: int = 50304,
+        seq_len: int = 1024,
+        num_samples: int = 1024,
+        eval_samples: int = 16,
+        seed: int = 0,
+        **loader: Any,
+    ) -> None:
+        super().__init__(**loader)
+        sizes = {
+            "vocab_size": vocab_size,
+            "seq_len": seq_len,
+            "num_samples": num_samples,
+            "eval_samples": eval_samples,
+        }
+        small = {key: value for key, value in sizes.items() if value < (2 if key == "vocab_size" else 1)}
+        if small:
+            raise ConfigError(
+                f"data: {', '.join(f'data.{k}={v}' for k, v in small.items())}: vocab_size must be >= 2 and "
+                "seq_len, num_samples and eval_samples >= 1."
+            )
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+        self.num_samples, self.eval_samples = num_samples, eval_samples
+
+    def load(self) -> tuple[Any, Any, dict[str, int]]:
+        g = torch.Generator().manual_seed(self.seed)
+        boundary = self.num_samples * self.seq_len
+        tokens = torch.randint(
+            self.vocab_size, (boundary + self.eval_samples * self.seq_len + 1,), generator=g
+        )
+        train = TokenWindows(tokens[: boundary + 1], self.seq_len, self.seq_len)
+        eval_ = TokenWindows(tokens[boundary:], self.seq_len, self.seq_len)
+        return train, eval_, {"vocab_size": self.vocab_size}

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from runner.environment import export_local_rank
 from runner.errors import ConfigError
 from runner.hardware.parallel import ParallelStrategy
 from runner.precision import Float16MixedPrecision, MixedPrecision, Precision
@@ -163,6 +164,7 @@ class DeepSpeed(ParallelStrategy):
             "ignore", message=r".*`torch\.distributed\.\w+` is deprecated", category=FutureWarning
         )
         deepspeed.init_distributed(dist_backend=self.backend, timeout=self.timeout)
+        export_local_rank(state.local_process_index)  # its engine asserts LOCAL_RANK, even in a group of one
         return state
 
     def deepspeed_config(

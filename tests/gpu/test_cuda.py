@@ -1,0 +1,271 @@
+"""The CUDA paths, on a real GPU: mixed precision, FSDP2 and DeepSpeed ZeRO-3 over NCCL, big model
+inference split across the GPU, the CPU and the disk, torch.compile, and bitwise resume.
+
+Marked `cuda` and skipped without a GPU: `python -m pytest -m cuda tests/gpu`. Subprocess runs use
+`tracker=none` (the GPU machine need not have MLflow) and this checkout on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runner import Accelerator, init_empty_weights, load_checkpoint_and_dispatch
+from runner.big_modeling import compute_module_sizes
+from runner.model_files import save_model_files
+from runner.models import GPT
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+SIZE = {"vocab_size": 97, "max_seq_len": 32, "d_model": 64, "n_layers": 2, "n_heads": 4}
+DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def token_batches(steps: int, batch: int = 8, seq: int = 32) -> torch.Tensor:
+    """Counting sequences from random starts (the next token is the last one plus one): learnable."""
+    starts = torch.randint(
+        0, SIZE["vocab_size"], (steps, batch, 1), generator=torch.Generator().manual_seed(0)
+    )
+    return (starts + torch.arange(seq + 1)) % SIZE["vocab_size"]
+
+
+def train_gpt(precision: str = "no", steps: int = 30, compile: bool = False) -> dict:
+    """A tiny GPT trained on the GPU through the Accelerator: its losses, the dtype its first MLP layer
+    computed in, and the prepared objects."""
+    torch.manual_seed(0)
+    model = GPT(**SIZE)
+    seen: list[torch.dtype] = []
+    model.blocks[0].mlp.fc_in.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    accelerator = Accelerator(mixed_precision=precision)
+    assert accelerator.device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, optimizer = accelerator.prepare(torch.compile(model) if compile else model, optimizer)
+    losses = []
+    for batch in token_batches(steps).to(accelerator.device):
+        loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {
+        "losses": losses,
+        "dtype": seen[0],
+        "accelerator": accelerator,
+        "model": model,
+        "optimizer": optimizer,
+    }
+
+
+@pytest.fixture(scope="module")
+def fp32_run() -> dict:
+    return train_gpt("no")
+
+
+@pytest.mark.parametrize(("precision", "tolerance"), [("bf16", 0.02), ("fp16", 0.02)])
+def test_mixed_precision_computes_in_its_dtype_and_follows_fp32(fp32_run, precision, tolerance):
+    run = train_gpt(precision)
+    assert fp32_run["dtype"] == torch.float32 and run["dtype"] == DTYPES[precision]
+    assert run["losses"][-1] < run["losses"][0] - 0.5  # it learns
+    for step, (ours, reference) in enumerate(zip(run["losses"], fp32_run["losses"], strict=True)):
+        assert abs(ours - reference) <= tolerance * reference, (step, ours, reference)
+    assert all(p.dtype == torch.float32 for p in run["model"].parameters())  # fp32 master weights
+
+
+def test_fp16_loss_scaling_skips_a_step_with_inf_gradients_and_backs_off():
+    run = train_gpt("fp16", steps=3)
+    accelerator, model, optimizer = run["accelerator"], run["model"], run["optimizer"]
+    scaler = accelerator.precision.scaler
+    assert scaler.is_enabled() and scaler.get_scale() == 2.0**16
+    before = [p.detach().clone() for p in model.parameters()]
+    batch = token_batches(1)[0].to(accelerator.device)
+    accelerator.backward(F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()))
+    next(model.parameters()).grad[0, 0] = float("inf")
+    optimizer.step()
+    assert accelerator.optimizer_step_was_skipped
+    assert scaler.get_scale() == 2.0**15
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(("precision", "tolerance"), [("no", 1e-4), ("bf16", 0.05)])
+def test_compiled_model_trains_like_eager(fp32_run, precision, tolerance):
+    eager = fp32_run if precision == "no" else train_gpt(precision)
+    compiled = train_gpt(precision, compile=True)
+    for step, (ours, reference) in enumerate(zip(compiled["losses"], eager["losses"], strict=True)):
+        assert abs(ours - reference) <= tolerance * reference, (step, ours, reference)
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16", "fp16"])
+def test_save_state_and_load_state_resume_bitwise_on_cuda(tmp_path, precision):
+    """A dropout model (the CUDA RNG in play): stop after 5 of 10 steps, restore into fresh objects with
+    other RNG states, and end with bitwise the weights of the uninterrupted run."""
+    data = torch.randn(10, 16, 4, generator=torch.Generator().manual_seed(1))
+
+    def setup(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Dropout(0.3), torch.nn.Linear(64, 1))
+        accelerator = Accelerator(mixed_precision=precision)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 3, gamma=0.7)
+        return accelerator, *accelerator.prepare(model, optimizer, scheduler)
+
+    def train(accelerator, model, optimizer, scheduler, steps: range, save_at: int | None = None):
+        for step in steps:
+            x = data[step].to(accelerator.device)
+            accelerator.backward(model(x).float().pow(2).mean())
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            if step == save_at:
+                accelerator.save_state(str(tmp_path / "checkpoint"))
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    reference = train(*setup(0), range(10), save_at=4)
+    accelerator, *objects = setup(0)
+    assert next(objects[0].parameters()).device.type == "cuda"
+    torch.manual_seed(123), torch.cuda.manual_seed(123)
+    accelerator.load_state(str(tmp_path / "checkpoint"))
+    assert torch.equal(train(accelerator, *objects, range(5, 10)), reference)
+
+
+def test_big_model_split_over_gpu_cpu_and_disk_generates_the_in_memory_tokens(tmp_path):
+    size = {**SIZE, "n_layers": 6}
+    torch.manual_seed(0)
+    model = GPT(**size).eval()
+    save_model_files(model.state_dict(), tmp_path / "weights", max_shard_size="200KB")
+    with init_empty_weights():
+        empty = GPT(**size)
+    sizes = compute_module_sizes(empty)
+    block = sizes["blocks.0"]
+    # Embeddings and two blocks fit on the GPU (plus room to run one), two more blocks on the CPU; the rest
+    # goes to disk.
+    max_memory = {0: sizes["tok_emb"] + sizes["pos_emb"] + 3 * block, "cpu": 3 * block}
+    dispatched = load_checkpoint_and_dispatch(
+        empty,
+        tmp_path / "weights",
+        device_map="sequential",
+        max_memory=max_memory,
+        no_split_module_classes=["Block"],
+        offload_folder=tmp_path / "offload",
+    )
+    assert set(dispatched.hf_device_map.values()) == {0, "cpu", "disk"}, dispatched.hf_device_map
+    prompt = torch.randint(0, size["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert dispatched(prompt).device.type == "cuda"  # computed on the GPU, wherever the weights live
+    assert torch.equal(greedy(dispatched, prompt.cuda()), greedy(model.cuda(), prompt.cuda()))
+
+
+def greedy(model: torch.nn.Module, tokens: torch.Tensor, new_tokens: int = 12) -> torch.Tensor:
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            next_id = model(tokens)[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, next_id.to(tokens.device)], dim=1)
+    return tokens
+
+
+# ------------------------------------------------------------------------------ python -m runner on CUDA
+def runner_command(run_dir: Path, *overrides: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "runner",
+        f"hydra.run.dir={run_dir}",
+        "trainer.progress_bar=false",
+        "tracker=none",
+        *overrides,
+    ]
+
+
+def runner_env() -> dict[str, str]:
+    return os.environ | {
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+
+
+def runner_cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        runner_command(run_dir, *overrides), env=runner_env(), capture_output=True, text=True, timeout=300
+    )
+
+
+def final_metrics(proc: subprocess.CompletedProcess) -> dict[str, float]:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stderr.split("final metrics")[1].splitlines()[1:]
+    return {name: float(value) for name, value in (line.split() for line in lines if line.startswith("  "))}
+
+
+GPT_RUN = [
+    "experiment=gpt_sonnets",
+    "trainer.max_steps=20",
+    "trainer.eval_every=0",
+    "trainer.save_model=false",
+]
+ONE_GPU = ["hardware.device=cuda", "hardware.num_processes=1"]
+SHARDED = {
+    "fsdp": ["hardware=fsdp", *ONE_GPU, "hardware.shard_modules=[Block]"],
+    "deepspeed_zero3": ["hardware=deepspeed", *ONE_GPU, "hardware.zero_stage=3"],
+}
+
+
+@pytest.fixture(scope="module")
+def single_gpu(tmp_path_factory) -> dict[str, dict[str, float]]:
+    return {
+        precision: final_metrics(
+            runner_cli(
+                tmp_path_factory.mktemp(precision), *GPT_RUN, "hardware.device=cuda", f"precision={precision}"
+            )
+        )
+        for precision in ("fp32", "bf16")
+    }
+
+
+@pytest.mark.parametrize(("precision", "tolerance"), [("fp32", 1e-4), ("bf16", 2e-2)])
+@pytest.mark.parametrize("hardware", list(SHARDED))
+def test_sharded_backends_on_one_gpu_match_the_single_gpu_run(
+    tmp_path, single_gpu, hardware, precision, tolerance
+):
+    if hardware.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
+    proc = runner_cli(tmp_path, *GPT_RUN, *SHARDED[hardware], f"precision={precision}")
+    ours, reference = final_metrics(proc), single_gpu[precision]
+    assert "on cuda:0, 1 process(es)" in proc.stderr
+    for name in ("train/loss", "eval/loss"):
+        assert abs(ours[name] - reference[name]) <= tolerance * reference[name], (name, ours, reference)
+
+
+def test_stopped_cli_run_on_cuda_resumes_to_bitwise_the_uninterrupted_weights(tmp_path):
+    train = [
+        "hardware.device=cuda",
+        "trainer.max_steps=1500",
+        "trainer.checkpoint_every=50",
+        "model.dropout=0.1",
+    ]
+    reference = runner_cli(tmp_path / "reference", *train)
+    final_metrics(reference)
+    run_dir = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        runner_command(run_dir, *train), env=runner_env(), stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "latest").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 75, stderr[-4000:]
+    final_metrics(runner_cli(run_dir, *train))
+    assert "resumed from" in (run_dir / "runner.log").read_text()
+    weights = "model/model.safetensors"
+    assert (run_dir / weights).read_bytes() == (tmp_path / "reference" / weights).read_bytes()
