@@ -1,24 +1,27 @@
 """Training throughput on one GPU: a GPT of ~125M parameters in bf16, plain PyTorch against runner's
 Accelerator, `python -m runner` and Hugging Face Accelerate (where installed), all measured in this run.
 
-    python benchmarks/gpu_throughput.py [--steps 50] [--rounds 5] [--cli-steps 300]
+    python benchmarks/gpu_throughput.py [--steps 100] [--rounds 3] [--batch 8]
 
-The in-process loops (plain, a second plain loop as the A/A control, runner's Accelerator, Accelerate)
-train the same model (GPT-2 small's shape: 12 x 768, 12 heads, vocabulary 50304, sequence 1024, tied
-embeddings) on the same random tokens with AdamW under bf16 autocast. They run in interleaved rounds of
-`--steps` steps (the device synchronised around each round); each reports its median tokens/s, MFU (model
-FLOPs per token, 6 x parameters + 12 x layers x width x sequence, over the device's peak bf16 rate) and the
-peak memory it allocated over its own warm-up. `python -m runner` (data=random_tokens, the same model and
-batch) is timed from its own log: the time between "training ..." and the final evaluation line of a run
-of `--cli-steps` + 20 steps minus that of a run of 20 steps, so that start-up, the first steps and the
-evaluation cancel out. Not a test: nothing here gates CI. `--device cpu --tiny` checks the script itself on
-a machine without a GPU.
+Every mode trains the same model (GPT-2 small's shape: 12 x 768, 12 heads, vocabulary 50304, sequence 1024,
+tied embeddings) on the same random tokens with AdamW under bf16 autocast, in a fresh process of its own,
+as a user's script or `python -m runner` would run: the loops (plain, plain again as the A/A control,
+runner's Accelerator, Accelerate) are warmed up, then `--steps` steps are timed between two device
+synchronisations; `python -m runner` (data=random_tokens, the same model and batch) is timed from its own
+log, the time between "training ..." and the final evaluation line of a run of warm-up + `--steps` steps
+minus that of a run of the warm-up steps, so that start-up, the first steps and the evaluation cancel out.
+The modes take turns, `--rounds` times, in a rotating order; each row is the median, with the spread
+(max - min over median) of its rounds. MFU: model FLOPs per token (6 x parameters + 12 x layers x width x
+sequence) times tokens/s over the device's peak dense bf16 rate. Peak memory: what the loop allocated up to
+the end of its warm-up. Not a test: nothing here gates CI. `--device cpu --tiny` checks the script itself
+on a machine without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import importlib.util
+import json
 import os
 import re
 import statistics
@@ -128,51 +131,52 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build(make: Callable[[], Step], device: torch.device, warmup: int) -> tuple[Step, float]:
-    """The loop `make` builds, warmed up, and the peak memory (GB) it allocated doing so (above what was
-    allocated before it)."""
-    gc.collect()
-    if device.type != "cuda":
-        step = make()
-        step(warmup)
-        return step, float("nan")
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    step = make()
-    step(warmup)
-    torch.cuda.synchronize(device)
-    return step, (torch.cuda.max_memory_allocated(device) - before) / 1e9
-
-
-def in_process(args: argparse.Namespace, config: dict[str, int], device: torch.device) -> dict[str, dict]:
+def measure_loop(mode: str, args: argparse.Namespace, config: dict[str, int], device: torch.device) -> dict:
+    """In this process: build `mode`'s loop, warm it up (its peak memory is measured over that), then time
+    `--steps` steps between two device synchronisations."""
     makers: dict[str, Callable[[], Step]] = {
-        "plain PyTorch": lambda: plain(config, args.batch, device),
-        "plain PyTorch (A/A)": lambda: plain(config, args.batch, device),
-        "runner Accelerator": lambda: accelerated(Accelerator, config, args.batch, device),
+        "plain": lambda: plain(config, args.batch, device),
+        "runner": lambda: accelerated(Accelerator, config, args.batch, device),
     }
-    try:
+    if mode == "accelerate":
         from accelerate import Accelerator as HFAccelerator
 
-        makers["HF Accelerate"] = lambda: accelerated(HFAccelerator, config, args.batch, device)
-    except ImportError:
-        print("accelerate is not installed: its row is left out")
-    loops, memory = {}, {}
-    for name, make in makers.items():
-        loops[name], memory[name] = build(make, device, args.warmup)
-    times: dict[str, list[float]] = {name: [] for name in loops}
-    names = list(loops)
-    for r in range(args.rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
-            synchronize(device)
-            start = time.perf_counter()
-            loops[name](args.steps)
-            synchronize(device)
-            times[name].append(time.perf_counter() - start)
+        makers["accelerate"] = lambda: accelerated(HFAccelerator, config, args.batch, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    step = makers[mode]()
+    step(args.warmup)
+    synchronize(device)
+    memory = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
+    start = time.perf_counter()
+    step(args.steps)
+    synchronize(device)
     tokens = args.steps * args.batch * config["max_seq_len"]
+    return {"tokens_per_s": tokens / (time.perf_counter() - start), "memory_gb": memory}
+
+
+def measure_in_new_process(mode: str, args: argparse.Namespace) -> dict:
+    """`measure_loop` in a fresh Python process (as `python -m runner` runs), so that no mode inherits
+    another's allocator state, compiled kernels or warm caches."""
+    command = [sys.executable, __file__, "--worker", mode, *sys.argv[1:]]
+    proc = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _env() -> dict[str, str]:
+    return os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def measure_cli(args: argparse.Namespace, config: dict[str, int], workdir: Path) -> dict:
+    """`python -m runner`'s training loop alone: a run of warm-up + `--steps` steps minus one of the warm-up
+    steps, each timed from its own log."""
+    seconds = cli_loop_seconds(args.warmup + args.steps, config, args, workdir)
+    seconds -= cli_loop_seconds(args.warmup, config, args, workdir)
     return {
-        name: {"tokens_per_s": tokens / statistics.median(times[name]), "memory_gb": memory[name]}
-        for name in loops
+        "tokens_per_s": args.steps * args.batch * config["max_seq_len"] / seconds,
+        "memory_gb": float("nan"),
     }
 
 
@@ -203,9 +207,8 @@ def cli_loop_seconds(steps: int, config: dict[str, int], args: argparse.Namespac
         "tracker=none",
         f"hydra.run.dir={run_dir}",
     ]
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, "-m", "runner", *overrides], env=env, capture_output=True, text=True, timeout=1200
+        [sys.executable, "-m", "runner", *overrides], env=_env(), capture_output=True, text=True, timeout=1200
     )
     if proc.returncode != 0:
         raise RuntimeError(f"python -m runner failed:\n{proc.stderr[-3000:]}")
@@ -233,41 +236,58 @@ def peak_flops(args: argparse.Namespace, device: torch.device) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=50, help="steps per timed round")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="measurements of each mode, interleaved")
+    parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--cli-steps", type=int, default=300, help="0 leaves python -m runner out")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's peak bf16 TFLOP/s")
     parser.add_argument("--tiny", action="store_true", help="a tiny model, to check the script on a CPU")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = torch.device(args.device)
     config = model_config(args.tiny)
-    per_token = flops_per_token(config)
-    peak = peak_flops(args, device)
+    if args.worker:
+        print(json.dumps(measure_loop(args.worker, args, config, device)))
+        return
+    # label -> what runs; the second plain measurement is the A/A control.
+    modes = {
+        "plain PyTorch": "plain",
+        "plain PyTorch (A/A)": "plain",
+        "runner Accelerator": "runner",
+        "HF Accelerate": "accelerate",
+        "python -m runner": "cli",
+    }
+    if importlib.util.find_spec("accelerate") is None:
+        print("accelerate is not installed: its row is left out")
+        del modes["HF Accelerate"]
+    per_token, peak = flops_per_token(config), peak_flops(args, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     params = sum(p.numel() for p in GPT(**config).parameters())
     print(
         f"{name}, torch {torch.__version__}; GPT {params / 1e6:.1f}M parameters, batch {args.batch} x "
-        f"{config['max_seq_len']} tokens, bf16; {args.rounds} rounds x {args.steps} steps"
+        f"{config['max_seq_len']} tokens, bf16; each mode in a process of its own, {args.rounds} rounds x "
+        f"{args.steps} steps"
     )
-    results = in_process(args, config, device)
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    if args.cli_steps:
-        with tempfile.TemporaryDirectory() as workdir:
-            short = cli_loop_seconds(20, config, args, Path(workdir))
-            long = cli_loop_seconds(20 + args.cli_steps, config, args, Path(workdir))
-        tokens = args.cli_steps * args.batch * config["max_seq_len"]
-        results["python -m runner"] = {"tokens_per_s": tokens / (long - short), "memory_gb": float("nan")}
-    reference = results["plain PyTorch"]["tokens_per_s"]
-    print(f"{'':<22} {'tokens/s':>10} {'vs plain':>9} {'MFU':>6} {'peak GB':>8}")
-    for mode, result in results.items():
-        rate = result["tokens_per_s"]
+    results: dict[str, list[dict]] = {label: [] for label in modes}
+    labels = list(modes)
+    with tempfile.TemporaryDirectory() as workdir:
+        for r in range(args.rounds):
+            for label in labels[r % len(labels) :] + labels[: r % len(labels)]:  # rotate the order
+                if modes[label] == "cli":
+                    result = measure_cli(args, config, Path(workdir) / str(r))
+                else:
+                    result = measure_in_new_process(modes[label], args)
+                results[label].append(result)
+    reference = statistics.median(r["tokens_per_s"] for r in results["plain PyTorch"])
+    print(f"{'':<22} {'tokens/s':>10} {'vs plain':>9} {'spread':>7} {'MFU':>6} {'peak GB':>8}")
+    for label in modes:
+        rates = [r["tokens_per_s"] for r in results[label]]
+        rate = statistics.median(rates)
+        spread = (max(rates) - min(rates)) / rate
         mfu = f"{rate * per_token / peak:.1%}" if peak else "n/a"
-        print(f"{mode:<22} {rate:>10.0f} {rate / reference:>9.3f} {mfu:>6} {result['memory_gb']:>8.2f}")
+        memory = statistics.median(r["memory_gb"] for r in results[label])
+        print(f"{label:<22} {rate:>10.0f} {rate / reference:>9.3f} {spread:>7.1%} {mfu:>6} {memory:>8.2f}")
 
 
 if __name__ == "__main__":
