@@ -11,7 +11,7 @@ from runner.big_modeling import (
 )
 from runner.checkpoint import ProjectConfiguration
 from runner.launchers.notebook import notebook_launcher
-from runner.utils import set_seed
+from runner.rng import set_seed
 
 __all__ = [
     "Accelerator",

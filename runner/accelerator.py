@@ -17,8 +17,6 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from runner import precision as precision_plugins
-from runner.big_modeling import set_module_tensor
 from runner.checkpoint import (
     ProjectConfiguration,
     check_format,
@@ -29,9 +27,7 @@ from runner.checkpoint import (
     mark_latest,
     prune,
     read_meta,
-    rng_state,
     save_torch,
-    set_rng_state,
     staging_path,
     start_staging,
     write_meta,
@@ -45,13 +41,14 @@ from runner.data_loader import (
 )
 from runner.errors import ConfigError
 from runner.hardware import Strategy, default_strategy
-from runner.model_files import save_model_files
 from runner.ops import apply_to_tensors, is_tensor_structure
-from runner.optimizer import AcceleratedOptimizer
 from runner.precision import Precision
-from runner.scheduler import AcceleratedScheduler
+from runner.precision import from_name as precision_from_name
+from runner.prepared import AcceleratedOptimizer, AcceleratedScheduler
+from runner.rng import rng_state, set_rng_state
 from runner.state import GradientState
 from runner.trackers import BlankTracker, Tracker, tracker_from_name
+from runner.weights import save_model_files, set_module_tensor
 
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
 
@@ -108,7 +105,7 @@ class Accelerator:
         self.precision = self.strategy.setup_precision(
             mixed_precision
             if isinstance(mixed_precision, Precision)
-            else precision_plugins.from_name(
+            else precision_from_name(
                 mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")  # set by notebook_launcher
             )
         )

@@ -23,8 +23,22 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from runner.model_files import StoredTensor, load_torch, parse_size, stored_tensors, weight_files
 from runner.ops import send_to_device
+from runner.weights import (
+    StoredTensor,
+    check_against_model,
+    checkpoint_tensors,
+    get_module_tensor,
+    is_parameter,
+    named_tensors,
+    parse_size,
+    place_tensor,
+    read_tensor,
+    set_module_tensor,
+    stored_tensors,
+    tensor_aliases,
+    tensor_owner,
+)
 
 Device = int | str
 AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -78,7 +92,7 @@ def compute_module_sizes(model: nn.Module, dtype: torch.dtype | str | None = Non
     counted at `dtype` when given. A tied tensor counts once, with the first module that holds it."""
     dtype = _dtype(dtype)
     sizes: dict[str, int] = {}
-    for name, tensor in _named_tensors(model):
+    for name, tensor in named_tensors(model):
         itemsize = (
             dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
         )
@@ -191,14 +205,14 @@ def infer_auto_device_map(
 def check_device_map(model: nn.Module, device_map: Mapping[str, Device]) -> None:
     """ValueError for a name that is not in the model, a device that does not exist here, or tensors the
     map does not place."""
-    names = {name for name, _ in model.named_modules()} | {name for name, _ in _named_tensors(model, True)}
+    names = {name for name, _ in model.named_modules()} | {name for name, _ in named_tensors(model, True)}
     for key, device in device_map.items():
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"device_map names {key!r}, which is not a module or tensor of the model.{hint}")
         _device_key(device, where=f"device_map[{key!r}]")
-    unplaced = [name for name, _ in _named_tensors(model, True) if _placement(device_map, name) is None]
+    unplaced = [name for name, _ in named_tensors(model, True) if _placement(device_map, name) is None]
     if unplaced:
         raise ValueError(
             f"device_map does not place {', '.join(unplaced[:5])}{' ...' if len(unplaced) > 5 else ''}. Add their "
@@ -227,19 +241,19 @@ def load_checkpoint_in_model(
     offending keys, and the model is left as it was.
     """
     dtype = _dtype(dtype)
-    sources = _checkpoint_tensors(checkpoint)
-    _check_against_model(model, checkpoint, sources, strict)
+    sources = checkpoint_tensors(checkpoint)
+    check_against_model(model, checkpoint, sources, strict)
     if device_map is not None:
         check_device_map(model, device_map)
-    aliases = _aliases(model)
+    aliases = tensor_aliases(model)
     offloaded: dict[str, str] = {}  # every name of an offloaded tensor -> its name in the checkpoint
     pending: dict[str, torch.Tensor] = {}  # offloaded tensors that need writing to offload_folder
-    current = dict(_named_tensors(model, True))
+    current = dict(named_tensors(model, True))
     for name, source in sources.items():
         placement = _placement(device_map, name) if device_map is not None else None
         if placement == "disk":
             if not isinstance(source, StoredTensor) or (dtype is not None and source.dtype.is_floating_point):
-                pending[name] = _read(source, dtype)
+                pending[name] = read_tensor(source, dtype)
             stored_dtype = pending[name].dtype if name in pending else source.dtype
             placeholder = torch.empty(source.shape, dtype=stored_dtype, device="meta")  # loaded in this dtype
             if isinstance(current[name], nn.Parameter):
@@ -248,22 +262,8 @@ def load_checkpoint_in_model(
                 set_module_tensor(model, alias, placeholder)
                 offloaded[alias] = name
             continue
-        own = current[name]
-        target = own.device if placement is None else torch.device(_device_name(placement))
-        if target.type == "meta":
-            target = torch.device("cpu")
-        tensor = _read(source, dtype)
-        if (
-            own.device == target and own.dtype == tensor.dtype
-        ):  # in place: optimizers and ties keep their tensor
-            with torch.no_grad():
-                own.copy_(tensor)
-            continue
-        tensor = tensor.to(target)
-        if isinstance(own, nn.Parameter):  # one Parameter for all its names: ties stay ties
-            tensor = nn.Parameter(tensor, requires_grad=own.requires_grad)
-        for alias in aliases.get(name, [name]):
-            set_module_tensor(model, alias, tensor)
+        target = None if placement is None else torch.device(_device_name(placement))
+        place_tensor(model, name, read_tensor(source, dtype), target, current, aliases)
     if offloaded or pending:
         if offload_folder is None:
             raise ValueError(
@@ -328,13 +328,13 @@ def dispatch_model(
         run_on = execution if offloaded else torch.device(_device_name(device))
         # Hooks go on the modules that hold the tensors (a container such as ModuleList never runs).
         owners: dict[str, list[str]] = {}
-        for name, _ in _named_tensors(model, True):
+        for name, _ in named_tensors(model, True):
             if _placement_key(device_map, name) == entry:
                 owners.setdefault(name.rpartition(".")[0], []).append(name)
         for owner, names in owners.items():
             loaders = _loaders(model, names, device, stored, offload_buffers) if offloaded else {}
             _attach(model, model.get_submodule(owner), run_on, loaders)
-        module, attribute = _owner(model, entry)
+        module, attribute = tensor_owner(model, entry)
         if not attribute and entry not in owners:  # its inputs too, for what it computes itself
             _attach(model, module, run_on, {})
     model.hf_device_map = dict(device_map)  # type: ignore[assignment]  # Accelerate's attribute
@@ -384,7 +384,7 @@ def _loaders(
     resident elsewhere need nothing."""
     loaders: dict[str, Callable[[], torch.Tensor]] = {}
     for name in names:
-        tensor = _get_tensor(model, name)
+        tensor = get_module_tensor(model, name)
         if tensor.device.type == "meta":
             if name not in stored:
                 raise ValueError(
@@ -392,7 +392,7 @@ def _loaders(
                     "and offload_folder (load_checkpoint_in_model) before dispatching."
                 )
             loaders[name] = stored[name].read
-        elif device == "cpu" and (offload_buffers or _is_parameter(model, name)):
+        elif device == "cpu" and (offload_buffers or is_parameter(model, name)):
             loaders[name] = lambda tensor=tensor: tensor
     return loaders
 
@@ -406,7 +406,7 @@ def _attach(
 
     def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         for name, load in loaders.items():
-            kept[name] = _get_tensor(model, name)
+            kept[name] = get_module_tensor(model, name)
             set_module_tensor(model, name, load().to(device))
         return send_to_device(args, device), send_to_device(kwargs, device)
 
@@ -418,97 +418,6 @@ def _attach(
     module.register_forward_pre_hook(before, with_kwargs=True)
     if loaders:
         module.register_forward_hook(after)
-
-
-def _named_tensors(model: nn.Module, with_aliases: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from model.named_parameters(remove_duplicate=not with_aliases)
-    yield from model.named_buffers(remove_duplicate=not with_aliases)
-
-
-def _aliases(model: nn.Module) -> dict[str, list[str]]:
-    """Each tensor's first name to all its names (tied weights have several)."""
-    first: dict[int, str] = {}
-    names: dict[str, list[str]] = {}
-    for name, tensor in _named_tensors(model, True):
-        key = first.setdefault(id(tensor), name)
-        names.setdefault(key, []).append(name)
-    return names
-
-
-def _checkpoint_tensors(checkpoint: str | os.PathLike) -> dict[str, StoredTensor | torch.Tensor]:
-    """Every tensor of the checkpoint, not yet read: safetensors from their headers, torch files mapped."""
-    sources: dict[str, StoredTensor | torch.Tensor] = {}
-    for path in weight_files(checkpoint):
-        sources.update(stored_tensors(path) if path.suffix == ".safetensors" else load_torch(path, mmap=True))
-    return sources
-
-
-def _check_against_model(
-    model: nn.Module, checkpoint: Any, sources: Mapping[str, StoredTensor | torch.Tensor], strict: bool
-) -> None:
-    own = model.state_dict(keep_vars=True)  # persistent tensors, tied ones under each of their names
-    aliases = _aliases(model)
-    unexpected = [name for name in sources if name not in own]
-    wrong_shape = [
-        f"{name} {tuple(source.shape)} (the model has {tuple(own[name].shape)})"
-        for name in own  # in the model's order
-        if (source := sources.get(name)) is not None and tuple(source.shape) != tuple(own[name].shape)
-    ]
-    covered = {alias for name in sources if name in aliases for alias in aliases[name]} | set(sources)
-    missing = [name for name in own if name not in covered] if strict else []
-    problems = [
-        f"{label}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
-        for label, names in (
-            ("not in the model", unexpected),
-            ("with another shape", wrong_shape),
-            ("missing from the checkpoint", missing),
-        )
-        if names
-    ]
-    if problems:
-        raise ValueError(
-            f"checkpoint {checkpoint} does not match {type(model).__name__} ({'; '.join(problems)}). Build the model "
-            "with the settings the checkpoint was saved with; nothing was loaded."
-        )
-
-
-def _read(source: StoredTensor | torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    tensor = source.read() if isinstance(source, StoredTensor) else source
-    if dtype is not None and tensor.is_floating_point():
-        tensor = tensor.to(dtype)
-    return tensor
-
-
-def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
-    """The module `name` names, or the module holding the tensor `name` names, and that tensor's name."""
-    if name == "":
-        return model, ""
-    modules = dict(model.named_modules())
-    if name in modules:
-        return modules[name], ""
-    parent, _, attribute = name.rpartition(".")
-    return model.get_submodule(parent), attribute
-
-
-def _get_tensor(model: nn.Module, name: str) -> torch.Tensor:
-    module, attribute = _owner(model, name)
-    return module._parameters[attribute] if attribute in module._parameters else module._buffers[attribute]
-
-
-def set_module_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Put `tensor` in `model` as the parameter or buffer `name` (a Parameter keeps its requires_grad)."""
-    module, attribute = _owner(model, name)
-    if attribute in module._parameters:
-        if not isinstance(tensor, nn.Parameter):
-            tensor = nn.Parameter(tensor, requires_grad=module._parameters[attribute].requires_grad)
-        module._parameters[attribute] = tensor
-    else:
-        module._buffers[attribute] = tensor
-
-
-def _is_parameter(model: nn.Module, name: str) -> bool:
-    module, attribute = _owner(model, name)
-    return attribute in module._parameters
 
 
 def _under(name: str, prefix: str) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 from collections.abc import Iterator
@@ -18,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from runner.errors import ConfigError
@@ -166,48 +164,6 @@ def read_meta(checkpoint: Path, key: str = "trainer.resume") -> dict[str, Any]:
             "Pass a directory that Accelerator.save_state wrote, or null to start fresh."
         )
     return json.loads(meta_file.read_text())
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's python, numpy, torch (and CUDA) RNG states, as types `torch.load(weights_only=True)`
-    reads back."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {
-            "kind": kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": pos,
-            "has_gauss": has_gauss,
-            "cached": cached,
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(_as_tuples(state["python"]))
-    numpy = state["numpy"]
-    np.random.set_state(
-        (
-            numpy["kind"],
-            numpy["keys"].numpy().astype(np.uint32),
-            numpy["pos"],
-            numpy["has_gauss"],
-            numpy["cached"],
-        )
-    )
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _as_tuples(value: Any) -> Any:
-    """`random.setstate` wants tuples where a round trip may give lists."""
-    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def save_torch(obj: Any, path: Path) -> None:

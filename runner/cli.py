@@ -22,20 +22,20 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from runner.build import is_inference
 from runner.checkpoint import check_checkpoint_fits, resume_checkpoint
-from runner.config import register_configs
-from runner.environment import launched_environment
+from runner.cluster import launched_environment
+from runner.config import CONF_DIR, register_configs
 from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingInterrupted, describe_compose_error
+from runner.inference import infer
 from runner.launchers import Job, Launcher, RankFailedError
 from runner.launchers.slurm import requeue_if_preempted
 from runner.log import configure_rank_logging
 from runner.plan import describe as describe_plan
+from runner.train import train
 from runner.validate import validate, validate_for_world
 
 log = logging.getLogger("runner")
-
-# The repository's conf/ (runner is installed editable, next to it).
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
@@ -49,18 +49,22 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
         configure_rank_logging(None, env.rank)
     try:
         with _single_threaded():
-            validate(cfg)
-            launcher: Launcher = instantiate(cfg.launcher)
-            launcher.check(cfg)
-            validate_for_world(cfg, launcher.world_size(cfg))
+            built = validate(cfg)
+            launcher: Launcher = built.launcher
+            launcher.check(cfg, built.hardware)
+            world_size = launcher.world_size(cfg, built.hardware)
+            validate_for_world(cfg, world_size, built.hardware)
             checkpoint = resume_checkpoint(cfg.trainer.resume, output_dir)
             if checkpoint is not None:
-                check_checkpoint_fits(
-                    checkpoint, launcher.world_size(cfg), instantiate(cfg.hardware).checkpoint_format
-                )
+                check_checkpoint_fits(checkpoint, world_size, built.hardware.checkpoint_format)
         if cfg.plan:
             with _single_threaded():
-                print(describe_plan(cfg, launcher, str(checkpoint) if checkpoint else None))
+                line = launcher.describe(cfg, built.hardware)
+                print(
+                    describe_plan(
+                        cfg, built.hardware, world_size, line, str(checkpoint) if checkpoint else None
+                    )
+                )
             return {}
         if hydra_cfg.mode == RunMode.MULTIRUN and cfg.tracker._target_ and not cfg.tracker.parent_run_id:
             # One parent run per sweep; each job's run is its child.
@@ -68,7 +72,9 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
         job = Job(
             cfg=_resolved(cfg),
             output_dir=output_dir,
+            entry=infer if is_inference(cfg.task._target_) else train,
             logging_config=OmegaConf.to_container(hydra_cfg.job_logging, resolve=True),  # type: ignore[arg-type]
+            strategy=built.hardware,
         )
         metrics = launcher.launch(job)
     except (ConfigError, InstantiationException) as err:

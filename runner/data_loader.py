@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
-from runner.ops import send_to_device
+from runner.ops import on_device
 from runner.state import GradientState
 
 _END = object()
@@ -251,11 +251,6 @@ def loader_like(dataloader: DataLoader, **changes: Any) -> DataLoader:
     if dataloader.num_workers > 0:
         settings["prefetch_factor"] = dataloader.prefetch_factor
     return DataLoader(**(settings | changes))
-
-
-def on_device(batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
-    """Each batch of `batches` moved to `device`."""
-    return (send_to_device(batch, device) for batch in batches)
 
 
 class DataLoaderShard:

@@ -10,7 +10,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from runner.environment import available_cores
+from runner.cluster import available_cores
+from runner.config import CONF_DIR
 
 # Distribution name -> what it gives runner (the extra that installs it, if any).
 INTEGRATIONS = {
@@ -35,8 +36,6 @@ ENVIRONMENT = (
 
 def report() -> str:
     """The report, as Markdown."""
-    from runner.cli import CONF_DIR
-
     lines = [
         "## runner environment",
         f"- runner: {_version('runner')} ({os.path.dirname(os.path.abspath(__file__))})",

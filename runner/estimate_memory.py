@@ -19,10 +19,10 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.big_modeling import compute_module_sizes
-from runner.cli import CONF_DIR
-from runner.config import register_configs
+from runner.build import build_on_meta
+from runner.config import CONF_DIR, register_configs
 from runner.errors import ConfigError, describe_compose_error
-from runner.plan import MB, build_on_meta, optimizer_states, state_memory
+from runner.plan import MB, optimizer_states, state_memory
 
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Each hardware group as the overrides that select it.

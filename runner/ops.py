@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from functools import partial
 from typing import Any
 
@@ -64,3 +64,8 @@ def convert_to_fp32(data: Any) -> Any:
 
 def _float_to_fp32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if tensor.is_floating_point() else tensor
+
+
+def on_device(batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
+    """Each batch of `batches` moved to `device`."""
+    return (send_to_device(batch, device) for batch in batches)

@@ -8,23 +8,22 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from runner.build import build_data, build_on_meta
+from runner.cluster import available_cores
 from runner.data.base import DataSource
-from runner.environment import available_cores
 from runner.hardware.base import Strategy
-from runner.launchers.base import Launcher
 from runner.ops import apply_to_tensors, send_to_device
-from runner.train import model_dims
 
 MB = 1024**2
 
 
-def describe(cfg: DictConfig, launcher: Launcher, resume_from: str | None) -> str:
-    """The plan of one job, one line per aspect (the config must have passed validation)."""
-    world_size = launcher.world_size(cfg)
-    strategy: Strategy = instantiate(cfg.hardware)
+def describe(
+    cfg: DictConfig, strategy: Strategy, world_size: int, launcher: str, resume_from: str | None
+) -> str:
+    """The plan of one job, one line per aspect: `strategy` is the validated hardware, `launcher` the
+    launcher's own line."""
     precision = strategy.setup_precision(instantiate(cfg.precision)).mixed_precision
-    data = instantiate(cfg.data)
-    data.setup()
+    data = build_data(cfg)
     model = build_on_meta(cfg, data)
     parameters = sum(p.numel() for p in model.parameters())  # tied weights once
     trainer = cfg.trainer
@@ -35,7 +34,7 @@ def describe(cfg: DictConfig, launcher: Launcher, resume_from: str | None) -> st
         k: v for k, v in OmegaConf.to_container(cfg.hardware, resolve=True).items() if k != "_target_"
     }
     lines = {
-        "launcher": launcher.describe(cfg),
+        "launcher": launcher,
         "devices": f"{world_size} x {strategy.device.type} ({available_cores()} CPU cores on this machine)",
         "hardware": f"{cfg.hardware._target_} {hardware}",
         "precision": precision,
@@ -71,16 +70,6 @@ def _tracker(cfg: DictConfig) -> str:
     return (
         f"{tracker.name} -> {getattr(tracker, 'uri', '?')} (experiment {cfg.tracker.get('experiment_name')})"
     )
-
-
-def build_on_meta(cfg: DictConfig, data: DataSource | None = None) -> torch.nn.Module:
-    """The configured model with its sizes from the (set up) data, on the meta device (counted, not
-    allocated)."""
-    if data is None:
-        data = instantiate(cfg.data)
-        data.setup()
-    with torch.device("meta"):
-        return instantiate(cfg.model, **model_dims(cfg.model, data.dims))
 
 
 def optimizer_states(optimizer: DictConfig) -> int:

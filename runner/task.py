@@ -30,11 +30,3 @@ class InferenceTask:
 
     def run(self, model: torch.nn.Module) -> dict[str, float]:
         raise NotImplementedError
-
-
-def is_inference(task_target: str) -> bool:
-    """Whether the task class at `task_target` is an inference task (else a training one)."""
-    from runner.validate import locate
-
-    task = locate(task_target)
-    return isinstance(task, type) and issubclass(task, InferenceTask)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import signal
@@ -19,12 +18,12 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from runner.accelerator import Accelerator
-from runner.big_modeling import load_checkpoint_in_model
+from runner.build import build_data, build_model, load_start_weights
 from runner.checkpoint import ProjectConfiguration, checkpoint_number, numbered_checkpoints, resume_checkpoint
 from runner.errors import ConfigError, TrainingInterrupted
+from runner.hardware.base import Strategy
+from runner.rng import set_seed
 from runner.task import Task
-from runner.utils import set_seed
-from runner.validate import locate
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +47,11 @@ class Progress:
         self.__dict__.update(state)
 
 
-def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
+def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -> dict[str, float]:
     """Build everything from `cfg`, train, evaluate; return the final metrics.
 
-    `output_dir` is the job's directory (Hydra's): the resolved config is written there once everything
+    `strategy` is the hardware when this process built it already (the launching process validated it),
+    else built from `cfg.hardware`. `output_dir` is the job's directory (Hydra's): the resolved config is written there once everything
     is built, so a run refused for bad input leaves nothing but its log. Checkpoints go to its
     `checkpoints/`, the final weights to `model/`. SIGTERM, SIGUSR1 or SIGUSR2 make every rank checkpoint
     at the next logging step (every `trainer.log_every` steps) and raise `TrainingInterrupted`.
@@ -59,7 +59,7 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     trainer = cfg.trainer
     tracker = instantiate(cfg.tracker) if cfg.tracker._target_ else None
     accelerator = Accelerator(
-        strategy=instantiate(cfg.hardware),
+        strategy=strategy or instantiate(cfg.hardware),
         mixed_precision=instantiate(cfg.precision),
         gradient_accumulation_steps=trainer.gradient_accumulation_steps,
         split_batches=trainer.split_batches,
@@ -76,15 +76,14 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     accelerator.project_configuration.iteration = checkpoint_number(existing[-1]) + 1 if existing else 0
     set_seed(trainer.seed)
 
-    data = instantiate(cfg.data)
     with accelerator.main_process_first():
-        data.setup()
+        data = build_data(cfg)
     train_loader, eval_loader = accelerator.prepare(
         data.train_dataloader(seed=trainer.seed), data.eval_dataloader()
     )
-    model = instantiate(cfg.model, **model_dims(cfg.model, data.dims))
+    model = build_model(cfg, data)
     if cfg.checkpoint is not None:  # fine-tune from these weights
-        load_weights(model, cfg.checkpoint)
+        load_start_weights(model, cfg.checkpoint)
     task: Task = instantiate(cfg.task)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     total_steps = num_training_steps(trainer, len(train_loader))  # this rank's share of the batches
@@ -208,15 +207,6 @@ def train(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
     return metrics
 
 
-def load_weights(model: torch.nn.Module, checkpoint: str) -> None:
-    """`checkpoint=`'s weights into `model`, or a ConfigError naming what does not match."""
-    try:
-        load_checkpoint_in_model(model, checkpoint)
-    except (ValueError, FileNotFoundError) as err:
-        raise ConfigError(f"checkpoint={checkpoint}: {err}") from None
-    log.info("weights from %s", checkpoint)
-
-
 def load_checkpoint(accelerator: Accelerator, checkpoint: Path) -> None:
     """`load_state`, with a checkpoint that does not fit this run reported as a configuration error."""
     try:
@@ -265,33 +255,6 @@ def evaluate(accelerator: Accelerator, model: torch.nn.Module, task: Task, loade
     model.train()
     means = {name: (total / count).item() for name, total in sums.items()}
     return {f"eval/{name}": value for name, value in task.summarize(means).items()}
-
-
-def model_dims(model_cfg: DictConfig, dims: dict[str, int]) -> dict[str, int]:
-    """The model arguments the data determines: fill those left null, refuse those that contradict it."""
-    filled = {}
-    for key, value in dims.items():
-        if key not in model_cfg:
-            continue
-        if model_cfg[key] is None:
-            filled[key] = value
-        elif model_cfg[key] != value:
-            raise ConfigError(
-                f"model.{key}={model_cfg[key]} does not match the data, which has {key}={value}. "
-                f"Set model.{key}=null to take it from the data, or change the data."
-            )
-    required = inspect.signature(locate(model_cfg._target_)).parameters.values()
-    unset = [
-        p.name
-        for p in required
-        if p.default is p.empty and model_cfg.get(p.name, 0) is None and p.name not in filled
-    ]
-    if unset:
-        raise ConfigError(
-            f"model.{unset[0]} is null and the data does not provide it (it provides {sorted(dims) or 'nothing'}). "
-            f"Set model.{unset[0]} explicitly, or choose data that matches this model."
-        )
-    return filled
 
 
 def num_training_steps(trainer: DictConfig, batches_per_epoch: int) -> int:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +12,10 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from runner.build import build_data, build_on_meta, is_inference, locate
 from runner.errors import ConfigError
-from runner.task import is_inference
+from runner.hardware.base import Strategy
+from runner.hardware.big_model import BigModel
 
 # Nodes with a dataclass schema (runner/config.py).
 TYPED_NODES = ("trainer", "hardware", "precision", "launcher", "tracker")
@@ -35,17 +37,28 @@ BUILT_NODES = ("hardware", "launcher", "data")
 _HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
 
-def validate(cfg: DictConfig) -> None:
-    """Raise a ConfigError whose message lists every problem found, one paragraph each."""
+@dataclass(frozen=True)
+class Built:
+    """What validation built in the launching process, passed on so that nothing is built twice there."""
+
+    hardware: Strategy
+    launcher: Any  # a runner.launchers.Launcher (a layer above this one)
+
+
+def validate(cfg: DictConfig) -> Built:
+    """The hardware and the launcher, built and checked; a ConfigError whose message lists every problem
+    found, one paragraph each, if there is any."""
     problems = _missing_values(cfg) or [
         *_schema_problems(cfg),
         *_target_problems(cfg),
         *_trainer_problems(cfg.trainer),
     ]
+    built: dict[str, Any] = {}
     if not problems:
-        problems = _build_problems(cfg)
+        problems = _build_problems(cfg, built)
     if problems:
         raise ConfigError("\n\n".join(problems))
+    return Built(hardware=built["hardware"], launcher=built["launcher"])
 
 
 def _missing_values(cfg: DictConfig) -> list[str]:
@@ -127,12 +140,11 @@ def _trainer_problems(trainer: DictConfig) -> list[str]:
     return problems
 
 
-def _build_problems(cfg: DictConfig) -> list[str]:
-    """Build the hardware, the launcher and the data source: their constructors check what only they know
-    (process counts against the GPUs here, files that must exist); reading the data happens in the ranks.
-    Then ask the hardware whether it can run the precision."""
+def _build_problems(cfg: DictConfig, built: dict[str, Any]) -> list[str]:
+    """Build the hardware, the launcher and the data source into `built`: their constructors check what
+    only they know (process counts against the GPUs here, files that must exist); reading the data happens
+    in the ranks. Then ask the hardware whether it can run the precision."""
     problems = []
-    built = {}
     for node in BUILT_NODES:
         try:
             built[node] = instantiate(cfg[node])
@@ -149,7 +161,7 @@ def _build_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
-def validate_for_world(cfg: DictConfig, world_size: int) -> None:
+def validate_for_world(cfg: DictConfig, world_size: int, hardware: Strategy) -> None:
     """The checks that need the number of ranks the launcher will start (ConfigError listing all)."""
     problems = []
     batch_size = cfg.data.get("batch_size")
@@ -161,12 +173,9 @@ def validate_for_world(cfg: DictConfig, world_size: int) -> None:
             f"{batch_size} per process."
         )
     if world_size > 1 and not is_inference(cfg.task._target_):
-        from runner.plan import build_on_meta  # (imports the training loop, which imports this module)
-
-        data = instantiate(cfg.data)
-        data.setup()
+        data = build_data(cfg)
         try:
-            instantiate(cfg.hardware).check_model(build_on_meta(cfg, data), world_size)
+            hardware.check_model(build_on_meta(cfg, data), world_size)
         except ConfigError as err:
             problems.append(str(err))
         eval_size = len(data.eval_set)
@@ -183,8 +192,6 @@ def validate_for_world(cfg: DictConfig, world_size: int) -> None:
 def _checkpoint_problems(cfg: DictConfig, hardware: Any) -> list[str]:
     """An inference task runs `checkpoint=` on `hardware=big_model`; training starts from `checkpoint=`
     (when given) on a training backend."""
-    from runner.hardware.big_model import BigModel
-
     problems = []
     inference = is_inference(cfg.task._target_)
     if inference and not isinstance(hardware, BigModel):
@@ -209,24 +216,3 @@ def _checkpoint_problems(cfg: DictConfig, hardware: Any) -> list[str]:
             "(outputs/runs/<run>/model) or a weights file."
         )
     return problems
-
-
-def locate(path: str | None) -> Any:
-    """The object at a dotted `path` (module attributes included), or ImportError saying what failed."""
-    if not path:
-        raise ImportError("no _target_ given")
-    parts = path.split(".")
-    for split in range(len(parts), 0, -1):
-        module_name = ".".join(parts[:split])
-        try:
-            obj = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if err.name and not module_name.startswith(err.name):
-                raise ImportError(f"importing {module_name!r} failed: {err}") from err
-            continue
-        for attr in parts[split:]:
-            if not hasattr(obj, attr):
-                raise ImportError(f"{'.'.join(parts[:split])!r} has no attribute {attr!r}")
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(f"no module named {parts[0]!r}")

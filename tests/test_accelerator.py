@@ -10,8 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from runner import Accelerator, set_seed
 from runner.models import MLP
-from runner.optimizer import AcceleratedOptimizer
-from runner.scheduler import AcceleratedScheduler
+from runner.prepared import AcceleratedOptimizer, AcceleratedScheduler
 
 
 def make_setup(num_samples: int = 100, batch_size: int = 8):

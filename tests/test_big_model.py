@@ -22,8 +22,8 @@ from runner import (
 )
 from runner.big_modeling import compute_module_sizes
 from runner.estimate_memory import main as estimate_memory
-from runner.model_files import save_model_files
 from runner.models import GPT
+from runner.weights import save_model_files
 
 SIZE = {"vocab_size": 97, "max_seq_len": 32, "d_model": 64, "n_layers": 4, "n_heads": 4}
 

@@ -21,11 +21,10 @@ from runner.checkpoint import (
     load_torch,
     read_meta,
     resume_checkpoint,
-    rng_state,
-    set_rng_state,
 )
 from runner.errors import ConfigError
 from runner.models import GPT
+from runner.rng import rng_state, set_rng_state
 
 DATA = (torch.randn(40, 4, generator=torch.Generator().manual_seed(0)), torch.randn(40, 1))
 

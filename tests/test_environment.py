@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from runner.environment import first_host, launched_environment
+from runner.cluster import first_host, launched_environment
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SLURM_VARS = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.environment import launched_environment
+from runner.cluster import launched_environment
 from runner.hardware.base import Strategy
 from runner.hardware.cpu import SingleDevice
 from runner.hardware.ddp import DDP

@@ -11,13 +11,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from runner.big_modeling import load_checkpoint_in_model
 from runner.checkpoint import load_torch
-from runner.data_loader import on_device
-from runner.model_files import distinct_tensors
-from runner.ops import send_to_device
+from runner.ops import on_device, send_to_device
 from runner.precision import Precision
 from runner.state import ProcessState
+from runner.weights import distinct_tensors, load_weights
 
 
 class Strategy(ABC):
@@ -154,7 +152,7 @@ class Strategy(ABC):
     def load_checkpoint(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
         """Load what `save_checkpoint` wrote into the (prepared) models and optimizers."""
         for i, model in enumerate(models):
-            load_checkpoint_in_model(self.unwrap_module(model), directory / f"model_{i}.safetensors")
+            load_weights(self.unwrap_module(model), directory / f"model_{i}.safetensors")
         for i, optimizer in enumerate(optimizers):
             optimizer.load_state_dict(load_torch(directory / f"optimizer_{i}.pt"))
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from runner.environment import export_local_rank
+from runner.cluster import export_local_rank
 from runner.errors import ConfigError
 from runner.hardware.parallel import ParallelStrategy
 from runner.precision import Float16MixedPrecision, MixedPrecision, Precision

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runner.environment import available_cores, launched_environment
+from runner.cluster import available_cores, launched_environment
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
 from runner.state import ProcessState

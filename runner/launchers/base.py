@@ -1,20 +1,22 @@
-"""What a launcher is given (a `Job`) and what each rank it starts runs (`train_as_rank`)."""
+"""What a launcher is given (a `Job`) and what each rank it starts runs (`run_rank`)."""
 
 from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from runner.environment import launched_environment
-from runner.infer import infer
+from runner.cluster import launched_environment
+from runner.hardware.base import Strategy
 from runner.log import configure_rank_logging
-from runner.task import is_inference
-from runner.train import train
+
+# What a rank runs: (resolved config, job dir, the strategy when one was built in this process) -> metrics.
+Entry = Callable[[DictConfig, Path, Strategy | None], dict[str, float]]
 
 
 @dataclass
@@ -24,12 +26,21 @@ class Job:
     Args:
         cfg: the composed config, interpolations resolved (ranks never run Hydra again).
         output_dir: the job's directory, owned by the process that ran Hydra; every rank writes there.
+        entry: the rank's work (the training loop or the inference path), a module-level function.
         logging_config: the `logging.config.dictConfig` the job logs with (Hydra's `job_logging`).
+        strategy: the hardware the launching process built and validated; a rank running in that process
+            uses it, ranks started elsewhere build their own (`for_other_processes`).
     """
 
     cfg: DictConfig
     output_dir: Path
+    entry: Entry
     logging_config: dict[str, Any] | None = None
+    strategy: Strategy | None = None
+
+    def for_other_processes(self) -> Job:
+        """This job without the launching process's strategy object (each process builds its own)."""
+        return replace(self, strategy=None)
 
 
 class RankFailedError(RuntimeError):
@@ -37,31 +48,31 @@ class RankFailedError(RuntimeError):
 
 
 class Launcher(ABC):
-    """Starts the ranks of a job and returns rank 0's metrics."""
+    """Starts the ranks of a job and returns rank 0's metrics. `strategy` is the job's hardware, built once
+    by the launching process."""
 
     @abstractmethod
     def launch(self, job: Job) -> dict[str, float]: ...
 
     @abstractmethod
-    def world_size(self, cfg: DictConfig) -> int:
+    def world_size(self, cfg: DictConfig, strategy: Strategy) -> int:
         """How many ranks `launch` will run for `cfg` (checked against a checkpoint before launching)."""
 
-    def check(self, cfg: DictConfig) -> None:
+    def check(self, cfg: DictConfig, strategy: Strategy) -> None:
         """Raise ConfigError for what would fail only once launched (e.g. more than a cluster has)."""
 
     @abstractmethod
-    def describe(self, cfg: DictConfig) -> str:
+    def describe(self, cfg: DictConfig, strategy: Strategy) -> str:
         """One line for the plan: where and how the ranks would start."""
 
 
-def train_as_rank(job: Job) -> dict[str, float]:
-    """The body of every rank: its logging (only rank 0 logs below warnings), then the training loop (or
-    the inference task); rank 0 writes the final metrics to `metrics.json` in the job's dir."""
+def run_rank(job: Job) -> dict[str, float]:
+    """The body of every rank: its logging (only rank 0 logs below warnings), then the job's entry; rank 0
+    writes the final metrics to `metrics.json` in the job's dir."""
     env = launched_environment()
     rank = env.rank if env else 0
     configure_rank_logging(job.logging_config, rank)
-    run = infer if is_inference(job.cfg.task._target_) else train
-    metrics = run(job.cfg, job.output_dir)
+    metrics = job.entry(job.cfg, job.output_dir, job.strategy)
     if rank == 0:
         (job.output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics

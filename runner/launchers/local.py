@@ -25,10 +25,10 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from runner.environment import available_cores, launched_environment
+from runner.cluster import available_cores, launched_environment
 from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingInterrupted
 from runner.hardware.base import Strategy
-from runner.launchers.base import Job, Launcher, RankFailedError, train_as_rank
+from runner.launchers.base import Job, Launcher, RankFailedError, run_rank
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class LocalLauncher(Launcher):
         self.shutdown_timeout_s = shutdown_timeout_s
 
     def launch(self, job: Job) -> dict[str, float]:
-        strategy: Strategy = instantiate(job.cfg.hardware)
+        strategy: Strategy = job.strategy or instantiate(job.cfg.hardware)
         env = launched_environment()
         if env is not None:
             log.info(
@@ -75,18 +75,20 @@ class LocalLauncher(Launcher):
                 env.world_size,
             )
         if env is not None or strategy.num_processes == 1:
-            return train_as_rank(job)
-        return self._launch_ranks(job, strategy.num_processes, self.start_method or strategy.start_method)
+            return run_rank(job)
+        return self._launch_ranks(
+            job.for_other_processes(), strategy.num_processes, self.start_method or strategy.start_method
+        )
 
-    def world_size(self, cfg: DictConfig) -> int:
+    def world_size(self, cfg: DictConfig, strategy: Strategy) -> int:
         env = launched_environment()
-        return env.world_size if env is not None else instantiate(cfg.hardware).num_processes
+        return env.world_size if env is not None else strategy.num_processes
 
-    def describe(self, cfg: DictConfig) -> str:
-        ranks = self.world_size(cfg)
+    def describe(self, cfg: DictConfig, strategy: Strategy) -> str:
+        ranks = self.world_size(cfg, strategy)
         if ranks == 1:
             return "LocalLauncher: 1 node x 1 process, in this process"
-        start_method = self.start_method or instantiate(cfg.hardware).start_method
+        start_method = self.start_method or strategy.start_method
         return f"LocalLauncher: 1 node x {ranks} process(es), started with {start_method}"
 
     def _launch_ranks(self, job: Job, num_processes: int, start_method: str) -> dict[str, float]:
@@ -128,7 +130,7 @@ def _rank_entry(job: Job, error_dir: str) -> dict[str, float]:
     _die_with_parent()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        return train_as_rank(job)
+        return run_rank(job)
     except TrainingInterrupted:
         sys.exit(EXIT_INTERRUPTED)
     except BaseException as err:

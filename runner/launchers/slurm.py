@@ -19,9 +19,10 @@ from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from runner.environment import launched_environment
+from runner.cluster import launched_environment
 from runner.errors import ConfigError, TrainingInterrupted
-from runner.launchers.base import Job, Launcher, RankFailedError, train_as_rank
+from runner.hardware.base import Strategy
+from runner.launchers.base import Job, Launcher, RankFailedError, run_rank
 
 log = logging.getLogger(__name__)
 
@@ -110,16 +111,16 @@ class SlurmLauncher(Launcher):
         self.name = name
         require_slurm("launcher=slurm")
 
-    def world_size(self, cfg: DictConfig) -> int:
-        return self.nodes * self.tasks_per_node(cfg)
+    def world_size(self, cfg: DictConfig, strategy: Strategy) -> int:
+        return self.nodes * self.tasks_per_node(cfg, strategy)
 
-    def tasks_per_node(self, cfg: DictConfig) -> int:
+    def tasks_per_node(self, cfg: DictConfig, strategy: Strategy) -> int:
         """One task per rank: the hardware's `num_processes` (per node), else one per requested GPU."""
         if "num_processes" not in cfg.hardware:
             return 1
         if cfg.hardware.num_processes is None and self.gpus_per_node:
             return self.gpus_per_node
-        tasks = instantiate(cfg.hardware).num_processes
+        tasks = strategy.num_processes
         if self.gpus_per_node and tasks != self.gpus_per_node:
             raise ConfigError(
                 f"hardware.num_processes={tasks} but launcher.gpus_per_node={self.gpus_per_node}: on SLURM each "
@@ -127,22 +128,22 @@ class SlurmLauncher(Launcher):
             )
         return tasks
 
-    def check(self, cfg: DictConfig) -> None:
+    def check(self, cfg: DictConfig, strategy: Strategy) -> None:
         """What the cluster would refuse, or queue forever, refused here before anything is queued."""
         check_request(
             self.partition,
             nodes=self.nodes,
-            cpus_per_node=self.tasks_per_node(cfg) * (self.cpus_per_task or 1),
+            cpus_per_node=self.tasks_per_node(cfg, strategy) * (self.cpus_per_task or 1),
             gpus_per_node=self.gpus_per_node,
             mem_gb=self.mem_gb,
             time_min=self.time_min,
             key="launcher",
         )
 
-    def describe(self, cfg: DictConfig) -> str:
+    def describe(self, cfg: DictConfig, strategy: Strategy) -> str:
         gpus = f", {self.gpus_per_node} GPU(s)" if self.gpus_per_node else ""
         return (
-            f"SlurmLauncher: {self.nodes} node(s) x {self.tasks_per_node(cfg)} task(s){gpus} on partition "
+            f"SlurmLauncher: {self.nodes} node(s) x {self.tasks_per_node(cfg, strategy)} task(s){gpus} on partition "
             f"{self.partition or '(default)'}, time limit {self.time_min} min, requeued on preemption"
         )
 
@@ -151,14 +152,15 @@ class SlurmLauncher(Launcher):
 
         folder = Path(self.folder) if self.folder else job.output_dir / "slurm"
         executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=self.max_timeouts)
-        executor.update_parameters(**self._sbatch_parameters(job))
-        submitted = executor.submit(SlurmTask(job))
+        tasks_per_node = self.tasks_per_node(job.cfg, job.strategy or instantiate(job.cfg.hardware))
+        executor.update_parameters(**self._sbatch_parameters(tasks_per_node))
+        submitted = executor.submit(SlurmTask(job.for_other_processes()))
         rank0 = submitted.task(0)
         log.info(
             "submitted SLURM job %s: %d node(s) x %d task(s), partition %s; rank 0's log: %s",
             submitted.job_id,
             self.nodes,
-            self.tasks_per_node(job.cfg),
+            tasks_per_node,
             self.partition or "(default)",
             rank0.paths.stderr,
         )
@@ -186,7 +188,7 @@ class SlurmLauncher(Launcher):
                 f"{rank0.paths.stderr}; the others' are next to it.\n{report}"
             ) from None
 
-    def _sbatch_parameters(self, job: Job) -> dict[str, Any]:
+    def _sbatch_parameters(self, tasks_per_node: int) -> dict[str, Any]:
         optional = {
             "partition": self.partition,
             "cpus_per_task": self.cpus_per_task,
@@ -199,7 +201,7 @@ class SlurmLauncher(Launcher):
         return {
             "job_name": self.name,
             "nodes": self.nodes,
-            "ntasks_per_node": self.tasks_per_node(job.cfg),
+            "ntasks_per_node": tasks_per_node,
             "time": self.time_min,
             "signal_delay_s": self.signal_delay_s,
             "setup": self.setup,
@@ -219,7 +221,7 @@ class SlurmTask:
 
     def __call__(self) -> dict[str, float]:
         try:
-            return train_as_rank(self.job)
+            return run_rank(self.job)
         except TrainingInterrupted as err:
             requeue_if_preempted(err)
             raise

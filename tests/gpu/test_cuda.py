@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from runner import Accelerator, init_empty_weights, load_checkpoint_and_dispatch
 from runner.big_modeling import compute_module_sizes
-from runner.model_files import save_model_files
 from runner.models import GPT
+from runner.weights import save_model_files
 
 pytestmark = [
     pytest.mark.cuda,

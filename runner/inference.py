@@ -10,23 +10,22 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from runner.big_modeling import init_empty_weights
+from runner.build import build_data, build_model
 from runner.hardware.big_model import BigModel
 from runner.task import InferenceTask
-from runner.train import model_dims
 
 log = logging.getLogger(__name__)
 
 
-def infer(cfg: DictConfig, output_dir: Path) -> dict[str, float]:
+def infer(cfg: DictConfig, output_dir: Path, strategy: BigModel | None = None) -> dict[str, float]:
     """Build the model on the meta device, load `cfg.checkpoint` into the hardware's device map, run the
     task; return its metrics."""
     (output_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    hardware: BigModel = instantiate(cfg.hardware)
+    hardware: BigModel = strategy or instantiate(cfg.hardware)
     hardware.setup_environment()
-    data = instantiate(cfg.data)
-    data.setup()  # the model's dimensions (vocabulary) come from the data
+    data = build_data(cfg)  # the model's dimensions (vocabulary) come from the data
     with init_empty_weights():
-        model = instantiate(cfg.model, **model_dims(cfg.model, data.dims))
+        model = build_model(cfg, data)
     model = hardware.dispatch(model, cfg.checkpoint, output_dir)
     placement = ", ".join(f"{name or '(all)'}: {device}" for name, device in model.hf_device_map.items())
     log.info("loaded %s from %s; placement %s", type(model).__name__, cfg.checkpoint, placement)

@@ -1,0 +1,103 @@
+"""Building what the config describes: locating `_target_`s, the model with the sizes its data gives it
+(on a device, on the meta device, or empty), its starting weights, and which kind of task runs."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from runner.data.base import DataSource
+from runner.errors import ConfigError
+from runner.task import InferenceTask
+from runner.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+
+def build_data(cfg: DictConfig) -> DataSource:
+    """The configured data source, set up (its datasets read, its `dims` known)."""
+    data = instantiate(cfg.data)
+    data.setup()
+    return data
+
+
+def build_model(cfg: DictConfig, data: DataSource) -> torch.nn.Module:
+    """The configured model, with the sizes the (set up) data determines (see `model_dims`); built on the
+    current default device (`with torch.device("meta")`, `init_empty_weights()` ...)."""
+    return instantiate(cfg.model, **model_dims(cfg.model, data.dims))
+
+
+def build_on_meta(cfg: DictConfig, data: DataSource | None = None) -> torch.nn.Module:
+    """The configured model on the meta device: counted, not allocated."""
+    data = data or build_data(cfg)
+    with torch.device("meta"):
+        return build_model(cfg, data)
+
+
+def load_start_weights(model: torch.nn.Module, checkpoint: str) -> None:
+    """`checkpoint=`'s weights into `model`, or a ConfigError naming what does not match."""
+    try:
+        load_weights(model, checkpoint)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"checkpoint={checkpoint}: {err}") from None
+    log.info("weights from %s", checkpoint)
+
+
+def is_inference(task_target: str) -> bool:
+    """Whether the task class at `task_target` is an inference task (else a training one)."""
+    task = locate(task_target)
+    return isinstance(task, type) and issubclass(task, InferenceTask)
+
+
+def model_dims(model_cfg: DictConfig, dims: dict[str, int]) -> dict[str, int]:
+    """The model arguments the data determines: fill those left null, refuse those that contradict it."""
+    filled = {}
+    for key, value in dims.items():
+        if key not in model_cfg:
+            continue
+        if model_cfg[key] is None:
+            filled[key] = value
+        elif model_cfg[key] != value:
+            raise ConfigError(
+                f"model.{key}={model_cfg[key]} does not match the data, which has {key}={value}. "
+                f"Set model.{key}=null to take it from the data, or change the data."
+            )
+    required = inspect.signature(locate(model_cfg._target_)).parameters.values()
+    unset = [
+        p.name
+        for p in required
+        if p.default is p.empty and model_cfg.get(p.name, 0) is None and p.name not in filled
+    ]
+    if unset:
+        raise ConfigError(
+            f"model.{unset[0]} is null and the data does not provide it (it provides {sorted(dims) or 'nothing'}). "
+            f"Set model.{unset[0]} explicitly, or choose data that matches this model."
+        )
+    return filled
+
+
+def locate(path: str | None) -> Any:
+    """The object at a dotted `path` (module attributes included), or ImportError saying what failed."""
+    if not path:
+        raise ImportError("no _target_ given")
+    parts = path.split(".")
+    for split in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:split])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name and not module_name.startswith(err.name):
+                raise ImportError(f"importing {module_name!r} failed: {err}") from err
+            continue
+        for attr in parts[split:]:
+            if not hasattr(obj, attr):
+                raise ImportError(f"{'.'.join(parts[:split])!r} has no attribute {attr!r}")
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(f"no module named {parts[0]!r}")

@@ -1,0 +1,60 @@
+"""Random number generators: seeding every one of them, and their states (saved with each checkpoint)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def set_seed(seed: int, deterministic: bool = False) -> None:
+    """Seed python, numpy and torch (all devices); `deterministic` also asks torch for deterministic kernels."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's python, numpy, torch (and CUDA) RNG states, as types `torch.load(weights_only=True)`
+    reads back."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "cached": cached,
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_as_tuples(state["python"]))
+    numpy = state["numpy"]
+    np.random.set_state(
+        (
+            numpy["kind"],
+            numpy["keys"].numpy().astype(np.uint32),
+            numpy["pos"],
+            numpy["has_gauss"],
+            numpy["cached"],
+        )
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuples(value: Any) -> Any:
+    """`random.setstate` wants tuples where a round trip may give lists."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value

@@ -1,0 +1,161 @@
+"""The package's layers go one way: a module imports only from its own layer or the ones below, at module
+level (no function-level import of runner code, the way cycles hide), and the imports form no cycle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Lowest first. A module belongs to the first layer one of whose prefixes names it or its package.
+LAYERS: list[tuple[str, list[str]]] = [
+    (
+        "state, files and components",
+        [
+            "runner.errors",
+            "runner.ops",
+            "runner.state",
+            "runner.cluster",
+            "runner.log",
+            "runner.config",
+            "runner.rng",
+            "runner.checkpoint",
+            "runner.weights",
+            "runner.big_modeling",
+            "runner.schedulers",
+            "runner.models",
+            "runner.data",
+            "runner.task",
+            "tasks",
+        ],
+    ),
+    ("precision", ["runner.precision"]),
+    ("hardware strategies", ["runner.hardware"]),
+    (
+        "the Accelerator and its wrappers",
+        ["runner.data_loader", "runner.prepared", "runner.trackers", "runner.accelerator"],
+    ),
+    ("building from config", ["runner.build", "runner.validate"]),
+    ("loops and the plan", ["runner.train", "runner.inference", "runner.plan"]),
+    ("launchers", ["runner.launchers"]),
+    (
+        "entry points",
+        [
+            "runner.cli",
+            "runner.env",
+            "runner.estimate_memory",
+            "runner.sweep",
+            "runner.utils",
+            "runner.__main__",
+        ],
+    ),
+]
+# The package's public face re-exports from every layer; nothing inside the package imports it.
+FACADE = "runner"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    for index, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return index
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS in {Path(__file__).name}")
+
+
+def internal_imports(path: Path) -> list[tuple[str, bool]]:
+    """(imported module, imported at module level) for each import of runner or tasks code in `path`."""
+    tree = ast.parse(path.read_text())
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in ("runner", "tasks"):
+                found.append((resolve(name), id(node) in top_level))
+    return found
+
+
+def resolve(name: str) -> str:
+    """`runner.hardware.DDP` -> `runner.hardware` (the module of an imported name)."""
+    while name and not (
+        (ROOT / Path(*name.split("."))).is_dir()
+        or (ROOT / Path(*name.split("."))).with_suffix(".py").is_file()
+    ):
+        name = name.rpartition(".")[0]
+    return name
+
+
+SOURCES = sorted([*ROOT.glob("runner/**/*.py"), *ROOT.glob("tasks/**/*.py")])
+GRAPH = {module_name(path): internal_imports(path) for path in SOURCES}
+
+
+def violations(module: str, imports: list[tuple[str, bool]]) -> list[str]:
+    """What breaks the rules in `module`'s imports."""
+    found = []
+    for imported, at_module_level in imports:
+        if imported == FACADE:
+            found.append(f"{module} imports the `runner` package itself: import the module it means")
+        elif not at_module_level:
+            found.append(f"{module} imports {imported} inside a function: import it at the top")
+        elif layer_of(imported) > layer_of(module):
+            found.append(
+                f"{module} ({LAYERS[layer_of(module)][0]}) imports {imported}, a higher layer "
+                f"({LAYERS[layer_of(imported)][0]})"
+            )
+    return found
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `edges` (module -> the modules it imports), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        state[module] = 1
+        for nxt in sorted(edges.get(module, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt, [*path, nxt])):
+                return cycle
+        state[module] = 2
+        return None
+
+    for module in sorted(edges):
+        if module not in state and (cycle := visit(module, [module])):
+            return cycle
+    return None
+
+
+def test_every_module_is_in_a_layer():
+    for module in GRAPH:
+        if module != FACADE:
+            layer_of(module)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m != FACADE))
+def test_imports_go_down_only_and_at_module_level(module):
+    assert violations(module, GRAPH[module]) == []
+
+
+def test_no_import_cycles():
+    edges = {m: {i for i, _ in imports if i != m and i in GRAPH} for m, imports in GRAPH.items()}
+    assert find_cycle(edges) is None
+
+
+def test_the_checks_can_fail():
+    """A strategy importing the loop, a lazy import and an import of the facade are flagged; a cycle is found."""
+    assert violations("runner.hardware.base", [("runner.train", True)])
+    assert violations("runner.train", [("runner.ops", False)])
+    assert violations("runner.ops", [("runner", True)])
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
