@@ -19,14 +19,13 @@ from torch.utils.data import DataLoader
 
 from runner.checkpoint import (
     ProjectConfiguration,
-    check_format,
+    check_checkpoint_fits,
     checkpoint_number,
     commit_staging,
     latest_checkpoint,
     load_torch,
     mark_latest,
     prune,
-    read_meta,
     save_torch,
     staging_path,
     start_staging,
@@ -605,13 +604,9 @@ class Accelerator:
         """Restore a checkpoint that `save_state` wrote (without `input_dir`: the latest one of the
         project), into the objects prepared and registered, in the same order."""
         directory = Path(input_dir) if input_dir is not None else self._latest_project_checkpoint()
-        meta = read_meta(directory, key="load_state input_dir")
-        check_format(directory, meta, self.strategy.checkpoint_format)
-        if meta["num_processes"] != self.num_processes:
-            raise ConfigError(
-                f"{directory} was written by {meta['num_processes']} process(es); this run has {self.num_processes}. "
-                "Their data positions and RNG states do not carry over: resume with the same number of processes."
-            )
+        meta = check_checkpoint_fits(
+            directory, self.num_processes, self.strategy.checkpoint_format, key="load_state input_dir"
+        )
         parts = {
             "scheduler": self._schedulers,
             "dataloader": self._dataloaders,

@@ -187,18 +187,23 @@ def resume_checkpoint(resume: str | None, output_dir: Path) -> Path | None:
     return Path(resume)
 
 
-def check_checkpoint_fits(checkpoint: Path, world_size: int, checkpoint_format: str) -> None:
-    """Refuse, before any rank starts, a checkpoint whose model state this hardware cannot read (another
-    `Strategy.checkpoint_format`) or whose per-rank state this many ranks cannot use."""
-    meta = read_meta(checkpoint)
+def check_checkpoint_fits(
+    checkpoint: Path, world_size: int, checkpoint_format: str, key: str = "trainer.resume"
+) -> dict[str, Any]:
+    """The checkpoint's metadata, or a ConfigError naming `key` when this hardware cannot read its model
+    state (another `Strategy.checkpoint_format`) or this many ranks cannot use its per-rank state. Checked
+    before any rank starts and again by `Accelerator.load_state`."""
+    meta = read_meta(checkpoint, key=key)
     check_format(checkpoint, meta, checkpoint_format)
     written_by = meta["num_processes"]
     if written_by != world_size:
         raise ConfigError(
-            f"trainer.resume: {checkpoint} was written by {written_by} process(es) and this run has {world_size}; "
+            f"{key}: {checkpoint} was written by {written_by} process(es) and this run has {world_size}; "
             "each rank's data position and RNG state do not carry over to another number of ranks. Resume with "
-            f"{written_by} process(es) (hardware.num_processes={written_by}), or start fresh with trainer.resume=null."
+            f"{written_by} process(es) (hardware.num_processes={written_by} from the command line), or start "
+            "fresh (trainer.resume=null)."
         )
+    return meta
 
 
 def check_format(checkpoint: Path, meta: dict[str, Any], checkpoint_format: str) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from runner.errors import ConfigError
 from runner.ops import convert_to_fp32
 
 
@@ -127,6 +128,15 @@ class Float16MixedPrecision(MixedPrecision):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scaler.load_state_dict(state["scaler"])
+
+
+def refuse_fp16(precision: Precision, hardware: str, why: str) -> None:
+    """ConfigError when `precision` is fp16 autocast, which `hardware` cannot run (`why` says so)."""
+    if isinstance(precision, MixedPrecision) and precision.mixed_precision == "fp16":
+        raise ConfigError(
+            f"precision=fp16 with hardware={hardware}: {why}. Use precision=bf16 (no loss scaling needed) or "
+            "precision=fp32."
+        )
 
 
 def from_name(mixed_precision: str | None) -> Precision:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from runner.cli import CONF_DIR
-from runner.config import register_configs
+from runner.build import locate
+from runner.config import CONF_DIR, SCHEMAS, register_configs
 from runner.errors import ConfigError
 from runner.validate import validate
 
@@ -101,3 +104,50 @@ def test_assets_exist():
     assert (assets / "digits.csv.gz").stat().st_size > 10_000 and (
         assets / "sonnets.txt"
     ).stat().st_size > 5_000
+
+
+def accepted_parameters(cls: type) -> set[str]:
+    """The keyword arguments `cls(...)` takes, following `**kwargs` up to the base classes that take them."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        parameters = inspect.signature(vars(klass)["__init__"]).parameters.values()
+        names |= {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)} - {
+            "self"
+        }
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    return names
+
+
+@pytest.mark.parametrize(
+    "option",
+    sorted(
+        f"{group}/{path.stem}"
+        for group in ("hardware", "precision", "launcher", "tracker")
+        for path in (CONF_DIR / group).glob("*.yaml")
+    ),
+)
+def test_each_option_yaml_schema_and_class_agree(option):
+    """A typed option's YAML sets exactly its schema's fields, and its class accepts every one of them
+    (it may take more, for use from Python): a setting one of the three lacks would be refused, or never
+    reach the object."""
+    group, name = option.split("/")
+    document = yaml.safe_load((CONF_DIR / group / f"{name}.yaml").read_text())
+    if document.get("_target_") is None:  # tracker=none: nothing is built
+        return
+    schema = next(
+        entry for entry in document["defaults"] if isinstance(entry, str) and entry.startswith("/schema/")
+    )
+    fields = {f.name for f in dataclasses.fields(SCHEMAS[group][schema.split("/")[3].split("@")[0]])} - {
+        "_target_"
+    }
+    settings = set(document) - {"defaults", "_target_"}
+    assert settings == fields, (
+        f"conf/{option}.yaml sets {sorted(settings ^ fields)} that its schema lacks, or not"
+    )
+    accepted = accepted_parameters(locate(document["_target_"]))
+    assert fields == accepted, (
+        f"{document['_target_']} differs from its schema by {sorted(fields ^ accepted)}"
+    )

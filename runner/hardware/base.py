@@ -18,11 +18,20 @@ from runner.state import ProcessState
 from runner.weights import distinct_tensors, load_weights
 
 
+def one_process_state(device: torch.device, num_threads: int | None) -> ProcessState:
+    """The place of a process that is the whole job, on `device` (`num_threads`: intra-op CPU threads;
+    None keeps torch's default)."""
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    return ProcessState(device=device)
+
+
 class Strategy(ABC):
     """How one process joins its job, places and wraps the model, and talks to its peers.
 
-    Subclasses implement the process set-up and the collectives; the other hooks have defaults that a
-    backend overrides only where it differs (DDP skips gradient sync, DeepSpeed owns backward, ...).
+    Subclasses implement the process set-up; the other hooks have defaults, the collectives those of one
+    process, that a backend overrides only where it differs (DDP skips gradient sync, DeepSpeed owns
+    backward, multi-process backends exchange tensors, ...).
     A launcher reads `num_processes` (how many ranks to start on this machine) and `start_method`.
     """
 
@@ -36,29 +45,29 @@ class Strategy(ABC):
     def setup_environment(self) -> ProcessState:
         """Join the job (process group, device selection) and say where this process sits in it."""
 
-    @abstractmethod
+    # The collectives, as one process has them (nothing to exchange); multi-process backends override all.
     def barrier(self) -> None:
         """Block until every process reaches this point."""
 
-    @abstractmethod
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce `tensor` over all processes (`op` is "sum" or "mean")."""
+        return tensor
 
-    @abstractmethod
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate `tensor` from all processes along the first dimension."""
+        return tensor
 
-    @abstractmethod
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite `tensor` (in place) with process `src`'s and return it."""
+        return tensor
 
-    @abstractmethod
     def broadcast_object_list(self, objects: list[Any], src: int = 0) -> list[Any]:
         """Replace `objects` in place by those of process `src`."""
+        return objects
 
-    @abstractmethod
     def all_gather_object(self, obj: Any) -> list[Any]:
         """The picklable `obj` of every process, in process order."""
+        return [obj]
 
     def check_model(self, model: torch.nn.Module, world_size: int) -> None:
         """Before launch, with the model on the meta device: raise ConfigError for what this backend cannot

@@ -7,14 +7,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from runner.big_modeling import AUTO_MAPS, get_max_memory, load_checkpoint_and_dispatch
 from runner.errors import ConfigError
-from runner.hardware.cpu import SingleDevice
+from runner.hardware.base import Strategy, one_process_state
+from runner.state import ProcessState
 
 
-class BigModel(SingleDevice):
+class BigModel(Strategy):
     """Load a checkpoint into a model built on the meta device, each tensor straight onto its device, and
     run it with offloaded weights brought in just in time.
 
@@ -56,7 +58,11 @@ class BigModel(SingleDevice):
         self.no_split_module_classes = list(no_split_module_classes or [])
         self.dtype = dtype
         self.offload_buffers = offload_buffers
-        super().__init__(device="cpu", num_threads=num_threads)
+        self.device = torch.device("cpu")  # where inputs start; the device map places the modules
+        self.num_threads = num_threads
+
+    def setup_environment(self) -> ProcessState:
+        return one_process_state(self.device, self.num_threads)
 
     def dispatch(self, model: nn.Module, checkpoint: str | Path, job_dir: Path) -> nn.Module:
         """`model` (built under `init_empty_weights`) loaded from `checkpoint` and dispatched; a checkpoint

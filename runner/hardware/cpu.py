@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from runner.hardware.base import Strategy
+from runner.hardware.base import Strategy, one_process_state
 from runner.state import ProcessState
 
 
@@ -23,24 +21,4 @@ class SingleDevice(Strategy):
         self.num_threads = num_threads
 
     def setup_environment(self) -> ProcessState:
-        if self.num_threads is not None:
-            torch.set_num_threads(self.num_threads)
-        return ProcessState(device=self.device)
-
-    def barrier(self) -> None:
-        pass
-
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return tensor
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        return tensor
-
-    def broadcast_object_list(self, objects: list[Any], src: int = 0) -> list[Any]:
-        return objects
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj]
+        return one_process_state(self.device, self.num_threads)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from runner.hardware.parallel import ParallelStrategy
+from runner.hardware.parallelize import apply_ddp
 
 
 class DDP(ParallelStrategy):
@@ -22,17 +24,13 @@ class DDP(ParallelStrategy):
 
     def __init__(
         self,
-        num_processes: int | None = None,
-        device: str | None = None,
-        backend: str | None = None,
-        timeout_s: float = 1800.0,
-        num_threads: int | None = None,
         find_unused_parameters: bool = False,
         bucket_cap_mb: float | None = None,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        **process_group: Any,
     ) -> None:
-        super().__init__(num_processes, device, backend, timeout_s, num_threads)
+        super().__init__(**process_group)
         self.ddp_kwargs = {
             "find_unused_parameters": find_unused_parameters,
             "gradient_as_bucket_view": gradient_as_bucket_view,
@@ -42,8 +40,7 @@ class DDP(ParallelStrategy):
             self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        return apply_ddp(module, self.device, **self.ddp_kwargs)
 
     def unwrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module

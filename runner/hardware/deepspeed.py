@@ -61,21 +61,17 @@ class DeepSpeed(ParallelStrategy):
 
     def __init__(
         self,
-        num_processes: int | None = None,
-        device: str | None = None,
-        backend: str | None = None,
-        timeout_s: float = 1800.0,
-        num_threads: int | None = None,
         zero_stage: int | None = None,
         offload_optimizer: bool = False,
         offload_params: bool = False,
         gradient_clipping: float | None = None,
         micro_batch_size: int | None = None,
         config: str | dict[str, Any] | None = None,
+        **process_group: Any,
     ) -> None:
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(f"hardware=deepspeed needs DeepSpeed, which is not installed: run `{INSTALL}`.")
-        super().__init__(num_processes, device, backend, timeout_s, num_threads)
+        super().__init__(**process_group)
         self.user_config = _read_user_config(config)
         for block, group in (("optimizer", "optimizer"), ("scheduler", "scheduler")):
             if block in self.user_config:

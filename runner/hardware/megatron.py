@@ -5,27 +5,37 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
 
 from runner.errors import ConfigError
-from runner.hardware.fsdp import FSDP
-from runner.precision import MixedPrecision, Precision
+from runner.hardware.parallel import ParallelStrategy
+from runner.hardware.parallelize import (
+    apply_fsdp,
+    apply_tp,
+    fsdp_no_sync,
+    gather_full_state_dict,
+    load_sharded,
+    save_sharded,
+)
+from runner.precision import Precision, refuse_fp16
 from runner.state import ProcessState
 
 
-class TensorParallel(FSDP):
-    """Split each layer of the model over `tp_size` ranks by the model's own plan (`model.tp_plan(tp_size, sequence_parallel)`,
-    declared next to its definition: column-wise then row-wise linear layers, one all-reduce per
-    sub-layer). A world of `tp_size` x N ranks is N-way data parallel too: FSDP2 shards the model over the
-    "dp" dimension of the mesh. Ranks of one tensor-parallel group read the same batches: the data is
-    split over "dp" only, and `gather`/`reduce` collect over "dp". Checkpoints are sharded (DCP), the final
-    `model/` holds the full weights, as with FSDP.
+class TensorParallel(ParallelStrategy):
+    """Split each layer of the model over `tp_size` ranks by the model's own plan (`model.tp_plan(tp_size,
+    sequence_parallel)`, declared next to its definition: column-wise then row-wise linear layers, one
+    all-reduce per sub-layer). A world of `tp_size` x N ranks is N-way data parallel too: FSDP2 shards the
+    model over the "dp" dimension of the mesh (`apply_tp`, then `apply_fsdp`). Ranks of one tensor-parallel
+    group read the same batches: the data is split over "dp" only, and `gather`/`reduce` collect over "dp".
+    Checkpoints are sharded (DCP), the final `model/` holds the full weights, as with FSDP.
 
     Args (beyond `ParallelStrategy`'s):
         tp_size: ranks each layer is split over; must divide the world size and the model's heads and widths.
@@ -34,38 +44,29 @@ class TensorParallel(FSDP):
         shard_modules, reshard_after_forward: FSDP2's, for the data-parallel dimension.
     """
 
+    checkpoint_format = "sharded"
+    sharded_states = frozenset({"weights", "gradients", "optimizer"})  # split over tp, and over dp by FSDP
+
     def __init__(
         self,
-        num_processes: int | None = None,
-        device: str | None = None,
-        backend: str | None = None,
-        timeout_s: float = 1800.0,
-        num_threads: int | None = None,
         tp_size: int = 2,
         sequence_parallel: bool = False,
         shard_modules: list[str] | None = None,
         reshard_after_forward: bool = True,
+        **process_group: Any,
     ) -> None:
         if tp_size < 1:
             raise ConfigError(f"hardware.tp_size={tp_size}: must be >= 1.")
-        super().__init__(
-            num_processes, device, backend, timeout_s, num_threads, shard_modules, reshard_after_forward
-        )
+        super().__init__(**process_group)
         self.tp_size = tp_size
         self.sequence_parallel = sequence_parallel
+        self.shard_modules = list(shard_modules or [])
+        self.reshard_after_forward = reshard_after_forward
         self.mesh: DeviceMesh | None = None
-
-    @property
-    def sharded_states(self) -> frozenset[str]:  # type: ignore[override]
-        return frozenset({"weights", "gradients", "optimizer"})  # split over tp, and over dp by FSDP
 
     def setup_precision(self, precision: Precision) -> Precision:
         """bf16 by autocast around the forward (parameters stay fp32 on every mesh); fp16 is refused."""
-        if isinstance(precision, MixedPrecision) and precision.mixed_precision == "fp16":
-            raise ConfigError(
-                "precision=fp16 with hardware=megatron: loss scaling of DTensor gradients is not supported here. "
-                "Use precision=bf16 (no scaling needed) or precision=fp32."
-            )
+        refuse_fp16(precision, "megatron", "loss scaling of DTensor gradients is not supported here")
         return precision
 
     def check_model(self, model: torch.nn.Module, world_size: int) -> None:
@@ -102,13 +103,21 @@ class TensorParallel(FSDP):
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         assert self.mesh is not None, "setup_environment() first"
-        before = dict(module.named_parameters())
-        parallelize_module(module, self.mesh["tp"], self._plan(module))
-        if self.mesh["dp"].size() > 1:
-            self.shard_fully(module, self.mesh["dp"])
-        # Both replace parameters: remember which, for the optimizers.
-        self._sharded.update({id(before[name]): param for name, param in module.named_parameters()})
+        mesh = self.mesh
+
+        def parallelize() -> None:
+            apply_tp(module, mesh["tp"], self._plan(module))
+            if mesh["dp"].size() > 1:
+                no_cast, no_offload = MixedPrecisionPolicy(), OffloadPolicy()  # bf16 is autocast's here
+                apply_fsdp(
+                    module, mesh["dp"], self.shard_modules, self.reshard_after_forward, no_cast, no_offload
+                )
+
+        self.replace_parameters(module, parallelize)
         return module
+
+    def no_sync(self, module: torch.nn.Module) -> AbstractContextManager:
+        return fsdp_no_sync(module)
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
@@ -123,25 +132,18 @@ class TensorParallel(FSDP):
             grad.mul_(scale)
         return total
 
-    # Data collectives run over the data-parallel group: the ranks of one tp group hold the same samples.
-    def _dp_group(self) -> dist.ProcessGroup:
+    def data_group(self) -> dist.ProcessGroup:
+        """The ranks of one tp group hold the same samples: the data collectives run over "dp"."""
         assert self.mesh is not None, "setup_environment() first"
         return self.mesh.get_group("dp")
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        reduced = self._on_device(tensor)
-        dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self._dp_group())
-        if op == "mean":
-            reduced = reduced / self.mesh["dp"].size()  # type: ignore[index]
-        return reduced.to(tensor.device)
+    def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return gather_full_state_dict(module)
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        local = self._on_device(tensor if tensor.ndim else tensor[None]).contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.mesh["dp"].size())]  # type: ignore[index]
-        dist.all_gather(parts, local, group=self._dp_group())
-        return torch.cat(parts).to(tensor.device)
+    def save_checkpoint(
+        self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], is_main_process: bool
+    ) -> None:
+        save_sharded(directory, models, optimizers)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        gathered: list[Any] = [None] * self.mesh["dp"].size()  # type: ignore[index]
-        dist.all_gather_object(gathered, obj, group=self._dp_group())
-        return gathered
+    def load_checkpoint(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
+        load_sharded(directory, models, optimizers)

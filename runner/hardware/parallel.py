@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +33,7 @@ class ParallelStrategy(Strategy):
 
     def __init__(
         self,
+        *,
         num_processes: int | None = None,
         device: str | None = None,
         backend: str | None = None,
@@ -63,6 +65,7 @@ class ParallelStrategy(Strategy):
         # A forked rank starts in milliseconds; CUDA does not survive a fork, so GPU ranks are spawned.
         self.start_method = "spawn" if self.device_type == "cuda" else "fork"
         self.device = torch.device(self.device_type)
+        self._replaced: dict[int, torch.nn.Parameter] = {}  # id of a user's parameter -> what replaced it
 
     def setup_environment(self) -> ProcessState:
         env = launched_environment()
@@ -92,7 +95,24 @@ class ParallelStrategy(Strategy):
             local_process_index=local_rank,
         )
 
-    # The backend may need tensors on its device (NCCL): move there and back.
+    def replace_parameters(self, module: torch.nn.Module, apply: Callable[[], Any]) -> None:
+        """Run `apply` (which replaces the module's parameters in place: sharding, tensor parallel) and
+        remember which parameter became which, so that `setup_optimizer` points the optimizers at them."""
+        before = dict(module.named_parameters())
+        apply()
+        self._replaced.update({id(before[name]): param for name, param in module.named_parameters()})
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            group["params"] = [self._replaced.get(id(p), p) for p in group["params"]]
+
+    # The data collectives run over the ranks that hold different samples: all of them here; a strategy
+    # whose ranks share batches (tensor parallel) names its data-parallel group. The backend may need
+    # tensors on its device (NCCL): they move there and back.
+    def data_group(self) -> dist.ProcessGroup | None:
+        """The process group of the ranks that read different data (None: the world)."""
+        return None
+
     def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.device)
 
@@ -101,15 +121,15 @@ class ParallelStrategy(Strategy):
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         reduced = self._on_device(tensor)
-        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.data_group())
         if op == "mean":
-            reduced = reduced / dist.get_world_size()
+            reduced = reduced / dist.get_world_size(self.data_group())
         return reduced.to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         local = self._on_device(tensor if tensor.ndim else tensor[None]).contiguous()
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, local)
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.data_group()))]
+        dist.all_gather(parts, local, group=self.data_group())
         return torch.cat(parts).to(tensor.device)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -124,8 +144,8 @@ class ParallelStrategy(Strategy):
         return objects
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, obj)
+        gathered: list[Any] = [None] * dist.get_world_size(self.data_group())
+        dist.all_gather_object(gathered, obj, group=self.data_group())
         return gathered
 
     def teardown(self) -> None:

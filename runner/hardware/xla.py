@@ -11,21 +11,21 @@ import numpy as np
 import torch
 
 from runner.errors import ConfigError
-from runner.hardware.cpu import SingleDevice
+from runner.hardware.base import Strategy
 from runner.ops import apply_to_tensors
-from runner.precision import MixedPrecision, Precision
+from runner.precision import Precision, refuse_fp16
 from runner.state import ProcessState
 
 XLA_REQUIREMENT = "pip install -e '.[tpu]' in its own environment (torch_xla 2.9 needs torch 2.9)"
 
 
-class XLA(SingleDevice):
+class XLA(Strategy):
     """Train on XLA devices (TPU; `PJRT_DEVICE=CPU` runs the same path on the CPU).
 
     Each step ends with the optimizer step and a graph sync (`torch_xla.sync()`), so every step runs one
     compiled graph. bf16 runs the forward under `torch.autocast("xla", torch.bfloat16)`; fp16 is refused.
 
-    One process (the collectives are SingleDevice's: SPMD's reductions are in the compiled graph).
+    One process (the collectives are one process's: SPMD's reductions are in the compiled graph).
 
     Args:
         spmd: shard each batch over all the host's devices (SPMD data parallel); None: when there are
@@ -39,7 +39,7 @@ class XLA(SingleDevice):
             raise ConfigError(
                 f"hardware=tpu needs torch_xla, which is not installed here: {XLA_REQUIREMENT}."
             ) from None
-        super().__init__(device="cpu")  # the XLA device, once setup_environment has made it
+        self.device = torch.device("cpu")  # the XLA device, once setup_environment has made it
         self.spmd = spmd
         self.mesh: Any = None
 
@@ -57,11 +57,7 @@ class XLA(SingleDevice):
         return ProcessState(device=self.device)
 
     def setup_precision(self, precision: Precision) -> Precision:
-        if isinstance(precision, MixedPrecision) and precision.mixed_precision == "fp16":
-            raise ConfigError(
-                "precision=fp16 with hardware=tpu: XLA devices compute in bf16 without loss scaling. Use "
-                "precision=bf16 or precision=fp32."
-            )
+        refuse_fp16(precision, "tpu", "XLA devices compute in bf16 without loss scaling")
         return precision
 
     def device_batches(self, batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
