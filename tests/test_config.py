@@ -148,6 +148,4 @@ def test_each_option_yaml_schema_and_class_agree(option):
         f"conf/{option}.yaml sets {sorted(settings ^ fields)} that its schema lacks, or not"
     )
     accepted = accepted_parameters(locate(document["_target_"]))
-    assert fields == accepted, (
-        f"{document['_target_']} differs from its schema by {sorted(fields ^ accepted)}"
-    )
+    assert fields <= accepted, f"{document['_target_']} does not accept {sorted(fields - accepted)}"
