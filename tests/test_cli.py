@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+from pathlib import Path
 
+import probes
 import pytest
-from conftest import metrics_of
+from conftest import cli_env, metrics_of, runner_command
 
 pytestmark = pytest.mark.slow
+
+TESTS = Path(__file__).parent
 
 
 def test_default_experiment_trains_and_leaves_config_and_log(run_cli):
@@ -35,21 +40,97 @@ def test_experiments_run_a_few_steps(run_cli, experiment, metric, bound):
     assert value > bound if metric == "eval/accuracy" else value < bound
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        ["precision=bf16"],
-        ["precision=fp16"],
-        ["trainer.gradient_accumulation_steps=4"],
-        ["trainer.max_grad_norm=1.0"],
-        ["precision=fp16", "trainer.gradient_accumulation_steps=4", "trainer.max_grad_norm=1.0"],
-        ["trainer.max_steps=null", "trainer.max_epochs=1", "optimizer=sgd", "scheduler=constant"],
-    ],
-    ids=lambda o: " ".join(o),
-)
-def test_precision_accumulation_and_clipping_options(run_cli, overrides):
-    proc = run_cli("trainer.max_steps=30", "trainer.eval_every=0", *overrides)
+def probed(record: Path) -> list[str]:
+    """Overrides that train the default experiment through the recording task and optimizer of
+    tests/probes.py (run with `pythonpath=TESTS`)."""
+    return [
+        "task._target_=probes.RecordingRegression",
+        f"+task.record={record}",
+        "optimizer._target_=probes.NormRecordingAdamW",
+        f"+optimizer.record={record}",
+        "trainer.max_steps=30",
+        "trainer.eval_every=0",
+        "tracker=none",
+    ]
+
+
+@pytest.fixture(scope="module")
+def unclipped_norms(tmp_path_factory) -> list[float]:
+    """The gradient norms of a plain fp32 run: they must exceed the clipping threshold below, else the
+    clipping test could not tell clipping from none."""
+    run_dir = tmp_path_factory.mktemp("fp32")
+    proc = subprocess.run(
+        runner_command(run_dir / "run", *probed(run_dir / "probe")),
+        env=cli_env(TESTS),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr
+    assert set(probes.read(run_dir / "probe", "task")) == {"float32"}
+    return [float(norm) for norm in probes.read(run_dir / "probe", "optimizer")]
+
+
+CLIP = 0.05
+
+
+@pytest.mark.parametrize(
+    ("overrides", "dtype", "micro_batches_per_step", "max_norm"),
+    [
+        (["precision=bf16"], "bfloat16", 1, None),
+        (["precision=fp16"], "float16", 1, None),
+        (["trainer.gradient_accumulation_steps=4"], "float32", 4, None),
+        ([f"trainer.max_grad_norm={CLIP}"], "float32", 1, CLIP),
+        (
+            ["precision=fp16", "trainer.gradient_accumulation_steps=4", f"trainer.max_grad_norm={CLIP}"],
+            "float16",
+            4,
+            CLIP,
+        ),
+    ],
+    ids=lambda value: " ".join(value) if isinstance(value, list) else None,
+)
+def test_precision_accumulation_and_clipping_reach_the_training_step(
+    run_cli, tmp_path, unclipped_norms, overrides, dtype, micro_batches_per_step, max_norm
+):
+    """Each option is seen where it acts: the dtype the model computes in, the micro-batches consumed per
+    optimizer step, the norm of the gradients the optimizer applies."""
+    proc = run_cli(*probed(tmp_path / "probe"), *overrides, pythonpath=TESTS)
+    assert proc.returncode == 0, proc.stderr
+    micro_batches, norms = (
+        probes.read(tmp_path / "probe", "task"),
+        probes.read(tmp_path / "probe", "optimizer"),
+    )
+    assert set(micro_batches) == {dtype}
+    # 58 batches an epoch: with 4 per step, each epoch's last step takes the 2 left (as Accelerate syncs at
+    # the end of the dataloader), so 30 steps are 2 epochs, 116 micro-batches.
+    assert len(micro_batches) == {1: 30, 4: 116}[micro_batches_per_step]
+    assert 0 < len(norms) <= 30  # fp16 may skip a step whose gradients overflowed
+    if max_norm is None:
+        assert max(unclipped_norms) > CLIP  # (so that the clipping cases below do bind)
+    else:
+        assert max(float(norm) for norm in norms) <= max_norm * (1 + 1e-4)
+    assert metrics_of(proc)["eval/loss"] < 1.0
+
+
+def test_epochs_sgd_and_a_constant_schedule_reach_the_loop(run_cli, tmp_path):
+    proc = run_cli(
+        *probed(tmp_path / "probe"),
+        "trainer.max_steps=null",
+        "trainer.max_epochs=1",
+        "optimizer=sgd",
+        "optimizer._target_=probes.NormRecordingSGD",  # SGD's settings (momentum) reach an SGD
+        "optimizer.lr=0.02",
+        "scheduler=constant",
+        pythonpath=TESTS,
+    )
+    assert proc.returncode == 0, proc.stderr
+    batches = math.ceil(4096 * 0.9 / 64)  # one epoch of the training split
+    assert len(probes.read(tmp_path / "probe", "task")) == batches
+    assert f"for {batches} steps" in proc.stderr
+    assert len(probes.read(tmp_path / "probe", "optimizer")) == batches
+    assert "lr: 0.02\n  momentum: 0.9" in (proc.run_dir / "resolved_config.yaml").read_text()
+    assert metrics_of(proc)["train/lr"] == pytest.approx(0.02)  # still the base rate at the end: constant
     assert metrics_of(proc)["eval/loss"] < 1.0
 
 

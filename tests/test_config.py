@@ -10,6 +10,8 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from runner.build import locate
@@ -149,3 +151,97 @@ def test_each_option_yaml_schema_and_class_agree(option):
     )
     accepted = accepted_parameters(locate(document["_target_"]))
     assert fields <= accepted, f"{document['_target_']} does not accept {sorted(fields - accepted)}"
+
+
+# Another valid value for settings whose type alone does not give one (else: bools flip, numbers grow).
+OTHER_VALUES = {
+    "device": "cpu",
+    "backend": "gloo",
+    "dtype": "float16",
+    "start_method": "spawn",
+    "shard_modules": ["Block"],
+    "device_map": "sequential",
+    "max_memory": {"cpu": "1GB"},
+    "no_split_module_classes": ["Block"],
+    "offload_folder": "elsewhere",
+    "uri": "sqlite:///elsewhere.db",
+    "experiment_name": "another",
+    "run_name": "another",
+    "tags": {"team": "another"},
+    "parent_run_id": "0123",
+    "config": {"steps_per_print": 7},
+    ("hardware/deepspeed", "zero_stage"): 1,
+}
+# Where a setting is valid only next to another one (offload_params needs ZeRO-3).
+BASE_OVERRIDES = {"hardware/deepspeed": ["hardware.zero_stage=3"]}
+# Settings the machine running the tests cannot give another value, and why.
+CANNOT_VARY = {
+    ("hardware/cpu", "device"): "the only device here is the CPU",
+    ("hardware/multi_gpu", "device"): "null picks the CPU here, as 'cpu' does",
+    ("hardware/fsdp", "device"): "null picks the CPU here, as 'cpu' does",
+    ("hardware/megatron", "device"): "null picks the CPU here, as 'cpu' does",
+    ("hardware/deepspeed", "device"): "null picks the CPU here, as 'cpu' does",
+    ("hardware/multi_gpu", "backend"): "null picks gloo on the CPU",
+    ("hardware/fsdp", "backend"): "null picks gloo on the CPU",
+    ("hardware/megatron", "backend"): "null picks gloo on the CPU",
+    ("hardware/deepspeed", "backend"): "null picks gloo on the CPU",
+}
+
+
+def other_value(key: str, value: object) -> object:
+    if key in OTHER_VALUES and OTHER_VALUES[key] != value:
+        return OTHER_VALUES[key]
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value * 2
+    if value is None:
+        return 3
+    raise AssertionError(f"no other value for {key}={value!r}: add one to OTHER_VALUES")
+
+
+def typed_options() -> list[str]:
+    return sorted(
+        f"{group}/{path.stem}"
+        for group in ("hardware", "precision", "launcher", "tracker")
+        for path in (CONF_DIR / group).glob("*.yaml")
+        if path.stem not in ("none", "tpu", "slurm")  # nothing built; torch_xla, sbatch: their own tests
+    )
+
+
+@pytest.mark.parametrize("option", typed_options())
+def test_every_setting_of_an_option_reaches_the_object_it_builds(option):
+    """Built once with the option's values and once with one setting changed, the objects differ: no
+    setting is dropped on the way from YAML to the object (what the object then does with it is each
+    feature's own test)."""
+    group, name = option.split("/")
+    cfg = compose("config", overrides=[f"{group}={name}", *BASE_OVERRIDES.get(option, [])])[group]
+    reference = state_of(instantiate(cfg))
+    for key, value in cfg.items():
+        if key == "_target_" or (option, key) in CANNOT_VARY:
+            continue
+        changed = cfg.copy()
+        plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        changed[key] = OTHER_VALUES.get((option, key)) or other_value(key, plain)
+        assert state_of(instantiate(changed)) != reference, f"{option}: {key} never reached {cfg._target_}"
+
+
+def state_of(obj: object) -> str:
+    """Everything an object holds, as text (nested objects by their own attributes)."""
+    seen: set[int] = set()
+
+    def describe(value: object) -> object:
+        if id(value) in seen:
+            return "..."
+        if hasattr(value, "__dict__") and not isinstance(value, type):
+            seen.add(id(value))
+            return {k: describe(v) for k, v in sorted(vars(value).items())}
+        if isinstance(value, dict):
+            return {str(k): describe(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple, set, frozenset)):
+            return [describe(v) for v in value]
+        return repr(value)
+
+    return repr(describe(obj))

@@ -133,8 +133,7 @@ def test_deepspeed_config_is_generated_from_the_run():
     config = result["config"]
     assert config["train_micro_batch_size_per_gpu"] == 4  # the dataloader's per-rank batch
     assert config["gradient_accumulation_steps"] == 2  # "auto": the Accelerator's
-    assert config["gradient_clipping"] == 0.0  # no clipping asked for: none (DeepSpeed's default is 1.0)
-    assert config["bf16"] == {"enabled": True} and "fp16" not in config
-    assert config["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 1000}  # the user's kept
-    assert result["user"]["gradient_accumulation_steps"] == "auto"  # the user's dict is not modified
+    assert config["bf16"] == {
+        "enabled": True
+    }  # the Accelerator's precision (the merge: test_deepspeed_config.py)
     assert "in the same call" in result["optimizer_alone"]

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import probes
 import pytest
 import torch
 from conftest import cli_env, metrics_of
@@ -39,17 +40,47 @@ def test_two_ranks_write_one_job_dir(run_cli, tmp_path, start_method):
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    ("overrides", "dtype", "micro_batches", "max_norm"),
     [
-        ["precision=fp16", "trainer.gradient_accumulation_steps=2", "trainer.max_grad_norm=1.0"],
-        ["experiment=gpt_sonnets", "precision=bf16", "trainer.max_steps=5"],
+        # 2 ranks split 58 batches an epoch: 29 each, 15 steps of 2 (the last of 1) an epoch.
+        (
+            ["precision=fp16", "trainer.gradient_accumulation_steps=2", "trainer.max_grad_norm=0.05"],
+            "float16",
+            39,
+            0.05,
+        ),
+        (
+            ["experiment=gpt_sonnets", "task._target_=probes.RecordingLanguageModeling", "precision=bf16"],
+            "bfloat16",
+            20,
+            None,
+        ),
     ],
-    ids=" ".join,
+    ids=["fp16 accumulation 2 clipping", "gpt bf16"],
 )
-def test_two_ranks_with_precision_accumulation_and_clipping(run_cli, overrides):
-    proc = run_cli(*TWO_RANKS, "trainer.max_steps=20", "trainer.eval_every=0", *overrides)
+def test_two_ranks_with_precision_accumulation_and_clipping(
+    run_cli, tmp_path, overrides, dtype, micro_batches, max_norm
+):
+    record = tmp_path / "probe"
+    probes_ = [
+        "task._target_=probes.RecordingRegression",
+        f"+task.record={record}",
+        "optimizer._target_=probes.NormRecordingAdamW",
+        f"+optimizer.record={record}",
+    ]
+    proc = run_cli(
+        *TWO_RANKS, "trainer.max_steps=20", "trainer.eval_every=0", *probes_, *overrides, pythonpath=TESTS
+    )
     assert proc.returncode == 0, proc.stderr
     assert "2 process(es)" in proc.stderr and metrics_of(proc)["eval/loss"] < 5.0
+    for rank in (0, 1):
+        assert probes.read(record, "task", rank) == [dtype] * micro_batches
+        norms = [float(norm) for norm in probes.read(record, "optimizer", rank)]
+        assert 0 < len(norms) <= 20
+        if max_norm is not None:
+            assert max(norms) <= max_norm * (1 + 1e-4)
+    # DDP: both ranks applied the same (averaged) gradients
+    assert probes.read(record, "optimizer", 0) == probes.read(record, "optimizer", 1)
 
 
 def test_user_code_computing_in_the_launching_process_does_not_hang_forked_ranks(run_cli):

@@ -9,7 +9,9 @@ import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
+import probes
 import pytest
 from conftest import cli_env, metrics_of
 
@@ -42,7 +44,8 @@ def loss_of(model, batch):
     logits = model(batch[:, :-1])
     return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), batch[:, 1:].reshape(-1))
 
-accelerator = Accelerator(strategy=XLA())  # first: the XLA device must exist before any backward runs
+spmd = json.loads(sys.argv[2])  # hardware.spmd: null (when several devices), true or false
+accelerator = Accelerator(strategy=XLA(spmd=spmd))  # first: the XLA device must exist before any backward runs
 model, optimizer = make()
 reference = []
 for batch in DataLoader(tokens, batch_size=8):
@@ -78,11 +81,13 @@ print(json.dumps({"reference": reference, "losses": losses, "continued": continu
 
 
 @needs_xla
-@pytest.mark.parametrize("devices", [1, 2])
-def test_xla_matches_plain_pytorch_and_round_trips_a_checkpoint(tmp_path, devices):
+@pytest.mark.parametrize(
+    ("devices", "spmd", "sharded"), [(1, None, False), (2, None, True), (2, False, False)]
+)
+def test_xla_matches_plain_pytorch_and_round_trips_a_checkpoint(tmp_path, devices, spmd, sharded):
     env = cli_env() | {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)}
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "state")],
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "state"), json.dumps(spmd)],
         env=env,
         capture_output=True,
         text=True,
@@ -90,7 +95,7 @@ def test_xla_matches_plain_pytorch_and_round_trips_a_checkpoint(tmp_path, device
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["device"].startswith("xla") and result["spmd"] == (devices > 1)
+    assert result["device"].startswith("xla") and result["spmd"] == sharded
     assert result["losses"][-1] < result["losses"][0]
     for step, (ours, theirs) in enumerate(zip(result["losses"], result["reference"], strict=True)):
         assert abs(ours - theirs) <= 1e-5, (step, ours, theirs)
@@ -98,12 +103,23 @@ def test_xla_matches_plain_pytorch_and_round_trips_a_checkpoint(tmp_path, device
 
 
 @needs_xla
-def test_runner_trains_on_tpu_from_the_command_line(run_cli, monkeypatch):
+def test_runner_trains_on_tpu_from_the_command_line(run_cli, monkeypatch, tmp_path):
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     monkeypatch.setenv("CPU_NUM_DEVICES", "2")
-    proc = run_cli("hardware=tpu", "trainer.max_steps=20", "trainer.eval_every=0", "tracker=none")
+    record = tmp_path / "probe"
+    probe = ["task._target_=probes.RecordingRegression", f"+task.record={record}"]
+    proc = run_cli(
+        "hardware=tpu",
+        "precision=bf16",
+        *probe,
+        "trainer.max_steps=20",
+        "trainer.eval_every=0",
+        "tracker=none",
+        pythonpath=Path(__file__).parent,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "on xla" in proc.stderr and metrics_of(proc)["eval/loss"] < 1.0
+    assert set(probes.read(record, "task")) == {"bfloat16"}  # XLA's autocast
     refused = run_cli("hardware=tpu", "precision=fp16")
     assert refused.returncode == 2 and "precision=fp16 with hardware=tpu" in refused.stderr
 

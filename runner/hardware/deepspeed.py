@@ -164,9 +164,10 @@ class DeepSpeed(ParallelStrategy):
         return state
 
     def deepspeed_config(
-        self, micro_batch_size: int | None, gradient_accumulation_steps: int
+        self, micro_batch_size: int | None, gradient_accumulation_steps: int, world_size: int
     ) -> dict[str, Any]:
-        """The config the engine is built with: the user's JSON with the run's settings filled in."""
+        """The config the engine is built with on `world_size` ranks: the user's JSON with the run's settings
+        filled in (after `setup_precision`)."""
         run = {
             "train_micro_batch_size_per_gpu": self.micro_batch_size or micro_batch_size or 1,
             "gradient_accumulation_steps": gradient_accumulation_steps,
@@ -175,7 +176,7 @@ class DeepSpeed(ParallelStrategy):
         }
         _check_agreement(self.user_config, run, "hardware.config", "the run's settings")
         global_batch = (
-            run["train_micro_batch_size_per_gpu"] * gradient_accumulation_steps * dist.get_world_size()
+            run["train_micro_batch_size_per_gpu"] * gradient_accumulation_steps * world_size
         )
         _check_agreement(
             self.user_config, {"train_batch_size": global_batch}, "hardware.config", "the run's settings"
@@ -201,7 +202,7 @@ class DeepSpeed(ParallelStrategy):
             raise ValueError("hardware=deepspeed trains one model per Accelerator: prepare a single model.")
         if len(optimizers) > 1:
             raise ValueError("hardware=deepspeed steps one optimizer per model: prepare a single optimizer.")
-        self.config = self.deepspeed_config(micro_batch_size, gradient_accumulation_steps)
+        self.config = self.deepspeed_config(micro_batch_size, gradient_accumulation_steps, dist.get_world_size())
         self.engine, *_ = deepspeed.initialize(
             model=module,
             optimizer=optimizers[0] if optimizers else None,

@@ -1,0 +1,83 @@
+"""Probes for the option tests: a task and an optimizer that record what the training loop did to them, so
+that a test fails when an option is silently ignored (imported by `python -m runner` through PYTHONPATH).
+
+Each rank appends to `<record>.rank<N>.<kind>`; `read` collects them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tasks.language_modeling import LanguageModeling
+from tasks.regression import Regression
+
+
+def _append(record: str, kind: str, line: str) -> None:
+    with open(f"{record}.rank{os.environ.get('RANK', '0')}.{kind}", "a") as file:
+        file.write(line + "\n")
+
+
+def read(record: str | Path, kind: str, rank: int = 0) -> list[str]:
+    """What rank `rank` recorded: one line per training step ("task": the dtype the model's first linear
+    layer computed in) or per optimizer step ("optimizer": the total gradient norm it applied)."""
+    path = Path(f"{record}.rank{rank}.{kind}")
+    return path.read_text().split() if path.exists() else []
+
+
+class Recording:
+    """A task recording for each micro-batch the dtype its model's first linear layer computed in (fp32,
+    or the autocast dtype)."""
+
+    def __init__(self, record: str) -> None:
+        self.record = record
+
+    def training_step(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        linear = next(m for m in model.modules() if isinstance(m, nn.Linear))
+        seen: list[torch.dtype] = []
+        handle = linear.register_forward_hook(lambda module, args, output: seen.append(output.dtype))
+        try:
+            loss = super().training_step(model, batch)
+        finally:
+            handle.remove()
+        _append(self.record, "task", str(seen[0]).removeprefix("torch."))
+        return loss
+
+
+class RecordingRegression(Recording, Regression):
+    pass
+
+
+class RecordingLanguageModeling(Recording, LanguageModeling):
+    pass
+
+
+class NormRecording:
+    """An optimizer recording, at each step it takes, the total norm of the gradients it applies (after
+    any clipping and loss unscaling)."""
+
+    def __init__(self, params: Any, record: str, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.record = record
+
+    def step(self, closure: Any = None) -> Any:
+        grads = [
+            p.grad.detach().flatten()
+            for group in self.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        _append(self.record, "optimizer", repr(torch.cat(grads).norm().item()))
+        return super().step(closure)
+
+
+class NormRecordingAdamW(NormRecording, torch.optim.AdamW):
+    pass
+
+
+class NormRecordingSGD(NormRecording, torch.optim.SGD):
+    pass
