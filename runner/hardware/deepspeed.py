@@ -175,9 +175,7 @@ class DeepSpeed(ParallelStrategy):
             **self._settings_from_yaml(),
         }
         _check_agreement(self.user_config, run, "hardware.config", "the run's settings")
-        global_batch = (
-            run["train_micro_batch_size_per_gpu"] * gradient_accumulation_steps * world_size
-        )
+        global_batch = run["train_micro_batch_size_per_gpu"] * gradient_accumulation_steps * world_size
         _check_agreement(
             self.user_config, {"train_batch_size": global_batch}, "hardware.config", "the run's settings"
         )
@@ -202,7 +200,9 @@ class DeepSpeed(ParallelStrategy):
             raise ValueError("hardware=deepspeed trains one model per Accelerator: prepare a single model.")
         if len(optimizers) > 1:
             raise ValueError("hardware=deepspeed steps one optimizer per model: prepare a single optimizer.")
-        self.config = self.deepspeed_config(micro_batch_size, gradient_accumulation_steps, dist.get_world_size())
+        self.config = self.deepspeed_config(
+            micro_batch_size, gradient_accumulation_steps, dist.get_world_size()
+        )
         self.engine, *_ = deepspeed.initialize(
             model=module,
             optimizer=optimizers[0] if optimizers else None,

@@ -4,8 +4,6 @@ parameter, gradient and optimizer state."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,17 +12,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from runner.hardware.parallel import ParallelStrategy
-from runner.hardware.parallelize import (
-    apply_fsdp,
-    fsdp_no_sync,
-    gather_full_state_dict,
-    load_sharded,
-    save_sharded,
-)
+from runner.hardware.parallelize import ShardedState, apply_fsdp
 from runner.precision import MixedPrecision, Precision, ShardedMixedPrecision, refuse_fp16
 
 
-class FSDP(ParallelStrategy):
+class FSDP(ShardedState, ParallelStrategy):
     """Shard the model over all ranks with `fully_shard`: each module whose class is named in
     `shard_modules` (e.g. the transformer block) is one unit, gathered just before its forward and
     backward; the root module holds the rest.
@@ -39,9 +31,6 @@ class FSDP(ParallelStrategy):
     gradients reduced in fp32, outputs fp32). Checkpoints are sharded (torch.distributed.checkpoint);
     `save_model` gathers the full weights on rank 0.
     """
-
-    checkpoint_format = "sharded"
-    sharded_states = frozenset({"weights", "gradients", "optimizer"})
 
     def __init__(
         self,
@@ -78,23 +67,8 @@ class FSDP(ParallelStrategy):
         )
         return module
 
-    def no_sync(self, module: torch.nn.Module) -> AbstractContextManager:
-        return fsdp_no_sync(module)
-
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-    def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Gather the full weights (a collective); rank 0 gets them on the CPU, the others an empty dict."""
-        return gather_full_state_dict(module)
-
-    def save_checkpoint(
-        self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], is_main_process: bool
-    ) -> None:
-        save_sharded(directory, models, optimizers)
-
-    def load_checkpoint(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
-        load_sharded(directory, models, optimizers)

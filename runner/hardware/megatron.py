@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,19 +15,12 @@ from torch.distributed.tensor import DTensor
 
 from runner.errors import ConfigError
 from runner.hardware.parallel import ParallelStrategy
-from runner.hardware.parallelize import (
-    apply_fsdp,
-    apply_tp,
-    fsdp_no_sync,
-    gather_full_state_dict,
-    load_sharded,
-    save_sharded,
-)
+from runner.hardware.parallelize import ShardedState, apply_fsdp, apply_tp
 from runner.precision import Precision, refuse_fp16
 from runner.state import ProcessState
 
 
-class TensorParallel(ParallelStrategy):
+class TensorParallel(ShardedState, ParallelStrategy):
     """Split each layer of the model over `tp_size` ranks by the model's own plan (`model.tp_plan(tp_size,
     sequence_parallel)`, declared next to its definition: column-wise then row-wise linear layers, one
     all-reduce per sub-layer). A world of `tp_size` x N ranks is N-way data parallel too: FSDP2 shards the
@@ -43,9 +34,6 @@ class TensorParallel(ParallelStrategy):
             sequence (the plan's `sequence_parallel`).
         shard_modules, reshard_after_forward: FSDP2's, for the data-parallel dimension.
     """
-
-    checkpoint_format = "sharded"
-    sharded_states = frozenset({"weights", "gradients", "optimizer"})  # split over tp, and over dp by FSDP
 
     def __init__(
         self,
@@ -116,9 +104,6 @@ class TensorParallel(ParallelStrategy):
         self.replace_parameters(module, parallelize)
         return module
 
-    def no_sync(self, module: torch.nn.Module) -> AbstractContextManager:
-        return fsdp_no_sync(module)
-
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
@@ -136,14 +121,3 @@ class TensorParallel(ParallelStrategy):
         """The ranks of one tp group hold the same samples: the data collectives run over "dp"."""
         assert self.mesh is not None, "setup_environment() first"
         return self.mesh.get_group("dp")
-
-    def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return gather_full_state_dict(module)
-
-    def save_checkpoint(
-        self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], is_main_process: bool
-    ) -> None:
-        save_sharded(directory, models, optimizers)
-
-    def load_checkpoint(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
-        load_sharded(directory, models, optimizers)

@@ -1,5 +1,6 @@
 """Parallelisms applied to a module, one small named function each (torchtitan's `apply_*`), and what
-models sharded as DTensors need afterwards (gradient sync switch, full weights, DCP checkpoints).
+strategies whose models end up as DTensors share afterwards (`ShardedState`: gradient sync switch, full
+weights, DCP checkpoints).
 
 Strategies compose them in a fixed order over one mesh: tensor parallel first (`apply_tp`), then data
 parallel over the rest of the world (`apply_fsdp`, or `apply_ddp` for replicas).
@@ -83,6 +84,30 @@ def _without_gradient_sync(module: FSDPModule) -> Iterator[None]:
         yield
     finally:
         module.set_requires_gradient_sync(True)
+
+
+class ShardedState:
+    """What a strategy whose model ends up as DTensors (FSDP, tensor parallel) answers alike: gradient sync
+    through FSDP's switch, the full weights gathered on rank 0, DCP checkpoints (every rank writes its
+    shards). Listed first among a strategy's bases."""
+
+    checkpoint_format = "sharded"
+    sharded_states = frozenset({"weights", "gradients", "optimizer"})
+
+    def no_sync(self, module: torch.nn.Module) -> AbstractContextManager:
+        return fsdp_no_sync(module)
+
+    def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Gather the full weights (a collective); rank 0 gets them on the CPU, the others an empty dict."""
+        return gather_full_state_dict(module)
+
+    def save_checkpoint(
+        self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], is_main_process: bool
+    ) -> None:
+        save_sharded(directory, models, optimizers)
+
+    def load_checkpoint(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
+        load_sharded(directory, models, optimizers)
 
 
 def gather_full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
