@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from runner.data import SyntheticRegression
-from tasks.regression import Regression
+from runner.tasks.regression import Regression
 
 
 class RaiseOnRank1(Regression):

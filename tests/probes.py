@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tasks.language_modeling import LanguageModeling
-from tasks.regression import Regression
+from runner.tasks.language_modeling import LanguageModeling
+from runner.tasks.regression import Regression
 
 
 def _append(record: str, kind: str, line: str) -> None:

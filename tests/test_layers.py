@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.models",
             "runner.data",
             "runner.task",
-            "tasks",
+            "runner.tasks",
         ],
     ),
     ("precision", ["runner.precision"]),
@@ -57,9 +57,24 @@ LAYERS: list[tuple[str, list[str]]] = [
 FACADE = "runner"
 
 
+# Installed package -> its folder in the repository, where they differ (pyproject.toml's package-dir).
+PACKAGE_DIRS = {"runner.tasks": "tasks"}
+
+
 def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    for package, folder in PACKAGE_DIRS.items():
+        if name == folder or name.startswith(folder + "."):
+            return package + name.removeprefix(folder)
+    return name
+
+
+def source_path(module: str) -> Path:
+    """Where `module` (a package or a module) lives in the repository, without the suffix."""
+    for package, folder in PACKAGE_DIRS.items():
+        if module == package or module.startswith(package + "."):
+            module = folder + module.removeprefix(package)
+    return ROOT / Path(*module.split("."))
 
 
 def layer_of(module: str) -> int:
@@ -70,7 +85,7 @@ def layer_of(module: str) -> int:
 
 
 def internal_imports(path: Path) -> list[tuple[str, bool]]:
-    """(imported module, imported at module level) for each import of runner or tasks code in `path`."""
+    """(imported module, imported at module level) for each import of runner code in `path`."""
     tree = ast.parse(path.read_text())
     top_level = {id(node) for node in tree.body}
     found = []
@@ -82,17 +97,14 @@ def internal_imports(path: Path) -> list[tuple[str, bool]]:
         else:
             continue
         for name in names:
-            if name.split(".")[0] in ("runner", "tasks"):
+            if name.split(".")[0] == "runner":
                 found.append((resolve(name), id(node) in top_level))
     return found
 
 
 def resolve(name: str) -> str:
     """`runner.hardware.DDP` -> `runner.hardware` (the module of an imported name)."""
-    while name and not (
-        (ROOT / Path(*name.split("."))).is_dir()
-        or (ROOT / Path(*name.split("."))).with_suffix(".py").is_file()
-    ):
+    while name and not (source_path(name).is_dir() or source_path(name).with_suffix(".py").is_file()):
         name = name.rpartition(".")[0]
     return name
 
