@@ -70,6 +70,28 @@ def export_local_rank(local_rank: int) -> None:
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
 
 
+def slurm_job_id() -> str | None:
+    """The SLURM job this process runs in, if any."""
+    return os.environ.get("SLURM_JOB_ID")
+
+
+# What `python -m runner.env` shows of the variables read here.
+RANK_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_JOB_ID",
+    "SLURM_NTASKS",
+)
+
+
+def rank_variables() -> dict[str, str]:
+    """Those of `RANK_VARIABLES` that are set."""
+    return {name: os.environ[name] for name in RANK_VARIABLES if name in os.environ}
+
+
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: `node[03-05,09],gpu1` -> `node03`."""
     match = re.match(r"([^,\[]+)(?:\[([^\]\-,]+))?", nodelist)

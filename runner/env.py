@@ -10,7 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from runner.cluster import available_cores
+from runner.cluster import available_cores, rank_variables
 from runner.config import CONF_DIR
 
 # Distribution name -> what it gives runner (the extra that installs it, if any).
@@ -22,16 +22,7 @@ INTEGRATIONS = {
     "hydra-optuna-sweeper": "hydra/sweeper=optuna (extra: sweeps)",
     "safetensors": "model files",
 }
-ENVIRONMENT = (
-    "CUDA_VISIBLE_DEVICES",
-    "OMP_NUM_THREADS",
-    "MLFLOW_TRACKING_URI",
-    "DS_ACCELERATOR",
-    "RANK",
-    "WORLD_SIZE",
-    "SLURM_JOB_ID",
-    "SLURM_NTASKS",
-)
+ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MLFLOW_TRACKING_URI", "DS_ACCELERATOR")
 
 
 def report() -> str:
@@ -48,10 +39,13 @@ def report() -> str:
         "- integrations:",
         *(f"  - {name}: {_version(name)} ({use})" for name, use in INTEGRATIONS.items()),
         f"- config search path: {CONF_DIR} (then Hydra's `--config-dir` / `hydra.searchpath`)",
-        "- environment: "
-        + (", ".join(f"{k}={os.environ[k]}" for k in ENVIRONMENT if k in os.environ) or "none set"),
+        "- environment: " + (", ".join(f"{k}={v}" for k, v in _variables().items()) or "none set"),
     ]
     return "\n".join(lines)
+
+
+def _variables() -> dict[str, str]:
+    return {k: os.environ[k] for k in ENVIRONMENT if k in os.environ} | rank_variables()
 
 
 def _version(distribution: str) -> str:

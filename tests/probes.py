@@ -1,5 +1,5 @@
 """Probes for the option tests: a task and an optimizer that record what the training loop did to them, so
-that a test fails when an option is silently ignored (imported by `python -m runner` through PYTHONPATH).
+that a test fails when an option is silently ignored, and strategies that count how often they are built (imported by `python -m runner` through PYTHONPATH).
 
 Each rank appends to `<record>.rank<N>.<kind>`; `read` collects them.
 """
@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runner.hardware import DDP, SingleDevice
 from runner.tasks.language_modeling import LanguageModeling
 from runner.tasks.regression import Regression
 
@@ -81,3 +82,21 @@ class NormRecordingAdamW(NormRecording, torch.optim.AdamW):
 
 class NormRecordingSGD(NormRecording, torch.optim.SGD):
     pass
+
+
+def _count_construction() -> None:
+    """One line per strategy built, naming the process that built it ($PROBE_BUILDS)."""
+    with open(os.environ["PROBE_BUILDS"], "a") as file:
+        file.write(f"{os.getpid()}\n")
+
+
+class CountedSingleDevice(SingleDevice):
+    def __init__(self, **settings: Any) -> None:
+        _count_construction()
+        super().__init__(**settings)
+
+
+class CountedDDP(DDP):
+    def __init__(self, **settings: Any) -> None:
+        _count_construction()
+        super().__init__(**settings)

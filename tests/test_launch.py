@@ -12,7 +12,7 @@ from pathlib import Path
 import probes
 import pytest
 import torch
-from conftest import cli_env, metrics_of
+from conftest import cli_env, metrics_of, runner_command
 from omegaconf import OmegaConf
 
 from runner import load_checkpoint_in_model
@@ -230,3 +230,27 @@ def test_under_torchrun_ranks_train_without_spawning_and_share_one_dir(tmp_path)
     assert "2 process(es)" in log and "already rank 0 of 2" in log and "starting 2 ranks" not in log
     assert (runs[0] / "resolved_config.yaml").exists()
     assert not [p for p in scratch.iterdir() if p.name.startswith("runner-rank")]  # the scratch dir is gone
+
+
+@pytest.mark.parametrize(("hardware", "processes"), [("cpu", 1), ("multi_gpu", 2)])
+def test_the_launching_process_builds_the_hardware_once(tmp_path, hardware, processes):
+    """Validation, the launcher, the checkpoint check and a rank running in the launching process share
+    one strategy object; each started rank builds its own."""
+    builds = tmp_path / "builds"
+    overrides = [
+        f"hardware={hardware}",
+        f"hardware._target_=probes.Counted{'DDP' if processes > 1 else 'SingleDevice'}",
+        *([f"hardware.num_processes={processes}"] if processes > 1 else []),
+        "trainer.max_steps=3",
+        "tracker=none",
+    ]
+    proc = subprocess.run(
+        runner_command(tmp_path / "run", *overrides),
+        env=cli_env(TESTS) | {"PROBE_BUILDS": str(builds)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    pids = builds.read_text().split()
+    assert len(pids) == len(set(pids)) == processes + (processes > 1)  # once per process

@@ -143,7 +143,8 @@ def _rank_entry(job: Job, error_dir: str) -> dict[str, float]:
             "config_error": str(err) if isinstance(err, ConfigError) else None,
             "traceback": traceback.format_exc(),
         }
-        (Path(error_dir) / f"rank{os.environ['RANK']}.json").write_text(json.dumps(report))
+        rank = launched_environment().rank  # type: ignore[union-attr]  # the elastic launcher set it
+        (Path(error_dir) / f"rank{rank}.json").write_text(json.dumps(report))
         raise
 
 

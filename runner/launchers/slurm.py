@@ -19,7 +19,7 @@ from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from runner.cluster import launched_environment
+from runner.cluster import launched_environment, slurm_job_id
 from runner.errors import ConfigError, TrainingInterrupted
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher, RankFailedError, run_rank
@@ -244,7 +244,7 @@ def requeue_if_preempted(err: TrainingInterrupted) -> None:
         return
     requeue = signal.getsignal(PREEMPTION_SIGNAL)  # submitit's, restored when the loop stopped
     if callable(requeue):
-        log.warning("preempted or at the time limit: requeueing SLURM job %s", os.environ.get("SLURM_JOB_ID"))
+        log.warning("preempted or at the time limit: requeueing SLURM job %s", slurm_job_id())
         requeue(PREEMPTION_SIGNAL, None)  # exits
 
 

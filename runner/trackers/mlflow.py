@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from runner.cluster import slurm_job_id
 from runner.trackers.base import Tracker
 from runner.trackers.journal import Journal
 
@@ -292,8 +293,8 @@ def run_facts() -> dict[str, str]:
         facts["mlflow.source.git.commit"] = facts["git_commit"] = commit
     except (OSError, subprocess.SubprocessError):
         pass  # not a git checkout, or no git
-    if "SLURM_JOB_ID" in os.environ:
-        facts["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
+    if (job_id := slurm_job_id()) is not None:
+        facts["slurm_job_id"] = job_id
     return facts
 
 
