@@ -1,8 +1,8 @@
 """The CUDA paths, on a real GPU: mixed precision, FSDP2 and DeepSpeed ZeRO-3 over NCCL, big model
 inference split across the GPU, the CPU and the disk, torch.compile, and bitwise resume.
 
-Marked `cuda` and skipped without a GPU: `python -m pytest -m cuda tests/gpu`. Subprocess runs use
-`tracker=none` (the GPU machine need not have MLflow) and this checkout on PYTHONPATH.
+Marked `cuda` and skipped without a GPU: `python -m pytest -m cuda tests/gpu` (runner installed, as the
+README's set-up does). Subprocess runs use `tracker=none` (the GPU machine need not have MLflow).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-REPO = Path(__file__).resolve().parents[2]
 SIZE = {"vocab_size": 97, "max_seq_len": 32, "d_model": 64, "n_layers": 2, "n_heads": 4}
 DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -188,10 +187,7 @@ def runner_command(run_dir: Path, *overrides: str) -> list[str]:
 
 
 def runner_env() -> dict[str, str]:
-    return os.environ | {
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
+    return os.environ | {"PYTHONUNBUFFERED": "1"}
 
 
 def runner_cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
