@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 
 
 def infer(cfg: DictConfig, output_dir: Path, strategy: BigModel | None = None) -> dict[str, float]:
-    """Build the model on the meta device, load `cfg.checkpoint` into the hardware's device map, run the
-    task; return its metrics."""
+    """Build the model on the meta device, load `cfg.checkpoint` into the hardware's device map (`strategy`,
+    when this process built it already), run the task; return its metrics."""
     (output_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     hardware: BigModel = strategy or instantiate(cfg.hardware)
     hardware.setup_environment()

@@ -50,11 +50,12 @@ class Progress:
 def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -> dict[str, float]:
     """Build everything from `cfg`, train, evaluate; return the final metrics.
 
-    `strategy` is the hardware when this process built it already (the launching process validated it),
-    else built from `cfg.hardware`. `output_dir` is the job's directory (Hydra's): the resolved config is written there once everything
+    `output_dir` is the job's directory (Hydra's): the resolved config is written there once everything
     is built, so a run refused for bad input leaves nothing but its log. Checkpoints go to its
-    `checkpoints/`, the final weights to `model/`. SIGTERM, SIGUSR1 or SIGUSR2 make every rank checkpoint
-    at the next logging step (every `trainer.log_every` steps) and raise `TrainingInterrupted`.
+    `checkpoints/`, the final weights to `model/`. `strategy` is the hardware when this process built it
+    already (the launching process, which validated it), else it is built from `cfg.hardware`. SIGTERM,
+    SIGUSR1 or SIGUSR2 make every rank checkpoint at the next logging step (every `trainer.log_every`
+    steps) and raise `TrainingInterrupted`.
     """
     trainer = cfg.trainer
     tracker = instantiate(cfg.tracker) if cfg.tracker._target_ else None
