@@ -135,7 +135,7 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
         disable=not (trainer.progress_bar and accelerator.is_local_main_process),
     )
     model.train()
-    with stop_signals() as received:
+    with stop_signals() as received, closed_on_failure(accelerator):
         while done.step < total_steps:
             train_loader.set_epoch(done.epoch)
             batches = (
@@ -219,6 +219,19 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path) -> None:
             f"trainer.resume: {checkpoint} does not fit this run ({str(err).splitlines()[0][:300]}). Resume with the "
             "model, optimizer and data settings it was written with, or start fresh with trainer.resume=null."
         ) from err
+
+
+@contextmanager
+def closed_on_failure(accelerator: Accelerator) -> Iterator[None]:
+    """Close the trackers' run as KILLED when the loop stops on a signal (the run resumes later) and as
+    FAILED when it raises; a run that ends well is closed FINISHED by `end_training`."""
+    try:
+        yield
+    except BaseException as err:
+        for tracker in accelerator.trackers:
+            tracker.finish("KILLED" if isinstance(err, TrainingInterrupted | KeyboardInterrupt) else "FAILED")
+        accelerator.trackers.clear()
+        raise
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)

@@ -25,6 +25,18 @@ class RaiseOnRank1(Regression):
         return super().training_step(model, batch)
 
 
+class RaiseAtThirdStep(Regression):
+    """Raises at its third step (in every process)."""
+
+    steps = 0
+
+    def training_step(self, model, batch):
+        self.steps += 1
+        if self.steps == 3:
+            raise RuntimeError("injected failure at step 3")
+        return super().training_step(model, batch)
+
+
 class HangOnRank1(Regression):
     """Rank 1 stops answering collectives at its third step."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import rank_checks
-from conftest import cli_env
+from conftest import cli_env, runner_command
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
@@ -125,6 +126,37 @@ def test_the_default_store_is_local_inside_outputs(tmp_path):
     assert run.data.metrics["eval/loss"] < 0.5
     assert run.info.artifact_uri.startswith(str(tmp_path / "outputs" / "mlartifacts"))
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"resolved_config.yaml", "runner.log"}
+
+
+def test_a_run_stopped_by_a_signal_ends_killed_and_its_resumption_finished(tmp_path):
+    run_dir = tmp_path / "run"
+    command = runner_command(run_dir, "trainer.max_steps=100000", "trainer.checkpoint_every=50")
+    proc = subprocess.Popen(command, env=cli_env(), stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "latest").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 75, stderr
+    client = MlflowClient(cli_env()["MLFLOW_TRACKING_URI"])
+    assert client.get_run(run_id_of(run_dir)).info.status == "KILLED"
+    resumed = subprocess.run(
+        runner_command(run_dir, "trainer.max_steps=100"),
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert client.get_run(run_id_of(run_dir)).info.status == "FINISHED"  # the same run, resumed
+
+
+def test_a_run_that_raises_ends_failed(run_cli):
+    proc = run_cli(*TRAIN, "task._target_=faulty_tasks.RaiseAtThirdStep", pythonpath=Path(__file__).parent)
+    assert proc.returncode == 1 and "injected failure at step 3" in proc.stderr
+    client = MlflowClient(cli_env()["MLFLOW_TRACKING_URI"])
+    assert client.get_run(run_id_of(proc.run_dir)).info.status == "FAILED"
 
 
 def test_tracker_none_tracks_nothing(run_cli):

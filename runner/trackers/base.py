@@ -47,8 +47,9 @@ class Tracker(ABC):
         """Attach the sweep's summary files to its parent run and close it."""
 
     @abstractmethod
-    def finish(self) -> None:
-        """Close the run."""
+    def finish(self, status: str = "FINISHED") -> None:
+        """Close the run as `status`: "FINISHED", "FAILED" (the training raised) or "KILLED" (stopped by
+        a signal, to be resumed)."""
 
     @property
     def tracker(self) -> Any:
@@ -70,5 +71,5 @@ class BlankTracker(Tracker):
     def log(self, values: dict[str, Any], step: int | None = None) -> None:
         """Nothing to record."""
 
-    def finish(self) -> None:
+    def finish(self, status: str = "FINISHED") -> None:
         """Nothing to close."""

@@ -120,12 +120,12 @@ class MLflowTracker(Tracker):
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         self._record(op="artifact", path=str(Path(path).resolve()), artifact_path=artifact_path)
 
-    def finish(self) -> None:
-        """Close the run and wait (at most `finish_timeout_s`) for the records to reach MLflow; what could
-        not be sent stays in the journal, and one warning says how to upload it."""
+    def finish(self, status: str = "FINISHED") -> None:
+        """Close the run as `status` and wait (at most `finish_timeout_s`) for the records to reach MLflow;
+        what could not be sent stays in the journal, and one warning says how to upload it."""
         if self.journal is None or self._worker is None:
             return
-        self._record(op="end")
+        self._record(op="end", status=status)
         self._ended.set()
         self._worker.join(self.finish_timeout_s)
         if self.journal.pending:
@@ -269,7 +269,7 @@ class Delivery:
             elif path.exists():
                 client.log_artifact(run_id, str(path), event["artifact_path"])
         elif op == "end":
-            client.set_terminated(run_id, "FINISHED")
+            client.set_terminated(run_id, event.get("status", "FINISHED"))
         return 1, run_id
 
 
