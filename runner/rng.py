@@ -8,9 +8,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from runner.cluster import launched_environment
 
-def set_seed(seed: int, deterministic: bool = False) -> None:
-    """Seed python, numpy and torch (all devices); `deterministic` also asks torch for deterministic kernels."""
+
+def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
+    """Seed python, numpy and torch (all devices), as Accelerate's `set_seed`: `device_specific` adds this
+    process's rank to the seed (each rank draws differently); `deterministic` also asks torch for
+    deterministic kernels."""
+    if device_specific:
+        env = launched_environment()
+        seed += env.rank if env is not None else 0
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

@@ -24,7 +24,7 @@ from runner.checkpoint import (
 )
 from runner.errors import ConfigError
 from runner.models import GPT
-from runner.rng import rng_state, set_rng_state
+from runner.rng import rng_state, set_rng_state, set_seed
 
 DATA = (torch.randn(40, 4, generator=torch.Generator().manual_seed(0)), torch.randn(40, 1))
 
@@ -228,3 +228,14 @@ def test_kill_9_at_any_moment_of_a_save_leaves_a_loadable_latest_checkpoint(tmp_
         number = int(latest.name.removeprefix("checkpoint_"))
         assert torch.all(model.weight == number), trial  # complete, and the one `latest` names
     assert interrupted_saves >= 10  # most kills did land inside a save (its staging dir was left behind)
+
+
+def test_set_seed_has_accelerates_signature(monkeypatch):
+    set_seed(5, True)  # the second argument is device_specific, as in Accelerate: not deterministic
+    assert torch.initial_seed() == 5 and not torch.are_deterministic_algorithms_enabled()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    set_seed(5, device_specific=True)
+    assert torch.initial_seed() == 6  # the rank is added
+    set_seed(5)
+    assert torch.initial_seed() == 5
