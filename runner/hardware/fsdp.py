@@ -8,8 +8,6 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import DTensor
 
 from runner.hardware.parallel import ParallelStrategy
 from runner.hardware.parallelize import ShardedState, apply_fsdp
@@ -39,13 +37,17 @@ class FSDP(ShardedState, ParallelStrategy):
         cpu_offload: bool = False,
         **process_group: Any,
     ) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
         super().__init__(**process_group)
         self.shard_modules = list(shard_modules or [])
         self.reshard_after_forward = reshard_after_forward
-        self.offload_policy: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+        self.offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
         self.mp_policy = MixedPrecisionPolicy()
 
     def setup_precision(self, precision: Precision) -> Precision:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
         refuse_fp16(precision, "fsdp", "loss scaling of sharded gradients is not supported here")
         if isinstance(precision, MixedPrecision):
             self.mp_policy = MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=torch.float32)
@@ -70,5 +72,7 @@ class FSDP(ShardedState, ParallelStrategy):
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -10,8 +10,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import DTensor
 
 from runner.errors import ConfigError
 from runner.hardware.parallel import ParallelStrategy
@@ -93,6 +91,8 @@ class TensorParallel(ShardedState, ParallelStrategy):
         assert self.mesh is not None, "setup_environment() first"
         mesh = self.mesh
 
+        from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
         def parallelize() -> None:
             apply_tp(module, mesh["tp"], self._plan(module))
             if mesh["dp"].size() > 1:
@@ -108,6 +108,8 @@ class TensorParallel(ShardedState, ParallelStrategy):
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
         """The norm of all gradients, whatever mesh each lives on (tp, dp x tp, or replicated)."""
+        from torch.distributed.tensor import DTensor
+
         grads = [p.grad for p in parameters if p.grad is not None]
         norms = [g.norm(norm_type) for g in grads]
         norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]

@@ -11,27 +11,25 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from runner.errors import ConfigError
 
+# torch.distributed.tensor (under FSDP2, tensor parallel and DCP) takes about 0.5 s to import: only runs
+# that shard import it, when they do.
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+    from torch.distributed.tensor.parallel import ParallelStyle
+
 
 def apply_tp(module: torch.nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:
     """Split the layers `plan` names (patterns of module names -> ParallelStyle) over `mesh`, in place."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
     parallelize_module(module, mesh, plan)
 
 
@@ -46,6 +44,8 @@ def apply_fsdp(
     """`fully_shard` each submodule whose class is named in `shard_modules` (a unit gathered just before
     its forward and backward), then the root, over `mesh`, in place. Units hand activations to each other
     in `mp_policy`'s dtype; the model's outputs are fp32 (as autocast's)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     options = {
         "mesh": mesh,
         "reshard_after_forward": reshard_after_forward,
@@ -74,11 +74,13 @@ def apply_ddp(module: torch.nn.Module, device: torch.device, **options: Any) -> 
 def fsdp_no_sync(module: torch.nn.Module) -> AbstractContextManager:
     """Skip FSDP's gradient reduction inside (gradient accumulation); nothing for a module FSDP did not
     shard."""
+    from torch.distributed.fsdp import FSDPModule
+
     return _without_gradient_sync(module) if isinstance(module, FSDPModule) else nullcontext()
 
 
 @contextmanager
-def _without_gradient_sync(module: FSDPModule) -> Iterator[None]:
+def _without_gradient_sync(module: Any) -> Iterator[None]:
     module.set_requires_gradient_sync(False)
     try:
         yield
@@ -113,12 +115,17 @@ class ShardedState:
 def gather_full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The full weights of a DTensor-sharded model (a collective): rank 0 gets them on the CPU, the others an
     empty dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def save_sharded(directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
     """Every rank writes its shards (torch.distributed.checkpoint): `model_<i>/`, `optimizer_<i>/`. Each
     optimizer belongs to the model of its index (the last model for any beyond)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     for i, model in enumerate(models):
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=directory / f"model_{i}")
     for i, optimizer in enumerate(optimizers):
@@ -131,6 +138,14 @@ def save_sharded(directory: Path, models: list[torch.nn.Module], optimizers: lis
 
 def load_sharded(directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
     """Load what `save_sharded` wrote into the (sharded) models and optimizers."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     for i, model in enumerate(models):
         state = {"model": get_model_state_dict(model)}
         dcp.load(state, checkpoint_id=directory / f"model_{i}")

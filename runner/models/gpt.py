@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+
+if TYPE_CHECKING:  # torch.distributed.tensor takes ~0.5 s to import: tp_plan imports it when asked
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 
 class CausalSelfAttention(nn.Module):
@@ -112,6 +108,15 @@ class GPT(nn.Module):
         head stay replicated. With `sequence_parallel`, inside each block the residual stream and the
         layer norms are split along the sequence (the all-reduces become reduce-scatter + all-gather).
         ValueError if `tp_size` does not divide the heads or the MLP width."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            PrepareModuleInputOutput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
         n_heads = (
             self.blocks[0].attn.q_proj.out_features // self.blocks[0].attn.head_dim if self.blocks else 0
         )
