@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,14 @@ def runner_command(run_dir: Path, *overrides: str) -> list[str]:
         "trainer.progress_bar=false",
         *overrides,
     ]
+
+
+def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen) -> None:
+    """Wait until the run in `run_dir` (started as `proc`) marks a checkpoint latest (at most 2 minutes)."""
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "latest").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -6,11 +6,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, runner_command
+from conftest import cli_env, runner_command, wait_for_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +33,6 @@ def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(
         runner_command(run_dir, *overrides), env=cli_env(), stderr=subprocess.PIPE, text=True
     )
-
-
-def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
-    while not (run_dir / "checkpoints" / "latest").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import rank_checks
-from conftest import cli_env, runner_command
+from conftest import cli_env, runner_command, wait_for_checkpoint
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
@@ -132,10 +132,7 @@ def test_a_run_stopped_by_a_signal_ends_killed_and_its_resumption_finished(tmp_p
     run_dir = tmp_path / "run"
     command = runner_command(run_dir, "trainer.max_steps=100000", "trainer.checkpoint_every=50")
     proc = subprocess.Popen(command, env=cli_env(), stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (run_dir / "checkpoints" / "latest").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
-        time.sleep(0.05)
+    wait_for_checkpoint(run_dir, proc)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 75, stderr

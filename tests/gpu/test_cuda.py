@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import runner_command, wait_for_checkpoint
 
 from runner import Accelerator, init_empty_weights, load_checkpoint_and_dispatch
 from runner.big_modeling import compute_module_sizes
@@ -174,25 +173,17 @@ def greedy(model: torch.nn.Module, tokens: torch.Tensor, new_tokens: int = 12) -
 
 
 # ------------------------------------------------------------------------------ python -m runner on CUDA
-def runner_command(run_dir: Path, *overrides: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "runner",
-        f"hydra.run.dir={run_dir}",
-        "trainer.progress_bar=false",
-        "tracker=none",
-        *overrides,
-    ]
-
-
 def runner_env() -> dict[str, str]:
     return os.environ | {"PYTHONUNBUFFERED": "1"}
 
 
 def runner_cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        runner_command(run_dir, *overrides), env=runner_env(), capture_output=True, text=True, timeout=300
+        runner_command(run_dir, "tracker=none", *overrides),
+        env=runner_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -252,12 +243,9 @@ def test_stopped_cli_run_on_cuda_resumes_to_bitwise_the_uninterrupted_weights(tm
     final_metrics(reference)
     run_dir = tmp_path / "stopped"
     proc = subprocess.Popen(
-        runner_command(run_dir, *train), env=runner_env(), stderr=subprocess.PIPE, text=True
+        runner_command(run_dir, "tracker=none", *train), env=runner_env(), stderr=subprocess.PIPE, text=True
     )
-    deadline = time.monotonic() + 120
-    while not (run_dir / "checkpoints" / "latest").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
-        time.sleep(0.02)
+    wait_for_checkpoint(run_dir, proc)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 75, stderr[-4000:]
