@@ -1,17 +1,40 @@
-"""runner: a declarative experiment runner for PyTorch with an Accelerate-compatible `Accelerator`."""
+"""runner: a declarative experiment runner for PyTorch with an Accelerate-compatible `Accelerator`.
 
-from runner.accelerator import Accelerator
-from runner.big_modeling import (
-    dispatch_model,
-    infer_auto_device_map,
-    init_empty_weights,
-    init_on_device,
-    load_checkpoint_and_dispatch,
-    load_checkpoint_in_model,
-)
-from runner.checkpoint import ProjectConfiguration
-from runner.launchers.notebook import notebook_launcher
-from runner.rng import set_seed
+The public names are imported on first use, so that a process which needs none of them (the tracker's
+sender, `python -m runner.trackers.upload`) does not pay for importing torch."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from runner.accelerator import Accelerator
+    from runner.big_modeling import (
+        dispatch_model,
+        infer_auto_device_map,
+        init_empty_weights,
+        init_on_device,
+        load_checkpoint_and_dispatch,
+        load_checkpoint_in_model,
+    )
+    from runner.checkpoint import ProjectConfiguration
+    from runner.launchers.notebook import notebook_launcher
+    from runner.rng import set_seed
+
+# public name -> the module that defines it
+EXPORTS = {
+    "Accelerator": "runner.accelerator",
+    "ProjectConfiguration": "runner.checkpoint",
+    "dispatch_model": "runner.big_modeling",
+    "infer_auto_device_map": "runner.big_modeling",
+    "init_empty_weights": "runner.big_modeling",
+    "init_on_device": "runner.big_modeling",
+    "load_checkpoint_and_dispatch": "runner.big_modeling",
+    "load_checkpoint_in_model": "runner.big_modeling",
+    "notebook_launcher": "runner.launchers.notebook",
+    "set_seed": "runner.rng",
+}
 
 __all__ = [
     "Accelerator",
@@ -25,3 +48,15 @@ __all__ = [
     "notebook_launcher",
     "set_seed",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in EXPORTS:
+        raise AttributeError(f"module 'runner' has no attribute {name!r}")
+    value = getattr(importlib.import_module(EXPORTS[name]), name)
+    globals()[name] = value  # the next lookup is a plain one
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *EXPORTS})

@@ -20,8 +20,12 @@ from torch.utils.data import DataLoader
 from runner.checkpoint import (
     ProjectConfiguration,
     check_checkpoint_fits,
+    checkpoint_files,
     checkpoint_number,
     commit_staging,
+    damage,
+    damaged_error,
+    file_digest,
     latest_checkpoint,
     load_torch,
     mark_latest,
@@ -588,6 +592,7 @@ class Accelerator:
                 "checkpoint_format": self.strategy.checkpoint_format,
                 "step": self.step,
                 "counts": counts,
+                "files": {name: file_digest(staging / name) for name in checkpoint_files(staging)},
             }
             write_meta(staging, meta)
             commit_staging(final)
@@ -607,6 +612,9 @@ class Accelerator:
         meta = check_checkpoint_fits(
             directory, self.num_processes, self.strategy.checkpoint_format, key="load_state input_dir"
         )
+        # Sizes here; `python -m runner` also checks the contents (CRC-32) before any rank starts.
+        if problems := damage(directory, meta, contents=False):
+            raise damaged_error(directory, problems, key="load_state input_dir")
         parts = {
             "scheduler": self._schedulers,
             "dataloader": self._dataloaders,

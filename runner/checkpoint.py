@@ -2,15 +2,20 @@
 
 A checkpoint is a directory. It is written under a temporary name next to its final one, every file
 fsynced, then renamed into place; only then does `latest` (a small file, itself replaced atomically)
-name it. A crash or kill -9 at any moment leaves the previous checkpoint complete and `latest`.
+name it. A crash or kill -9 at any moment leaves the previous checkpoint complete and `latest`. Its
+`meta.json` records every file's size and CRC-32, checked before it is resumed: a file damaged later
+(a truncated copy, a bad disk) is refused by name, and `trainer.resume=auto` falls back to the newest
+checkpoint that is whole.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,10 +26,14 @@ import torch
 
 from runner.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 LATEST = "latest"
 META = "meta.json"
 FORMAT_VERSION = 1
+DAMAGED = ".damaged"  # the suffix a damaged checkpoint is moved aside with
 _NUMBERED = re.compile(r"checkpoint_(\d+)$")
+_CHUNK = 16 << 20
 
 
 @dataclass
@@ -163,7 +172,57 @@ def read_meta(checkpoint: Path, key: str = "trainer.resume") -> dict[str, Any]:
             f"{key}={str(checkpoint)!r}: not a checkpoint (it has no {META}; runner's save_state writes one). "
             "Pass a directory that Accelerator.save_state wrote, or null to start fresh."
         )
-    return json.loads(meta_file.read_text())
+    try:
+        meta = json.loads(meta_file.read_text())
+        if not isinstance(meta, dict) or not isinstance(meta.get("num_processes"), int):
+            raise ValueError("it is not the metadata save_state writes")
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(
+            f"{key}={str(checkpoint)!r}: its {META} is damaged ({str(err).splitlines()[0][:200]}), so nothing in "
+            "the checkpoint can be trusted. Resume from another checkpoint of the run, or start fresh with "
+            "trainer.resume=null."
+        ) from err
+    return meta
+
+
+def checkpoint_files(directory: Path) -> list[str]:
+    """The files of a checkpoint directory other than its metadata, as sorted relative paths."""
+    return sorted(
+        str(path.relative_to(directory))
+        for path in directory.rglob("*")
+        if path.is_file() and path.name != META
+    )
+
+
+def file_digest(path: Path) -> dict[str, int]:
+    """The size and CRC-32 of a file: what `meta.json` records for each file of a checkpoint."""
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return {"size": path.stat().st_size, "crc32": crc}
+
+
+def damage(checkpoint: Path, meta: dict[str, Any], contents: bool = True) -> list[str]:
+    """What is wrong with the files `meta` records: missing, of another size, or (with `contents`,
+    which reads them all) of other content; [] for a checkpoint written before files were recorded."""
+    problems = []
+    for name, recorded in sorted(meta.get("files", {}).items()):
+        path = checkpoint / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif (size := path.stat().st_size) != recorded["size"]:
+            problems.append(f"{name} has {size} bytes, {recorded['size']} were written")
+        elif contents and file_digest(path)["crc32"] != recorded["crc32"]:
+            problems.append(f"{name} does not have the content that was written (its CRC-32 differs)")
+    return problems
+
+
+def damaged_error(checkpoint: Path, problems: list[str], key: str = "trainer.resume") -> ConfigError:
+    return ConfigError(
+        f"{key}: {checkpoint} is damaged: {'; '.join(problems)}. It cannot be resumed. Resume from another "
+        f"checkpoint of the run (trainer.resume=<dir>), or start fresh with trainer.resume=null."
+    )
 
 
 def save_torch(obj: Any, path: Path) -> None:
@@ -176,15 +235,50 @@ def load_torch(path: Path, mmap: bool = False) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
-def resume_checkpoint(resume: str | None, output_dir: Path) -> Path | None:
+def resume_checkpoint(resume: str | None, output_dir: Path, verify: bool = False) -> Path | None:
     """The checkpoint `trainer.resume` asks for: None (start fresh), "auto" (the output dir's latest, if
-    any: a re-run or requeued job continues), or a checkpoint directory, which must exist."""
+    any: a re-run or requeued job continues), or a checkpoint directory, which must exist.
+
+    With `verify` (the launching process, before any rank starts), its files are checked against its
+    metadata: an explicit checkpoint that is damaged is refused; for "auto", a damaged latest is moved
+    aside (`checkpoint_<n>.damaged`, nothing is deleted) with a warning, and the newest whole checkpoint
+    becomes the latest."""
     if resume is None:
         return None
-    if resume == "auto":
-        return latest_checkpoint(output_dir / "checkpoints")
-    read_meta(Path(resume))
-    return Path(resume)
+    if resume != "auto":
+        checkpoint = Path(resume)
+        meta = read_meta(checkpoint)
+        if verify and (problems := damage(checkpoint, meta)):
+            raise damaged_error(checkpoint, problems)
+        return checkpoint
+    checkpoints_dir = output_dir / "checkpoints"
+    latest = latest_checkpoint(checkpoints_dir)
+    if not verify or latest is None:
+        return latest
+    older = [path for path in reversed(numbered_checkpoints(checkpoints_dir)) if path != latest]
+    for candidate in [latest, *older]:
+        try:
+            problems = damage(candidate, read_meta(candidate))
+        except ConfigError as err:
+            problems = [str(err).split(": ", 1)[-1]]
+        if not problems:
+            if candidate != latest:
+                mark_latest(candidate)
+            return candidate
+        aside = candidate.with_name(candidate.name + DAMAGED)
+        if candidate.is_dir():
+            candidate.rename(aside)
+        log.warning(
+            "trainer.resume=auto: %s cannot be resumed (%s); moved it to %s and trying the checkpoint before it.",
+            candidate,
+            "; ".join(problems),
+            aside,
+        )
+    raise ConfigError(
+        f"trainer.resume=auto: no checkpoint in {checkpoints_dir} is whole (the damaged ones were moved aside "
+        f"as checkpoint_<n>{DAMAGED}). Start fresh with trainer.resume=null, or resume from a copy you trust "
+        "(trainer.resume=<dir>)."
+    )
 
 
 def check_checkpoint_fits(

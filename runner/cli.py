@@ -37,6 +37,8 @@ from runner.validate import validate, validate_for_world
 
 log = logging.getLogger("runner")
 
+JOB_CONFIG_DIR = ".hydra"  # in a job's dir
+
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float | dict[str, float]:
@@ -54,7 +56,9 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
             launcher.check(cfg, built.hardware)
             world_size = launcher.world_size(cfg, built.hardware)
             validate_for_world(cfg, world_size, built.hardware)
-            checkpoint = resume_checkpoint(cfg.trainer.resume, output_dir)
+            # One process checks the files (and moves a damaged latest aside): rank 0 under torchrun/srun.
+            verify = env is None or env.rank == 0
+            checkpoint = resume_checkpoint(cfg.trainer.resume, output_dir, verify=verify)
             if checkpoint is not None:
                 check_checkpoint_fits(checkpoint, world_size, built.hardware.checkpoint_format)
         if cfg.plan:
@@ -66,6 +70,8 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
                     )
                 )
             return {}
+        if env is None or env.rank == 0:
+            _save_job_config(cfg, hydra_cfg, output_dir)
         if hydra_cfg.mode == RunMode.MULTIRUN and cfg.tracker._target_ and not cfg.tracker.parent_run_id:
             # One parent run per sweep; each job's run is its child.
             cfg.tracker.parent_run_id = instantiate(cfg.tracker).parent_for_sweep(Path(hydra_cfg.sweep.dir))
@@ -138,6 +144,20 @@ def _single_threaded() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def _save_job_config(cfg: DictConfig, hydra_cfg: DictConfig, output_dir: Path) -> None:
+    """What Hydra writes into `.hydra/` at a job's start (the config, Hydra's own, the overrides), written
+    here once the job passed its checks instead (`hydra.output_subdir: null` in conf/config.yaml)."""
+    directory = output_dir / JOB_CONFIG_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    files = {
+        "config.yaml": cfg,
+        "hydra.yaml": OmegaConf.create({"hydra": hydra_cfg}),
+        "overrides.yaml": hydra_cfg.overrides.task,
+    }
+    for name, node in files.items():
+        (directory / name).write_text(OmegaConf.to_yaml(node))
 
 
 def _resolved(cfg: DictConfig) -> DictConfig:

@@ -172,6 +172,7 @@ class MLflowTrackerConfig(TrackerConfig):
     tags: dict[str, str] = field(default_factory=dict)
     parent_run_id: str | None = None  # set by the runner for the jobs of a sweep
     log_model: bool = False
+    detach: bool | None = None  # null: detach unless in a SLURM job
     finish_timeout_s: float = 120.0
 
 

@@ -53,8 +53,11 @@ def is_tensor_structure(data: Any) -> bool:
 
 
 def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move every tensor in `data` to `device`."""
-    return apply_to_tensors(lambda t: t.to(device, non_blocking=non_blocking), data)
+    """Move every tensor in `data` to `device` (one already there is kept, without a `.to` call)."""
+    device = torch.device(device)
+    return apply_to_tensors(
+        lambda t: t if t.device == device else t.to(device, non_blocking=non_blocking), data
+    )
 
 
 def convert_to_fp32(data: Any) -> Any:

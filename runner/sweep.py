@@ -16,6 +16,8 @@ from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from runner.cli import JOB_CONFIG_DIR
+
 log = logging.getLogger("runner")
 
 
@@ -61,7 +63,7 @@ def read_jobs(sweep_dir: Path) -> list[JobResult]:
     jobs = []
     for metrics_file in sweep_dir.glob("*/metrics.json"):
         job_dir = metrics_file.parent
-        overrides = OmegaConf.load(job_dir / ".hydra" / "overrides.yaml")
+        overrides = OmegaConf.load(job_dir / JOB_CONFIG_DIR / "overrides.yaml")
         jobs.append(
             JobResult(
                 name=job_dir.name,

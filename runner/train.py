@@ -97,7 +97,9 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     done = Progress(window_loss=torch.zeros((), device=accelerator.device))
     accelerator.register_for_checkpointing(done)
-    checkpoint = resume_checkpoint(trainer.resume, output_dir)
+    # Rank 0's choice (checked before launch, see `resume_checkpoint`) for every rank.
+    resumed = accelerator.broadcast_object_list([str(resume_checkpoint(trainer.resume, output_dir) or "")])[0]
+    checkpoint = Path(resumed) if resumed else None
     if checkpoint is not None:
         load_checkpoint(accelerator, checkpoint)
         log.info(

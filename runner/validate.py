@@ -16,6 +16,7 @@ from runner.build import build_data, build_on_meta, is_inference, locate
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
 from runner.hardware.big_model import BigModel
+from runner.weights import DamagedFileError, checkpoint_tensors
 
 # Nodes with a dataclass schema (runner/config.py).
 TYPED_NODES = ("trainer", "hardware", "precision", "launcher", "tracker")
@@ -215,4 +216,9 @@ def _checkpoint_problems(cfg: DictConfig, hardware: Any) -> list[str]:
             f"checkpoint={cfg.checkpoint}: no such file or directory. Give a model dir written by save_model "
             "(outputs/runs/<run>/model) or a weights file."
         )
+    elif cfg.checkpoint is not None:
+        try:
+            checkpoint_tensors(cfg.checkpoint)  # every file's header against its length
+        except (DamagedFileError, FileNotFoundError) as err:
+            problems.append(f"checkpoint={cfg.checkpoint}: {err}")
     return problems

@@ -4,7 +4,9 @@ loaded into a model by name (checked first; tied weights stay tied)."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import pickle
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from runner.checkpoint import atomic_directory, load_torch
+from runner.errors import ConfigError
 
 SAFE_NAME, TORCH_NAME = "model.safetensors", "pytorch_model.bin"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -115,25 +118,44 @@ class StoredTensor:
         if tensor.numel():
             with open(self.file, "rb", buffering=0) as f:
                 f.seek(self.offset)
-                f.readinto(tensor.reshape(-1).view(torch.uint8).numpy())
+                got = f.readinto(tensor.reshape(-1).view(torch.uint8).numpy())
+            if got != tensor.nbytes:  # the file shrank since its header was read
+                raise DamagedFileError(f"{self.file} ended after {got} of a tensor's {tensor.nbytes} bytes.")
         return tensor
 
 
+class DamagedFileError(ConfigError):
+    """A weights file whose bytes do not add up to what its header describes."""
+
+
 def stored_tensors(path: Path) -> dict[str, StoredTensor]:
-    """Where each tensor of a safetensors file lies, from its header alone."""
-    with open(path, "rb") as f:
-        header_size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_size))
-    header.pop("__metadata__", None)
-    return {
-        name: StoredTensor(
-            path,
-            8 + header_size + entry["data_offsets"][0],
-            _SAFE_DTYPES[entry["dtype"]],
-            tuple(entry["shape"]),
-        )
-        for name, entry in header.items()
-    }
+    """Where each tensor of a safetensors file lies, from its header alone, checked against the file's
+    length: a truncated or damaged file raises DamagedFileError naming it, instead of being read as if whole."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            header_size = int.from_bytes(f.read(8), "little")
+            if not 2 <= header_size <= size - 8:
+                raise ValueError(f"its header claims {header_size} bytes of a {size}-byte file")
+            header = json.loads(f.read(header_size))
+        header.pop("__metadata__", None)
+        stored = {}
+        for name, entry in header.items():
+            dtype, shape = _SAFE_DTYPES[entry["dtype"]], tuple(entry["shape"])
+            begin, end = entry["data_offsets"]
+            nbytes = math.prod(shape) * dtype.itemsize
+            if end - begin != nbytes or not 0 <= begin <= end <= size - 8 - header_size:
+                raise ValueError(
+                    f"tensor {name!r} needs bytes {begin}-{end} of {size - 8 - header_size} stored"
+                    + ("" if end - begin == nbytes else f" and should have {nbytes}")
+                )
+            stored[name] = StoredTensor(path, 8 + header_size + begin, dtype, shape)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+        raise DamagedFileError(
+            f"{path} is not a whole safetensors file ({str(err).splitlines()[0][:200]}): it was cut short or "
+            "damaged after it was written. Use an intact copy."
+        ) from err
+    return stored
 
 
 def weight_files(checkpoint: str | Path) -> list[Path]:
@@ -222,7 +244,15 @@ def checkpoint_tensors(checkpoint: str | os.PathLike) -> dict[str, StoredTensor 
     """Every tensor of the checkpoint, not yet read: safetensors from their headers, torch files mapped."""
     sources: dict[str, StoredTensor | torch.Tensor] = {}
     for path in weight_files(checkpoint):
-        sources.update(stored_tensors(path) if path.suffix == ".safetensors" else load_torch(path, mmap=True))
+        if path.suffix == ".safetensors":
+            sources.update(stored_tensors(path))
+            continue
+        try:
+            sources.update(load_torch(path, mmap=True))
+        except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
+            raise DamagedFileError(
+                f"{path} is not a whole torch weights file ({str(err).splitlines()[0][:200]}). Use an intact copy."
+            ) from err
     return sources
 
 

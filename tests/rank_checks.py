@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from runner import Accelerator
 from runner.hardware import DDP
+from runner.trackers import MLflowTracker
 
 
 def run_ranks(fn, *args: Any, num_processes: int = 2) -> dict[int, Any]:
@@ -306,10 +307,11 @@ def matrix_run(hardware: str, precision: str, checkpoint_dir: str) -> dict[str, 
 # --- tracking: only the main process talks to the tracker ---------------------------------------------------
 def tracking_from_two_ranks(project_dir: str) -> dict[str, Any]:
     """Both ranks call the tracking API; rank 0's run is the only one."""
-    accelerator = Accelerator(strategy=DDP(device="cpu"), log_with="mlflow", project_dir=project_dir)
+    tracker = MLflowTracker(detach=False)  # end_training waits for the records to be sent
+    accelerator = Accelerator(strategy=DDP(device="cpu"), log_with=tracker, project_dir=project_dir)
     accelerator.init_trackers("two-ranks", config={"lr": 0.1, "model": {"width": 8}})
     for step in range(3):
         accelerator.log({"loss": 1.0 / (step + 1), "rank": float(accelerator.process_index)}, step=step)
     tracker = accelerator.get_tracker("mlflow")
-    accelerator.end_training()  # waits for the records to be sent
+    accelerator.end_training()
     return {"run_id": getattr(tracker, "run_id", None), "tracker": type(tracker).__name__}

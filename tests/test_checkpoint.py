@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import random
@@ -12,11 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from runner import Accelerator, ProjectConfiguration, load_checkpoint_in_model
 from runner.checkpoint import (
     check_checkpoint_fits,
+    damage,
+    file_digest,
     latest_checkpoint,
     load_torch,
     read_meta,
@@ -25,6 +29,7 @@ from runner.checkpoint import (
 from runner.errors import ConfigError
 from runner.models import GPT
 from runner.rng import rng_state, set_rng_state, set_seed
+from runner.weights import DamagedFileError, stored_tensors
 
 DATA = (torch.randn(40, 4, generator=torch.Generator().manual_seed(0)), torch.randn(40, 1))
 
@@ -133,6 +138,9 @@ def test_loading_never_unpickles_code(tmp_path):
     accelerator.prepare(model, torch.optim.SGD(model.parameters()))
     directory = Path(accelerator.save_state(str(tmp_path / "ckpt")))
     torch.save({"state": Path("/etc/passwd"), "param_groups": []}, directory / "optimizer_0.pt")  # any object
+    meta = read_meta(directory)  # recorded as if save_state had written it: only the loader can refuse it
+    meta["files"]["optimizer_0.pt"] = file_digest(directory / "optimizer_0.pt")
+    (directory / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(Exception, match=r"[Ww]eights only"):
         accelerator.load_state(str(directory))
 
@@ -239,3 +247,40 @@ def test_set_seed_has_accelerates_signature(monkeypatch):
     assert torch.initial_seed() == 6  # the rank is added
     set_seed(5)
     assert torch.initial_seed() == 5
+
+
+def test_each_file_is_recorded_and_a_damaged_one_is_refused_by_name(tmp_path):
+    accelerator, *parts = setup(tmp_path, precision="no")
+    run(accelerator, *parts, epochs=1, save_at=[(0, 3)])
+    checkpoint = latest_checkpoint(tmp_path / "checkpoints")
+    meta = read_meta(checkpoint)
+    on_disk = sorted(str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.name != "meta.json")
+    assert sorted(meta["files"]) == on_disk and damage(checkpoint, meta) == []
+    weights = checkpoint / "model_0.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert damage(checkpoint, meta) == [
+        "model_0.safetensors does not have the content that was written (its CRC-32 differs)"
+    ]
+    assert damage(checkpoint, meta, contents=False) == []  # same size: only the contents tell
+    with pytest.raises(ConfigError, match=r"model_0\.safetensors does not have the content"):
+        resume_checkpoint(str(checkpoint), tmp_path, verify=True)
+    os.truncate(checkpoint / "optimizer_0.pt", 10)
+    with pytest.raises(ConfigError, match=r"optimizer_0\.pt has 10 bytes"):
+        accelerator.load_state(str(checkpoint))
+
+
+def test_a_cut_weights_file_is_refused_by_name_not_read_as_whole(tmp_path):
+    model = torch.nn.Linear(64, 64)
+    path = tmp_path / "model.safetensors"
+    save_file(model.state_dict(), str(path))
+    stored = stored_tensors(path)
+    os.truncate(path, path.stat().st_size - 100)
+    with pytest.raises(DamagedFileError, match="ended after"):  # cut after its header was read
+        stored["weight"].read()
+    with pytest.raises(DamagedFileError, match=f"{path} is not a whole safetensors file"):
+        stored_tensors(path)
+    path.write_bytes(b"\xff" * 8 + b"{}")  # a header length beyond the file
+    with pytest.raises(DamagedFileError, match="its header claims"):
+        stored_tensors(path)

@@ -9,22 +9,43 @@ from runner.trackers.journal import EVENTS, Journal
 def test_events_and_delivery_survive_a_restart(tmp_path):
     journal = Journal(tmp_path)
     for step in range(3):
-        assert journal.append({"op": "metrics", "step": step}) == step
-    journal.mark_delivered(1, "run-1")
+        journal.append({"op": "metrics", "step": step})
+    journal.refresh().mark_delivered(1, "run-1")
     again = Journal(tmp_path)
     assert [event["step"] for event in again.events] == [0, 1, 2]
     assert again.state == {"run_id": "run-1", "delivered": 1} and again.pending == 2
 
 
-def test_a_line_cut_short_by_a_kill_is_dropped(tmp_path):
+def test_a_reader_takes_whole_lines_only_while_the_writer_writes(tmp_path):
+    writer, reader = Journal(tmp_path), Journal(tmp_path)
+    writer.append({"op": "start"})
+    with open(tmp_path / EVENTS, "a") as f:
+        f.write('{"op": "metr')  # half a line: the writer is in the middle of it
+    assert reader.refresh().events == [{"op": "start"}]
+    with open(tmp_path / EVENTS, "a") as f:
+        f.write('ics", "step": 1}\n')
+    assert reader.refresh().events == [{"op": "start"}, {"op": "metrics", "step": 1}]
+
+
+def test_a_line_cut_short_by_a_kill_is_dropped_by_the_next_writer(tmp_path):
     journal = Journal(tmp_path)
     journal.append({"op": "start"})
     with open(tmp_path / EVENTS, "a") as f:
         f.write('{"op": "metr')  # the writer died here
     again = Journal(tmp_path)
     assert again.events == [{"op": "start"}]
+    again.drop_torn_line()
     again.append({"op": "end"})
     assert [event["op"] for event in Journal(tmp_path).events] == ["start", "end"]
+
+
+def test_one_sender_at_a_time(tmp_path):
+    first = Journal(tmp_path).lock_for_sending()
+    assert first is not None and Journal(tmp_path).lock_for_sending() is None
+    first.close()  # as the holder's exit does
+    second = Journal(tmp_path).lock_for_sending()
+    assert second is not None
+    second.close()
 
 
 def test_the_default_store_is_outputs_unless_mlflow_tracking_uri_names_one(tmp_path, monkeypatch):

@@ -4,6 +4,8 @@ level (no function-level import of runner code, the way cycles hide), and the im
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,18 @@ def test_the_checks_can_fail():
     assert violations("runner.train", [("runner.ops", False)])
     assert violations("runner.ops", [("runner", True)])
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_the_facade_imports_a_module_only_when_one_of_its_names_is_used():
+    """`import runner` costs nothing (the tracker's sender imports runner code, never torch); every public
+    name resolves to the object of the module `EXPORTS` names."""
+    code = (
+        "import sys, importlib, runner\n"
+        "import runner.trackers.upload\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert sorted(runner.__all__) == sorted(runner.EXPORTS)\n"
+        "for name, module in runner.EXPORTS.items():\n"
+        "    assert getattr(runner, name) is getattr(importlib.import_module(module), name), name\n"
+        "from runner import *\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

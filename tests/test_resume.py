@@ -4,6 +4,7 @@ does: the final weights are bitwise identical, with 1 and with 2 processes."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -101,3 +102,61 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_training(tmp_path):
         assert message.startswith("Configuration error: ") and expected in message, message
         assert "starting 2 ranks" not in proc.stderr and "step 30" not in proc.stderr
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == checkpoint.name  # nothing was lost
+
+
+def wait_for_checkpoints(run_dir: Path, proc: subprocess.Popen, count: int) -> None:
+    while len(list((run_dir / "checkpoints").glob("checkpoint_*"))) < count:
+        assert proc.poll() is None, "the run ended before writing its checkpoints"
+        wait_for_checkpoint(run_dir, proc)
+
+
+def test_a_damaged_latest_is_moved_aside_and_auto_resumes_from_the_one_before(tmp_path, uninterrupted):
+    """A checkpoint cut short after it was written (a bad copy, a full disk) is never read as if whole."""
+    proc = start(tmp_path, *TRAIN)
+    wait_for_checkpoints(tmp_path, proc, 2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 75
+    latest = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
+    weights = latest / "model_0.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    rerun = run(tmp_path, *TRAIN)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"{latest} cannot be resumed (model_0.safetensors has" in rerun.stderr
+    assert latest.with_name(latest.name + ".damaged").is_dir() and not latest.exists()  # kept, aside
+    log = (tmp_path / "runner.log").read_text()
+    assert "resumed from" in log and f"resumed from {latest}" not in log
+    assert (tmp_path / "model" / "model.safetensors").read_bytes() == uninterrupted[1]
+
+
+def test_damaged_checkpoints_and_weights_are_refused_before_launch(tmp_path):
+    first = run(tmp_path, "trainer.max_steps=20", "trainer.checkpoint_every=10")
+    assert first.returncode == 0, first.stderr
+    checkpoints = tmp_path / "checkpoints"
+    flipped, cut, bad_meta = (checkpoints / "flipped"), (checkpoints / "cut"), (checkpoints / "bad_meta")
+    for copy in (flipped, cut, bad_meta):
+        shutil.copytree(checkpoints / "checkpoint_1", copy)
+    data = bytearray((flipped / "model_0.safetensors").read_bytes())
+    data[-1] ^= 0xFF  # one bit pattern of one weight: same size, other content
+    (flipped / "model_0.safetensors").write_bytes(bytes(data))
+    os.truncate(cut / "optimizer_0.pt", 100)
+    (bad_meta / "meta.json").write_text('{"num_processes": 1, "step"')
+    half = tmp_path / "half.safetensors"
+    half.write_bytes((tmp_path / "model" / "model.safetensors").read_bytes()[:3000])
+    cases = {
+        f"trainer.resume={flipped}": "model_0.safetensors does not have the content that was written",
+        f"trainer.resume={cut}": "optimizer_0.pt has 100 bytes",
+        f"trainer.resume={bad_meta}": "its meta.json is damaged",
+        f"checkpoint={half}": f"{half} is not a whole safetensors file",
+    }
+    for override, expected in cases.items():
+        run_dir = tmp_path / "refused"
+        proc = subprocess.run(
+            runner_command(run_dir, "trainer.max_steps=30", override),
+            env=cli_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        message = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 2, proc.stderr
+        assert message.startswith("Configuration error: ") and expected in message, message
+        assert "Traceback" not in proc.stderr
+        assert sorted(p.name for p in run_dir.iterdir()) == ["runner.log"], override  # nothing else written
+        shutil.rmtree(run_dir)

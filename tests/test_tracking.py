@@ -43,7 +43,11 @@ class Server:
             "--artifacts-destination", str(self.directory / "artifacts"), "--workers", "1",
         ]  # fmt: skip
         self.proc = subprocess.Popen(
-            command, cwd=self.directory, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            command,
+            cwd=self.directory,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its workers with it in pause/resume
         )
         deadline = time.monotonic() + 120
         while True:
@@ -58,8 +62,18 @@ class Server:
 
     def stop(self) -> None:
         if self.proc is not None:
+            self.resume()
             self.proc.terminate()
             self.proc.wait(timeout=30)
+
+    def pause(self) -> None:
+        """The server stops answering (its connections wait)."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGCONT)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +87,18 @@ def server(tmp_path_factory):
 
 def run_id_of(run_dir: Path) -> str:
     return json.loads((run_dir / "tracking" / "delivered.json").read_text())["run_id"]
+
+
+def wait_for_delivery(run_dir: Path, timeout_s: float = 120) -> dict:
+    """The journal's delivery state once the sender is done with it."""
+    state_file, events = run_dir / "tracking" / "delivered.json", run_dir / "tracking" / "events.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = json.loads(state_file.read_text()) if state_file.exists() else {}
+        if state.get("closed", -1) >= len(events.read_text().splitlines()):
+            return state
+        assert time.monotonic() < deadline, f"the sender did not finish: {state}"
+        time.sleep(0.1)
 
 
 def test_a_two_rank_run_logs_params_tags_metrics_and_artifacts_to_a_server(run_cli, server, tmp_path):
@@ -126,6 +152,12 @@ def test_the_default_store_is_local_inside_outputs(tmp_path):
     assert run.data.metrics["eval/loss"] < 0.5
     assert run.info.artifact_uri.startswith(str(tmp_path / "outputs" / "mlartifacts"))
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"resolved_config.yaml", "runner.log"}
+    # Creating the store logs MLflow's INFO lines: in the sender's log, not on the console.
+    assert (
+        "Creating initial MLflow database tables"
+        in (tmp_path / "run" / "tracking" / "sender.log").read_text()
+    )
+    assert "mlflow" not in proc.stderr.lower() and "alembic" not in proc.stderr.lower()
 
 
 def test_a_run_stopped_by_a_signal_ends_killed_and_its_resumption_finished(tmp_path):
@@ -232,6 +264,8 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_job_and_a_summary(run_cli, s
         [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
     assert sorted(run.data.params["optimizer.lr"] for run in children) == ["0.001", "0.01"]
+    # One sender for the sweep's process: it writes its log in the first job's dir only.
+    assert [p.parent.parent.name for p in sweep.glob("*/tracking/sender.log")] == ["0"]
     rows = list(csv.DictReader((sweep / "summary.csv").open()))
     for job, row in enumerate(rows):
         metrics = json.loads((sweep / str(job) / "metrics.json").read_text())
@@ -264,11 +298,98 @@ def test_a_server_that_is_not_there_costs_one_warning_and_keeps_everything(run_c
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
-    proc = run_cli(*TRAIN, f"tracker.uri=http://127.0.0.1:{closed}", "tracker.finish_timeout_s=60")
+    proc = run_cli(*TRAIN, f"tracker.uri=http://127.0.0.1:{closed}")
     assert proc.returncode == 0, proc.stderr
+    # The sender's one warning, on the run's stderr (the pipe stays open until the sender is done).
     assert proc.stderr.count("MLflow at") == 1 and "python -m runner.trackers.upload" in proc.stderr
     events = (proc.run_dir / "tracking" / "events.jsonl").read_text().splitlines()
     assert [json.loads(line)["op"] for line in events].count(
         "metrics"
     ) == 6 + 3  # train every 5, eval every 10
-    assert not (proc.run_dir / "tracking" / "delivered.json").exists()  # nothing was sent
+    state = json.loads((proc.run_dir / "tracking" / "delivered.json").read_text())
+    assert state["delivered"] == 0 and f"127.0.0.1:{closed}" in state["error"]  # nothing was sent
+
+
+def test_a_detached_run_exits_before_its_records_are_sent_and_the_sender_delivers_them(server, tmp_path):
+    """With the server paused, the run still exits at once; resumed, the server gets every record."""
+    env = cli_env() | {"MLFLOW_HTTP_REQUEST_TIMEOUT": "300"}  # the sender waits for the paused server
+    run_dir = tmp_path / "run"
+    try:
+        server.pause()
+        with open(tmp_path / "stderr", "w") as stderr:  # a file: the sender's copy of it holds no pipe open
+            code = subprocess.run(
+                runner_command(run_dir, *TRAIN, f"tracker.uri={server.uri}"),
+                env=env,
+                stderr=stderr,
+                timeout=240,
+            ).returncode
+        assert code == 0, (tmp_path / "stderr").read_text()
+        state_file = run_dir / "tracking" / "delivered.json"
+        assert not state_file.exists() or json.loads(state_file.read_text())["delivered"] == 0  # nothing yet
+        server.resume()
+        state = wait_for_delivery(run_dir)
+        assert state["delivered"] == len((run_dir / "tracking" / "events.jsonl").read_text().splitlines())
+        client = MlflowClient(server.uri)
+        run = client.get_run(state["run_id"])
+        assert run.info.status == "FINISHED"
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/loss")] == [10, 20, 30]
+    finally:
+        server.resume()
+
+
+def test_a_waiting_run_waits_for_its_records_at_most_finish_timeout_s(server, tmp_path):
+    """`tracker.detach=false`: the run waits for the sender, and says so when the server does not answer."""
+    env = cli_env() | {"MLFLOW_HTTP_REQUEST_TIMEOUT": "300"}
+    run_dir = tmp_path / "run"
+    try:
+        delivered = subprocess.run(
+            runner_command(tmp_path / "first", *TRAIN, f"tracker.uri={server.uri}", "tracker.detach=false"),
+            env=env, stderr=subprocess.DEVNULL, timeout=240,
+        )  # fmt: skip
+        assert delivered.returncode == 0
+        state = json.loads((tmp_path / "first" / "tracking" / "delivered.json").read_text())  # read at exit
+        assert (
+            state["closed"] == state["delivered"] == 2 + 6 + 3 + 2 + 1
+        )  # start, params, metrics, artifacts, end
+        server.pause()
+        with open(tmp_path / "stderr", "w") as stderr:
+            code = subprocess.run(
+                runner_command(
+                    run_dir, *TRAIN, f"tracker.uri={server.uri}", "tracker.detach=false", "tracker.finish_timeout_s=3"
+                ),
+                env=env, stderr=stderr, timeout=240,
+            ).returncode  # fmt: skip
+        assert code == 0
+        assert "still being sent" in (tmp_path / "stderr").read_text()  # it waited 3 s, then said so
+        server.resume()
+        assert (
+            MlflowClient(server.uri).get_run(wait_for_delivery(run_dir)["run_id"]).info.status == "FINISHED"
+        )
+    finally:
+        server.resume()
+
+
+def test_a_run_killed_outright_keeps_its_metrics_and_ends_killed(tmp_path):
+    """kill -9 writes no end record: the sender sends what was written and closes the run as KILLED."""
+    run_dir = tmp_path / "run"
+    command = runner_command(
+        run_dir, "trainer.max_steps=100000", "trainer.log_every=10", "trainer.eval_every=0"
+    )
+    proc = subprocess.Popen(command, env=cli_env(), stderr=subprocess.DEVNULL)
+    events, state_file = run_dir / "tracking" / "events.jsonl", run_dir / "tracking" / "delivered.json"
+    deadline = time.monotonic() + 120
+    while not (
+        state_file.exists() and json.loads(state_file.read_text())["delivered"] >= 5
+    ):  # the sender runs
+        assert proc.poll() is None and time.monotonic() < deadline, "nothing was delivered"
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    state = wait_for_delivery(run_dir)
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    assert lines[-1]["op"] != "end" and state["delivered"] == len(lines)
+    client = MlflowClient(cli_env()["MLFLOW_TRACKING_URI"])
+    run = client.get_run(state["run_id"])
+    assert run.info.status == "KILLED"
+    logged = [event["step"] for event in lines if event["op"] == "metrics"]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == logged

@@ -3,55 +3,89 @@ is not there, and what was not delivered can be sent later (`python -m runner.tr
 
 from __future__ import annotations
 
+import fcntl
 import json
 import threading
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-EVENTS, DELIVERED = "events.jsonl", "delivered.json"
+EVENTS, DELIVERED, SENDER_LOCK = "events.jsonl", "delivered.json", "sender.lock"
 
 
 class Journal:
     """Append-only events (`<directory>/events.jsonl`) and how many of them reached the tracking server
-    under which run id (`delivered.json`). One writer appends; one deliverer marks."""
+    under which run id (`delivered.json`). One process writes events; one sender at a time (holding
+    `lock_for_sending`) reads them and marks what it delivered; both may run at once."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / EVENTS
-        self.events: list[dict[str, Any]] = _read_events(path) if path.exists() else []
-        state = self.directory / DELIVERED
-        self.state: dict[str, Any] = (
-            json.loads(state.read_text()) if state.exists() else {"run_id": None, "delivered": 0}
-        )
+        self.events: list[dict[str, Any]] = []
+        self.state: dict[str, Any] = {"run_id": None, "delivered": 0}
+        self._read = 0  # bytes of EVENTS already in `events`
         self._lock = threading.Lock()
+        self.refresh()
 
-    def append(self, event: dict[str, Any]) -> int:
-        """Write `event` to the file (it survives this process being killed) and return its index."""
-        with self._lock:
-            with open(self.directory / EVENTS, "a") as f:
-                f.write(json.dumps(event) + "\n")
-            self.events.append(event)
-            return len(self.events) - 1
+    def refresh(self) -> Journal:
+        """Read the events appended since the last read, whole lines only (a line still being written is
+        read next time), and the delivery state."""
+        path = self.directory / EVENTS
+        if path.exists():
+            with open(path, "rb") as f:
+                f.seek(self._read)
+                data = f.read()
+            whole = data[: data.rfind(b"\n") + 1]
+            self._read += len(whole)
+            self.events += [json.loads(line) for line in whole.splitlines()]
+        state = self.directory / DELIVERED
+        if state.exists():
+            self.state = json.loads(state.read_text())
+        return self
+
+    def drop_torn_line(self) -> None:
+        """Cut a last line left unfinished by a writer killed mid-write, so that appending goes on cleanly.
+        Only the writer calls this, before its first `append`."""
+        path = self.directory / EVENTS
+        if path.exists() and path.stat().st_size > self._read:
+            with open(path, "r+b") as f:
+                f.truncate(self._read)
+
+    def append(self, event: dict[str, Any]) -> None:
+        """Write `event` as one line of the file (it survives this process being killed)."""
+        with self._lock, open(self.directory / EVENTS, "a") as f:
+            f.write(json.dumps(event) + "\n")
 
     @property
     def pending(self) -> int:
+        """Events read and not yet delivered."""
         return len(self.events) - self.state["delivered"]
 
     def mark_delivered(self, delivered: int, run_id: str | None) -> None:
-        self.state = {"run_id": run_id, "delivered": delivered}
+        """The first `delivered` events reached the server, for run `run_id`."""
+        self.state.pop("error", None)
+        self._save(run_id=run_id, delivered=delivered)
+
+    def mark_failed(self, error: str) -> None:
+        """Sending failed with `error`; the next success clears it."""
+        self._save(error=error)
+
+    def mark_closed(self) -> None:
+        """The sender stopped following the journal after the events read so far (all sent, or given up)."""
+        self._save(closed=len(self.events))
+
+    def _save(self, **changes: Any) -> None:
+        self.state = {**self.state, **changes}
         staged = self.directory / f".{DELIVERED}.tmp"
         staged.write_text(json.dumps(self.state))
         staged.replace(self.directory / DELIVERED)
 
-
-def _read_events(path: Path) -> list[dict[str, Any]]:
-    """The events of a journal; a last line cut short (its writer was killed mid-write) is dropped, and
-    the file rewritten without it so that appending goes on cleanly."""
-    lines = path.read_text().splitlines()
-    try:
-        return [json.loads(line) for line in lines]
-    except json.JSONDecodeError:
-        events = [json.loads(line) for line in lines[:-1]]
-        path.write_text("".join(json.dumps(event) + "\n" for event in events))
-        return events
+    def lock_for_sending(self) -> IO | None:
+        """The journal's sender lock, taken (closing the file releases it, as the holder's death does), or
+        None when another process holds it."""
+        lock = open(self.directory / SENDER_LOCK, "a")  # noqa: SIM115 (the caller closes it)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            return None
+        return lock

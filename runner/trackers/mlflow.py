@@ -1,5 +1,7 @@
-"""`tracker=mlflow`: one MLflow run per job. Every record goes to a local journal first and is sent to
-MLflow by a background thread, so a slow or unreachable server never stalls or fails training."""
+"""`tracker=mlflow`: one MLflow run per job. Every record goes to a local journal first; a sender
+process (`python -m runner.trackers.upload --serve`, one per process, shared by a sweep's jobs) delivers
+it to MLflow, so neither MLflow's start-up nor a slow or unreachable server costs the training process
+time, at any step or at exit."""
 
 from __future__ import annotations
 
@@ -8,9 +10,9 @@ import logging
 import os
 import socket
 import subprocess
-import threading
+import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +24,11 @@ log = logging.getLogger(__name__)
 
 JOURNAL_DIR = "tracking"  # inside the run's directory
 PARENT = "parent.json"  # in a sweep's JOURNAL_DIR: the sweep's parent run
+SENDER_LOG = "sender.log"  # in the first JOURNAL_DIR a sender serves: its output
 UPLOAD = "python -m runner.trackers.upload"
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a parameter value
 MAX_METRICS_PER_BATCH = 1000  # MLflow's limit on one log_batch
-SEND_INTERVAL_S = 1.0  # how often the background thread sends what was recorded
+SENDER_DELAY_S = 5.0  # a detached run starts its sender this long after its start (or at its end)
 
 
 def local_store() -> tuple[str, str]:
@@ -48,7 +51,10 @@ class MLflowTracker(Tracker):
         parent_run_id: make the run a child of this one (a sweep's jobs).
         log_model: also attach the final model files.
         logging_dir: where the journal goes (`<logging_dir>/tracking/`); None: the working directory.
-        finish_timeout_s: how long `finish` waits for the records still being sent.
+        detach: True: the process exits without waiting for its records to be sent (the sender goes on
+            alone); False: `finish` waits for them; None: detach, except in a SLURM job (whose end kills
+            every process it started).
+        finish_timeout_s: how long `finish` waits when it waits, and `run_id` for the run to exist.
     """
 
     name = "mlflow"
@@ -62,6 +68,7 @@ class MLflowTracker(Tracker):
         parent_run_id: str | None = None,
         log_model: bool = False,
         logging_dir: str | None = None,
+        detach: bool | None = None,
         finish_timeout_s: float = 120.0,
     ) -> None:
         self.experiment_name = experiment_name
@@ -75,20 +82,30 @@ class MLflowTracker(Tracker):
         self.parent_run_id = parent_run_id
         self.log_model = log_model
         self.logging_dir = logging_dir
+        self.detach = detach
         self.finish_timeout_s = finish_timeout_s
         self.journal: Journal | None = None
-        self._delivery: Delivery | None = None
-        self._ended = threading.Event()
-        self._worker: threading.Thread | None = None
+        self._client: Any = None
+        self._detached = self._sent = self._ended = False
+        self._started = 0.0
 
     @property
     def run_id(self) -> str | None:
-        return self.journal.state["run_id"] if self.journal else None
+        """The MLflow run's id, once the sender has created the run (waits for it, at most
+        `finish_timeout_s`); None before `start` or when the server could not be reached."""
+        if self.journal is None:
+            return None
+        self._send()
+        self._wait_for(lambda state: state["run_id"] is not None or "error" in state)
+        return self.journal.state["run_id"]
 
     @property
     def tracker(self) -> Any:
-        """The `MlflowClient` the records are sent with (None until the first is sent)."""
-        return self._delivery.client if self._delivery else None
+        """An `MlflowClient` on the run's store, for what the tracker does not log itself (imports MLflow
+        in this process)."""
+        if self._client is None:
+            self._client = mlflow_client(self.uri)
+        return self._client
 
     def start(
         self,
@@ -96,10 +113,13 @@ class MLflowTracker(Tracker):
         logging_dir: str | None = None,
         tags: dict[str, Any] | None = None,
     ) -> None:
+        """Open the journal and record the run's start. Detached, the sender starts with the first record
+        `SENDER_DELAY_S` later, or at `finish`: a short run never shares the CPU with it."""
         self.journal = Journal(Path(self.logging_dir or logging_dir or ".") / JOURNAL_DIR)
-        self._delivery = Delivery(self.journal, self.uri)
-        self._worker = threading.Thread(target=self._deliver, name="mlflow-delivery", daemon=True)
-        self._worker.start()
+        self.journal.drop_torn_line()
+        self._detached = self.detach if self.detach is not None else slurm_job_id() is None
+        self._started = time.monotonic()
+        self._sent = self._ended = False
         self._record(
             op="start",
             uri=self.uri,
@@ -109,6 +129,8 @@ class MLflowTracker(Tracker):
             tags={**run_facts(), **{k: str(v) for k, v in (tags or {}).items()}, **self.tags},
             parent_run_id=self.parent_run_id,
         )
+        if not self._detached:
+            self._send()
 
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         self._record(op="params", params=dict(_flatten(values)))
@@ -121,20 +143,30 @@ class MLflowTracker(Tracker):
         self._record(op="artifact", path=str(Path(path).resolve()), artifact_path=artifact_path)
 
     def finish(self, status: str = "FINISHED") -> None:
-        """Close the run as `status` and wait (at most `finish_timeout_s`) for the records to reach MLflow;
-        what could not be sent stays in the journal, and one warning says how to upload it."""
-        if self.journal is None or self._worker is None:
+        """Close the run as `status`. Detached, return at once: the sender delivers the rest, also after
+        this process exits. Otherwise wait (at most `finish_timeout_s`) for it; what it could not send stays
+        in the journal, and its one warning (on this process's stderr) says how to upload it."""
+        if self.journal is None or self._ended:
             return
         self._record(op="end", status=status)
-        self._ended.set()
-        self._worker.join(self.finish_timeout_s)
-        if self.journal.pending:
-            # One warning per run: after a failure's, the count is for the log file only.
-            report = log.info if self._delivery is not None and self._delivery.warned else log.warning
-            report(
-                "MLflow: %d record(s) of this run are not at %s yet; they are kept in %s. Upload them with "
-                "`%s %s`.",
-                self.journal.pending,
+        self._ended = True
+        self._send()
+        if self._detached:
+            return
+        if not self._wait_for(lambda state: state.get("closed", 0) >= len(self.journal.events)):
+            log.warning(
+                "MLflow: the records of this run are still being sent to %s after %.0f s; the sender goes on, "
+                "and what it cannot send stays in %s (upload it with `%s %s`).",
+                self.uri,
+                self.finish_timeout_s,
+                self.journal.directory,
+                UPLOAD,
+                self.journal.directory.parent,
+            )
+        elif pending := self.journal.pending:
+            (log.info if "error" in self.journal.state else log.warning)(  # the sender warned on failing
+                "MLflow: %d record(s) of this run are not at %s; they are kept in %s. Upload them with `%s %s`.",
+                pending,
                 self.uri,
                 self.journal.directory,
                 UPLOAD,
@@ -177,16 +209,84 @@ class MLflowTracker(Tracker):
     def _record(self, **event: Any) -> None:
         assert self.journal is not None, "start() the tracker first"
         self.journal.append(event)
+        if not self._sent and time.monotonic() - self._started >= SENDER_DELAY_S:
+            self._send()
 
-    def _deliver(self) -> None:
-        """Every SEND_INTERVAL_S, send what the journal holds; after a failure (one warning) try once more,
-        when the run ends."""
-        assert self._delivery is not None and self.journal is not None
-        failed = False
-        while not self._ended.wait(SEND_INTERVAL_S):
-            if not failed and self.journal.pending:
-                failed = not self._delivery.send_pending()
-        self._delivery.send_pending()
+    def _send(self) -> None:
+        """Hand the journal to this process's sender (once per run)."""
+        assert self.journal is not None
+        if self._sent:
+            return
+        directory = self.journal.directory
+        try:
+            Sender.shared(directory / SENDER_LOG).follow(directory, self.uri)
+        except BrokenPipeError:  # it had just exited: a new one
+            Sender.shared(directory / SENDER_LOG).follow(directory, self.uri)
+        self._sent = True
+
+    def _wait_for(self, condition: Callable[[dict[str, Any]], bool]) -> bool:
+        """Wait (at most `finish_timeout_s`) until the journal's delivery state meets `condition`."""
+        assert self.journal is not None
+        deadline = time.monotonic() + self.finish_timeout_s
+        while not condition(self.journal.refresh().state):
+            if time.monotonic() > deadline or Sender.shared() is None:
+                return condition(self.journal.refresh().state)
+            time.sleep(0.02)
+        return True
+
+
+class Sender:
+    """The process that delivers this process's journals, in order, and exits once every run it follows
+    has ended and been sent, or once this process is gone and it has sent what was written. One per
+    process: a sweep's jobs share it, and MLflow and its store are set up once.
+
+    It runs in a session of its own (a Ctrl-C of the run does not stop it), writes its output (MLflow's
+    own log lines included) to `SENDER_LOG` in the first journal's dir, and gets a copy of this process's
+    stderr for its one warning per run."""
+
+    _shared: Sender | None = None
+
+    def __init__(self, log_file: Path) -> None:
+        console = os.dup(sys.stderr.fileno()) if _has_fileno(sys.stderr) else None
+        command = [sys.executable, "-m", "runner.trackers.upload", "--serve"]
+        if console is not None:
+            command += ["--console-fd", str(console)]
+        try:
+            with open(log_file, "ab") as output:
+                self.process = subprocess.Popen(
+                    command,
+                    stdin=subprocess.PIPE,
+                    stdout=output,
+                    stderr=output,
+                    pass_fds=() if console is None else (console,),
+                    start_new_session=True,
+                )
+        finally:
+            if console is not None:
+                os.close(console)
+
+    @classmethod
+    def shared(cls, log_file: Path | None = None) -> Sender | None:
+        """This process's sender; where none is running, one started with output to `log_file`, if given."""
+        if cls._shared is not None and cls._shared.process.poll() is not None:
+            cls._shared = None
+        if cls._shared is None and log_file is not None:
+            cls._shared = cls(log_file)
+        return cls._shared
+
+    def follow(self, directory: Path, uri: str) -> None:
+        """Deliver the journal in `directory` to `uri` until its run ends."""
+        assert self.process.stdin is not None
+        self.process.stdin.write((json.dumps({"journal": str(directory), "uri": uri}) + "\n").encode())
+        self.process.stdin.flush()
+
+
+def _has_fileno(stream: Any) -> bool:
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):  # a notebook's or a test's captured stream
+        return False
+    return True
 
 
 class Delivery:
@@ -196,7 +296,7 @@ class Delivery:
         self.journal = journal
         self.uri = uri
         self.client: Any = None
-        self.warned = False
+        self.error = ""  # the last failure
 
     def send_pending(self) -> bool:
         """Send every undelivered event; False when one failed (with a warning, the first time)."""
@@ -206,20 +306,28 @@ class Delivery:
                 sent, run_id = self._send(self.journal.events[index:], self.journal.state["run_id"])
                 self.journal.mark_delivered(index + sent, run_id)
         except Exception as err:  # the server, the network, the store: all are reasons to keep going
-            if not self.warned:
-                self.warned = True
+            first = not self.error
+            self.error = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+            if first:
                 log.warning(
-                    "MLflow at %s failed (%s: %s). Training goes on; the run's records are kept in %s and can "
-                    "be uploaded later with `%s %s`.",
+                    "MLflow at %s failed (%s). The run's records are kept in %s and can be uploaded later with "
+                    "`%s %s`.",
                     self.uri,
-                    type(err).__name__,
-                    str(err).splitlines()[0][:200] if str(err) else "",
+                    self.error,
                     self.journal.directory,
                     UPLOAD,
                     self.journal.directory.parent,
                 )
             return False
         return True
+
+    def close_run(self, status: str) -> None:
+        """End the run as `status` without a record of it (its process died before writing one)."""
+        if self.journal.state["run_id"] is not None:
+            try:
+                self._send([{"op": "end", "status": status}], self.journal.state["run_id"])
+            except Exception as err:
+                log.warning("MLflow at %s: the run was not closed as %s (%s).", self.uri, status, err)
 
     def _send(self, events: list[dict[str, Any]], run_id: str | None) -> tuple[int, str | None]:
         """Apply the first of `events` (all the metrics events that follow it in one batch); return how

@@ -1,41 +1,164 @@
-"""Send the tracking records a run could not deliver (the server was down) to MLflow:
+"""Send a run's tracking records to MLflow: those a run could not deliver (the server was down),
 
-python -m runner.trackers.upload <run dir> [--uri http://host:port]
+    python -m runner.trackers.upload <run dir> [--uri http://host:port]
+
+and, with `--serve`, those of the runs a process is writing: the sender `MLflowTracker` starts, told on
+its stdin which journals to follow.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import queue
 import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from runner.trackers.journal import Journal
-from runner.trackers.mlflow import JOURNAL_DIR, Delivery
+from runner.trackers.mlflow import JOURNAL_DIR, SENDER_LOG, UPLOAD, Delivery
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2  # how often a sender looks for new records
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m runner.trackers.upload", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("run_dir", type=Path, help="the run's output directory (it holds tracking/)")
+    parser.add_argument(
+        "run_dir", type=Path, nargs="?", help="the run's output directory (it holds tracking/)"
+    )
     parser.add_argument("--uri", help="the tracking URI to send to; default: the one the run used")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the tracker's sender
+    parser.add_argument("--console-fd", type=int, help=argparse.SUPPRESS)  # where a sender warns
     args = parser.parse_args(argv)
+    if args.serve:
+        return serve(sys.stdin.buffer, os.fdopen(args.console_fd, "w") if args.console_fd else None)
+    if args.run_dir is None:
+        parser.error("the run's output directory is required")
     directory = args.run_dir / JOURNAL_DIR
     if not (directory / "events.jsonl").exists():
         print(f"{args.run_dir} has no tracking records ({JOURNAL_DIR}/events.jsonl).", file=sys.stderr)
         return 2
     journal = Journal(directory)
-    if not journal.pending:
+    lock = journal.lock_for_sending()
+    if lock is None:
         print(
-            f"nothing to upload: all {len(journal.events)} records of run {journal.state['run_id']} were sent."
+            f"A sender is still delivering the records of {args.run_dir} (see {SENDER_LOG}); run this again "
+            "when it has finished.",
+            file=sys.stderr,
         )
-        return 0
-    pending = journal.pending
-    uri = args.uri or journal.events[0]["uri"]
-    if not Delivery(journal, uri).send_pending():
         return 1
+    with lock:
+        journal.refresh()
+        if not journal.pending:
+            print(
+                f"nothing to upload: all {len(journal.events)} records of run {journal.state['run_id']} were sent."
+            )
+            return 0
+        pending = journal.pending
+        uri = args.uri or journal.events[0]["uri"]
+        if not Delivery(journal, uri).send_pending():
+            return 1
     print(f"uploaded {pending} record(s) to {uri}, run {journal.state['run_id']}.")
     return 0
+
+
+@dataclass
+class Followed:
+    """A journal a sender delivers: `lock` once this sender may send it (an earlier sender of the same
+    run dir, a resumed run's, may still be at it)."""
+
+    journal: Journal
+    delivery: Delivery
+    lock: IO | None = None
+    failed: bool = False
+
+    def step(self, writer_gone: bool) -> bool:
+        """Send what is new; True once done with the journal: its run ended (or `writer_gone`) and all was
+        sent, or sending failed and the one more try at the end did too."""
+        if self.lock is None and (lock := self.journal.lock_for_sending()) is None:
+            return False
+        self.lock = lock if self.lock is None else self.lock
+        journal = self.journal.refresh()
+        ended = writer_gone or (bool(journal.events) and journal.events[-1]["op"] == "end")
+        if journal.pending and (ended or not self.failed) and not self.delivery.send_pending():
+            self.failed = True
+            journal.mark_failed(self.delivery.error)
+        if not ended:
+            return False
+        if journal.events and journal.events[-1]["op"] != "end" and not journal.pending:
+            self.delivery.close_run("KILLED")  # its process died without ending it (kill -9, out of memory)
+        journal.mark_closed()
+        self.lock.close()
+        return True
+
+
+def serve(requests: IO[bytes], console: IO[str] | None) -> int:
+    """Follow the journals named on `requests` (one JSON line each: `journal`, `uri`), delivering each
+    until its run ends; return when `requests` is closed (the writing process exited or died) and every
+    journal is done. Runs at the lowest CPU priority: the training process comes first."""
+    _log_to(console)
+    os.nice(19)
+    named: queue.Queue[dict | None] = queue.Queue()
+    threading.Thread(target=_read_requests, args=(requests, named), daemon=True).start()
+    followed: list[Followed] = []
+    writer_gone = False
+    failed = False
+    while not writer_gone or followed:
+        while not named.empty():
+            request = named.get()
+            if request is None:
+                writer_gone = True
+                continue
+            journal = Journal(Path(request["journal"]))
+            followed.append(Followed(journal, Delivery(journal, request["uri"])))
+        for item in list(followed):
+            try:
+                done = item.step(writer_gone)
+            except Exception as err:  # a bug or a broken journal: this run's records wait for an upload
+                traceback.print_exc()  # to the sender's log
+                log.error(
+                    "MLflow: sending %s stopped (%s: %s); its records are kept there (upload them with `%s %s`).",
+                    item.journal.directory,
+                    type(err).__name__,
+                    err,
+                    UPLOAD,
+                    item.journal.directory.parent,
+                )
+                done = item.failed = True
+            if done:
+                failed |= item.failed
+                followed.remove(item)
+        if not writer_gone or followed:
+            time.sleep(POLL_S)
+    if console is not None:
+        console.close()
+    return 1 if failed else 0
+
+
+def _read_requests(requests: IO[bytes], named: queue.Queue) -> None:
+    for line in requests:
+        named.put(json.loads(line))
+    named.put(None)  # end of file: the writing process is gone
+
+
+def _log_to(console: IO[str] | None) -> None:
+    """Everything (MLflow's own lines too) to this process's stderr, the sender's log file; the runner's
+    warnings also to the console of the process that started it."""
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] %(message)s")
+    if console is not None:
+        handler = logging.StreamHandler(console)
+        handler.setLevel(logging.WARNING)
+        logging.getLogger("runner").addHandler(handler)
 
 
 if __name__ == "__main__":
