@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,9 +27,16 @@ from runner.build import is_inference
 from runner.checkpoint import check_checkpoint_fits, resume_checkpoint
 from runner.cluster import launched_environment
 from runner.config import CONF_DIR, register_configs
-from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingInterrupted, describe_compose_error
+from runner.errors import (
+    EXIT_INTERRUPTED,
+    ConfigError,
+    TrainingDiverged,
+    TrainingInterrupted,
+    describe_compose_error,
+)
 from runner.inference import infer
 from runner.launchers import Job, Launcher, RankFailedError
+from runner.launchers.base import interrupted
 from runner.launchers.slurm import requeue_if_preempted
 from runner.log import configure_rank_logging
 from runner.plan import describe as describe_plan
@@ -38,12 +46,14 @@ from runner.validate import validate, validate_for_world
 log = logging.getLogger("runner")
 
 JOB_CONFIG_DIR = ".hydra"  # in a job's dir
+EXIT_CTRL_C = 130  # the shell's code for a process ended by SIGINT
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float | dict[str, float]:
     """One job: validate, then the launcher runs its ranks. Rank 0's final metrics (also in the job dir's
     `metrics.json`) are returned: `trainer.objective` among them is what Hydra's sweepers get."""
+    started = time.time()
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     env = launched_environment()
@@ -94,6 +104,12 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
         requeue_if_preempted(err)  # a job of a SLURM sweep (hydra/launcher=submitit_slurm)
         log.warning("Training interrupted: %s", err)
         sys.exit(EXIT_INTERRUPTED)
+    except TrainingDiverged as err:
+        log.error("Training stopped: %s", err)
+        sys.exit(1)
+    except KeyboardInterrupt:  # a Ctrl-C before the loop started, or a second one: no checkpoint now
+        log.warning("Training interrupted: %s", interrupted("Ctrl-C", output_dir, since=started))
+        sys.exit(EXIT_CTRL_C)
     if not metrics:  # queued, not waited for (launcher.wait=false)
         return metrics
     log.info("final metrics (output dir %s):\n%s", output_dir, _table(metrics))

@@ -78,3 +78,7 @@ class TrainingInterrupted(Exception):
     def __init__(self, message: str, signum: int | None = None) -> None:
         super().__init__(message)
         self.signum = signum
+
+
+class TrainingDiverged(RuntimeError):
+    """A metric became NaN or infinite: the run stops (exit 1) instead of training on, or reporting, garbage."""

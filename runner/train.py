@@ -19,8 +19,14 @@ from tqdm.auto import tqdm
 
 from runner.accelerator import Accelerator
 from runner.build import build_data, build_model, load_start_weights
-from runner.checkpoint import ProjectConfiguration, checkpoint_number, numbered_checkpoints, resume_checkpoint
-from runner.errors import ConfigError, TrainingInterrupted
+from runner.checkpoint import (
+    ProjectConfiguration,
+    checkpoint_number,
+    latest_checkpoint,
+    numbered_checkpoints,
+    resume_checkpoint,
+)
+from runner.errors import ConfigError, TrainingDiverged, TrainingInterrupted
 from runner.hardware.base import Strategy
 from runner.rng import set_seed
 from runner.task import Task
@@ -167,6 +173,7 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
                     metrics["train/lr"] = scheduler.get_last_lr()[0]
                     done.window_loss.zero_()
                     done.window_batches = 0
+                    check_finite(metrics, done.step, trainer.log_every, accelerator, output_dir)
                     progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
                     accelerator.log(
                         {"train/loss": metrics["train/loss"], "train/lr": metrics["train/lr"]}, step=done.step
@@ -175,6 +182,7 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
                 if done.step == total_steps or (trainer.eval_every and done.step % trainer.eval_every == 0):
                     evaluated = evaluate(accelerator, model, task, eval_loader)
                     metrics.update(evaluated)
+                    check_finite(metrics, done.step, trainer.log_every, accelerator, output_dir)
                     accelerator.log(evaluated, step=done.step)
                     log.info("step %d/%d: %s", done.step, total_steps, _fmt(metrics))
                 if trainer.checkpoint_every and done.step % trainer.checkpoint_every == 0:
@@ -236,20 +244,50 @@ def closed_on_failure(accelerator: Accelerator) -> Iterator[None]:
         raise
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+def check_finite(
+    metrics: dict[str, float], step: int, log_every: int, accelerator: Accelerator, output_dir: Path
+) -> None:
+    """Stop the run (TrainingDiverged, on every rank: the metrics are reduced over all of them) when a
+    metric is NaN or infinite, naming the step, the learning rate and the precision. Nothing is saved
+    now: the checkpoints written before stay, `latest` the last of them."""
+    bad = {name: value for name, value in metrics.items() if not math.isfinite(value)}
+    if not bad:
+        return
+    latest = latest_checkpoint(output_dir / "checkpoints")
+    raise TrainingDiverged(
+        f"{', '.join(f'{name}={value}' for name, value in bad.items())} at step {step} (train/loss is the mean "
+        f"of the last {log_every} steps' losses; learning rate {metrics.get('train/lr', float('nan')):.3g}, "
+        f"precision {accelerator.mixed_precision}): training diverged and was stopped. Lower optimizer.lr, "
+        "clip gradients (trainer.max_grad_norm=1.0), prefer precision=bf16 to fp16, and check the data for NaN "
+        "or inf. "
+        + (
+            f"Its last checkpoint, {latest}, was written before; resume from an earlier one with "
+            "trainer.resume=<dir> if that one is already bad."
+            if latest
+            else "It wrote no checkpoint."
+        )
+    )
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 @contextmanager
 def stop_signals() -> Iterator[list[int]]:
-    """Record SIGTERM, SIGUSR1 and SIGUSR2 instead of dying, so that the loop checkpoints and stops at its
-    next logging step (in the main thread only: elsewhere signals cannot be caught)."""
+    """Record SIGTERM, SIGINT (Ctrl-C), SIGUSR1 and SIGUSR2 instead of dying, so that the loop checkpoints
+    and stops at its next logging step (in the main thread only: elsewhere signals cannot be caught). A
+    second Ctrl-C stops at once, without a checkpoint."""
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
-    previous = {
-        sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in STOP_SIGNALS
-    }
+
+    def record(signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and signum in received:
+            raise KeyboardInterrupt
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, record) for sig in STOP_SIGNALS}
     try:
         yield received
     finally:

@@ -63,7 +63,7 @@ def cli_env(pythonpath: Path | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"PYTHONUNBUFFERED": "1"}
     env.setdefault("MLFLOW_TRACKING_URI", shared_mlflow_store())
     if pythonpath is not None:
-        env["PYTHONPATH"] = str(pythonpath)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
     return env
 
 

@@ -72,3 +72,13 @@ class ComputeInInit(SyntheticRegression):
         super().__init__(**kwargs)
         matrix = torch.randn(1500, 1500)
         self.checksum = float((matrix @ matrix).sum())
+
+
+class SlowToLoad(SyntheticRegression):
+    """Data whose loading (in the ranks, before the first step) touches `$SLOW_DATA_MARKER`, then takes a
+    minute: time to interrupt a run before it could write a checkpoint."""
+
+    def load(self):
+        Path(os.environ["SLOW_DATA_MARKER"]).touch()
+        time.sleep(60)
+        return super().load()

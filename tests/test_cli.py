@@ -332,3 +332,18 @@ def test_plan_counts_sgd_momentum_buffers(run_cli, momentum, optimizer_mb):
     proc = run_cli("plan=true", "optimizer=sgd", f"optimizer.momentum={momentum}")
     assert proc.returncode == 0, proc.stderr
     assert f"optimizer {optimizer_mb} MB;" in proc.stdout  # 0.2M fp32 parameters, one process
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_loss_that_becomes_nan_stops_the_run_naming_step_lr_and_precision(run_cli, ranks):
+    more = ["hardware=multi_gpu", "hardware.num_processes=2"] if ranks == 2 else []
+    proc = run_cli("optimizer.lr=1e8", "trainer.log_every=5", "trainer.checkpoint_every=5", *more)
+    assert proc.returncode == 1, proc.stderr
+    message = proc.stderr.strip().splitlines()[-1]
+    assert message.startswith("Training stopped: train/loss=nan at step "), message
+    assert "learning rate" in message and "precision no" in message and "Lower optimizer.lr" in message
+    assert "Traceback" not in proc.stderr
+    assert not (proc.run_dir / "metrics.json").exists()  # no final metrics: the run failed
+    step = int(message.split(" at step ")[1].split()[0])
+    latest = (proc.run_dir / "checkpoints" / "latest").read_text().strip() if step > 5 else None
+    assert (f"checkpoints/{latest}" in message) if latest else "It wrote no checkpoint." in message

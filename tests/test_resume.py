@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,15 @@ def uninterrupted(tmp_path_factory) -> dict[int, bytes]:
 
 
 @pytest.mark.parametrize(
-    ("ranks", "stop"), [(1, signal.SIGTERM), (2, signal.SIGTERM), (1, signal.SIGUSR1), (2, signal.SIGUSR2)]
+    ("ranks", "stop"),
+    [
+        (1, signal.SIGTERM),
+        (2, signal.SIGTERM),
+        (1, signal.SIGUSR1),
+        (2, signal.SIGUSR2),
+        (1, signal.SIGINT),  # Ctrl-C: the same, not a KeyboardInterrupt traceback
+        (2, signal.SIGINT),
+    ],
 )
 def test_a_stop_signal_checkpoints_exits_75_and_a_rerun_finishes_identically(
     tmp_path, uninterrupted, ranks, stop
@@ -58,7 +67,7 @@ def test_a_stop_signal_checkpoints_exits_75_and_a_rerun_finishes_identically(
     os.kill(proc.pid, stop)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 75, stderr
-    assert "Training interrupted" in stderr and "to resume" in stderr
+    assert "Training interrupted" in stderr and "to resume" in stderr and "Traceback" not in stderr
     rerun = run(tmp_path, *TRAIN, *RANKS[ranks])
     assert rerun.returncode == 0, rerun.stderr
     assert "resumed from" in (tmp_path / "runner.log").read_text()
@@ -160,3 +169,22 @@ def test_damaged_checkpoints_and_weights_are_refused_before_launch(tmp_path):
         assert "Traceback" not in proc.stderr
         assert sorted(p.name for p in run_dir.iterdir()) == ["runner.log"], override  # nothing else written
         shutil.rmtree(run_dir)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_an_interrupt_before_any_checkpoint_does_not_promise_a_resume(tmp_path, ranks):
+    marker = tmp_path / "loading"
+    env = cli_env(Path(__file__).parent) | {"SLOW_DATA_MARKER": str(marker)}
+    command = runner_command(tmp_path / "run", "data._target_=faulty_tasks.SlowToLoad", *RANKS[ranks])
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the data never started loading"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr  # as the shell reports a Ctrl-C; 75 says "resume"
+    message = stderr.strip().splitlines()[-1]
+    assert message.startswith("Training interrupted: stopped by "), stderr
+    assert "before any checkpoint was written: there is nothing to resume from" in message
+    assert "Traceback" not in stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -11,6 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from runner.checkpoint import LATEST, latest_checkpoint
 from runner.cluster import launched_environment
 from runner.hardware.base import Strategy
 from runner.log import configure_rank_logging
@@ -66,6 +68,24 @@ class Launcher(ABC):
         """One line for the plan: where and how the ranks would start."""
 
 
+def interrupted(cause: str, output_dir: Path, since: float) -> str:
+    """What to tell a user whose run `cause` (a signal's name) stopped, saying "resume" only where this run
+    wrote a checkpoint to resume from (`since`: when it started)."""
+    checkpoints = output_dir / "checkpoints"
+    latest = latest_checkpoint(checkpoints)
+    if latest is not None and (checkpoints / LATEST).stat().st_mtime >= since:
+        return (
+            f"stopped by {cause}; checkpoint {latest}. Run the same command with the same output dir ({output_dir}) "
+            "to resume."
+        )
+    if latest is not None:
+        return (
+            f"stopped by {cause} before this run wrote a checkpoint: the same command with the same output dir "
+            f"({output_dir}) resumes from {latest}, written earlier."
+        )
+    return f"stopped by {cause} before any checkpoint was written: there is nothing to resume from."
+
+
 def run_rank(job: Job) -> dict[str, float]:
     """The body of every rank: its logging (only rank 0 logs below warnings), then the job's entry; rank 0
     writes the final metrics to `metrics.json` in the job's dir."""
@@ -73,6 +93,7 @@ def run_rank(job: Job) -> dict[str, float]:
     rank = env.rank if env else 0
     configure_rank_logging(job.logging_config, rank)
     metrics = job.entry(job.cfg, job.output_dir, job.strategy)
-    if rank == 0:
-        (job.output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if rank == 0:  # JSON has no NaN or infinity: those are written as null
+        finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()}
+        (job.output_dir / "metrics.json").write_text(json.dumps(finite, indent=2, allow_nan=False))
     return metrics

@@ -26,9 +26,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from runner.cluster import available_cores, launched_environment
-from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingInterrupted
+from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingDiverged, TrainingInterrupted
 from runner.hardware.base import Strategy
-from runner.launchers.base import Job, Launcher, RankFailedError, run_rank
+from runner.launchers.base import Job, Launcher, RankFailedError, interrupted, run_rank
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ class LocalLauncher(Launcher):
 
     def _launch_ranks(self, job: Job, num_processes: int, start_method: str) -> dict[str, float]:
         log.info("starting %d ranks (%s)", num_processes, start_method)
+        started = time.time()
         with tempfile.TemporaryDirectory(prefix="runner-elastic-") as error_dir:
             config = single_node_config(
                 num_processes,
@@ -108,8 +109,7 @@ class LocalLauncher(Launcher):
                     results = elastic_launch(config, _rank_entry)(job, error_dir)
                 except SignalException as err:  # this process was signalled; the ranks got it too
                     raise TrainingInterrupted(
-                        f"stopped by {signal.Signals(err.sigval).name}; the ranks checkpointed if they could. Run the "
-                        f"same command with the same output dir ({job.output_dir}) to resume.",
+                        interrupted(signal.Signals(err.sigval).name, job.output_dir, since=started),
                         signum=err.sigval,
                     ) from None
                 except ChildFailedError as err:
@@ -141,6 +141,7 @@ def _rank_entry(job: Job, error_dir: str) -> dict[str, float]:
             "time": time.time(),
             "lost_peer": lost_peer,
             "config_error": str(err) if isinstance(err, ConfigError) else None,
+            "diverged": str(err) if isinstance(err, TrainingDiverged) else None,
             "traceback": traceback.format_exc(),
         }
         rank = launched_environment().rank  # type: ignore[union-attr]  # the elastic launcher set it
@@ -194,6 +195,8 @@ def raise_failure(failures: dict[int, ProcessFailure], error_dir: Path) -> NoRet
     rank = min(reports, key=lambda r: (reports[r]["lost_peer"], reports[r]["time"]))
     if reports[rank]["config_error"]:
         raise ConfigError(reports[rank]["config_error"])
+    if reports[rank].get("diverged"):
+        raise TrainingDiverged(reports[rank]["diverged"])
     others = sorted(set(reports) - {rank})
     also = f" (rank {', '.join(map(str, others))} failed too)" if others else ""
     raise RankFailedError(
