@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from runner.data.base import DataSource
 from runner.errors import ConfigError
+from runner.ops import apply_to_tensors, send_to_device
 from runner.task import InferenceTask
 from runner.weights import load_weights
 
@@ -38,6 +39,20 @@ def build_on_meta(cfg: DictConfig, data: DataSource | None = None) -> torch.nn.M
     data = data or build_data(cfg)
     with torch.device("meta"):
         return build_model(cfg, data)
+
+
+def meta_training_step(
+    cfg: DictConfig, model: torch.nn.Module, data: DataSource, per_device: int = 1
+) -> None:
+    """One training step of the configured task (forward, loss, backward) on the first batch of `data`,
+    both on the meta device: the real shapes, no values and no memory. `per_device` > 1 cuts the batch to
+    one process's share (`trainer.split_batches`). A task that reads values (`.item()`) cannot run so:
+    that raises NotImplementedError or RuntimeError naming the meta device."""
+    batch = next(iter(data.train_dataloader(seed=0)))
+    if per_device > 1:
+        batch = apply_to_tensors(lambda t: t[: len(t) // per_device], batch)
+    loss = instantiate(cfg.task).training_step(model.train(), send_to_device(batch, torch.device("meta")))
+    loss.backward()
 
 
 def load_start_weights(model: torch.nn.Module, checkpoint: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import fcntl
 import logging
 import os
 import shutil
@@ -11,7 +12,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import hydra
@@ -59,7 +60,10 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
     env = launched_environment()
     if env is not None and env.rank != 0:  # every task of a SLURM sweep job runs this; rank 0 logs
         configure_rank_logging(None, env.rank)
+    owned = ExitStack()  # the run dir's lock, for the command's life (ranks a launcher started hold none)
     try:
+        if env is None:
+            owned.enter_context(run_dir_lock(output_dir))
         with _single_threaded():
             built = validate(cfg)
             launcher: Launcher = built.launcher
@@ -110,6 +114,8 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
     except KeyboardInterrupt:  # a Ctrl-C before the loop started, or a second one: no checkpoint now
         log.warning("Training interrupted: %s", interrupted("Ctrl-C", output_dir, since=started))
         sys.exit(EXIT_CTRL_C)
+    finally:
+        owned.close()
     if not metrics:  # queued, not waited for (launcher.wait=false)
         return metrics
     log.info("final metrics (output dir %s):\n%s", output_dir, _table(metrics))
@@ -160,6 +166,41 @@ def _single_threaded() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@contextmanager
+def run_dir_lock(output_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the run dir (the directory itself: no file is left behind; the kernel
+    drops it when the process dies, so a lock is never stale): a second run into the same dir is refused
+    before it writes anything but its log line."""
+    fd = os.open(output_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(output_dir)
+            raise ConfigError(
+                f"hydra.run.dir={output_dir} is in use by another run{f' (pid {holder})' if holder else ''}: two runs "
+                "in one dir would overwrite each other's checkpoints, metrics and model. Wait for it to end, or give "
+                "this run a dir of its own (hydra.run.dir=<another dir>)."
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _lock_holder(path: Path) -> int | None:
+    """The pid holding a flock on `path`, from /proc/locks (Linux), if it can be told."""
+    stat = os.stat(path)
+    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    try:
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if "FLOCK" in fields and device in fields:
+                return int(fields[fields.index(device) - 1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _save_job_config(cfg: DictConfig, hydra_cfg: DictConfig, output_dir: Path) -> None:

@@ -56,6 +56,7 @@ class ParallelConfig(HardwareConfig):
     backend: str | None = None  # null: nccl on cuda, gloo on cpu
     timeout_s: float = 1800.0  # collective timeout
     num_threads: int | None = None  # CPU threads per rank; null: cores / ranks
+    oversubscribe: bool = False  # allow more CPU ranks than cores
 
 
 @dataclass

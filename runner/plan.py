@@ -8,11 +8,11 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner.build import build_data, build_on_meta
+from runner.build import build_data, build_on_meta, meta_training_step
 from runner.cluster import available_cores
 from runner.data.base import DataSource
 from runner.hardware.base import Strategy
-from runner.ops import apply_to_tensors, send_to_device
+from runner.ops import apply_to_tensors
 
 MB = 1024**2
 
@@ -96,9 +96,6 @@ def state_memory(
 def _activations(cfg: DictConfig, model: torch.nn.Module, data: DataSource, world_size: int) -> str:
     """The outputs of every leaf module in one training step of a per-device batch, run on meta tensors:
     roughly what autograd keeps for the backward pass (fp32; bf16/fp16 autocast halves the matmul ones)."""
-    batch = next(iter(data.train_dataloader(seed=0)))
-    if cfg.trainer.split_batches:
-        batch = apply_to_tensors(lambda t: t[: len(t) // world_size], batch)
     total = 0
 
     def count(module: torch.nn.Module, inputs: Any, output: Any) -> None:
@@ -109,7 +106,7 @@ def _activations(cfg: DictConfig, model: torch.nn.Module, data: DataSource, worl
     leaves = [m for m in model.modules() if next(m.children(), None) is None]
     handles = [m.register_forward_hook(count) for m in leaves]
     try:
-        instantiate(cfg.task).training_step(model.train(), send_to_device(batch, torch.device("meta")))
+        meta_training_step(cfg, model, data, world_size if cfg.trainer.split_batches else 1)
     except Exception as err:  # a task that reads values (`.item()`) cannot run on meta tensors
         return f"not estimated (the task's training_step cannot run on meta tensors: {str(err).splitlines()[0][:120]})"
     finally:

@@ -11,12 +11,24 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from runner.errors import ConfigError
+
+
+def _fraction(name: str, value: float, upper_open: bool = True) -> float:
+    """`scheduler.<name>`, a fraction: in [0, 1) (or [0, 1])."""
+    if not (0 <= value < 1 if upper_open else 0 <= value <= 1):
+        raise ConfigError(
+            f"scheduler.{name}={value}: must be in [0, 1{')' if upper_open else ']'} (a fraction of "
+            + ("training)." if name == "warmup_ratio" else "the learning rate).")
+        )
+    return value
+
 
 def constant(
     optimizer: torch.optim.Optimizer, num_training_steps: int, warmup_ratio: float = 0.0
 ) -> LambdaLR:
     """Linear warm-up over `warmup_ratio` of training, then the optimizer's learning rate."""
-    warmup = int(num_training_steps * warmup_ratio)
+    warmup = int(num_training_steps * _fraction("warmup_ratio", warmup_ratio))
     return LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
 
 
@@ -27,7 +39,8 @@ def cosine(
     min_lr_ratio: float = 0.0,
 ) -> LambdaLR:
     """Linear warm-up, then cosine decay to `min_lr_ratio` x the learning rate at the last step."""
-    warmup = int(num_training_steps * warmup_ratio)
+    warmup = int(num_training_steps * _fraction("warmup_ratio", warmup_ratio))
+    _fraction("min_lr_ratio", min_lr_ratio, upper_open=False)
 
     def factor(step: int) -> float:
         if step < warmup:

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner.build import build_data, build_on_meta, is_inference, locate
+from runner.build import build_data, build_on_meta, is_inference, locate, meta_training_step
+from runner.config import RunConfig
+from runner.data.base import DataSource
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
 from runner.hardware.big_model import BigModel
 from runner.weights import DamagedFileError, checkpoint_tensors
+
+T = TypeVar("T")
 
 # Nodes with a dataclass schema (runner/config.py).
 TYPED_NODES = ("trainer", "hardware", "precision", "launcher", "tracker")
@@ -70,8 +76,17 @@ def _missing_values(cfg: DictConfig) -> list[str]:
 
 
 def _schema_problems(cfg: DictConfig) -> list[str]:
-    """Keys added with `+key=value` to a typed group pass composition; they are still not settings."""
+    """Keys added with `+key=value` to a typed group or the top level pass composition; they are still
+    not settings."""
+    top = [f.name for f in dataclasses.fields(RunConfig)]
     problems = []
+    for key in cfg:
+        if key not in top:
+            owners = [node for node in TYPED_NODES if key in cfg[node]]
+            hint = f" Did you mean {owners[0]}.{key}?" if owners else ""
+            problems.append(
+                f"{key}: not a setting of the top level (its settings are {', '.join(top)}).{hint} Remove it."
+            )
     for node in TYPED_NODES:
         fields = [f.name for f in dataclasses.fields(OmegaConf.get_type(cfg[node]))]
         problems += [
@@ -173,12 +188,22 @@ def validate_for_world(cfg: DictConfig, world_size: int, hardware: Strategy) -> 
             f"{batch_size - batch_size % world_size or world_size}), or trainer.split_batches=false for "
             f"{batch_size} per process."
         )
-    if world_size > 1 and not is_inference(cfg.task._target_):
-        data = build_data(cfg)
+    if not is_inference(cfg.task._target_):
+        data = _run_user_code("data", cfg.data, "to read its data", lambda: build_data(cfg))
+        model = _run_user_code("model", cfg.model, "to build the model", lambda: build_on_meta(cfg, data))
         try:
-            hardware.check_model(build_on_meta(cfg, data), world_size)
+            hardware.check_model(model, world_size)
         except ConfigError as err:
             problems.append(str(err))
+        problems += _step_problems(cfg, model, data, world_size if cfg.trainer.split_batches else 1)
+        problems += _optimizer_problems(cfg, model)
+        step_samples = (batch_size or 1) * (1 if cfg.trainer.split_batches else world_size)
+        if batch_size and len(data.train_set) < step_samples:
+            problems.append(
+                f"data.batch_size={batch_size}: the training set has {len(data.train_set)} sample(s), fewer than one "
+                f"batch on each of the {world_size} process(es) needs ({step_samples}): training would run on smaller "
+                "batches than asked. Lower data.batch_size, or use more data."
+            )
         eval_size = len(data.eval_set)
         if eval_size < world_size:
             problems.append(
@@ -188,6 +213,75 @@ def validate_for_world(cfg: DictConfig, world_size: int, hardware: Strategy) -> 
             )
     if problems:
         raise ConfigError("\n\n".join(problems))
+
+
+def _run_user_code(node: str, node_cfg: DictConfig, doing: str, build: Callable[[], T]) -> T:
+    """`build()`; an exception from the user's code under `node` (a corrupt or empty data file, a model
+    that refuses its sizes) becomes a ConfigError naming the node, its target and the files it was given,
+    before any rank starts."""
+    try:
+        return build()
+    except ConfigError:
+        raise
+    except Exception as raised:
+        err = raised.__cause__ if isinstance(raised, InstantiationException) and raised.__cause__ else raised
+        if isinstance(err, ConfigError):
+            raise err from None
+        message = str(err).splitlines()[0][:300] if str(err) else "no message"
+        files = [
+            f"{node}.{key}={value}"
+            for key, value in node_cfg.items()
+            if isinstance(value, str) and any(word in str(key) for word in ("path", "file", "dir"))
+        ]
+        raise ConfigError(
+            f"{node}: {node_cfg._target_} failed {doing}{' from ' + ', '.join(files) if files else ''} "
+            f"({type(err).__name__}: {message}). Check the settings under {node}"
+            + (" and that the files are whole and in the format expected." if files else ".")
+        ) from err
+
+
+def _step_problems(cfg: DictConfig, model: torch.nn.Module, data: DataSource, per_device: int) -> list[str]:
+    """One training step on meta tensors (the real shapes, nothing computed): a model, data and task that
+    do not fit together fail here, before launch, instead of in every rank. A task that reads values
+    cannot run on meta tensors: that is not reported."""
+    try:
+        meta_training_step(cfg, model, data, per_device)
+    except Exception as err:
+        message = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+        if "meta" in message.lower():
+            return []
+        return [
+            f"one training step of {cfg.model._target_} on the first batch of {cfg.data._target_} with "
+            f"{cfg.task._target_} fails ({type(err).__name__}: {message}). Make the model, data and task settings "
+            "agree."
+        ]
+    return []
+
+
+def _optimizer_problems(cfg: DictConfig, model: torch.nn.Module) -> list[str]:
+    """Build the optimizer over the (meta) model's parameters and the schedule over it, as the ranks
+    will: their constructors check their own settings (a negative learning rate, a warm-up of 2)."""
+    built = {}
+    for node, build in (
+        ("optimizer", lambda: instantiate(cfg.optimizer)(model.parameters())),
+        ("scheduler", lambda: instantiate(cfg.scheduler)(built["optimizer"], num_training_steps=100)),
+    ):
+        try:
+            built[node] = build()
+        except Exception as raised:
+            err = (
+                raised.__cause__
+                if isinstance(raised, InstantiationException) and raised.__cause__
+                else raised
+            )
+            if isinstance(err, ConfigError):
+                return [str(err)]
+            message = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+            return [
+                f"{node}: {cfg[node]._target_} refuses its settings ({type(err).__name__}: {message}). Fix them "
+                f"under {node}."
+            ]
+    return []
 
 
 def _checkpoint_problems(cfg: DictConfig, hardware: Any) -> list[str]:

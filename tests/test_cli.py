@@ -207,6 +207,20 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
         (["model._target_=nope.Model"], "model._target_='nope.Model' cannot be imported"),
         (["model=gpt"], "model.vocab_size is null and the data does not provide it"),
         (["hardware=multi_gpu", "hardware.num_processes=0"], "hardware.num_processes=0: must be >= 1"),
+        (["hardware=multi_gpu", "hardware.num_processes=4096"], "CPU core(s) for 4096 CPU ranks"),
+        (["hardware.num_threads=0"], "hardware.num_threads=0: must be >= 1"),
+        (["+max_steps=5"], "max_steps: not a setting of the top level (its settings are model, data,"),
+        (
+            ["optimizer.lr=-1"],
+            "optimizer: torch.optim.AdamW refuses its settings (ValueError: Invalid learning rate",
+        ),
+        (["scheduler.warmup_ratio=2"], "scheduler.warmup_ratio=2: must be in [0, 1)"),
+        (["scheduler.warmup_ratio=-0.5"], "scheduler.warmup_ratio=-0.5: must be in [0, 1)"),
+        (["model.hidden_size=0"], "model.hidden_size=0: model sizes must be >= 1"),
+        (["model.dropout=1.5"], "model.dropout=1.5: must be in [0, 1)"),
+        (["experiment=gpt_sonnets", "model.n_layers=0"], "model.n_layers=0: model sizes must be >= 1"),
+        (["data.batch_size=5000"], "data.batch_size=5000: the training set has 3686 sample(s)"),
+        (["hardware=fsdp", "hardware.num_threads=-1"], "hardware.num_threads=-1: must be >= 1"),
         (
             [
                 "hardware=multi_gpu",
@@ -222,6 +236,7 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
                 "hardware.num_processes=2",
                 "data.num_samples=20",
                 "data.eval_fraction=0.05",
+                "data.batch_size=4",
             ],
             "the eval set has 1 sample(s), fewer than the 2 processes",
         ),
@@ -250,7 +265,8 @@ def test_bad_input_gives_one_paragraph_and_no_traceback(run_cli, overrides, expe
     message = proc.stderr.strip()
     assert message.startswith("Configuration error: ") and expected in message
     assert "\n" not in message  # one paragraph
-    assert not (proc.run_dir / "resolved_config.yaml").exists()
+    written = sorted(p.name for p in proc.run_dir.iterdir()) if proc.run_dir.exists() else []
+    assert written in ([], ["runner.log"])  # nothing but the log (composition errors: not even that)
     assert "step " not in message and "starting" not in message  # nothing trained, no rank started
 
 
@@ -347,3 +363,43 @@ def test_a_loss_that_becomes_nan_stops_the_run_naming_step_lr_and_precision(run_
     step = int(message.split(" at step ")[1].split()[0])
     latest = (proc.run_dir / "checkpoints" / "latest").read_text().strip() if step > 5 else None
     assert (f"checkpoints/{latest}" in message) if latest else "It wrote no checkpoint." in message
+
+
+def test_broken_data_files_and_a_model_that_does_not_fit_are_refused_before_launch(run_cli, tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "cut.jsonl").write_text('{"x": 1, "y": 2}\n{"x": ')
+    (tmp_path / "table.csv.gz").write_bytes(b"not gzip at all")
+    (tmp_path / "nan.csv").write_text("x,y\n" + "".join(f"{i},{i % 2}\n" for i in range(30)) + "nan,1\n")
+    (tmp_path / "one_class.csv").write_text("x,y\n" + "".join(f"{i},cat\n" for i in range(30)))
+    cases = {
+        (
+            "data=text",
+            "data.path=empty.txt",
+            "model=gpt",
+        ): "data: runner.data.TextFile failed to read its data from data.path=empty.txt",
+        ("data=table", "data.path=cut.jsonl", "data.target=y"): "from data.path=cut.jsonl (JSONDecodeError",
+        ("data=table", "data.path=table.csv.gz", "data.target=y"): "from data.path=table.csv.gz (BadGzipFile",
+        ("data=table", "data.path=nan.csv", "data.target=y"): "column 'x' holds 'nan' on data row 31",
+        (
+            "data=table",
+            "data.path=one_class.csv",
+            "data.target=y",
+        ): "every row of one_class.csv has the class 'cat'",
+        (
+            "experiment=gpt_sonnets",
+            "model.max_seq_len=16",
+        ): "one training step of runner.models.GPT on the first batch",
+        (
+            "experiment=gpt_sonnets",
+            "model.max_seq_len=16",
+            "hardware=multi_gpu",
+            "hardware.num_processes=2",
+        ): ("sequence length 64 exceeds model.max_seq_len=16"),
+    }
+    for overrides, expected in cases.items():
+        for plan in ([], ["plan=true"]):  # the plan refuses it the same way
+            proc = run_cli(*overrides, *plan)
+            message = proc.stderr.strip()
+            assert proc.returncode == 2, proc.stderr
+            assert message.startswith("Configuration error: ") and expected in message, message
+            assert "Traceback" not in proc.stderr and "starting" not in proc.stderr and "\n" not in message

@@ -37,6 +37,7 @@ def test_tp_by_dp_checkpoints_with_dcp_resumes_and_saves_full_weights(run_cli):
     hardware = (
         "hardware=megatron",
         "hardware.num_processes=4",
+        "hardware.oversubscribe=true",  # on a 2-core machine
         "hardware.tp_size=2",
         "hardware.shard_modules=[Block]",
     )
@@ -58,11 +59,16 @@ def test_tp_by_dp_checkpoints_with_dcp_resumes_and_saves_full_weights(run_cli):
     ("overrides", "message"),
     [
         (
-            ["experiment=gpt_sonnets", "hardware.num_processes=3"],
+            ["experiment=gpt_sonnets", "hardware.num_processes=3", "hardware.oversubscribe=true"],
             "hardware.tp_size=2 does not divide the world size 3",
         ),
         (
-            ["experiment=gpt_sonnets", "hardware.num_processes=3", "hardware.tp_size=3"],
+            [
+                "experiment=gpt_sonnets",
+                "hardware.num_processes=3",
+                "hardware.oversubscribe=true",
+                "hardware.tp_size=3",
+            ],
             "tp_size=3 does not divide model.n_heads=4",
         ),
         ([], "MLP declares no tensor-parallel plan"),  # the default experiment's model

@@ -188,3 +188,21 @@ def test_an_interrupt_before_any_checkpoint_does_not_promise_a_resume(tmp_path, 
     assert message.startswith("Training interrupted: stopped by "), stderr
     assert "before any checkpoint was written: there is nothing to resume from" in message
     assert "Traceback" not in stderr
+
+
+def test_a_second_run_into_a_busy_dir_is_refused_and_a_dead_runs_dir_is_free(tmp_path):
+    first = start(tmp_path, "trainer.max_steps=100000", "trainer.checkpoint_every=50")
+    wait_for_checkpoint(tmp_path, first)
+    recorded = (tmp_path / ".hydra" / "overrides.yaml").read_text()
+    second = run(tmp_path, "trainer.max_steps=20", "optimizer.lr=0.5")
+    message = second.stderr.strip().splitlines()[-1]
+    assert second.returncode == 2, second.stderr
+    assert message.startswith(f"Configuration error: hydra.run.dir={tmp_path} is in use by another run (pid ")
+    assert f"(pid {first.pid})" in message and "Traceback" not in second.stderr
+    assert (
+        tmp_path / ".hydra" / "overrides.yaml"
+    ).read_text() == recorded  # nothing of the first was touched
+    first.kill()  # kill -9: no cleanup ran, yet nothing stale is left behind
+    first.communicate(timeout=60)
+    third = run(tmp_path, "trainer.max_steps=20")
+    assert third.returncode == 0, third.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -94,6 +95,11 @@ class TableFile(DataSource):
         labels = [row[self.target] for row in rows]
         if self.task == "classification":
             classes = sorted(set(labels), key=_label_order)
+            if len(classes) < 2:
+                raise ConfigError(
+                    f"data.target={self.target!r}: every row of {self.path} has the class {classes[0]!r}; a "
+                    "classifier needs at least two. Choose another target column, or data.task=regression."
+                )
             index = {label: i for i, label in enumerate(classes)}
             targets = torch.tensor([index[label] for label in labels])
             out_features = len(classes)
@@ -113,12 +119,18 @@ class TableFile(DataSource):
 
 def _number(row: dict[str, Any], column: str, index: int) -> float:
     try:
-        return float(row[column])
+        value = float(row[column])
     except (TypeError, ValueError):
         raise ConfigError(
             f"data: column {column!r} holds the non-numeric value {row[column]!r} on data row {index + 1}; "
             "feature columns (and a regression target) must be numbers: choose them with data.features."
         ) from None
+    if not math.isfinite(value):
+        raise ConfigError(
+            f"data: column {column!r} holds {row[column]!r} on data row {index + 1}; a NaN or infinite value makes "
+            "every loss NaN. Fill or drop those rows, or leave the column out with data.features."
+        )
+    return value
 
 
 def _label_order(label: Any) -> tuple[int, Any]:

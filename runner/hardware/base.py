@@ -12,10 +12,20 @@ import torch
 from safetensors.torch import save_file
 
 from runner.checkpoint import load_torch
+from runner.errors import ConfigError
 from runner.ops import on_device, send_to_device
 from runner.precision import Precision
 from runner.state import ProcessState
 from runner.weights import distinct_tensors, load_weights
+
+
+def checked_threads(num_threads: int | None) -> int | None:
+    """`hardware.num_threads` (None: the default), or a ConfigError for a count below 1."""
+    if num_threads is not None and num_threads < 1:
+        raise ConfigError(
+            f"hardware.num_threads={num_threads}: must be >= 1 (CPU threads per process), or null for the default."
+        )
+    return num_threads
 
 
 def one_process_state(device: torch.device, num_threads: int | None) -> ProcessState:
@@ -37,6 +47,7 @@ class Strategy(ABC):
 
     num_processes: int = 1
     start_method: str = "spawn"
+    oversubscribe: bool = False  # run more CPU ranks than this machine has cores
     checkpoint_format: str = "full"  # how save_checkpoint writes models and optimizers (see there)
     # Which of "weights", "gradients", "optimizer" each rank holds only a 1/world_size share of.
     sharded_states: frozenset[str] = frozenset()

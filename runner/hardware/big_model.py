@@ -12,7 +12,7 @@ from torch import nn
 
 from runner.big_modeling import AUTO_MAPS, get_max_memory, load_checkpoint_and_dispatch
 from runner.errors import ConfigError
-from runner.hardware.base import Strategy, one_process_state
+from runner.hardware.base import Strategy, checked_threads, one_process_state
 from runner.state import ProcessState
 
 
@@ -59,7 +59,7 @@ class BigModel(Strategy):
         self.dtype = dtype
         self.offload_buffers = offload_buffers
         self.device = torch.device("cpu")  # where inputs start; the device map places the modules
-        self.num_threads = num_threads
+        self.num_threads = checked_threads(num_threads)
 
     def setup_environment(self) -> ProcessState:
         return one_process_state(self.device, self.num_threads)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.hardware.base import Strategy, one_process_state
+from runner.hardware.base import Strategy, checked_threads, one_process_state
 from runner.state import ProcessState
 
 
@@ -18,7 +18,7 @@ class SingleDevice(Strategy):
 
     def __init__(self, device: str = "cpu", num_threads: int | None = None) -> None:
         self.device = torch.device(device)
-        self.num_threads = num_threads
+        self.num_threads = checked_threads(num_threads)
 
     def setup_environment(self) -> ProcessState:
         return one_process_state(self.device, self.num_threads)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from runner.cluster import available_cores, launched_environment
 from runner.errors import ConfigError
-from runner.hardware.base import Strategy
+from runner.hardware.base import Strategy, checked_threads
 from runner.state import ProcessState
 
 
@@ -29,6 +29,8 @@ class ParallelStrategy(Strategy):
         backend: process-group backend; None: nccl on cuda, gloo on cpu.
         timeout_s: how long a collective waits for the other ranks before failing.
         num_threads: CPU threads per rank; None: `OMP_NUM_THREADS`, else the cores shared out evenly.
+        oversubscribe: start more CPU ranks than this machine has cores (refused otherwise: ranks that share
+            a core wait on each other at every collective).
     """
 
     def __init__(
@@ -39,6 +41,7 @@ class ParallelStrategy(Strategy):
         backend: str | None = None,
         timeout_s: float = 1800.0,
         num_threads: int | None = None,
+        oversubscribe: bool = False,
     ) -> None:
         self.device_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.device_type not in ("cuda", "cpu"):
@@ -61,7 +64,8 @@ class ParallelStrategy(Strategy):
             raise ConfigError(f"hardware.timeout_s={timeout_s}: must be > 0 seconds.")
         self.backend = backend or ("nccl" if self.device_type == "cuda" else "gloo")
         self.timeout = timedelta(seconds=timeout_s)
-        self.num_threads = num_threads
+        self.num_threads = checked_threads(num_threads)
+        self.oversubscribe = oversubscribe
         # A forked rank starts in milliseconds; CUDA does not survive a fork, so GPU ranks are spawned.
         self.start_method = "spawn" if self.device_type == "cuda" else "fork"
         self.device = torch.device(self.device_type)

@@ -80,6 +80,19 @@ class LocalLauncher(Launcher):
             job.for_other_processes(), strategy.num_processes, self.start_method or strategy.start_method
         )
 
+    def check(self, cfg: DictConfig, strategy: Strategy) -> None:
+        """CPU ranks beyond this machine's cores share cores and wait on each other at every collective
+        (64 ranks on 2 cores make no step in minutes): refused unless `hardware.oversubscribe`."""
+        cores = available_cores()
+        ranks = strategy.num_processes
+        cpu_ranks = ranks if strategy.device.type == "cpu" and launched_environment() is None else 0
+        if cpu_ranks > cores and not strategy.oversubscribe:
+            raise ConfigError(
+                f"hardware.num_processes={ranks}: this machine has {cores} CPU core(s) for {ranks} CPU ranks; "
+                "ranks that share a core wait on each other at every collective and crawl. Use "
+                f"hardware.num_processes<={cores}, or hardware.oversubscribe=true to start them anyway."
+            )
+
     def world_size(self, cfg: DictConfig, strategy: Strategy) -> int:
         env = launched_environment()
         return env.world_size if env is not None else strategy.num_processes

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runner.models.checks import check_sizes
+
 if TYPE_CHECKING:  # torch.distributed.tensor takes ~0.5 s to import: tp_plan imports it when asked
     from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -80,6 +82,15 @@ class GPT(nn.Module):
         tie_embeddings: bool = True,
     ) -> None:
         super().__init__()
+        check_sizes(
+            dropout,
+            vocab_size=vocab_size,
+            max_seq_len=max_seq_len,
+            d_model=d_model,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            mlp_ratio=mlp_ratio,
+        )
         self.max_seq_len = max_seq_len
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(max_seq_len, d_model)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runner.models.checks import check_sizes
+
 
 class MLP(nn.Module):
     """`num_layers` hidden layers of `hidden_size` units, then a linear head.
@@ -21,6 +23,13 @@ class MLP(nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        check_sizes(
+            dropout,
+            in_features=in_features,
+            out_features=out_features,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+        )
         layers: list[nn.Module] = []
         width = in_features
         for _ in range(num_layers):
