@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from functools import partial, wraps
@@ -567,6 +568,25 @@ class Accelerator:
             start_staging(final)
         self.wait_for_everyone()
         staging = staging_path(final)
+        try:
+            self._write_checkpoint(staging)
+            if self.is_main_process:
+                commit_staging(final)
+        except BaseException:
+            if self.is_main_process:  # no half-written checkpoint is left behind (a full disk, a signal)
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        if self.is_main_process and self.project_configuration.automatic_checkpoint_naming:
+            mark_latest(final)
+            if self.project_configuration.total_limit is not None:
+                prune(final.parent, self.project_configuration.total_limit)
+        if self.project_configuration.automatic_checkpoint_naming:
+            self.project_configuration.iteration += 1
+        self.wait_for_everyone()
+        return str(final)
+
+    def _write_checkpoint(self, staging: Path) -> None:
+        """Every process's part of a checkpoint into `staging`; the main process's `meta.json` last."""
         optimizers = [opt.optimizer for opt in self._optimizers]
         self.strategy.save_checkpoint(staging, self._models, optimizers, self.is_main_process)
         if self.is_main_process:
@@ -592,18 +612,10 @@ class Accelerator:
                 "checkpoint_format": self.strategy.checkpoint_format,
                 "step": self.step,
                 "counts": counts,
+                "optimizer_classes": [_qualified_name(opt) for opt in optimizers],
                 "files": {name: file_digest(staging / name) for name in checkpoint_files(staging)},
             }
             write_meta(staging, meta)
-            commit_staging(final)
-            if self.project_configuration.automatic_checkpoint_naming:
-                mark_latest(final)
-                if self.project_configuration.total_limit is not None:
-                    prune(final.parent, self.project_configuration.total_limit)
-        if self.project_configuration.automatic_checkpoint_naming:
-            self.project_configuration.iteration += 1
-        self.wait_for_everyone()
-        return str(final)
 
     def load_state(self, input_dir: str | None = None) -> None:
         """Restore a checkpoint that `save_state` wrote (without `input_dir`: the latest one of the
@@ -625,6 +637,14 @@ class Accelerator:
             "optimizers": len(self._optimizers),
             **{k: len(v) for k, v in parts.items()},
         }
+        written_with = meta.get("optimizer_classes")  # absent in checkpoints of earlier versions
+        has = [_qualified_name(opt.optimizer) for opt in self._optimizers]
+        if written_with is not None and written_with != has:
+            raise ConfigError(
+                f"{directory} holds the state of optimizer(s) {', '.join(written_with)} and this run has "
+                f"{', '.join(has)}: an optimizer's state does not carry over to another kind. Resume with the optimizer "
+                "it was written with, or start fresh (trainer.resume=null)."
+            )
         if meta["counts"] != counts:
             raise ConfigError(
                 f"{directory} holds {meta['counts']}, but this Accelerator has {counts} prepared/registered: "
@@ -747,3 +767,7 @@ class Accelerator:
             tracker.finish()
         self.trackers.clear()
         self.strategy.teardown()
+
+
+def _qualified_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"

@@ -31,8 +31,8 @@ from runner.config import CONF_DIR, register_configs
 from runner.errors import (
     EXIT_INTERRUPTED,
     ConfigError,
-    TrainingDiverged,
     TrainingInterrupted,
+    TrainingStopped,
     describe_compose_error,
 )
 from runner.inference import infer
@@ -108,7 +108,7 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
         requeue_if_preempted(err)  # a job of a SLURM sweep (hydra/launcher=submitit_slurm)
         log.warning("Training interrupted: %s", err)
         sys.exit(EXIT_INTERRUPTED)
-    except TrainingDiverged as err:
+    except TrainingStopped as err:  # diverged, or the disk full
         log.error("Training stopped: %s", err)
         sys.exit(1)
     except KeyboardInterrupt:  # a Ctrl-C before the loop started, or a second one: no checkpoint now

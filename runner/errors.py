@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
+import re
 
 from hydra.errors import MissingConfigException
 from omegaconf import DictConfig
@@ -80,5 +82,31 @@ class TrainingInterrupted(Exception):
         self.signum = signum
 
 
-class TrainingDiverged(RuntimeError):
-    """A metric became NaN or infinite: the run stops (exit 1) instead of training on, or reporting, garbage."""
+class TrainingStopped(RuntimeError):
+    """The run cannot go on, for a reason one paragraph says (exit 1, no traceback)."""
+
+
+class TrainingDiverged(TrainingStopped):
+    """A metric became NaN or infinite: the run stops instead of training on, or reporting, garbage."""
+
+
+_WRITE_FAILURES = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+}
+
+
+def write_failure(err: BaseException) -> str | None:
+    """Why `err` (or what caused it) failed to write a file, when the disk is full or not writable; else None.
+    Also for errors that only quote the OS error (safetensors: "... (os error 28)")."""
+    while err is not None:
+        code = err.errno if isinstance(err, OSError) else None
+        if code is None and (found := re.search(r"os error (\d+)", str(err))):
+            code = int(found.group(1))
+        if code in _WRITE_FAILURES:
+            where = f" ({err.filename})" if isinstance(err, OSError) and err.filename else ""
+            return f"{_WRITE_FAILURES[code]}{where}"
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    return None

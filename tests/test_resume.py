@@ -4,6 +4,7 @@ does: the final weights are bitwise identical, with 1 and with 2 processes."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -102,6 +103,9 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_training(tmp_path):
             "hardware.num_processes=1",
         ): "holds 'full' model state and this run's hardware reads 'deepspeed'",
         (f"trainer.resume={tmp_path / 'missing'}",): "no such directory",
+        (
+            "optimizer=sgd",
+        ): "holds the state of optimizer(s) torch.optim.adamw.AdamW and this run has torch.optim.sgd.SGD",
         (f"trainer.resume={tmp_path / 'model'}",): "not a checkpoint",
     }
     for overrides, expected in cases.items():
@@ -206,3 +210,26 @@ def test_a_second_run_into_a_busy_dir_is_refused_and_a_dead_runs_dir_is_free(tmp
     first.communicate(timeout=60)
     third = run(tmp_path, "trainer.max_steps=20")
     assert third.returncode == 0, third.stderr
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="a small tmpfs in a mount namespace needs root",
+)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_full_disk_stops_the_run_in_one_paragraph_and_leaves_no_partial_checkpoint(tmp_path, ranks):
+    """The run dir is on a 700 KB file system: the first checkpoint (the model alone is 800 KB) cannot fit."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    command = shlex.join(runner_command(mount / "run", "trainer.checkpoint_every=50", *RANKS[ranks]))
+    script = f"mount -t tmpfs -o size=700k tmpfs {mount} && {command}; code=$?; ls -A {mount}/run/checkpoints; exit $code"
+    proc = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", script], env=cli_env(), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 1, proc.stderr
+    message = proc.stderr.strip().splitlines()[-1]
+    assert message.startswith(
+        f"Training stopped: the run could not write to {mount / 'run'}: the disk is full"
+    )
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout.strip() == ""  # checkpoints/ holds nothing: the partial one was removed

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from runner.checkpoint import LATEST, latest_checkpoint
 from runner.cluster import launched_environment
+from runner.errors import TrainingStopped, write_failure
 from runner.hardware.base import Strategy
 from runner.log import configure_rank_logging
 
@@ -92,7 +93,16 @@ def run_rank(job: Job) -> dict[str, float]:
     env = launched_environment()
     rank = env.rank if env else 0
     configure_rank_logging(job.logging_config, rank)
-    metrics = job.entry(job.cfg, job.output_dir, job.strategy)
+    try:
+        metrics = job.entry(job.cfg, job.output_dir, job.strategy)
+    except Exception as err:
+        if (reason := write_failure(err)) is None:
+            raise
+        raise TrainingStopped(
+            f"the run could not write to {job.output_dir}: {reason}. Free space or fix the permissions there, or give "
+            "the run another dir (hydra.run.dir=...); checkpoints completed before are intact, and the metrics logged "
+            "so far are in the log above."
+        ) from err
     if rank == 0:  # JSON has no NaN or infinity: those are written as null
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()}
         (job.output_dir / "metrics.json").write_text(json.dumps(finite, indent=2, allow_nan=False))

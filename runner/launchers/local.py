@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from runner.cluster import available_cores, launched_environment
-from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingDiverged, TrainingInterrupted
+from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingInterrupted, TrainingStopped
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher, RankFailedError, interrupted, run_rank
 
@@ -154,7 +154,7 @@ def _rank_entry(job: Job, error_dir: str) -> dict[str, float]:
             "time": time.time(),
             "lost_peer": lost_peer,
             "config_error": str(err) if isinstance(err, ConfigError) else None,
-            "diverged": str(err) if isinstance(err, TrainingDiverged) else None,
+            "stopped": str(err) if isinstance(err, TrainingStopped) else None,
             "traceback": traceback.format_exc(),
         }
         rank = launched_environment().rank  # type: ignore[union-attr]  # the elastic launcher set it
@@ -208,8 +208,8 @@ def raise_failure(failures: dict[int, ProcessFailure], error_dir: Path) -> NoRet
     rank = min(reports, key=lambda r: (reports[r]["lost_peer"], reports[r]["time"]))
     if reports[rank]["config_error"]:
         raise ConfigError(reports[rank]["config_error"])
-    if reports[rank].get("diverged"):
-        raise TrainingDiverged(reports[rank]["diverged"])
+    if reports[rank]["stopped"]:
+        raise TrainingStopped(reports[rank]["stopped"])
     others = sorted(set(reports) - {rank})
     also = f" (rank {', '.join(map(str, others))} failed too)" if others else ""
     raise RankFailedError(
