@@ -42,7 +42,7 @@ from runner.launchers.slurm import requeue_if_preempted
 from runner.log import configure_rank_logging
 from runner.plan import describe as describe_plan
 from runner.train import train
-from runner.validate import validate, validate_for_world
+from runner.validate import check_job
 
 log = logging.getLogger("runner")
 
@@ -65,11 +65,8 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
         if env is None:
             owned.enter_context(run_dir_lock(output_dir))
         with _single_threaded():
-            built = validate(cfg)
+            built, world_size = check_job(cfg)
             launcher: Launcher = built.launcher
-            launcher.check(cfg, built.hardware)
-            world_size = launcher.world_size(cfg, built.hardware)
-            validate_for_world(cfg, world_size, built.hardware)
             # One process checks the files (and moves a damaged latest aside): rank 0 under torchrun/srun.
             verify = env is None or env.rank == 0
             checkpoint = resume_checkpoint(cfg.trainer.resume, output_dir, verify=verify)

@@ -8,15 +8,23 @@ import csv
 import json
 import logging
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydra import compose
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from runner.cli import JOB_CONFIG_DIR
+from runner.errors import ConfigError, describe_compose_error
+from runner.validate import check_job
 
 log = logging.getLogger("runner")
 
@@ -26,6 +34,34 @@ class JobResult:
     name: str  # its dir in the sweep
     overrides: dict[str, str]
     metrics: dict[str, float]
+
+
+class SweepCheck(Callback):
+    """Hydra callback (registered in `conf/config.yaml`): before a grid sweep (Hydra's basic sweeper) runs
+    its first job, compose and check every job's config, so that a bad value in the middle of a list fails
+    the sweep at once, naming each bad job, instead of after the jobs before it ran. (Hydra turns a
+    callback's exceptions into warnings: a refusal exits here, with code 2.)"""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
+            return  # other sweepers choose their values as they go
+        params = config.hydra.sweeper.get("params") or {}
+        arguments = [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)
+        problems = []
+        try:
+            jobs = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(arguments), None)[0]
+        except (HydraException, OmegaConfBaseException) as err:
+            jobs, problems = [], [describe_compose_error(err)]
+        for number, overrides in enumerate(jobs):
+            try:
+                check_job(compose(config_name=config.hydra.job.config_name, overrides=list(overrides)))
+            except ConfigError as err:
+                problems.append(f"job {number} ({' '.join(overrides)}): {err}")
+            except (HydraException, OmegaConfBaseException) as err:
+                problems.append(f"job {number} ({' '.join(overrides)}): {describe_compose_error(err)}")
+        if problems:
+            print(f"Configuration error: {chr(10).join(problems)} No job was run.", file=sys.stderr)
+            sys.exit(2)
 
 
 class SweepSummary(Callback):

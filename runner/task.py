@@ -13,6 +13,9 @@ class Task:
 
     `evaluation_step` returns per-sample values (first dimension = batch), so that averages over the eval
     set are exact across processes and uneven last batches. `summarize` derives metrics from their means.
+    Before launch, `training_step` runs once on meta tensors (the first batch's shapes, no values), so
+    that a model, data and task that do not fit together fail there: a step that reads values
+    (`.item()`) is skipped there, and side effects should check `loss.device.type != "meta"`.
     """
 
     def training_step(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:

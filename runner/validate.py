@@ -177,6 +177,25 @@ def _build_problems(cfg: DictConfig, built: dict[str, Any]) -> list[str]:
     return problems
 
 
+def check_job(cfg: DictConfig) -> tuple[Built, int]:
+    """Every check a job passes before launch (`validate`, the launcher's own, then `validate_for_world`
+    with the number of ranks the launcher will start): what was built, and that number."""
+    built = validate(cfg)
+    world_size = built.launcher.world_size(cfg, built.hardware)
+    problems = []
+    for check in (
+        lambda: built.launcher.check(cfg, built.hardware),
+        lambda: validate_for_world(cfg, world_size, built.hardware),
+    ):
+        try:
+            check()
+        except ConfigError as err:
+            problems.append(str(err))
+    if problems:  # all of them at once
+        raise ConfigError("\n\n".join(problems))
+    return built, world_size
+
+
 def validate_for_world(cfg: DictConfig, world_size: int, hardware: Strategy) -> None:
     """The checks that need the number of ranks the launcher will start (ConfigError listing all)."""
     problems = []

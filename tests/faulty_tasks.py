@@ -1,5 +1,6 @@
 """Tasks and data that misbehave, for the failure tests (imported by `python -m runner` through
-PYTHONPATH)."""
+PYTHONPATH). Each misbehaves in the ranks only: the check before launch runs one step on meta tensors in
+the launching process, where RANK is not set."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class RaiseOnRank1(Regression):
 
     def training_step(self, model, batch):
         self.steps += 1
-        if os.environ["RANK"] == "1" and self.steps == 3:
+        if os.environ.get("RANK") == "1" and self.steps == 3:
             raise RuntimeError("injected failure on rank 1")
         return super().training_step(model, batch)
 
@@ -44,7 +45,7 @@ class HangOnRank1(Regression):
 
     def training_step(self, model, batch):
         self.steps += 1
-        if os.environ["RANK"] == "1" and self.steps == 3:
+        if os.environ.get("RANK") == "1" and self.steps == 3:
             time.sleep(3600)
         return super().training_step(model, batch)
 
@@ -57,7 +58,7 @@ class RecordPid(Regression):
         self.recorded = False
 
     def training_step(self, model, batch):
-        if not self.recorded:
+        if not self.recorded and "RANK" in os.environ:
             staged = self.pid_dir / f".rank{os.environ['RANK']}.tmp"
             staged.write_text(str(os.getpid()))
             staged.rename(self.pid_dir / f"rank{os.environ['RANK']}")  # readers never see a half-written file

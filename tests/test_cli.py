@@ -326,6 +326,14 @@ def test_every_problem_is_reported_at_once(run_cli):
     assert paragraphs[0].startswith("model._target_='nope.Model' cannot be imported")
     assert "trainer.gradient_accumulation_steps=0: must be >= 1" in paragraphs[1]
     assert "trainer.max_grad_norm=-1.0: must be > 0" in paragraphs[2]
+    # The launcher's checks and those that build the data, the model and the optimizer: together too.
+    proc = run_cli("hardware=multi_gpu", "hardware.num_processes=4096", "optimizer.lr=-1")
+    assert proc.returncode == 2
+    paragraphs = proc.stderr.removeprefix("Configuration error: ").strip().split("\n\n")
+    assert "CPU core(s) for 4096 CPU ranks" in paragraphs[0]
+    assert any(p.startswith("optimizer: torch.optim.AdamW refuses its settings") for p in paragraphs), (
+        paragraphs
+    )
 
 
 def test_plan_estimates_activations_from_a_step_on_meta_tensors(run_cli):
@@ -403,3 +411,20 @@ def test_broken_data_files_and_a_model_that_does_not_fit_are_refused_before_laun
             assert proc.returncode == 2, proc.stderr
             assert message.startswith("Configuration error: ") and expected in message, message
             assert "Traceback" not in proc.stderr and "starting" not in proc.stderr and "\n" not in message
+
+
+def test_a_bad_value_in_a_sweep_list_fails_the_sweep_before_any_job(run_cli, tmp_path):
+    sweep = tmp_path / "sweep"
+    overrides = ["optimizer.lr=1e-3,-1,1e-2", "model.hidden_size=8,0", "trainer.max_steps=5"]
+    proc = run_cli(*overrides, f"hydra.sweep.dir={sweep}", "-m")
+    assert proc.returncode == 2, proc.stderr
+    message = proc.stderr.strip().splitlines()
+    assert message[0].startswith("Configuration error: job 1 (") and "model.hidden_size=0:" in message[0], (
+        message
+    )
+    bad = [
+        line for line in message if line.startswith("job ") or line.startswith("Configuration error: job ")
+    ]
+    assert len(bad) == 4  # (lr -1 or hidden 0): jobs 1, 2, 3 and 5 of the 6
+    assert message[-1].endswith("No job was run.") and "Traceback" not in proc.stderr
+    assert not list(sweep.glob("[0-9]*"))  # no job dir
