@@ -39,7 +39,7 @@ from runner.inference import infer
 from runner.launchers import Job, Launcher, RankFailedError
 from runner.launchers.base import interrupted
 from runner.launchers.slurm import requeue_if_preempted
-from runner.log import configure_rank_logging
+from runner.log import FILE_ONLY, configure_rank_logging
 from runner.plan import describe as describe_plan
 from runner.train import train
 from runner.validate import check_job
@@ -97,6 +97,8 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
     except (ConfigError, InstantiationException) as err:
         cause = err.__cause__ if isinstance(err.__cause__, ConfigError) else err
         log.error("Configuration error: %s", cause)
+        if getattr(cause, "details", None):
+            log.info("%s", cause.details, extra=FILE_ONLY)
         sys.exit(2)
     except RankFailedError as err:
         log.error("Training failed: %s", err)

@@ -20,19 +20,46 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 # Optional[...] rather than `X | None`: OmegaConf reads these annotations at runtime on Python 3.10.
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting accepts (None: no bound on that side)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def problem(self, key: str, value: float) -> str | None:
+        """Why `key=value` is out of range, or None."""
+        low = (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+        high = (self.le is None or value <= self.le) and (self.lt is None or value < self.lt)
+        if low and high:
+            return None
+        bounds = ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+        return f"{key}={value}: must be {' and '.join(f'{op} {b}' for op, b in bounds if b is not None)}."
+
+
+def bounded(default: Any, **bounds: float) -> Any:
+    """A numeric setting with its `Range`, checked before launch (every numeric setting of a schema
+    declares one: tests/test_config.py)."""
+    return field(default=default, metadata={"range": Range(**bounds)})
+
+
 @dataclass
 class TrainerConfig:
-    max_steps: int | None = 200  # optimizer steps; null: run `max_epochs` epochs
-    max_epochs: int | None = None
-    eval_every: int = 100  # optimizer steps between evaluations; 0: evaluate at the end only
-    log_every: int = 10  # optimizer steps between log lines
-    gradient_accumulation_steps: int = 1
+    max_steps: int | None = bounded(200, ge=1)  # optimizer steps; null: run `max_epochs` epochs
+    max_epochs: int | None = bounded(None, ge=1)
+    eval_every: int = bounded(100, ge=0)  # optimizer steps between evaluations; 0: evaluate at the end only
+    log_every: int = bounded(10, ge=1)  # optimizer steps between log lines
+    gradient_accumulation_steps: int = bounded(1, ge=1)
     split_batches: bool = False  # data.batch_size is the global batch, split over the processes
-    max_grad_norm: float | None = None  # clip the total gradient norm to this value
-    seed: int = 0
+    max_grad_norm: float | None = bounded(None, gt=0)  # clip the total gradient norm to this value
+    seed: int = bounded(0, ge=0, lt=2**32)
     progress_bar: bool = True
-    checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: only when stopped by a signal
-    keep_checkpoints: int | None = 2  # newest checkpoints kept; null: all
+    checkpoint_every: int = bounded(
+        0, ge=0
+    )  # optimizer steps between checkpoints; 0: only when stopped by a signal
+    keep_checkpoints: int | None = bounded(2, ge=1)  # newest checkpoints kept; null: all
     resume: str | None = "auto"  # auto: the output dir's latest checkpoint, if any | a checkpoint dir | null
     save_model: bool = True  # write the final weights to <output dir>/model
     objective: str | None = "eval/loss"  # the metric the Hydra main returns to sweepers; null: all metrics
@@ -46,23 +73,23 @@ class HardwareConfig:
 @dataclass
 class CPUConfig(HardwareConfig):
     device: str = "cpu"
-    num_threads: int | None = None
+    num_threads: int | None = bounded(None, ge=1)
 
 
 @dataclass
 class ParallelConfig(HardwareConfig):
-    num_processes: int | None = None  # ranks on this machine; null: one per GPU, 2 on CPU
+    num_processes: int | None = bounded(None, ge=1)  # ranks on this machine; null: one per GPU, 2 on CPU
     device: str | None = None  # cuda | cpu; null: cuda when available
     backend: str | None = None  # null: nccl on cuda, gloo on cpu
-    timeout_s: float = 1800.0  # collective timeout
-    num_threads: int | None = None  # CPU threads per rank; null: cores / ranks
+    timeout_s: float = bounded(1800.0, gt=0)  # collective timeout
+    num_threads: int | None = bounded(None, ge=1)  # CPU threads per rank; null: cores / ranks
     oversubscribe: bool = False  # allow more CPU ranks than cores
 
 
 @dataclass
 class DDPConfig(ParallelConfig):
     find_unused_parameters: bool = False
-    bucket_cap_mb: float | None = None
+    bucket_cap_mb: float | None = bounded(None, gt=0)
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
 
@@ -76,7 +103,7 @@ class FSDPConfig(ParallelConfig):
 
 @dataclass
 class MegatronConfig(ParallelConfig):
-    tp_size: int = 2  # ranks each layer is split over; the rest of the world is data parallel
+    tp_size: int = bounded(2, ge=1)  # ranks each layer is split over; the rest of the world is data parallel
     sequence_parallel: bool = False  # also split the activations between layers along the sequence
     shard_modules: list[str] | None = None  # FSDP2 units for the data-parallel dimension
     reshard_after_forward: bool = True
@@ -84,11 +111,11 @@ class MegatronConfig(ParallelConfig):
 
 @dataclass
 class DeepSpeedConfig(ParallelConfig):
-    zero_stage: int | None = None  # 1 | 2 | 3; null: the stage of `config`, else 2
+    zero_stage: int | None = bounded(None, ge=1, le=3)  # 1 | 2 | 3; null: the stage of `config`, else 2
     offload_optimizer: bool = False
     offload_params: bool = False  # stage 3 only
-    gradient_clipping: float | None = None  # max gradient norm; null: none
-    micro_batch_size: int | None = None  # null: the prepared dataloader's per-process batch
+    gradient_clipping: float | None = bounded(None, gt=0)  # max gradient norm; null: none
+    micro_batch_size: int | None = bounded(None, ge=1)  # null: the prepared dataloader's per-process batch
     config: Any = None  # a DeepSpeed JSON file, or its contents
 
 
@@ -105,7 +132,7 @@ class BigModelConfig(HardwareConfig):
     no_split_module_classes: list[str] = field(default_factory=list)
     dtype: str | None = None
     offload_buffers: bool = False
-    num_threads: int | None = None
+    num_threads: int | None = bounded(None, ge=1)
 
 
 @dataclass
@@ -120,10 +147,10 @@ class MixedPrecisionConfig(PrecisionConfig):
 
 @dataclass
 class Float16Config(PrecisionConfig):
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
+    init_scale: float = bounded(2.0**16, gt=0)
+    growth_factor: float = bounded(2.0, gt=1)
+    backoff_factor: float = bounded(0.5, gt=0, lt=1)
+    growth_interval: int = bounded(2000, ge=1)
 
 
 @dataclass
@@ -134,18 +161,18 @@ class LauncherConfig:
 @dataclass
 class LocalLauncherConfig(LauncherConfig):
     start_method: str | None = None  # fork | spawn | forkserver; null: the hardware's choice
-    monitor_interval_s: float = 0.1
-    shutdown_timeout_s: float = 30.0
+    monitor_interval_s: float = bounded(0.1, gt=0)
+    shutdown_timeout_s: float = bounded(30.0, ge=0)
 
 
 @dataclass
 class SlurmLauncherConfig(LauncherConfig):
     partition: str | None = None  # null: the cluster's default partition
-    nodes: int = 1
-    gpus_per_node: int = 0
-    cpus_per_task: int | None = None
-    mem_gb: float | None = None  # per node
-    time_min: int = 60
+    nodes: int = bounded(1, ge=1)
+    gpus_per_node: int = bounded(0, ge=0)
+    cpus_per_task: int | None = bounded(None, ge=1)
+    mem_gb: float | None = bounded(None, gt=0)  # per node
+    time_min: int = bounded(60, ge=1)
     account: str | None = None
     qos: str | None = None
     constraint: str | None = None
@@ -153,10 +180,10 @@ class SlurmLauncherConfig(LauncherConfig):
     sbatch_args: dict[str, Any] = field(default_factory=dict)  # {"mail-type": "END"} -> --mail-type=END
     srun_args: list[str] = field(default_factory=list)
     wait: bool = True  # false: return once queued
-    signal_delay_s: int = 120  # the preemption signal comes this long before the time limit
-    max_timeouts: int = 3  # requeues at the time limit
+    signal_delay_s: int = bounded(120, ge=0)  # the preemption signal comes this long before the time limit
+    max_timeouts: int = bounded(3, ge=0)  # requeues at the time limit
     folder: str | None = None  # submitit's files; null: <job dir>/slurm
-    poll_interval_s: float = 1.0
+    poll_interval_s: float = bounded(1.0, gt=0)
     name: str = "runner"
 
 
@@ -174,7 +201,7 @@ class MLflowTrackerConfig(TrackerConfig):
     parent_run_id: str | None = None  # set by the runner for the jobs of a sweep
     log_model: bool = False
     detach: bool | None = None  # null: detach unless in a SLURM job
-    finish_timeout_s: float = 120.0
+    finish_timeout_s: float = bounded(120.0, ge=0)
 
 
 @dataclass

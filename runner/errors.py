@@ -14,7 +14,12 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 
 class ConfigError(ValueError):
-    """A problem with the user's configuration or inputs, found before training starts."""
+    """A problem with the user's configuration or inputs, found before training starts. `details` (the
+    traceback of the user's code that raised, say) go to the run's log file, not to the console."""
+
+    def __init__(self, message: str, details: str | None = None) -> None:
+        super().__init__(message)
+        self.details = details
 
 
 # Config group options that Hydra plugins provide: the package that brings each.

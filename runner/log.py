@@ -9,11 +9,15 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+FILE_ONLY = {"file_only": True}  # `log.info(..., extra=FILE_ONLY)`: for the log file, not the console
+
 
 class TqdmHandler(logging.StreamHandler):
-    """Write records with `tqdm.write`, above any active progress bar."""
+    """Write records with `tqdm.write`, above any active progress bar (not those logged with FILE_ONLY)."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "file_only", False):
+            return
         try:
             tqdm.write(self.format(record), file=self.stream)
         except Exception:

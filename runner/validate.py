@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,7 @@ def validate(cfg: DictConfig) -> Built:
         *_schema_problems(cfg),
         *_target_problems(cfg),
         *_trainer_problems(cfg.trainer),
+        *_range_problems(cfg),
     ]
     built: dict[str, Any] = {}
     if not problems:
@@ -134,25 +136,24 @@ def _argument_problems(node: str, obj: Any, node_cfg: DictConfig) -> list[str]:
 
 
 def _trainer_problems(trainer: DictConfig) -> list[str]:
-    problems = []
     if trainer.max_steps is None and trainer.max_epochs is None:
-        problems.append("trainer.max_steps and trainer.max_epochs are both null: set one of them.")
-    for key, minimum in (
-        ("max_steps", 1),
-        ("max_epochs", 1),
-        ("log_every", 1),
-        ("eval_every", 0),
-        ("gradient_accumulation_steps", 1),
-        ("checkpoint_every", 0),
-        ("keep_checkpoints", 1),
-    ):
-        value = trainer[key]
-        if value is not None and value < minimum:
-            problems.append(f"trainer.{key}={value}: must be >= {minimum}.")
-    if trainer.max_grad_norm is not None and trainer.max_grad_norm <= 0:
-        problems.append(
-            f"trainer.max_grad_norm={trainer.max_grad_norm}: must be > 0, or null for no clipping."
-        )
+        return ["trainer.max_steps and trainer.max_epochs are both null: set one of them."]
+    return []
+
+
+def _range_problems(cfg: DictConfig) -> list[str]:
+    """Every numeric setting of a typed group against the range its schema declares (`config.bounded`)."""
+    problems = []
+    for node in TYPED_NODES:
+        for setting in dataclasses.fields(OmegaConf.get_type(cfg[node])):
+            bounds = setting.metadata.get("range")
+            value = cfg[node].get(setting.name)
+            if (
+                bounds is not None
+                and value is not None
+                and (problem := bounds.problem(f"{node}.{setting.name}", value))
+            ):
+                problems.append(problem)
     return problems
 
 
@@ -182,7 +183,7 @@ def check_job(cfg: DictConfig) -> tuple[Built, int]:
     with the number of ranks the launcher will start): what was built, and that number."""
     built = validate(cfg)
     world_size = built.launcher.world_size(cfg, built.hardware)
-    problems = []
+    failures: list[ConfigError] = []
     for check in (
         lambda: built.launcher.check(cfg, built.hardware),
         lambda: validate_for_world(cfg, world_size, built.hardware),
@@ -190,9 +191,10 @@ def check_job(cfg: DictConfig) -> tuple[Built, int]:
         try:
             check()
         except ConfigError as err:
-            problems.append(str(err))
-    if problems:  # all of them at once
-        raise ConfigError("\n\n".join(problems))
+            failures.append(err)
+    if failures:  # all of them at once
+        details = "\n".join(err.details for err in failures if err.details)
+        raise ConfigError("\n\n".join(map(str, failures)), details=details or None)
     return built, world_size
 
 
@@ -254,8 +256,9 @@ def _run_user_code(node: str, node_cfg: DictConfig, doing: str, build: Callable[
         ]
         raise ConfigError(
             f"{node}: {node_cfg._target_} failed {doing}{' from ' + ', '.join(files) if files else ''} "
-            f"({type(err).__name__}: {message}). Check the settings under {node}"
-            + (" and that the files are whole and in the format expected." if files else ".")
+            f"({type(err).__name__}: {message}; the traceback is in the run's log). Check the settings under {node}"
+            + (" and that the files are whole and in the format expected." if files else "."),
+            details="".join(traceback.format_exception(err)),
         ) from err
 
 

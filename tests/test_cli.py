@@ -245,7 +245,7 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
         (["launcher.start_method=thread"], "launcher.start_method='thread': expected one of"),
         (["hardware=fsdp", "precision=fp16"], "precision=fp16 with hardware=fsdp"),
         (["hardware=deepspeed", "precision=fp16"], "precision=fp16 with hardware=deepspeed on the CPU"),
-        (["hardware=deepspeed", "hardware.zero_stage=4"], "hardware.zero_stage=4: expected 1"),
+        (["hardware=deepspeed", "hardware.zero_stage=4"], "hardware.zero_stage=4: must be >= 1 and <= 3"),
         (["hardware=deepspeed", "hardware.offload_params=true"], "needs hardware.zero_stage=3"),
         (["hardware=deepspeed", "hardware.config=missing.json"], "not a readable DeepSpeed JSON file"),
         (
@@ -411,6 +411,8 @@ def test_broken_data_files_and_a_model_that_does_not_fit_are_refused_before_laun
             assert proc.returncode == 2, proc.stderr
             assert message.startswith("Configuration error: ") and expected in message, message
             assert "Traceback" not in proc.stderr and "starting" not in proc.stderr and "\n" not in message
+    log = (tmp_path / "run" / "runner.log").read_text()  # the user's code's tracebacks: in the log only
+    assert "Traceback" in log and "BadGzipFile: Not a gzipped file" in log
 
 
 def test_a_bad_value_in_a_sweep_list_fails_the_sweep_before_any_job(run_cli, tmp_path):

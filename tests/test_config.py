@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import random
 from pathlib import Path
 
 import pytest
@@ -13,12 +14,12 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 from safetensors.torch import save_file
 
 from runner.build import locate
-from runner.config import CONF_DIR, SCHEMAS, register_configs
-from runner.errors import ConfigError
+from runner.config import CONF_DIR, SCHEMAS, Range, TrainerConfig, register_configs
+from runner.errors import ConfigError, describe_compose_error
 from runner.validate import validate
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -249,3 +250,65 @@ def state_of(obj: object) -> str:
         return repr(value)
 
     return repr(describe(obj))
+
+
+def typed_settings() -> list[tuple[str, str, dataclasses.Field]]:
+    """(group, option, setting) for every setting of every typed group's schema (trainer: no options)."""
+    found = [("trainer", "", setting) for setting in dataclasses.fields(TrainerConfig)]
+    for group, options in SCHEMAS.items():
+        for option, schema in options.items():
+            found += [(group, option, setting) for setting in dataclasses.fields(schema)]
+    return found
+
+
+def is_numeric(setting: dataclasses.Field) -> bool:
+    return any(name in str(setting.type) for name in ("int", "float"))
+
+
+def test_every_numeric_setting_declares_its_range():
+    """So that a new option cannot be added without one (`runner.config.bounded`)."""
+    missing = [
+        f"{group}={option} {setting.name}"
+        for group, option, setting in typed_settings()
+        if is_numeric(setting) and "range" not in setting.metadata
+    ]
+    assert missing == []
+
+
+def out_of_range(bounds: Range, rng: random.Random) -> float:
+    """A value `bounds` refuses, at a random distance from the bound."""
+    distance = rng.choice([1, 7, 1000])
+    if bounds.ge is not None:
+        return bounds.ge - distance
+    if bounds.gt is not None:
+        return bounds.gt - distance + 1 if bounds.gt == int(bounds.gt) else bounds.gt - distance
+    return (bounds.le if bounds.le is not None else bounds.lt) + distance
+
+
+WRONG_TYPES = ["abc", "[1,2]", "{a: 1}", "1.5.2"]
+
+
+@pytest.mark.parametrize(
+    ("group", "option", "setting"),
+    [t for t in typed_settings() if is_numeric(t[2]) or "bool" in str(t[2].type)],
+    ids=lambda value: getattr(value, "name", value),
+)
+def test_fuzzed_typed_settings_are_refused_by_name_before_launch(group, option, setting):
+    """Out-of-range values and wrong types, for every numeric and boolean setting: each is a ConfigError
+    (or a composition error) naming the key, never another exception."""
+    rng = random.Random(f"{group}.{option}.{setting.name}")
+    select = [f"{group}={option}"] if option else []
+    key = f"{group}.{setting.name}"
+    values = [rng.choice(WRONG_TYPES)]
+    if "range" in setting.metadata:
+        values.append(out_of_range(setting.metadata["range"], rng))
+    for value in values:
+        try:
+            cfg = compose("config", overrides=[*select, f"{key}={value}"])
+            validate(cfg)
+        except ConfigError as err:
+            assert key in str(err), (value, str(err))
+        except (ValidationError, ConfigCompositionException, OmegaConfBaseException) as err:
+            assert key in describe_compose_error(err), (value, describe_compose_error(err))
+        else:
+            raise AssertionError(f"{key}={value} was accepted")
