@@ -71,10 +71,14 @@ def is_inference(task_target: str) -> bool:
 
 
 def model_dims(model_cfg: DictConfig, dims: dict[str, int]) -> dict[str, int]:
-    """The model arguments the data determines: fill those left null, refuse those that contradict it."""
+    """The model arguments the data determines: fill those left null or not given (where the model takes
+    them), refuse those that contradict it."""
+    parameters = inspect.signature(locate(model_cfg._target_)).parameters
     filled = {}
     for key, value in dims.items():
         if key not in model_cfg:
+            if key in parameters:
+                filled[key] = value
             continue
         if model_cfg[key] is None:
             filled[key] = value
@@ -83,10 +87,9 @@ def model_dims(model_cfg: DictConfig, dims: dict[str, int]) -> dict[str, int]:
                 f"model.{key}={model_cfg[key]} does not match the data, which has {key}={value}. "
                 f"Set model.{key}=null to take it from the data, or change the data."
             )
-    required = inspect.signature(locate(model_cfg._target_)).parameters.values()
     unset = [
         p.name
-        for p in required
+        for p in parameters.values()
         if p.default is p.empty and model_cfg.get(p.name, 0) is None and p.name not in filled
     ]
     if unset:

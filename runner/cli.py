@@ -17,6 +17,7 @@ from pathlib import Path
 
 import hydra
 import torch
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, InstantiationException
 from hydra.types import RunMode
@@ -34,6 +35,7 @@ from runner.errors import (
     TrainingInterrupted,
     TrainingStopped,
     describe_compose_error,
+    describe_yaml_error,
 )
 from runner.inference import infer
 from runner.launchers import Job, Launcher, RankFailedError
@@ -143,6 +145,9 @@ def run() -> None:
         main()
     except (HydraException, OmegaConfBaseException) as err:
         print(f"Configuration error: {describe_compose_error(err)}", file=sys.stderr)
+        sys.exit(2)
+    except yaml.YAMLError as err:  # a config file of the search path (the user's --config-dir) is not YAML
+        print(f"Configuration error: {describe_yaml_error(err)}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -8,6 +8,7 @@ import difflib
 import errno
 import re
 
+import yaml
 from hydra.errors import MissingConfigException
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -115,3 +116,19 @@ def write_failure(err: BaseException) -> str | None:
             return f"{_WRITE_FAILURES[code]}{where}"
         err = err.__cause__ or err.__context__  # type: ignore[assignment]
     return None
+
+
+def describe_yaml_error(err: yaml.YAMLError) -> str:
+    """One paragraph for a config file that is not valid YAML: the file, the line and column, the problem."""
+    mark = getattr(err, "problem_mark", None)
+    where = (
+        f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}"
+        if mark is not None
+        else "a config file"
+    )
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    context = getattr(err, "context", None)
+    return (
+        f"{where}: not valid YAML ({problem}{'; ' + context if context else ''}). Fix the syntax there (a bracket or "
+        "quote left open, a tab for indentation, a missing space after a colon)."
+    )

@@ -10,6 +10,7 @@ from pathlib import Path
 import probes
 import pytest
 from conftest import cli_env, metrics_of, runner_command
+from omegaconf import OmegaConf
 
 pytestmark = pytest.mark.slow
 
@@ -429,3 +430,22 @@ def test_a_bad_value_in_a_sweep_list_fails_the_sweep_before_any_job(run_cli, tmp
     assert len(bad) == 4  # (lr -1 or hidden 0): jobs 1, 2, 3 and 5 of the 6
     assert message[-1].endswith("No job was run.") and "Traceback" not in proc.stderr
     assert not list(sweep.glob("[0-9]*"))  # no job dir
+
+
+def test_a_users_config_dir_adds_options_and_its_yaml_errors_are_one_paragraph(run_cli, tmp_path):
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "small.yaml").write_text("_target_: runner.models.MLP\nhidden_size: 8\n")
+    (tmp_path / "conf" / "model" / "broken.yaml").write_text(
+        "_target_: runner.models.MLP\nhidden_size: [8, 16\n"
+    )
+    search = (
+        f"hydra.searchpath=[file://{tmp_path / 'conf'}]"  # as --config-dir does, on the command line's end
+    )
+    ok = run_cli(search, "model=small", "trainer.max_steps=5")
+    assert ok.returncode == 0, ok.stderr  # the data's sizes fill in_features and out_features it omits
+    assert OmegaConf.load(ok.run_dir / "resolved_config.yaml").model.hidden_size == 8
+    bad = run_cli(search, "model=broken")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    message = bad.stderr.strip()
+    assert message.startswith(f"Configuration error: {tmp_path / 'conf' / 'model' / 'broken.yaml'}, line ")
+    assert "not valid YAML" in message and "\n" not in message
