@@ -201,7 +201,8 @@ def test_a_server_that_dies_mid_run_loses_no_metric(tmp_path):
     run_dir = tmp_path / "run"
     command = [
         sys.executable, "-m", "runner", f"hydra.run.dir={run_dir}", "trainer.progress_bar=false",
-        f"tracker.uri={server.uri}", "trainer.max_steps=3000", "trainer.log_every=10", "trainer.eval_every=1000",
+        f"tracker.uri={server.uri}", "trainer.max_steps=6000", "trainer.log_every=10", "trainer.eval_every=1000",
+        "tracker.detach=false",  # the sender starts with the run (detached, it would start 5 s in)
     ]  # fmt: skip
     proc = subprocess.Popen(command, cwd=tmp_path, env=cli_env(), stderr=subprocess.PIPE, text=True)
     delivered = run_dir / "tracking" / "delivered.json"
@@ -226,8 +227,10 @@ def test_a_server_that_dies_mid_run_loses_no_metric(tmp_path):
     client = MlflowClient(server.uri)
     run = client.get_run(run_id_of(run_dir))
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
-    assert steps == list(range(10, 3001, 10))  # every logged step, once
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/loss")] == [1000, 2000, 3000]
+    assert steps == list(range(10, 6001, 10))  # every logged step, once
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/loss")] == list(
+        range(1000, 6001, 1000)
+    )
     assert run.info.status == "FINISHED"
     again = subprocess.run(
         [sys.executable, "-m", "runner.trackers.upload", str(run_dir)],
