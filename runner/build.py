@@ -44,15 +44,16 @@ def build_on_meta(cfg: DictConfig, data: DataSource | None = None) -> torch.nn.M
 def meta_training_step(
     cfg: DictConfig, model: torch.nn.Module, data: DataSource, per_device: int = 1
 ) -> None:
-    """One training step of the configured task (forward, loss, backward) on the first batch of `data`,
-    both on the meta device: the real shapes, no values and no memory. `per_device` > 1 cuts the batch to
-    one process's share (`trainer.split_batches`). A task that reads values (`.item()`) cannot run so:
-    that raises NotImplementedError or RuntimeError naming the meta device."""
+    """The configured task's training step (forward and loss) on the first batch of `data`, both on the
+    meta device: the real shapes, no values and no memory. `per_device` > 1 cuts the batch to one
+    process's share (`trainer.split_batches`). A task that reads values (`.item()`) cannot run so: that
+    raises NotImplementedError or RuntimeError naming the meta device. No backward: the autograd engine
+    sizes its device queues on its first backward, and one here, before an XLA device exists, breaks the
+    backward of a rank that runs in this process."""
     batch = next(iter(data.train_dataloader(seed=0)))
     if per_device > 1:
         batch = apply_to_tensors(lambda t: t[: len(t) // per_device], batch)
-    loss = instantiate(cfg.task).training_step(model.train(), send_to_device(batch, torch.device("meta")))
-    loss.backward()
+    instantiate(cfg.task).training_step(model.train(), send_to_device(batch, torch.device("meta")))
 
 
 def load_start_weights(model: torch.nn.Module, checkpoint: str) -> None:
