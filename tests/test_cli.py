@@ -220,6 +220,8 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
         (["model.dropout=1.5"], "model.dropout=1.5: must be in [0, 1)"),
         (["experiment=gpt_sonnets", "model.n_layers=0"], "model.n_layers=0: model sizes must be >= 1"),
         (["data.batch_size=5000"], "data.batch_size=5000: the training set has 3686 sample(s)"),
+        (["+data.eval_batch_size=0"], "data.eval_batch_size=0: must be a positive integer"),
+        (["+data.num_workers=-1"], "data.num_workers=-1: must be >= 0"),
         (["hardware=fsdp", "hardware.num_threads=-1"], "hardware.num_threads=-1: must be >= 1"),
         (
             [

@@ -50,6 +50,14 @@ class DataSource(ABC):
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"data.batch_size={batch_size}: must be a positive integer.")
+        if eval_batch_size is not None and eval_batch_size < 1:
+            raise ConfigError(
+                f"data.eval_batch_size={eval_batch_size}: must be a positive integer, or null for batch_size."
+            )
+        if num_workers < 0:
+            raise ConfigError(
+                f"data.num_workers={num_workers}: must be >= 0 (0 loads in the training process)."
+            )
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.num_workers = num_workers
