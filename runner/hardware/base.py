@@ -48,6 +48,11 @@ class Strategy(ABC):
     num_processes: int = 1
     start_method: str = "spawn"
     oversubscribe: bool = False  # run more CPU ranks than this machine has cores
+
+    def cpu_ranks(self) -> int:
+        """How many of the ranks a launcher starts on this machine compute on its CPU cores."""
+        return 0
+
     checkpoint_format: str = "full"  # how save_checkpoint writes models and optimizers (see there)
     # Which of "weights", "gradients", "optimizer" each rank holds only a 1/world_size share of.
     sharded_states: frozenset[str] = frozenset()

@@ -71,6 +71,9 @@ class ParallelStrategy(Strategy):
         self.device = torch.device(self.device_type)
         self._replaced: dict[int, torch.nn.Parameter] = {}  # id of a user's parameter -> what replaced it
 
+    def cpu_ranks(self) -> int:
+        return self.num_processes if self.device_type == "cpu" else 0
+
     def setup_environment(self) -> ProcessState:
         env = launched_environment()
         local_rank = env.local_rank if env else 0

@@ -84,9 +84,8 @@ class LocalLauncher(Launcher):
         """CPU ranks beyond this machine's cores share cores and wait on each other at every collective
         (64 ranks on 2 cores make no step in minutes): refused unless `hardware.oversubscribe`."""
         cores = available_cores()
-        ranks = strategy.num_processes
-        cpu_ranks = ranks if strategy.device.type == "cpu" and launched_environment() is None else 0
-        if cpu_ranks > cores and not strategy.oversubscribe:
+        ranks = strategy.cpu_ranks() if launched_environment() is None else 0  # none started: already a rank
+        if ranks > cores and not strategy.oversubscribe:
             raise ConfigError(
                 f"hardware.num_processes={ranks}: this machine has {cores} CPU core(s) for {ranks} CPU ranks; "
                 "ranks that share a core wait on each other at every collective and crawl. Use "
