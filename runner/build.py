@@ -114,6 +114,8 @@ def locate(path: str | None) -> Any:
             if err.name and not module_name.startswith(err.name):
                 raise ImportError(f"importing {module_name!r} failed: {err}") from err
             continue
+        except Exception as err:  # the module itself raised: a syntax error, a failing import-time statement
+            raise ImportError(f"importing {module_name!r} raised {type(err).__name__}: {err}") from err
         for attr in parts[split:]:
             if not hasattr(obj, attr):
                 raise ImportError(f"{'.'.join(parts[:split])!r} has no attribute {attr!r}")

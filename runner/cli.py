@@ -11,6 +11,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -28,13 +29,15 @@ from omegaconf.errors import OmegaConfBaseException
 from runner.build import is_inference
 from runner.checkpoint import check_checkpoint_fits, resume_checkpoint
 from runner.cluster import launched_environment
-from runner.config import CONF_DIR, register_configs
+from runner.config import CONF_SEARCH_PATH, register_configs
 from runner.errors import (
     EXIT_INTERRUPTED,
+    SEARCH_PATH_MISSING,
     ConfigError,
     TrainingInterrupted,
     TrainingStopped,
     describe_compose_error,
+    describe_missing_search_path,
     describe_yaml_error,
 )
 from runner.inference import infer
@@ -43,6 +46,7 @@ from runner.launchers.base import interrupted
 from runner.launchers.slurm import requeue_if_preempted
 from runner.log import FILE_ONLY, configure_rank_logging
 from runner.plan import describe as describe_plan
+from runner.scaffold import main as init_project_command
 from runner.train import train
 from runner.validate import check_job
 
@@ -52,7 +56,7 @@ JOB_CONFIG_DIR = ".hydra"  # in a job's dir
 EXIT_CTRL_C = 130  # the shell's code for a process ended by SIGINT
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+@hydra.main(version_base="1.3", config_path=CONF_SEARCH_PATH, config_name="config")
 def main(cfg: DictConfig) -> float | dict[str, float]:
     """One job: validate, then the launcher runs its ranks. Rank 0's final metrics (also in the job dir's
     `metrics.json`) are returned: `trainer.objective` among them is what Hydra's sweepers get."""
@@ -135,20 +139,43 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
 
 
 def run() -> None:
-    """Console entry point: composition errors become one paragraph on stderr and exit code 2."""
+    """Console entry point (`runner`, `python -m runner`): composition errors become one paragraph on stderr
+    and exit code 2. `runner init <dir>` writes a starter project instead."""
+    if sys.argv[1:2] == ["init"]:  # never a Hydra override (those hold a `=`)
+        try:
+            init_project_command(sys.argv[2:])
+        except ConfigError as err:
+            print(f"Configuration error: {err}", file=sys.stderr)
+            sys.exit(2)
+        return
     register_configs()
+    _importable_cwd()
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra raise instead of printing its own report
     env = launched_environment()
     if env is not None and env.rank != 0:
         sys.argv += _scratch_output_dir(env.rank)
     try:
-        main()
+        with warnings.catch_warnings():
+            # Hydra only warns about a search path entry that is not there; its options then go missing.
+            warnings.filterwarnings("error", message=SEARCH_PATH_MISSING, category=UserWarning)
+            main()
+    except UserWarning as err:
+        print(f"Configuration error: {describe_missing_search_path(str(err))}", file=sys.stderr)
+        sys.exit(2)
     except (HydraException, OmegaConfBaseException) as err:
         print(f"Configuration error: {describe_compose_error(err)}", file=sys.stderr)
         sys.exit(2)
     except yaml.YAMLError as err:  # a config file of the search path (the user's --config-dir) is not YAML
         print(f"Configuration error: {describe_yaml_error(err)}", file=sys.stderr)
         sys.exit(2)
+
+
+def _importable_cwd() -> None:
+    """The directory the command runs in is importable (as `python -m` makes it), for the `runner` console
+    script too: a user's `_target_: mypkg.nets.MyNet` finds ./mypkg without PYTHONPATH."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
 
 
 def _scratch_output_dir(rank: int) -> list[str]:

@@ -8,14 +8,17 @@ Each hardware and precision option declares its schema in its defaults list, e.g
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-# The built-in config groups: the repository's conf/ (runner is installed editable, next to it).
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# The built-in config groups: the repository's conf/, installed as the package runner.conf.
+CONF_PACKAGE = "runner.conf"
+CONF_SEARCH_PATH = f"pkg://{CONF_PACKAGE}"
+CONF_DIR = Path(str(files(CONF_PACKAGE)))
 
 # Optional[...] rather than `X | None`: OmegaConf reads these annotations at runtime on Python 3.10.
 

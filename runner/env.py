@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from runner.cluster import available_cores, rank_variables
-from runner.config import CONF_DIR
+from runner.config import CONF_DIR, CONF_SEARCH_PATH
 
 # Distribution name -> what it gives runner (the extra that installs it, if any).
 INTEGRATIONS = {
@@ -38,7 +38,7 @@ def report() -> str:
         + ", ".join(f"{name} {'yes' if available() else 'no'}" for name, available in _backends().items()),
         "- integrations:",
         *(f"  - {name}: {_version(name)} ({use})" for name, use in INTEGRATIONS.items()),
-        f"- config search path: {CONF_DIR} (then Hydra's `--config-dir` / `hydra.searchpath`)",
+        f"- config search path: {CONF_SEARCH_PATH} ({CONF_DIR}), then Hydra's `--config-dir` / `hydra.searchpath`",
         "- environment: " + (", ".join(f"{k}={v}" for k, v in _variables().items()) or "none set"),
     ]
     return "\n".join(lines)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import errno
+import os
 import re
 
 import yaml
@@ -34,6 +35,13 @@ HYDRA_PLUGINS = {
 def describe_compose_error(err: Exception) -> str:
     """One paragraph for an error Hydra raised while composing the config."""
     cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
+    missing_dir = re.fullmatch(r"Additional config directory '(.*)' not found", str(err))
+    if missing_dir:
+        return (
+            f"--config-dir {missing_dir.group(1)}: no such directory. Pass the folder that holds your config groups "
+            "(model/, data/, experiment/, ...), relative to the directory you run in, e.g. `runner --config-dir "
+            "./conf experiment=mine`; `runner init <dir>` writes a starter project with one."
+        )
     if isinstance(err, MissingConfigException) and err.options is not None:
         group, _, option = (err.missing_cfg_file or "").rpartition("/")
         if option in HYDRA_PLUGINS:
@@ -43,7 +51,7 @@ def describe_compose_error(err: Exception) -> str:
             )
         return (
             f"{group}={option}: there is no option {option!r} in the config group {group!r}. "
-            f"Available: {', '.join(sorted(err.options))}. Pick one of those, or add conf/{group}/{option}.yaml."
+            f"Available: {', '.join(sorted(err.options))}. Pick one of those, or add {group}/{option}.yaml to your config dir (`runner --config-dir ./conf ...`)."
         )
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
         return _unknown_key(cause)
@@ -53,6 +61,21 @@ def describe_compose_error(err: Exception) -> str:
             f"{cause.full_key}: {expected}. Give a value of the type the schema declares in runner/config.py."
         )
     return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+
+
+SEARCH_PATH_MISSING = r"provider=.*, path=.* is not available\."  # what Hydra warns
+
+
+def describe_missing_search_path(warning: str) -> str:
+    """One paragraph for a config search path entry (`hydra.searchpath`) that does not exist."""
+    found = re.search(r"path=(.*) is not available", warning)
+    entry = found.group(1) if found else warning
+    return (
+        f"hydra.searchpath: {entry!r} is not there (no folder {os.path.abspath(entry)}, nor an installed package of "
+        "that name), so the config options in it cannot be found. Give the folder that holds your config groups, "
+        "relative to the directory you run in (hydra.searchpath=[file://conf], or --config-dir ./conf), or "
+        "pkg://<module> of an installed package."
+    )
 
 
 def _unknown_key(cause: OmegaConfBaseException) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.big_modeling import compute_module_sizes
 from runner.build import build_on_meta
-from runner.config import CONF_DIR, register_configs
+from runner.config import CONF_PACKAGE, register_configs
 from runner.errors import ConfigError, describe_compose_error
 from runner.plan import MB, optimizer_states, state_memory
 
@@ -38,7 +38,7 @@ GROUPS = {
 def estimate(overrides: list[str], num_processes: int) -> str:
     """The report for the config `overrides` compose, with `num_processes` devices."""
     register_configs()
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+    with initialize_config_module(CONF_PACKAGE, version_base="1.3"):
         cfg = compose("config", overrides=overrides)
         model = build_on_meta(cfg)
         sharded = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -109,9 +110,10 @@ def _target_problems(cfg: DictConfig) -> list[str]:
             obj = locate(target)
         except ImportError as err:
             problems.append(
-                f"{node}._target_={target!r} cannot be imported ({err}). Check the spelling, or install the "
-                f"package that provides it; `python -m runner --help` lists the {node} options that ship "
-                "with runner."
+                f"{node}._target_={target!r} cannot be imported ({err}; searched sys.path: "
+                f"{', '.join(p or '.' for p in sys.path)}). Check the spelling, run from the directory that holds "
+                "your package (it is importable from there), or install the package that provides it; "
+                f"`runner --help` lists the {node} options that ship with runner."
             )
             continue
         problems += _argument_problems(node, obj, cfg[node])

@@ -49,6 +49,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.cli",
             "runner.env",
             "runner.estimate_memory",
+            "runner.scaffold",
             "runner.sweep",
             "runner.utils",
             "runner.__main__",
@@ -111,7 +112,12 @@ def resolve(name: str) -> str:
     return name
 
 
-SOURCES = sorted([*ROOT.glob("runner/**/*.py"), *ROOT.glob("tasks/**/*.py")])
+STARTER = ROOT / "runner" / "starter"  # the project `runner init` writes: a user's code, not runner's
+SOURCES = sorted(
+    path
+    for path in [*ROOT.glob("runner/**/*.py"), *ROOT.glob("tasks/**/*.py")]
+    if not path.is_relative_to(STARTER)
+)
 GRAPH = {module_name(path): internal_imports(path) for path in SOURCES}
 
 

@@ -1,43 +1,159 @@
-"""What `pip install` puts in place: the wheel holds the tasks folder as `runner.tasks`, no top-level
-`tasks` package that could shadow (or be shadowed by) a user's."""
+"""runner as users get it: the wheel, installed (not editable) into a fresh venv with its dependencies
+from the package registry, run from a directory that has nothing of runner's repository in it."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+import torch
+
+from tests.conftest import metrics_of
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_the_wheel_installs_tasks_under_runner(tmp_path):
+def _run(command: list[str | Path], cwd: Path | None = None, **kwargs) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-w",
-            str(tmp_path),
-            str(REPO),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [str(c) for c in command], cwd=cwd, capture_output=True, text=True, timeout=600, **kwargs
     )
-    assert proc.returncode == 0, proc.stderr
-    (wheel,) = tmp_path.glob("runner-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+    assert proc.returncode == 0, f"{command} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", out, REPO])
+    (built,) = out.glob("runner-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory, wheel) -> Path:
+    """A fresh venv: the local torch build first (an unpinned torch would fetch a CUDA one), then the
+    wheel, whose other dependencies pip takes from the registry. Returns its bin dir."""
+    root = tmp_path_factory.mktemp("venv")
+    _run([sys.executable, "-m", "venv", root])
+    pip = [root / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    _run([*pip, f"torch=={torch.__version__.split('+')[0]}"])
+    _run([*pip, wheel])
+    return root / "bin"
+
+
+def _user_env(bin_dir: Path, home: Path) -> dict[str, str]:
+    """A user's shell with the venv activated: nothing points back at this checkout."""
+    keep = {k: v for k, v in os.environ.items() if k in ("LANG", "LC_ALL", "TMPDIR", "USER")}
+    return keep | {
+        "PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin",
+        "HOME": str(home),
+        "VIRTUAL_ENV": str(bin_dir.parent),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def test_the_wheel_holds_configs_tasks_and_the_starter_project(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
     assert {
-        "runner/tasks/__init__.py",
+        "runner/conf/config.yaml",
+        "runner/conf/hardware/fsdp.yaml",
+        "runner/conf/hydra/job_logging/runner.yaml",
+        "runner/conf/deepspeed/zero3.json",
         "runner/tasks/regression.py",
         "runner/data/assets/sonnets.txt",
-    } <= set(names)
-    assert not [name for name in names if name.startswith("tasks/")]
+        "runner/starter/conf/experiment/example.yaml",
+        "runner/starter/package/model.py",
+    } <= names
+    # Nothing at the top level that could shadow (or be shadowed by) a user's `tasks` or `conf`.
+    assert {name.split("/")[0] for name in names} == {"runner", "runner-0.1.0.dist-info"}
+    entry_points = zipfile.ZipFile(wheel).read("runner-0.1.0.dist-info/entry_points.txt").decode()
+    assert "runner = runner.cli:run" in entry_points
+
+
+def test_installed_runner_runs_the_default_experiment_from_an_empty_dir(venv, tmp_path):
+    env = _user_env(venv, tmp_path)
+    where = _run(
+        [venv / "python", "-c", "import runner.cli; print(runner.cli.__file__)"], cwd=tmp_path, env=env
+    )
+    assert where.stdout.startswith(str(venv.parent))  # the installed copy, not this checkout
+    proc = _run(
+        ["runner", "trainer.max_steps=20", "trainer.eval_every=0", "tracker.detach=false"],
+        cwd=tmp_path,
+        env=env,
+    )
+    metrics = metrics_of(proc)
+    assert metrics["eval/loss"] < metrics["train/loss"] * 3
+    (run_dir,) = (tmp_path / "outputs" / "runs").iterdir()  # under the user's ./outputs
+    assert json.loads((run_dir / "metrics.json").read_text()) == pytest.approx(metrics, rel=1e-5)
+    assert (tmp_path / "outputs" / "mlflow.db").is_file()  # the default tracker's local store, delivered
+
+
+def test_runner_init_writes_a_project_that_trains_on_1_and_2_processes(venv, tmp_path):
+    env = _user_env(venv, tmp_path)
+    _run(["runner", "init", "moons"], cwd=tmp_path, env=env)
+    project = tmp_path / "moons"
+    assert len((project / "README.md").read_text().splitlines()) == 3
+    assert "_target_: moons.model.SmallNet" in (project / "conf" / "model" / "small_net.yaml").read_text()
+
+    # The project's own model, task, data file and config dir; its package imports from the cwd.
+    one = _run(["runner", "--config-dir", "conf", "experiment=example", "tracker=none"], cwd=project, env=env)
+    two = _run(
+        [
+            venv / "python",
+            "-m",
+            "runner",
+            "--config-dir",
+            "conf",
+            "experiment=example",
+            "tracker=none",
+            "hardware=multi_gpu",
+            "hardware.num_processes=2",
+        ],
+        cwd=project,
+        env=env,
+    )
+    for proc in (one, two):
+        metrics = metrics_of(proc)
+        assert metrics["eval/accuracy"] > 0.8  # the moons are learned
+        assert 0.5 < metrics["eval/p_right"] < 1  # the project's own task computed the metrics
+    assert "starting 2 ranks" in two.stderr
+    runs = sorted((project / "outputs" / "runs").iterdir())
+    assert len(runs) == 2
+    resolved = (runs[0] / "resolved_config.yaml").read_text()
+    assert "moons.task.Classify" in resolved and "path: data/points.csv" in resolved
+
+
+def test_a_users_mistakes_in_an_installed_runner_are_one_paragraph(venv, tmp_path):
+    env = _user_env(venv, tmp_path)
+    _run(["runner", "init", "proj"], cwd=tmp_path, env=env)
+    project = tmp_path / "proj"
+    cases = [
+        (["--config-dir", "./nope", "experiment=example"], "--config-dir"),
+        (
+            ["--config-dir", "conf", "experiment=example", "model._target_=proj.nets.Net"],
+            "sys.path: " + str(project),
+        ),
+        (["--config-dir", "conf", "experiment=mine"], "add experiment/mine.yaml to your config dir"),
+        (["hydra.searchpath=[file://confs]", "experiment=example"], "hydra.searchpath: 'confs' is not there"),
+    ]
+    for arguments, expected in cases:
+        proc = subprocess.run(
+            ["runner", *arguments, "tracker=none"],
+            cwd=project,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2, (arguments, proc.stderr)
+        assert "Traceback" not in proc.stderr and expected in proc.stderr, (arguments, proc.stderr)
+    again = subprocess.run(["runner", "init", "proj"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert again.returncode == 2 and "not empty" in again.stderr
+    assert sorted(p.name for p in project.iterdir()) == ["README.md", "conf", "data", "outputs", "proj"]

@@ -1,0 +1,1 @@
+"""The built-in config groups, installed as the package runner.conf (Hydra: pkg://runner.conf)."""
