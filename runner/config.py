@@ -99,7 +99,9 @@ class DDPConfig(ParallelConfig):
 
 @dataclass
 class FSDPConfig(ParallelConfig):
-    shard_modules: list[str] | None = None  # class names of the sharding units, e.g. [Block]; null: root only
+    shard_modules: list[str] | None = (
+        None  # sharding units by class; null: the model's _no_split_modules; []: root
+    )
     reshard_after_forward: bool = True
     cpu_offload: bool = False
 

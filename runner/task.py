@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+HF_LABELS = "labels"  # Hugging Face batches: the targets' key; every other key is a model argument
 
 
 class Task:
@@ -33,3 +36,24 @@ class InferenceTask:
 
     def run(self, model: torch.nn.Module) -> dict[str, float]:
         raise NotImplementedError
+
+
+def model_outputs(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The model's output tensor for `batch`, whatever its shape: runner's samples (`{"inputs",
+    "targets"}`) and `(inputs, targets)` tuples call `model(inputs)`; Hugging Face batches (`{"input_ids",
+    "attention_mask", ..., "labels"}`) call `model(**batch)` without the labels. Of a transformers
+    `ModelOutput`, the `logits`."""
+    if isinstance(batch, Mapping) and "inputs" not in batch:
+        outputs = model(**{key: value for key, value in batch.items() if key != HF_LABELS})
+    else:
+        outputs = model(batch["inputs"] if isinstance(batch, Mapping) else batch[0])
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    return outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+
+
+def batch_targets(batch: Any) -> torch.Tensor:
+    """The targets of `batch`: `targets`, Hugging Face's `labels`, or a tuple's second item."""
+    if isinstance(batch, Mapping):
+        return batch["targets"] if "targets" in batch else batch[HF_LABELS]
+    return batch[1]

@@ -95,10 +95,9 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     total_steps = num_training_steps(trainer, len(train_loader))  # this rank's share of the batches
     # A prepared scheduler advances once per data-parallel process on each optimizer step (Accelerate's
-    # convention; tensor-parallel ranks share their data).
-    scheduler = instantiate(cfg.scheduler)(
-        optimizer, num_training_steps=total_steps * accelerator.state.data_parallel_size
-    )
+    # convention; tensor-parallel ranks share their data), once only with split batches.
+    advances = 1 if trainer.split_batches else accelerator.state.data_parallel_size
+    scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=total_steps * advances)
     num_parameters = sum(p.numel() for p in model.parameters())  # before a sharding backend partitions them
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     done = Progress(window_loss=torch.zeros((), device=accelerator.device))
@@ -209,6 +208,11 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
         accelerator.log(metrics, step=done.step)
     if trainer.save_model:
         accelerator.save_model(model, str(output_dir / "model"))
+        model_config = getattr(accelerator.unwrap_model(model), "config", None)
+        if accelerator.is_main_process and hasattr(model_config, "save_pretrained"):
+            model_config.save_pretrained(
+                output_dir / "model"
+            )  # a transformers model: from_pretrained loads the dir
     for run_tracker in accelerator.trackers:  # the main process's
         for artifact in (output_dir / "resolved_config.yaml", *output_dir.glob("*.log")):  # and Hydra's log
             run_tracker.log_artifact(str(artifact))

@@ -7,22 +7,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from runner.task import Task
+from runner.task import Task, batch_targets, model_outputs
 
 
 class Classification(Task):
-    """Loss: cross-entropy (optional label smoothing). Eval metrics: loss and accuracy."""
+    """Loss: cross-entropy (optional label smoothing). Eval metrics: loss and accuracy. Batches are
+    runner's (`inputs`, `targets`), `(inputs, targets)` tuples or Hugging Face's (`input_ids`, ..., `labels`);
+    the model's output is the logits, or a transformers output's `logits`."""
 
     def __init__(self, label_smoothing: float = 0.0) -> None:
         self.label_smoothing = label_smoothing
 
-    def training_step(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        logits = model(batch["inputs"])
-        return F.cross_entropy(logits, batch["targets"], label_smoothing=self.label_smoothing)
+    def training_step(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        logits = model_outputs(model, batch)
+        return F.cross_entropy(logits, batch_targets(batch), label_smoothing=self.label_smoothing)
 
-    def evaluation_step(self, model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        logits = model(batch["inputs"])
+    def evaluation_step(self, model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        logits, targets = model_outputs(model, batch), batch_targets(batch)
         return {
-            "loss": F.cross_entropy(logits, batch["targets"], reduction="none"),
-            "accuracy": (logits.argmax(-1) == batch["targets"]).float(),
+            "loss": F.cross_entropy(logits, targets, reduction="none"),
+            "accuracy": (logits.argmax(-1) == targets).float(),
         }

@@ -9,7 +9,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from runner.task import InferenceTask
+from runner.errors import ConfigError
+from runner.task import InferenceTask, model_outputs
 
 
 class TextGeneration(InferenceTask):
@@ -44,9 +45,10 @@ class TextGeneration(InferenceTask):
         ids = torch.tensor([list(self.prompt.encode())])
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         sys.stdout.write(self.prompt)
+        context = _context_length(model)
         started = time.perf_counter()
         for _ in range(self.max_new_tokens):
-            logits = model(ids[:, -model.max_seq_len :])[0, -1].float().cpu()
+            logits = model_outputs(model, (ids[:, -context:],))[0, -1].float().cpu()
             next_id = self._pick(logits, generator)
             ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
             sys.stdout.write(text.decode(bytes([int(next_id)])))
@@ -65,3 +67,17 @@ class TextGeneration(InferenceTask):
             threshold = logits.topk(min(self.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < threshold, float("-inf"))
         return torch.multinomial(F.softmax(logits / self.temperature, dim=-1), 1, generator=generator)[0]
+
+
+def _context_length(model: torch.nn.Module) -> int:
+    """The longest input the model takes: runner's GPT's `max_seq_len`, a transformers model's
+    `config.max_position_embeddings`."""
+    length = getattr(model, "max_seq_len", None) or getattr(
+        getattr(model, "config", None), "max_position_embeddings", None
+    )
+    if length is None:
+        raise ConfigError(
+            f"task=generate: {type(model).__name__} tells no context length (a `max_seq_len` attribute, or a "
+            "transformers config's max_position_embeddings)."
+        )
+    return int(length)

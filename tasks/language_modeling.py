@@ -3,25 +3,45 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from runner.task import Task
+from runner.task import HF_LABELS, Task, batch_targets, model_outputs
 
 
 class LanguageModeling(Task):
-    """Loss: token cross-entropy. Eval metrics: loss (per token) and perplexity."""
+    """Loss: token cross-entropy (positions labelled -100 ignored). Eval metrics: loss (per token) and
+    perplexity.
 
-    def training_step(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        logits = model(batch["inputs"])
-        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+    Batches are runner's (`inputs`, and `targets` already shifted by one) or Hugging Face's (`input_ids`,
+    `attention_mask`, `labels` equal to the inputs: shifted here, as transformers' causal LMs do).
+    """
 
-    def evaluation_step(self, model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        logits = model(batch["inputs"])
-        token_loss = F.cross_entropy(logits.transpose(1, 2), batch["targets"], reduction="none")
-        return {"loss": token_loss.mean(-1)}  # every sequence has the same length: mean of means is exact
+    def training_step(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        logits, targets = _next_token(model, batch)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def evaluation_step(self, model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        logits, targets = _next_token(model, batch)
+        token_loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        counted = (targets != IGNORED).sum(-1).clamp(min=1)
+        return {
+            "loss": token_loss.sum(-1) / counted
+        }  # per sequence; equal lengths: the mean of means is exact
 
     def summarize(self, means: dict[str, float]) -> dict[str, float]:
         return {**means, "perplexity": math.exp(min(means["loss"], 50.0))}
+
+
+IGNORED = -100  # cross-entropy's ignore_index: padding in Hugging Face labels
+
+
+def _next_token(model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, targets) aligned so that position t predicts token t + 1."""
+    logits, targets = model_outputs(model, batch), batch_targets(batch)
+    if isinstance(batch, Mapping) and HF_LABELS in batch:
+        return logits[:, :-1], targets[:, 1:]
+    return logits, targets

@@ -233,3 +233,14 @@ def test_a_full_disk_stops_the_run_in_one_paragraph_and_leaves_no_partial_checkp
     )
     assert "Traceback" not in proc.stderr
     assert proc.stdout.strip() == ""  # checkpoints/ holds nothing: the partial one was removed
+
+
+def test_evaluating_more_often_does_not_change_training(tmp_path):
+    """Starting an evaluation draws nothing from torch's global RNG: dropout masks stay the same."""
+    weights = []
+    for eval_every in (0, 4):
+        run_dir = tmp_path / f"eval{eval_every}"
+        proc = run(run_dir, "trainer.max_steps=12", f"trainer.eval_every={eval_every}", "model.dropout=0.1")
+        assert proc.returncode == 0, proc.stderr
+        weights.append((run_dir / "model" / "model.safetensors").read_bytes())
+    assert weights[0] == weights[1]

@@ -83,7 +83,14 @@ class DataSource(ABC):
         )
 
     def eval_dataloader(self) -> DataLoader:
-        return DataLoader(self.eval_set, batch_size=self.eval_batch_size, num_workers=self.num_workers)
+        """In order. Its own generator: starting an evaluation draws no number from torch's global RNG, so
+        how often a run evaluates does not change its training (dropout, augmentation)."""
+        return DataLoader(
+            self.eval_set,
+            batch_size=self.eval_batch_size,
+            num_workers=self.num_workers,
+            generator=torch.Generator().manual_seed(0),
+        )
 
 
 def existing_file(path: str | Path, key: str = "data.path") -> Path:

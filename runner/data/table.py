@@ -94,7 +94,7 @@ class TableFile(DataSource):
         inputs = torch.tensor([[_number(row, c, i) for c in features] for i, row in enumerate(rows)])
         labels = [row[self.target] for row in rows]
         if self.task == "classification":
-            classes = sorted(set(labels), key=_label_order)
+            classes = sorted(set(labels), key=label_order)
             if len(classes) < 2:
                 raise ConfigError(
                     f"data.target={self.target!r}: every row of {self.path} has the class {classes[0]!r}; a "
@@ -133,7 +133,7 @@ def _number(row: dict[str, Any], column: str, index: int) -> float:
     return value
 
 
-def _label_order(label: Any) -> tuple[int, Any]:
+def label_order(label: Any) -> tuple[int, Any]:
     """Numeric labels in numeric order ("2" before "10"), then the others alphabetically."""
     try:
         return (0, float(label))

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from runner.hardware.parallel import ParallelStrategy
-from runner.hardware.parallelize import ShardedState, apply_fsdp
+from runner.hardware.parallelize import ShardedState, apply_fsdp, declared_units
 from runner.precision import MixedPrecision, Precision, ShardedMixedPrecision, refuse_fp16
 
 
@@ -20,7 +20,9 @@ class FSDP(ShardedState, ParallelStrategy):
     backward; the root module holds the rest.
 
     Args (beyond `ParallelStrategy`'s):
-        shard_modules: class names of the sharding units; None: the root module only.
+        shard_modules: class names of the sharding units; None: those the model declares indivisible
+            (`_no_split_modules`, transformers' convention: its decoder layer; GPT's Block); []: the root
+            module only.
         reshard_after_forward: free gathered parameters after each unit's forward (saves memory, costs a
             second all-gather in backward).
         cpu_offload: keep parameter shards, gradients and optimizer states in CPU memory.
@@ -40,7 +42,7 @@ class FSDP(ShardedState, ParallelStrategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
         super().__init__(**process_group)
-        self.shard_modules = list(shard_modules or [])
+        self.shard_modules = None if shard_modules is None else list(shard_modules)
         self.reshard_after_forward = reshard_after_forward
         self.offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
         self.mp_policy = MixedPrecisionPolicy()
@@ -61,7 +63,7 @@ class FSDP(ShardedState, ParallelStrategy):
             lambda: apply_fsdp(
                 module,
                 mesh,
-                self.shard_modules,
+                declared_units(module) if self.shard_modules is None else self.shard_modules,
                 self.reshard_after_forward,
                 self.mp_policy,
                 self.offload_policy,

@@ -13,7 +13,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from runner.errors import ConfigError
 from runner.hardware.parallel import ParallelStrategy
-from runner.hardware.parallelize import ShardedState, apply_fsdp, apply_tp
+from runner.hardware.parallelize import (
+    ShardedState,
+    apply_fsdp,
+    apply_tp,
+    declared_tp_plan,
+    declared_units,
+)
 from runner.precision import Precision, refuse_fp16
 from runner.state import ProcessState
 
@@ -30,7 +36,8 @@ class TensorParallel(ShardedState, ParallelStrategy):
         tp_size: ranks each layer is split over; must divide the world size and the model's heads and widths.
         sequence_parallel: also split the activations between the tensor-parallel layers along the
             sequence (the plan's `sequence_parallel`).
-        shard_modules, reshard_after_forward: FSDP2's, for the data-parallel dimension.
+        shard_modules, reshard_after_forward: FSDP2's, for the data-parallel dimension (`hardware=fsdp`'s:
+            None, the model's `_no_split_modules`; [], the root only).
     """
 
     def __init__(
@@ -46,7 +53,7 @@ class TensorParallel(ShardedState, ParallelStrategy):
         super().__init__(**process_group)
         self.tp_size = tp_size
         self.sequence_parallel = sequence_parallel
-        self.shard_modules = list(shard_modules or [])
+        self.shard_modules = None if shard_modules is None else list(shard_modules)
         self.reshard_after_forward = reshard_after_forward
         self.mesh: DeviceMesh | None = None
 
@@ -64,16 +71,26 @@ class TensorParallel(ShardedState, ParallelStrategy):
         self._plan(model)
 
     def _plan(self, model: torch.nn.Module) -> dict[str, Any]:
-        if not callable(getattr(model, "tp_plan", None)):
-            raise ConfigError(
-                f"hardware=megatron: {type(model).__name__} declares no tensor-parallel plan (a `tp_plan(tp_size, sequence_parallel)` "
-                "method returning {module name pattern: ParallelStyle}, as runner.models.GPT has). Add one, or use "
-                "hardware=fsdp or multi_gpu."
-            )
+        """The model's own `tp_plan(tp_size, sequence_parallel)`, else the plan it declares the transformers
+        way (`_tp_plan`: module name patterns -> "colwise" / "rowwise")."""
         try:
-            return model.tp_plan(self.tp_size, sequence_parallel=self.sequence_parallel)
+            if callable(getattr(model, "tp_plan", None)):
+                return model.tp_plan(self.tp_size, sequence_parallel=self.sequence_parallel)
+            if getattr(model, "_tp_plan", None):
+                if self.sequence_parallel:
+                    raise ConfigError(
+                        f"hardware.sequence_parallel=true: {type(model).__name__}'s tensor-parallel plan comes from "
+                        "transformers (`_tp_plan`), which splits its linear layers only. Use "
+                        "hardware.sequence_parallel=false."
+                    )
+                return declared_tp_plan(model, self.tp_size)
         except ValueError as err:
             raise ConfigError(f"hardware.tp_size: {err} Pick a tp_size that divides it.") from None
+        raise ConfigError(
+            f"hardware=megatron: {type(model).__name__} declares no tensor-parallel plan (a `tp_plan(tp_size, sequence_parallel)` "
+            "method returning {module name pattern: ParallelStyle}, as runner.models.GPT has, or transformers' "
+            "`_tp_plan`). Add one, or use hardware=fsdp or multi_gpu."
+        )
 
     def setup_environment(self) -> ProcessState:
         state = super().setup_environment()
@@ -98,7 +115,12 @@ class TensorParallel(ShardedState, ParallelStrategy):
             if mesh["dp"].size() > 1:
                 no_cast, no_offload = MixedPrecisionPolicy(), OffloadPolicy()  # bf16 is autocast's here
                 apply_fsdp(
-                    module, mesh["dp"], self.shard_modules, self.reshard_after_forward, no_cast, no_offload
+                    module,
+                    mesh["dp"],
+                    declared_units(module) if self.shard_modules is None else self.shard_modules,
+                    self.reshard_after_forward,
+                    no_cast,
+                    no_offload,
                 )
 
         self.replace_parameters(module, parallelize)

@@ -65,6 +65,28 @@ def apply_fsdp(
     fully_shard(module, **(options | {"mp_policy": root_policy}))
 
 
+def declared_units(module: torch.nn.Module) -> list[str]:
+    """The class names a model declares as its indivisible blocks (`_no_split_modules`, transformers'
+    convention: the decoder layer): the natural sharding units."""
+    return sorted(getattr(module, "_no_split_modules", None) or [])
+
+
+def declared_tp_plan(module: torch.nn.Module, tp_size: int) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan a transformers model declares (`_tp_plan`: module name patterns ->
+    "colwise" / "rowwise"; embeddings and the head stay replicated) as ParallelStyles. ValueError if
+    `tp_size` does not divide the heads or a split width: each rank computes whole heads."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {pattern: styles[style]() for pattern, style in module._tp_plan.items() if style in styles}
+    config = getattr(module, "config", None)
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        size = getattr(config, name, None)
+        if isinstance(size, int) and size % tp_size:
+            raise ValueError(f"tp_size={tp_size} does not divide the model's {name}={size}.")
+    return plan
+
+
 def apply_ddp(module: torch.nn.Module, device: torch.device, **options: Any) -> DistributedDataParallel:
     """A replica of `module` per rank whose gradients are averaged during backward (DDP's `options`)."""
     device_ids = [device.index] if device.type == "cuda" else None

@@ -1,0 +1,187 @@
+"""Hugging Face `datasets` (the `hf` extra): local files or a saved dataset, tokenized with a local
+tokenizer, as Hugging Face batches (`input_ids`, `attention_mask`, `labels`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runner.data.base import DataSource, TensorDictDataset, random_split
+from runner.data.table import label_order
+from runner.errors import ConfigError
+
+try:
+    import datasets
+    from transformers import AutoTokenizer
+except ImportError as err:
+    raise ImportError(
+        f"{err}: data=hf needs the `hf` extra: pip install 'runner[hf]' (transformers, datasets)"
+    ) from err
+
+# File suffix -> the `datasets` builder that reads it.
+FORMATS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".text": "text",
+}
+TASKS = ("language_modeling", "classification")
+
+
+class HFDataset(DataSource):
+    """A `datasets` dataset from a local file (`.json`/`.jsonl`, `.csv`, `.parquet`, `.txt`) or a directory
+    written by `save_to_disk`, its `text_column` tokenized by the tokenizer in a local directory.
+
+    `task="language_modeling"`: the texts joined (the tokenizer's end-of-sequence token between them) and
+    cut into blocks of `seq_len` tokens, `labels` equal to `input_ids` (the task shifts them). `task=
+    "classification"`: each text truncated and padded to `seq_len`, `labels` the class index of
+    `label_column` (class labels sorted; numbers in numeric order). The eval split is `eval_split` of a
+    saved DatasetDict, else `eval_fraction` of the samples, drawn with `split_seed`.
+
+    Args:
+        path: the file or saved dataset directory (relative paths: from the directory you run in).
+        tokenizer: a local tokenizer directory (`save_pretrained`'s; never downloaded).
+        task: "language_modeling" or "classification".
+        seq_len: tokens per sample.
+        text_column, label_column: the columns read.
+        split, eval_split: the splits of a saved DatasetDict (eval_split None: `eval_fraction` of `split`).
+        eval_fraction, split_seed: the held-out share and the seed that draws it.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: str,
+        task: str = "language_modeling",
+        seq_len: int = 128,
+        text_column: str = "text",
+        label_column: str = "label",
+        split: str = "train",
+        eval_split: str | None = None,
+        eval_fraction: float = 0.1,
+        split_seed: int = 0,
+        **loader: Any,
+    ) -> None:
+        super().__init__(**loader)
+        self.path = Path(path).expanduser()
+        if not self.path.exists():
+            raise ConfigError(
+                f"data.path={path!r}: no such file or directory (looked for {self.path.resolve()}). Give a "
+                f"{', '.join(sorted(FORMATS))} file or a dataset directory written by save_to_disk."
+            )
+        if self.path.is_file() and self.path.suffix not in FORMATS:
+            raise ConfigError(
+                f"data.path={path!r}: unsupported file type {self.path.suffix!r}; expected one of "
+                f"{sorted(FORMATS)}, or a dataset directory written by save_to_disk."
+            )
+        if not (Path(tokenizer).expanduser() / "tokenizer_config.json").is_file():
+            raise ConfigError(
+                f"data.tokenizer={tokenizer!r}: not a tokenizer directory (no tokenizer_config.json in "
+                f"{Path(tokenizer).expanduser().resolve()}). Give a local directory written by save_pretrained."
+            )
+        if task not in TASKS:
+            raise ConfigError(f"data.task={task!r}: expected one of {list(TASKS)}.")
+        if seq_len < 1:
+            raise ConfigError(f"data.seq_len={seq_len}: must be >= 1.")
+        self.tokenizer = tokenizer
+        self.task = task
+        self.seq_len = seq_len
+        self.text_column, self.label_column = text_column, label_column
+        self.split, self.eval_split = split, eval_split
+        self.eval_fraction, self.split_seed = eval_fraction, split_seed
+
+    def load(self) -> tuple[Any, Any, dict[str, int]]:
+        tokenizer = AutoTokenizer.from_pretrained(self.tokenizer, local_files_only=True)
+        train_rows, eval_rows = self._read()
+        encode = self._blocks if self.task == "language_modeling" else self._classified
+        train, dims = encode(tokenizer, train_rows, None)
+        if eval_rows is None:
+            train, eval_ = random_split(train, self.eval_fraction, self.split_seed)
+        else:
+            eval_, _ = encode(tokenizer, eval_rows, dims.get("classes"))
+        dims.pop("classes", None)
+        return train, eval_, {"vocab_size": len(tokenizer), **dims}
+
+    def _read(self) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+        if self.path.is_file():
+            loaded = datasets.load_dataset(
+                FORMATS[self.path.suffix], data_files=str(self.path), split="train", keep_in_memory=True
+            )
+            return self._columns(loaded), None
+        loaded = datasets.load_from_disk(str(self.path), keep_in_memory=True)
+        if isinstance(loaded, datasets.Dataset):
+            return self._columns(loaded), None
+        for key, name in (("split", self.split), ("eval_split", self.eval_split)):
+            if name is not None and name not in loaded:
+                raise ConfigError(f"data.{key}={name!r}: {self.path} has the splits {sorted(loaded)}.")
+        eval_rows = self._columns(loaded[self.eval_split]) if self.eval_split else None
+        return self._columns(loaded[self.split]), eval_rows
+
+    def _columns(self, rows: datasets.Dataset) -> datasets.Dataset:
+        wanted = [self.text_column] + ([self.label_column] if self.task == "classification" else [])
+        for key, column in zip(("text_column", "label_column"), wanted, strict=False):
+            if column not in rows.column_names:
+                raise ConfigError(
+                    f"data.{key}={column!r}: no such column in {self.path}; columns: {rows.column_names}."
+                )
+        if len(rows) == 0:
+            raise ConfigError(f"data.path={str(self.path)!r}: the dataset holds no rows.")
+        return rows
+
+    def _blocks(self, tokenizer: Any, rows: datasets.Dataset, _: Any) -> tuple[TensorDictDataset, dict]:
+        """Every text's tokens, joined by the end-of-sequence token, cut into `seq_len` blocks."""
+        separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        ids: list[int] = []
+        for text_ids in tokenizer(list(rows[self.text_column]), add_special_tokens=False)["input_ids"]:
+            ids += text_ids + separator
+        blocks = len(ids) // self.seq_len
+        if blocks < 2:
+            raise ConfigError(
+                f"data.path={str(self.path)!r}: {len(ids)} tokens make {blocks} block(s) of data.seq_len={self.seq_len}; "
+                "at least 2 are needed (one to train, one to evaluate). Use more text or a shorter seq_len."
+            )
+        input_ids = torch.tensor(ids[: blocks * self.seq_len]).view(blocks, self.seq_len)
+        dataset = TensorDictDataset(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=input_ids.clone()
+        )
+        return dataset, {}
+
+    def _classified(
+        self, tokenizer: Any, rows: datasets.Dataset, classes: list[Any] | None
+    ) -> tuple[TensorDictDataset, dict]:
+        """Each text padded or cut to `seq_len` tokens, with its class index."""
+        if tokenizer.pad_token_id is None:
+            raise ConfigError(
+                f"data.tokenizer={self.tokenizer!r}: the tokenizer has no padding token, which classification "
+                "needs to batch texts of different lengths. Save the tokenizer with a pad_token."
+            )
+        encoded = tokenizer(
+            list(rows[self.text_column]),
+            padding="max_length",
+            truncation=True,
+            max_length=self.seq_len,
+            return_tensors="pt",
+        )
+        labels = list(rows[self.label_column])
+        classes = classes or sorted(set(labels), key=label_order)
+        if len(classes) < 2:
+            raise ConfigError(
+                f"data.label_column={self.label_column!r}: every row of {self.path} has the class {classes[0]!r}; a "
+                "classifier needs at least two."
+            )
+        index = {label: i for i, label in enumerate(classes)}
+        unknown = sorted({str(label) for label in labels if label not in index})
+        if unknown:
+            raise ConfigError(
+                f"data.eval_split={self.eval_split!r}: classes {unknown} are not in the training split {classes}."
+            )
+        dataset = TensorDictDataset(
+            input_ids=encoded["input_ids"],
+            attention_mask=encoded["attention_mask"],
+            labels=torch.tensor([index[label] for label in labels]),
+        )
+        return dataset, {"num_labels": len(classes), "classes": classes}

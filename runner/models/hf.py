@@ -1,0 +1,126 @@
+"""Hugging Face `transformers` models (the `hf` extra): built from a config with sizes in YAML (random
+init) or from a local directory (`from_pretrained`, no network)."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from runner.errors import ConfigError
+
+try:
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+except ImportError as err:  # the module names the extra to install instead of a bare import error
+    raise ImportError(
+        f"{err}: Hugging Face models need the `hf` extra: pip install 'runner[hf]' (transformers, datasets)"
+    ) from err
+
+
+def causal_lm(
+    pretrained: str | None = None,
+    load_weights: bool = True,
+    config: Mapping[str, Any] | None = None,
+    vocab_size: int | None = None,
+    **overrides: Any,
+) -> transformers.PreTrainedModel:
+    """A causal language model (`AutoModelForCausalLM`); its `logits` feed the language-modeling task.
+
+    Args:
+        pretrained: a local model directory (`config.json`, weights; `save_pretrained`'s or a runner run's
+            `model/`): its architecture, and its weights unless `load_weights` is False (then randomly
+            initialised, or filled from `checkpoint=` as `hardware=big_model` does). `config` is not read.
+        config: the architecture of a model built from scratch (random init): `model_type` (llama, gpt2,
+            qwen2, ...) and the settings of its config class (`hidden_size`, `num_hidden_layers`, ...).
+        vocab_size: the vocabulary; None in YAML: the data's.
+        overrides: settings that replace the architecture's either way (`attention_dropout`, ...).
+    """
+    return _build(AutoModelForCausalLM, pretrained, load_weights, config, vocab_size=vocab_size, **overrides)
+
+
+def sequence_classification(
+    pretrained: str | None = None,
+    load_weights: bool = True,
+    config: Mapping[str, Any] | None = None,
+    vocab_size: int | None = None,
+    num_labels: int | None = None,
+    **overrides: Any,
+) -> transformers.PreTrainedModel:
+    """A sequence classifier (`AutoModelForSequenceClassification`): a transformer whose `logits` are one
+    score per class. `num_labels`: the classes (None in YAML: the data's). The other arguments are
+    `causal_lm`'s."""
+    return _build(
+        AutoModelForSequenceClassification,
+        pretrained,
+        load_weights,
+        config,
+        vocab_size=vocab_size,
+        num_labels=num_labels,
+        **overrides,
+    )
+
+
+def _build(
+    auto_class: Any,
+    pretrained: str | None,
+    load_weights: bool,
+    config: Mapping[str, Any] | None,
+    **overrides: Any,
+) -> transformers.PreTrainedModel:
+    overrides = {key: value for key, value in overrides.items() if value is not None}
+    if pretrained is not None:
+        directory = Path(pretrained).expanduser()
+        if not (directory / "config.json").is_file():
+            raise ConfigError(
+                f"model.pretrained={pretrained!r}: not a model directory (no config.json in {directory.resolve()}). "
+                "Give a local directory written by save_pretrained or a runner run's model/ (runner never downloads)."
+            )
+        stored = AutoConfig.from_pretrained(directory, local_files_only=True)
+        _check_vocab(stored, overrides)
+        _check_settings(stored, overrides, "model")
+        stored.update(overrides)
+        if load_weights:
+            return auto_class.from_pretrained(directory, config=stored, local_files_only=True)
+        return auto_class.from_config(stored)
+    settings = dict(config or {})
+    model_type = settings.pop("model_type", None)
+    if model_type is None:
+        raise ConfigError(
+            "model: give model.pretrained (a local model directory) or model.config.model_type (e.g. llama) with "
+            "the sizes of a model built from scratch."
+        )
+    try:
+        default = AutoConfig.for_model(model_type)
+    except ValueError:
+        known = difflib.get_close_matches(model_type, transformers.CONFIG_MAPPING.keys(), n=3)
+        raise ConfigError(
+            f"model.config.model_type={model_type!r}: not a transformers model type"
+            f"{'; did you mean ' + ', '.join(known) + '?' if known else ''}. Use one transformers knows (llama, gpt2, ...)."
+        ) from None
+    _check_settings(default, settings, "model.config")
+    _check_settings(default, overrides, "model")
+    return auto_class.from_config(AutoConfig.for_model(model_type, **(settings | overrides)))
+
+
+def _check_settings(config: Any, settings: Mapping[str, Any], node: str) -> None:
+    """transformers keeps any unknown keyword as an attribute: a misspelt size would be silently unused."""
+    unknown = [key for key in settings if not hasattr(config, key)]
+    if unknown:
+        names = sorted(config.to_dict())
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        raise ConfigError(
+            f"{node}.{unknown[0]}: not a setting of {type(config).__name__}"
+            f"{'; did you mean ' + node + '.' + close[0] + '?' if close else ''}. Its settings: {', '.join(names)}."
+        )
+
+
+def _check_vocab(config: Any, settings: dict[str, Any]) -> None:
+    """The data's vocabulary must fit the pretrained model's (which may be padded larger)."""
+    data_vocab = settings.pop("vocab_size", None)
+    if data_vocab is not None and data_vocab > config.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: the data has {data_vocab} token ids, the pretrained model {config.vocab_size}: "
+            "tokenize the data with the model's own tokenizer."
+        )

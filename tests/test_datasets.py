@@ -1,0 +1,184 @@
+"""`data=hf` (a parquet file and a saved dataset, tokenized by a local tokenizer) and `data=image_folder` (a
+generated folder of PNGs): they train, shard over ranks and resume bitwise like the built-in sources, and
+refuse broken input before launch."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from conftest import cli_env, runner_command
+from PIL import Image
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from runner.data.hf import HFDataset
+from runner.data.image_folder import ImageFolder
+from runner.errors import ConfigError
+
+SONNETS = Path(__file__).resolve().parents[1] / "runner" / "data" / "assets" / "sonnets.txt"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Path:
+    """A word-level tokenizer trained on the sonnets, their lines as a parquet file and as a saved
+    DatasetDict, and 3 classes of 20 small PNGs of different sizes."""
+    root = tmp_path_factory.mktemp("datasets")
+    lines = [line.strip() for line in SONNETS.read_text().splitlines() if line.strip()]  # 196
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(
+        lines, trainers.WordLevelTrainer(vocab_size=400, special_tokens=["[PAD]", "[UNK]", "[EOS]"])
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]"
+    ).save_pretrained(root / "tokenizer")
+    labels = ["love" if "love" in line.lower() else "other" for line in lines]
+    table = datasets.Dataset.from_dict({"text": lines, "label": labels})
+    table.to_parquet(root / "lines.parquet")
+    datasets.DatasetDict(
+        {"train": table.select(range(150)), "test": table.select(range(150, len(lines)))}
+    ).save_to_disk(root / "saved")
+    rng = random.Random(0)
+    for index, color in enumerate([(200, 30, 30), (30, 200, 30), (30, 30, 200)]):
+        folder = root / "images" / f"class_{index}"
+        folder.mkdir(parents=True)
+        for i in range(20):
+            size = (rng.randint(10, 16), rng.randint(10, 16))
+            pixel = tuple(min(255, max(0, c + rng.randint(-80, 80))) for c in color)
+            image = Image.new("RGB", size, pixel)
+            image.putpixel((0, 0), (255, 255, 255))  # a corner mark: a flip moves it
+            image.save(folder / f"{i}.png")
+    return root
+
+
+def _cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        runner_command(run_dir, "tracker=none", "scheduler=constant", "trainer.eval_every=0", *overrides),
+        cwd=run_dir.parent,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _sources(files: Path) -> dict[str, list[str]]:
+    return {
+        "hf_parquet": [
+            "data=hf",
+            f"data.path={files / 'lines.parquet'}",
+            f"data.tokenizer={files / 'tokenizer'}",
+            "data.seq_len=16",
+            "data.batch_size=8",
+            "model=hf_causal_lm",
+            "model.config.hidden_size=32",
+            "model.config.intermediate_size=64",
+            "task=language_modeling",
+            "+model.config.attention_dropout=0.1",  # an RNG in play
+        ],
+        "image_folder": [
+            "data=image_folder",
+            f"data.path={files / 'images'}",
+            "data.image_size=8",
+            "data.batch_size=8",
+            "task=classification",
+            "model.hidden_size=32",
+            "model.dropout=0.1",
+        ],
+    }
+
+
+RANKS = {1: [], 2: ["hardware=multi_gpu", "hardware.num_processes=2"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("source", "ranks"), [("hf_parquet", 1), ("image_folder", 1), ("image_folder", 2)])
+def test_a_run_stopped_mid_epoch_resumes_to_the_same_weights(files, tmp_path, source, ranks):
+    overrides = [*_sources(files)[source], *RANKS[ranks], "trainer.checkpoint_every=5"]
+    whole = tmp_path / "whole"
+    _cli(whole, *overrides, "trainer.max_steps=12")
+    parts = tmp_path / "parts"
+    _cli(parts, *overrides, "trainer.max_steps=5")  # checkpoints at step 5, in the middle of an epoch
+    resumed = _cli(parts, *overrides, "trainer.max_steps=12")
+    assert "resumed from" in resumed.stderr + (parts / "runner.log").read_text()
+    assert (parts / "model" / "model.safetensors").read_bytes() == (
+        whole / "model" / "model.safetensors"
+    ).read_bytes()
+
+
+@pytest.mark.slow
+def test_random_flips_reach_the_training_images(files, tmp_path):
+    image = _sources(files)["image_folder"]
+    flipped = _cli(tmp_path / "flip", *image, "trainer.max_steps=4")
+    plain = _cli(tmp_path / "plain", *image, "trainer.max_steps=4", "data.random_flip=false")
+    assert flipped.stderr.count("train/loss") and plain.stderr.count("train/loss")
+    assert (tmp_path / "flip" / "model" / "model.safetensors").read_bytes() != (
+        tmp_path / "plain" / "model" / "model.safetensors"
+    ).read_bytes()
+
+
+def test_hf_language_modeling_blocks_and_classification_samples(files):
+    lm = HFDataset(str(files / "lines.parquet"), str(files / "tokenizer"), seq_len=16, eval_fraction=0.1)
+    lm.setup()
+    sample = lm.train_set[0]
+    assert sample.keys() == {"input_ids", "attention_mask", "labels"} and sample["input_ids"].shape == (16,)
+    assert torch.equal(sample["labels"], sample["input_ids"])  # the task shifts them
+    assert lm.dims == {"vocab_size": 400}
+    classes = HFDataset(
+        str(files / "saved"), str(files / "tokenizer"), task="classification", seq_len=12, eval_split="test"
+    )
+    classes.setup()
+    assert len(classes.train_set) == 150 and len(classes.eval_set) == 46  # the saved splits
+    assert classes.dims == {"vocab_size": 400, "num_labels": 2}
+    assert classes.train_set[0]["labels"].item() in (0, 1)
+
+
+def test_image_folder_samples_follow_the_transforms(files):
+    data = ImageFolder(
+        str(files / "images"), image_size=8, grayscale=True, mean=[0.0], std=[1.0], flatten=False
+    )
+    data.setup()
+    sample = data.eval_set[0]
+    assert (
+        sample["inputs"].shape == (1, 8, 8) and 0.0 <= sample["inputs"].min() <= sample["inputs"].max() <= 1.0
+    )
+    assert data.dims == {"in_features": 64, "in_channels": 1, "out_features": 3, "num_classes": 3}
+    assert len(data.train_set) + len(data.eval_set) == 60
+
+
+def test_broken_datasets_are_refused_naming_the_key(files, tmp_path):
+    tokenizer = str(files / "tokenizer")
+    cases = [
+        (lambda: HFDataset(str(tmp_path / "none.parquet"), tokenizer), "data.path="),
+        (lambda: HFDataset(str(files / "lines.parquet"), str(tmp_path)), "data.tokenizer="),
+        (
+            lambda: HFDataset(str(files / "lines.parquet"), tokenizer, text_column="body").setup(),
+            "data.text_column='body'",
+        ),
+        (
+            lambda: HFDataset(str(files / "saved"), tokenizer, eval_split="dev").setup(),
+            "data.eval_split='dev'",
+        ),
+        (
+            lambda: HFDataset(str(files / "lines.parquet"), tokenizer, seq_len=100000).setup(),
+            "at least 2 are needed",
+        ),
+        (lambda: ImageFolder(str(tmp_path / "nothing")), "data.path="),
+        (lambda: ImageFolder(str(files / "images"), mean=[0.5]), "data.mean=[0.5]"),
+    ]
+    broken = tmp_path / "broken" / "a"
+    broken.mkdir(parents=True)
+    (broken / "x.png").write_bytes(b"not a png")
+    (tmp_path / "broken" / "b").mkdir()
+    (tmp_path / "broken" / "b" / "y.png").write_bytes((files / "images" / "class_0" / "0.png").read_bytes())
+    cases.append((lambda: ImageFolder(str(tmp_path / "broken")).setup(), "x.png: not a readable image"))
+    for build, expected in cases:
+        with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace("(", r"\(")):
+            build()

@@ -1,0 +1,182 @@
+"""Hugging Face models (the `hf` extra): a tiny transformers causal LM built from its config trains on every
+hardware group that runs on CPU to the loss of one process; saved, it is dispatched over CPU memory and
+disk and generates the tokens the in-memory model does."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import cli_env, runner_command
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from runner.big_modeling import init_empty_weights, load_checkpoint_and_dispatch
+from runner.errors import ConfigError
+from runner.hardware.parallelize import declared_tp_plan, declared_units
+from runner.models.hf import causal_lm, sequence_classification
+from runner.task import batch_targets, model_outputs
+from runner.tasks import Classification, LanguageModeling
+
+TINY = [
+    "data=sonnets",
+    "data.seq_len=32",
+    "data.batch_size=8",
+    "task=language_modeling",
+    "model=hf_causal_lm",
+    "model.config.hidden_size=32",
+    "model.config.intermediate_size=64",
+    "optimizer.lr=1e-2",
+    "trainer.max_steps=12",
+    "scheduler=constant",
+    "trainer.eval_every=0",
+    "trainer.split_batches=true",  # the same global batches on 1 and 2 processes
+    "trainer.progress_bar=false",
+    "tracker=none",
+]
+LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
+HARDWARE = {
+    "multi_gpu": ["hardware=multi_gpu", "hardware.num_processes=2"],
+    "fsdp": ["hardware=fsdp", "hardware.num_processes=2"],  # units: the model's LlamaDecoderLayer
+    "deepspeed_zero3": ["hardware=deepspeed", "hardware.num_processes=2", "hardware.zero_stage=3"],
+    "megatron_tp2": ["hardware=megatron", "hardware.num_processes=2", "hardware.tp_size=2"],  # its _tp_plan
+}
+
+
+def _train(run_dir: Path, *overrides: str) -> dict[str, float]:
+    proc = subprocess.run(
+        runner_command(run_dir, *TINY, *overrides),
+        cwd=run_dir.parent,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """One process: the run the others must match; its saved model dir."""
+    run_dir = tmp_path_factory.mktemp("hf") / "cpu"
+    _train(run_dir)
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hardware", list(HARDWARE))
+def test_a_transformers_model_trains_on_every_cpu_group_as_on_one_process(reference, tmp_path, hardware):
+    expected = json.loads((reference / "metrics.json").read_text())
+    metrics = _train(tmp_path / hardware, *HARDWARE[hardware])
+    assert expected["eval/loss"] < math.log(256) - 1  # it learned the sonnets' bytes
+    assert metrics.keys() == expected.keys()
+    for name, value in expected.items():
+        assert metrics[name] == pytest.approx(value, abs=1e-5, rel=1e-5), name  # loss, lr, perplexity
+
+
+@pytest.mark.slow
+def test_a_saved_transformers_model_dispatched_over_cpu_and_disk_generates_the_same_tokens(
+    reference, tmp_path
+):
+    saved = reference / "model"
+    assert (
+        json.loads((saved / "config.json").read_text())["model_type"] == "llama"
+    )  # from_pretrained loads it
+    in_memory = AutoModelForCausalLM.from_pretrained(saved).eval()
+    sharded = tmp_path / "sharded"
+    in_memory.save_pretrained(sharded, max_shard_size="60KB")  # several files and an index, as on the Hub
+    assert (sharded / "model.safetensors.index.json").is_file()
+    prompt = torch.tensor([list(b"Shall I compare thee")])
+    expected = in_memory.generate(prompt, max_new_tokens=12, do_sample=False)
+
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sharded))
+    dispatched = load_checkpoint_and_dispatch(
+        empty, sharded, device_map="auto", max_memory={"cpu": "100KB"}, offload_folder=tmp_path / "offload"
+    )
+    assert "disk" in dispatched.hf_device_map.values()  # part of it is read from disk as it runs
+    assert torch.equal(dispatched.generate(prompt, max_new_tokens=12, do_sample=False), expected)
+
+    # The same through the CLI: hardware=big_model on the sharded dir, greedy, streamed.
+    run_dir = tmp_path / "generate"
+    proc = subprocess.run(
+        runner_command(
+            run_dir,
+            "data=sonnets",
+            "task=generate",
+            "task.temperature=0",
+            "task.max_new_tokens=12",
+            "task.prompt=Shall I compare thee",
+            "model=hf_causal_lm",
+            f"model.pretrained={sharded}",
+            "model.load_weights=false",
+            "hardware=big_model",
+            "hardware.max_memory.cpu=100KB",
+            f"checkpoint={sharded}",
+            "tracker=none",
+            "trainer.objective=null",
+        ),
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert bytes(expected[0].tolist()).decode("utf-8", "replace") in proc.stdout
+    assert "disk" in proc.stderr  # the placement it logged
+
+
+def test_the_model_declares_its_sharding_units_and_tensor_parallel_plan():
+    model = causal_lm(vocab_size=50, config=LLAMA)
+    assert declared_units(model) == ["LlamaDecoderLayer"]
+    plan = declared_tp_plan(model, tp_size=2)
+    assert {type(style).__name__ for style in plan.values()} == {"ColwiseParallel", "RowwiseParallel"}
+    assert "model.layers.*.self_attn.o_proj" in plan
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        declared_tp_plan(model, tp_size=3)
+
+
+def test_transformers_batches_and_outputs_reach_the_tasks():
+    torch.manual_seed(0)
+    lm = causal_lm(vocab_size=50, config=LLAMA)
+    ids = torch.randint(0, 50, (2, 10))
+    hf_batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    loss = LanguageModeling().training_step(lm, hf_batch).item()
+    assert loss == pytest.approx(lm(input_ids=ids, labels=ids).loss.item(), rel=1e-6)  # transformers' own
+    classifier = sequence_classification(vocab_size=50, num_labels=3, config=LLAMA | {"pad_token_id": 0})
+    labelled = {"input_ids": ids, "labels": torch.tensor([0, 2])}
+    assert model_outputs(classifier, labelled).shape == (2, 3)
+    assert Classification().evaluation_step(classifier, labelled)["accuracy"].shape == (2,)
+    mlp = torch.nn.Linear(4, 3)
+    pair = (torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))  # a tuple batch
+    assert torch.equal(batch_targets(pair), pair[1])
+    assert Classification().training_step(mlp, pair).ndim == 0
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        (
+            {"config": LLAMA | {"hiden_size": 32}},
+            "model.config.hiden_size: not a setting of LlamaConfig; did you mean model.config.hidden_size",
+        ),
+        (
+            {"config": LLAMA, "attention_dropot": 0.1},
+            "model.attention_dropot: not a setting of LlamaConfig; did you mean model.attention_dropout",
+        ),
+        (
+            {"config": {"model_type": "lama"}},
+            "model.config.model_type='lama': not a transformers model type; did you mean",
+        ),
+        ({"config": None}, "model.config.model_type"),
+        ({"pretrained": "no/such/dir"}, "not a model directory (no config.json"),
+    ],
+)
+def test_transformers_settings_that_would_be_ignored_or_fail_are_refused(settings, expected):
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(")):
+        causal_lm(vocab_size=50, **settings)
