@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from runner.big_modeling import init_empty_weights, load_checkpoint_and_dispatch
 from runner.errors import ConfigError
+from runner.hardware.megatron import TensorParallel
 from runner.hardware.parallelize import declared_tp_plan, declared_units
 from runner.models.hf import causal_lm, sequence_classification
 from runner.task import batch_targets, model_outputs
@@ -131,6 +132,18 @@ def test_a_saved_transformers_model_dispatched_over_cpu_and_disk_generates_the_s
     assert "disk" in proc.stderr  # the placement it logged
 
 
+@pytest.mark.slow
+def test_training_goes_on_from_a_saved_models_dir(reference, tmp_path):
+    trained = json.loads((reference / "metrics.json").read_text())["eval/loss"]
+    metrics = _train(
+        tmp_path / "more",
+        f"model.pretrained={reference / 'model'}",
+        "trainer.max_steps=1",
+        "optimizer.lr=1e-5",
+    )
+    assert metrics["eval/loss"] == pytest.approx(trained, abs=0.05)  # from scratch it would be ~ln(256)
+
+
 def test_the_model_declares_its_sharding_units_and_tensor_parallel_plan():
     model = causal_lm(vocab_size=50, config=LLAMA)
     assert declared_units(model) == ["LlamaDecoderLayer"]
@@ -139,6 +152,13 @@ def test_the_model_declares_its_sharding_units_and_tensor_parallel_plan():
     assert "model.layers.*.self_attn.o_proj" in plan
     with pytest.raises(ValueError, match="num_attention_heads=4"):
         declared_tp_plan(model, tp_size=3)
+    with pytest.raises(ConfigError, match=r"hardware\.tp_size: tp_size=3 does not divide"):
+        TensorParallel(tp_size=3).check_model(model, world_size=3)
+    with pytest.raises(ConfigError, match="sequence_parallel=true: LlamaForCausalLM's tensor-parallel plan"):
+        TensorParallel(tp_size=2, sequence_parallel=True).check_model(model, world_size=2)
+    gpt2 = causal_lm(vocab_size=50, config={"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4})
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel declares no tensor-parallel plan"):
+        TensorParallel(tp_size=2).check_model(gpt2, world_size=2)
 
 
 def test_transformers_batches_and_outputs_reach_the_tasks():

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from runner.errors import ConfigError
 
 try:
@@ -81,7 +83,9 @@ def _build(
         _check_vocab(stored, overrides)
         _check_settings(stored, overrides, "model")
         stored.update(overrides)
-        if load_weights:
+        if (
+            load_weights and torch.get_default_device().type != "meta"
+        ):  # on meta (runner's checks): the shapes
             return auto_class.from_pretrained(directory, config=stored, local_files_only=True)
         return auto_class.from_config(stored)
     settings = dict(config or {})
