@@ -27,6 +27,20 @@ def runner_command(run_dir: Path, *overrides: str) -> list[str]:
     ]
 
 
+def run_to_end(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m runner` with its run dir at `run_dir` (working in its parent), which must exit 0."""
+    proc = subprocess.run(
+        runner_command(run_dir, *overrides),
+        cwd=run_dir.parent,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen) -> None:
     """Wait until the run in `run_dir` (started as `proc`) marks a checkpoint latest (at most 2 minutes)."""
     deadline = time.monotonic() + 120

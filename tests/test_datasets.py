@@ -11,7 +11,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from conftest import cli_env, runner_command
+from conftest import run_to_end
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -57,16 +57,7 @@ def files(tmp_path_factory) -> Path:
 
 
 def _cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        runner_command(run_dir, "tracker=none", "scheduler=constant", "trainer.eval_every=0", *overrides),
-        cwd=run_dir.parent,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    return run_to_end(run_dir, "tracker=none", "scheduler=constant", "trainer.eval_every=0", *overrides)
 
 
 def _sources(files: Path) -> dict[str, list[str]]:

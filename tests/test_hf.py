@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_env, runner_command
+from conftest import run_to_end
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from runner.big_modeling import init_empty_weights, load_checkpoint_and_dispatch
@@ -48,15 +47,7 @@ HARDWARE = {
 
 
 def _train(run_dir: Path, *overrides: str) -> dict[str, float]:
-    proc = subprocess.run(
-        runner_command(run_dir, *TINY, *overrides),
-        cwd=run_dir.parent,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_to_end(run_dir, *TINY, *overrides)
     return json.loads((run_dir / "metrics.json").read_text())
 
 
@@ -103,31 +94,22 @@ def test_a_saved_transformers_model_dispatched_over_cpu_and_disk_generates_the_s
     assert torch.equal(dispatched.generate(prompt, max_new_tokens=12, do_sample=False), expected)
 
     # The same through the CLI: hardware=big_model on the sharded dir, greedy, streamed.
-    run_dir = tmp_path / "generate"
-    proc = subprocess.run(
-        runner_command(
-            run_dir,
-            "data=sonnets",
-            "task=generate",
-            "task.temperature=0",
-            "task.max_new_tokens=12",
-            "task.prompt=Shall I compare thee",
-            "model=hf_causal_lm",
-            f"model.pretrained={sharded}",
-            "model.load_weights=false",
-            "hardware=big_model",
-            "hardware.max_memory.cpu=100KB",
-            f"checkpoint={sharded}",
-            "tracker=none",
-            "trainer.objective=null",
-        ),
-        cwd=tmp_path,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_to_end(
+        tmp_path / "generate",
+        "data=sonnets",
+        "task=generate",
+        "task.temperature=0",
+        "task.max_new_tokens=12",
+        "task.prompt=Shall I compare thee",
+        "model=hf_causal_lm",
+        f"model.pretrained={sharded}",
+        "model.load_weights=false",
+        "hardware=big_model",
+        "hardware.max_memory.cpu=100KB",
+        f"checkpoint={sharded}",
+        "tracker=none",
+        "trainer.objective=null",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert bytes(expected[0].tolist()).decode("utf-8", "replace") in proc.stdout
     assert "disk" in proc.stderr  # the placement it logged
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 from conftest import REPO, cli_env
 
+from runner.config import CONF_DIR
+
 pytestmark = pytest.mark.slow
 
 SESSION = textwrap.dedent(
@@ -67,4 +69,4 @@ def test_env_report_names_versions_backends_and_the_config_path():
     assert f"- torch: {torch.__version__}" in report
     assert f"  - deepspeed: {importlib.metadata.version('deepspeed')}" in report
     assert f"  - mlflow: {importlib.metadata.version('mlflow')}" in report
-    assert "gloo yes" in report and f"config search path: {REPO / 'conf'}" in report
+    assert "gloo yes" in report and f"config search path: pkg://runner.conf ({CONF_DIR})" in report
