@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -48,6 +48,68 @@ def bounded(default: Any, **bounds: float) -> Any:
     return field(default=default, metadata={"range": Range(**bounds)})
 
 
+# The untyped groups (model, data, task, optimizer, scheduler) instantiate classes and functions whose
+# numeric arguments declare their range in the signature, e.g. `batch_size: PositiveInt = 64`; checked
+# before launch like the schemas' (tests/test_config.py: every numeric setting of their YAML has one).
+PositiveInt = Annotated[int, Range(ge=1)]
+NonNegativeInt = Annotated[int, Range(ge=0)]
+Seed = Annotated[int, Range(ge=0, lt=2**32)]
+PositiveFloat = Annotated[float, Range(gt=0)]
+NonNegativeFloat = Annotated[float, Range(ge=0)]
+Fraction = Annotated[float, Range(gt=0, lt=1)]  # a share strictly between none and all
+Probability = Annotated[float, Range(ge=0, lt=1)]  # dropout, a warm-up share
+
+_ADAM = {"lr": Range(gt=0), "weight_decay": Range(ge=0), "eps": Range(gt=0), "betas": Range(ge=0, lt=1)}
+# Third-party targets the shipped YAML names ("module.qualname" -> argument -> Range).
+THIRD_PARTY_RANGES: dict[str, dict[str, Range]] = {
+    "torch.optim.adamw.AdamW": _ADAM,
+    "torch.optim.adam.Adam": _ADAM,
+    "torch.optim.sgd.SGD": {
+        "lr": Range(gt=0),
+        "momentum": Range(ge=0),
+        "dampening": Range(ge=0),
+        "weight_decay": Range(ge=0),
+    },
+}
+
+
+def declared_ranges(target: Any) -> dict[str, tuple[type, Range]]:
+    """(number type, Range) of each argument of `target`, a class or function a `_target_` names: what its
+    signature declares (`Annotated[int, Range(...)]`; for a class, its base classes' too, which receive its
+    **kwargs; for a function, the class it returns too), and THIRD_PARTY_RANGES."""
+    name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '')}"
+    ranges = {key: (float, bounds) for key, bounds in THIRD_PARTY_RANGES.get(name, {}).items()}
+    for function in _signatures(target):
+        for key, hint in _hints(function).items():
+            declared = _range_in(hint)
+            if declared is not None and key != "return":
+                ranges.setdefault(key, declared)
+    return ranges
+
+
+def _signatures(target: Any) -> list[Any]:
+    if isinstance(target, type):
+        return [cls.__init__ for cls in target.__mro__ if "__init__" in vars(cls) and cls is not object]
+    returned = _hints(target).get("return")
+    return [target, *(_signatures(returned) if isinstance(returned, type) else [])]
+
+
+def _hints(function: Any) -> dict[str, Any]:
+    try:
+        return get_type_hints(function, include_extras=True)
+    except Exception:  # annotations this process cannot resolve (a third party's): none declared
+        return {}
+
+
+def _range_in(hint: Any) -> tuple[type, Range] | None:
+    """The (number type, Range) an annotation carries, looking inside Optional[...] and list[...]."""
+    if get_origin(hint) is Annotated:
+        number, *metadata = get_args(hint)
+        bounds = next((m for m in metadata if isinstance(m, Range)), None)
+        return (number, bounds) if bounds is not None else None
+    return next((found for arg in get_args(hint) if (found := _range_in(arg)) is not None), None)
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int | None = bounded(200, ge=1)  # optimizer steps; null: run `max_epochs` epochs
@@ -63,6 +125,9 @@ class TrainerConfig:
         0, ge=0
     )  # optimizer steps between checkpoints; 0: only when stopped by a signal
     keep_checkpoints: int | None = bounded(2, ge=1)  # newest checkpoints kept; null: all
+    # at every logging step whose loss is finite, also save the state to checkpoints/last_finite (replacing
+    # it): a run that diverges can resume from just before (costs a save every log_every steps)
+    checkpoint_last_finite: bool = False
     resume: str | None = "auto"  # auto: the output dir's latest checkpoint, if any | a checkpoint dir | null
     save_model: bool = True  # write the final weights to <output dir>/model
     objective: str | None = "eval/loss"  # the metric the Hydra main returns to sweepers; null: all metrics

@@ -7,10 +7,12 @@ prepared scheduler advances once per process on each optimizer step (Accelerate'
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from runner.config import Probability, Range
 from runner.errors import ConfigError
 
 
@@ -25,7 +27,7 @@ def _fraction(name: str, value: float, upper_open: bool = True) -> float:
 
 
 def constant(
-    optimizer: torch.optim.Optimizer, num_training_steps: int, warmup_ratio: float = 0.0
+    optimizer: torch.optim.Optimizer, num_training_steps: int, warmup_ratio: Probability = 0.0
 ) -> LambdaLR:
     """Linear warm-up over `warmup_ratio` of training, then the optimizer's learning rate."""
     warmup = int(num_training_steps * _fraction("warmup_ratio", warmup_ratio))
@@ -35,8 +37,8 @@ def constant(
 def cosine(
     optimizer: torch.optim.Optimizer,
     num_training_steps: int,
-    warmup_ratio: float = 0.0,
-    min_lr_ratio: float = 0.0,
+    warmup_ratio: Probability = 0.0,
+    min_lr_ratio: Annotated[float, Range(ge=0, le=1)] = 0.0,
 ) -> LambdaLR:
     """Linear warm-up, then cosine decay to `min_lr_ratio` x the learning rate at the last step."""
     warmup = int(num_training_steps * _fraction("warmup_ratio", warmup_ratio))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import signal
 import threading
 from collections.abc import Iterator
@@ -106,7 +107,9 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
     resumed = accelerator.broadcast_object_list([str(resume_checkpoint(trainer.resume, output_dir) or "")])[0]
     checkpoint = Path(resumed) if resumed else None
     if checkpoint is not None:
+        configured = list(scheduler.scheduler.base_lrs)
         load_checkpoint(accelerator, checkpoint)
+        keep_configured_lr(scheduler.scheduler, configured)
         log.info(
             "resumed from %s at step %d (epoch %d, batch %d)", checkpoint, done.step, done.epoch, done.batches
         )
@@ -172,7 +175,9 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
                     metrics["train/lr"] = scheduler.get_last_lr()[0]
                     done.window_loss.zero_()
                     done.window_batches = 0
-                    check_finite(metrics, done.step, trainer.log_every, accelerator, output_dir)
+                    check_finite(metrics, done.step, trainer, accelerator, output_dir)
+                    if trainer.checkpoint_last_finite:
+                        save_last_finite(accelerator, output_dir)
                     progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
                     accelerator.log(
                         {"train/loss": metrics["train/loss"], "train/lr": metrics["train/lr"]}, step=done.step
@@ -181,7 +186,7 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
                 if done.step == total_steps or (trainer.eval_every and done.step % trainer.eval_every == 0):
                     evaluated = evaluate(accelerator, model, task, eval_loader)
                     metrics.update(evaluated)
-                    check_finite(metrics, done.step, trainer.log_every, accelerator, output_dir)
+                    check_finite(metrics, done.step, trainer, accelerator, output_dir)
                     accelerator.log(evaluated, step=done.step)
                     log.info("step %d/%d: %s", done.step, total_steps, _fmt(metrics))
                 if trainer.checkpoint_every and done.step % trainer.checkpoint_every == 0:
@@ -235,6 +240,23 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path) -> None:
         ) from err
 
 
+def keep_configured_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, configured: list[float]) -> None:
+    """A resumed run takes its learning rate from its config, not from the checkpoint (a lower one after a
+    divergence): the schedule's base rates become the configured ones and the current rates are scaled
+    alike. With the config unchanged this does nothing (bitwise resume)."""
+    saved = list(scheduler.base_lrs)
+    if saved == configured:
+        return
+    for group, before, after in zip(scheduler.optimizer.param_groups, saved, configured, strict=True):
+        group["lr"] = group["lr"] * after / before if before else after
+        group["initial_lr"] = after
+    scheduler.base_lrs = list(configured)
+    scheduler._last_lr = [
+        group["lr"] for group in scheduler.optimizer.param_groups
+    ]  # what get_last_lr() says
+    log.info("learning rate from the config: %s (the checkpoint had %s)", configured, saved)
+
+
 @contextmanager
 def closed_on_failure(accelerator: Accelerator) -> Iterator[None]:
     """Close the trackers' run as KILLED when the loop stops on a signal (the run resumes later) and as
@@ -248,28 +270,58 @@ def closed_on_failure(accelerator: Accelerator) -> Iterator[None]:
         raise
 
 
+LAST_FINITE = "last_finite"  # in <output dir>/checkpoints: trainer.checkpoint_last_finite's state
+CANDIDATE = ".last_finite.candidate"  # the newest state, until the next window's losses show it finite
+
+
+def save_last_finite(accelerator: Accelerator, output_dir: Path) -> None:
+    """At a logging step whose losses were all finite: the state saved at the previous logging step gave
+    those losses, so it becomes checkpoints/last_finite; the state now is saved as the next candidate (its
+    weights may already be ruined by this step's update: only the next window's losses can tell). Neither
+    is one of the numbered checkpoints that `trainer.resume=auto` picks from."""
+    checkpoints = output_dir / "checkpoints"
+    if accelerator.is_main_process and (checkpoints / CANDIDATE).is_dir():
+        shutil.rmtree(checkpoints / LAST_FINITE, ignore_errors=True)
+        (checkpoints / CANDIDATE).rename(checkpoints / LAST_FINITE)
+    naming = accelerator.project_configuration
+    naming.automatic_checkpoint_naming = False  # save_state writes to the given dir (Accelerate's rule)
+    try:
+        accelerator.save_state(str(checkpoints / CANDIDATE))
+    finally:
+        naming.automatic_checkpoint_naming = True
+
+
 def check_finite(
-    metrics: dict[str, float], step: int, log_every: int, accelerator: Accelerator, output_dir: Path
+    metrics: dict[str, float], step: int, trainer: DictConfig, accelerator: Accelerator, output_dir: Path
 ) -> None:
     """Stop the run (TrainingDiverged, on every rank: the metrics are reduced over all of them) when a
-    metric is NaN or infinite, naming the step, the learning rate and the precision. Nothing is saved
-    now: the checkpoints written before stay, `latest` the last of them."""
+    metric is NaN or infinite, naming the step, the learning rate, the precision and what to resume from.
+    Nothing is saved now: the checkpoints written before stay, `latest` the last of them."""
     bad = {name: value for name, value in metrics.items() if not math.isfinite(value)}
     if not bad:
         return
     latest = latest_checkpoint(output_dir / "checkpoints")
-    raise TrainingDiverged(
-        f"{', '.join(f'{name}={value}' for name, value in bad.items())} at step {step} (train/loss is the mean "
-        f"of the last {log_every} steps' losses; learning rate {metrics.get('train/lr', float('nan')):.3g}, "
-        f"precision {accelerator.mixed_precision}): training diverged and was stopped. Lower optimizer.lr, "
-        "clip gradients (trainer.max_grad_norm=1.0), prefer precision=bf16 to fp16, and check the data for NaN "
-        "or inf. "
-        + (
+    last_finite = output_dir / "checkpoints" / LAST_FINITE
+    if last_finite.is_dir():
+        resume = (
+            f"The state of its last logging step whose loss was finite is in {last_finite}: resume from it with "
+            f"trainer.resume={last_finite} and the changes above (a resumed run takes optimizer.lr from its config)."
+        )
+    elif latest is not None:
+        resume = (
             f"Its last checkpoint, {latest}, was written before; resume from an earlier one with "
             "trainer.resume=<dir> if that one is already bad."
-            if latest
-            else "It wrote no checkpoint."
         )
+    else:
+        resume = "It wrote no checkpoint."
+    if not trainer.checkpoint_last_finite:
+        resume += " trainer.checkpoint_last_finite=true keeps the state of the last logging step whose loss was finite."
+    raise TrainingDiverged(
+        f"{', '.join(f'{name}={value}' for name, value in bad.items())} at step {step} (train/loss is the mean "
+        f"of the last {trainer.log_every} steps' losses; learning rate {metrics.get('train/lr', float('nan')):.3g}, "
+        f"precision {accelerator.mixed_precision}): training diverged and was stopped. Lower optimizer.lr, "
+        "clip gradients (trainer.max_grad_norm=1.0), prefer precision=bf16 to fp16, and check the data for NaN "
+        f"or inf. {resume}"
     )
 
 

@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runner.build import build_data, build_on_meta, is_inference, locate, meta_training_step
-from runner.config import RunConfig
+from runner.config import Range, RunConfig, declared_ranges
 from runner.data.base import DataSource
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
@@ -40,6 +40,8 @@ TARGET_NODES = (
     "optimizer",
     "scheduler",
 )
+# Nodes without a schema: their numeric settings are checked against the target's signature.
+UNTYPED_NODES = ("model", "data", "task", "optimizer", "scheduler")
 OPTIONAL_NODES = ("tracker",)  # `_target_: null` turns them off
 # Nodes cheap to build in the launching process; building them checks their values (devices, files).
 BUILT_NODES = ("hardware", "launcher", "data")
@@ -144,7 +146,9 @@ def _trainer_problems(trainer: DictConfig) -> list[str]:
 
 
 def _range_problems(cfg: DictConfig) -> list[str]:
-    """Every numeric setting of a typed group against the range its schema declares (`config.bounded`)."""
+    """Every numeric setting against its declared range: a typed group's from its schema
+    (`config.bounded`), an untyped group's from the signature of what it instantiates
+    (`config.declared_ranges`), where a value of the wrong type is named too."""
     problems = []
     for node in TYPED_NODES:
         for setting in dataclasses.fields(OmegaConf.get_type(cfg[node])):
@@ -156,7 +160,31 @@ def _range_problems(cfg: DictConfig) -> list[str]:
                 and (problem := bounds.problem(f"{node}.{setting.name}", value))
             ):
                 problems.append(problem)
+    for node in UNTYPED_NODES:
+        try:
+            target = locate(cfg[node].get("_target_"))
+        except ImportError:  # _target_problems names it
+            continue
+        for key, (number, bounds) in declared_ranges(target).items():
+            value = cfg[node].get(key)
+            if (problem := _number_problem(f"{node}.{key}", value, number, bounds)) is not None:
+                problems.append(problem)
     return problems
+
+
+def _number_problem(key: str, value: Any, number: type, bounds: Range) -> str | None:
+    """Why `value` (a number, or a list of them) is not a `number` within `bounds`, or None."""
+    if value is None:
+        return None
+    several = isinstance(value, (ListConfig, list, tuple))
+    kinds = (int,) if number is int else (int, float)
+    for index, item in enumerate(value if several else [value]):
+        name = f"{key}[{index}]" if several else key
+        if isinstance(item, bool) or not isinstance(item, kinds):
+            return f"{name}={item!r}: expected {'an integer' if number is int else 'a number'}."
+        if (problem := bounds.problem(name, item)) is not None:
+            return problem
+    return None
 
 
 def _build_problems(cfg: DictConfig, built: dict[str, Any]) -> list[str]:

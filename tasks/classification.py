@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
 
+from runner.config import Range
 from runner.task import Task, batch_targets, model_outputs
 
 
@@ -15,7 +16,7 @@ class Classification(Task):
     runner's (`inputs`, `targets`), `(inputs, targets)` tuples or Hugging Face's (`input_ids`, ..., `labels`);
     the model's output is the logits, or a transformers output's `logits`."""
 
-    def __init__(self, label_smoothing: float = 0.0) -> None:
+    def __init__(self, label_smoothing: Annotated[float, Range(ge=0, le=1)] = 0.0) -> None:
         self.label_smoothing = label_smoothing
 
     def training_step(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:

@@ -9,6 +9,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from runner.config import NonNegativeFloat, PositiveInt, Seed
 from runner.errors import ConfigError
 from runner.task import InferenceTask, model_outputs
 
@@ -27,10 +28,10 @@ class TextGeneration(InferenceTask):
     def __init__(
         self,
         prompt: str = "\n",
-        max_new_tokens: int = 200,
-        temperature: float = 0.8,
-        top_k: int | None = None,
-        seed: int = 0,
+        max_new_tokens: PositiveInt = 200,
+        temperature: NonNegativeFloat = 0.8,
+        top_k: PositiveInt | None = None,
+        seed: Seed = 0,
     ) -> None:
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens

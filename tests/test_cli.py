@@ -9,8 +9,10 @@ from pathlib import Path
 
 import probes
 import pytest
+import torch
 from conftest import cli_env, metrics_of, runner_command
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
@@ -373,6 +375,31 @@ def test_a_loss_that_becomes_nan_stops_the_run_naming_step_lr_and_precision(run_
     step = int(message.split(" at step ")[1].split()[0])
     latest = (proc.run_dir / "checkpoints" / "latest").read_text().strip() if step > 5 else None
     assert (f"checkpoints/{latest}" in message) if latest else "It wrote no checkpoint." in message
+
+
+def test_a_diverged_run_keeps_its_last_finite_state_and_resumes_from_it_with_a_lower_lr(run_cli, tmp_path):
+    diverging = ("optimizer.lr=1e3", "trainer.log_every=1")
+    proc = run_cli(*diverging, "trainer.checkpoint_last_finite=true")
+    assert proc.returncode == 1, proc.stderr
+    message = proc.stderr.strip().splitlines()[-1]
+    step = int(message.split(" at step ")[1].split()[0])
+    last_finite = proc.run_dir / "checkpoints" / "last_finite"
+    assert f"trainer.resume={last_finite}" in message and "Traceback" not in proc.stderr
+    saved = torch.load(last_finite / "custom_checkpoint_0.pt", weights_only=False)["step"]
+    assert saved == step - 2  # its weights gave the finite loss of step - 1; those of step - 1 gave inf
+    weights = load_file(last_finite / "model_0.safetensors")
+    assert all(torch.isfinite(tensor).all() for tensor in weights.values())
+    assert not list((proc.run_dir / "checkpoints").glob("checkpoint_*"))  # none of the numbered ones
+
+    resumed = run_cli("optimizer.lr=1e-3", "trainer.max_steps=20", f"trainer.resume={last_finite}")
+    assert resumed.returncode == 0, resumed.stderr  # the lower rate of the config, not the checkpoint's
+    log = (resumed.run_dir / "runner.log").read_text()
+    assert f"resumed from {last_finite} at step {saved}" in log
+    assert "learning rate from the config: [0.001] (the checkpoint had [1000.0])" in log
+    assert all(math.isfinite(value) for value in metrics_of(resumed).values())
+
+    plain = run_cli(*diverging, f"hydra.run.dir={tmp_path / 'plain'}")
+    assert "trainer.checkpoint_last_finite=true keeps the state" in plain.stderr
 
 
 def test_broken_data_files_and_a_model_that_does_not_fit_are_refused_before_launch(run_cli, tmp_path):

@@ -18,7 +18,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from safetensors.torch import save_file
 
 from runner.build import locate
-from runner.config import CONF_DIR, SCHEMAS, Range, TrainerConfig, register_configs
+from runner.config import CONF_DIR, SCHEMAS, Range, TrainerConfig, declared_ranges, register_configs
 from runner.errors import ConfigError, describe_compose_error
 from runner.validate import validate
 
@@ -312,3 +312,78 @@ def test_fuzzed_typed_settings_are_refused_by_name_before_launch(group, option, 
             assert key in describe_compose_error(err), (value, describe_compose_error(err))
         else:
             raise AssertionError(f"{key}={value} was accepted")
+
+
+UNTYPED_GROUPS = ("model", "data", "task", "optimizer", "scheduler")
+HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
+
+
+def untyped_settings() -> list[tuple[str, str, str, object]]:
+    """(group, option, key, YAML value) for every setting of every untyped group's options."""
+    found = []
+    for group in UNTYPED_GROUPS:
+        for path in sorted((CONF_DIR / group).glob("*.yaml")):
+            document = yaml.safe_load(path.read_text())
+            found += [
+                (group, path.stem, key, value) for key, value in document.items() if key not in HYDRA_KEYS
+            ]
+    return found
+
+
+def takes_numbers(target: object, key: str, value: object) -> bool:
+    """Whether `key` is a numeric setting: a number (or list of them) in YAML, or annotated int/float."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return True
+    if isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+        return True
+    for function in [target, *(c.__init__ for c in getattr(target, "__mro__", ()) if "__init__" in vars(c))]:
+        try:
+            parameter = inspect.signature(function).parameters.get(key)
+        except (TypeError, ValueError):
+            continue
+        if parameter is not None and any(
+            word in str(parameter.annotation) for word in ("int", "float", "Int")
+        ):
+            return True
+    return False
+
+
+def test_every_numeric_setting_of_an_untyped_group_declares_its_range():
+    """The classes and functions that model, data, task, optimizer and scheduler options instantiate
+    declare a range for each numeric argument their YAML sets (`Annotated[int, Range(...)]`, or
+    `runner.config.THIRD_PARTY_RANGES`), so that a new option cannot be added without one. Nested
+    mappings (a transformers model's `config`) are checked by building the model on meta before launch."""
+    missing = [
+        f"{group}={option} {key}"
+        for group, option, key, value in untyped_settings()
+        if not isinstance(value, dict)
+        and takes_numbers(
+            target := locate(OmegaConf.load(CONF_DIR / group / f"{option}.yaml")._target_), key, value
+        )
+        and key not in declared_ranges(target)
+    ]
+    assert missing == []
+
+
+@pytest.mark.parametrize(
+    ("group", "option", "key"),
+    [
+        (group, option, key)
+        for group, option, key, _ in untyped_settings()
+        if key in declared_ranges(locate(OmegaConf.load(CONF_DIR / group / f"{option}.yaml")._target_))
+    ],
+)
+def test_fuzzed_untyped_settings_are_refused_by_name_before_launch(group, option, key, tmp_path):
+    """A wrong type and an out-of-range value for each: a ConfigError naming the key, before anything is
+    built (the paths the data needs point at nothing)."""
+    document = yaml.safe_load((CONF_DIR / group / f"{option}.yaml").read_text())
+    _, bounds = declared_ranges(locate(document["_target_"]))[key]
+    rng = random.Random(f"{group}.{option}.{key}")
+    required = [f"{group}.{name}=no/such/thing" for name, value in document.items() if value == "???"]
+    values = [rng.choice(["abc", "true", "{a: 1}"])]
+    if bounds != Range():  # any number: only a wrong type to refuse
+        values.append(out_of_range(bounds, rng))
+    for value in values:
+        cfg = compose("config", overrides=[f"{group}={option}", *required, f"{group}.{key}={value}"])
+        with pytest.raises(ConfigError, match=rf"{group}\.{key}(\[\d\])?="):
+            validate(cfg)

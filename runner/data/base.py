@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from runner.config import NonNegativeInt, PositiveInt
 from runner.errors import ConfigError
 
 
@@ -43,9 +44,9 @@ class DataSource(ABC):
 
     def __init__(
         self,
-        batch_size: int = 64,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
+        batch_size: PositiveInt = 64,
+        eval_batch_size: PositiveInt | None = None,
+        num_workers: NonNegativeInt = 0,
         drop_last: bool = False,
     ) -> None:
         if batch_size < 1:

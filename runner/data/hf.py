@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from runner.config import Fraction, PositiveInt, Seed
 from runner.data.base import DataSource, TensorDictDataset, random_split
 from runner.data.table import label_order
 from runner.errors import ConfigError
@@ -57,13 +58,13 @@ class HFDataset(DataSource):
         path: str,
         tokenizer: str,
         task: str = "language_modeling",
-        seq_len: int = 128,
+        seq_len: PositiveInt = 128,
         text_column: str = "text",
         label_column: str = "label",
         split: str = "train",
         eval_split: str | None = None,
-        eval_fraction: float = 0.1,
-        split_seed: int = 0,
+        eval_fraction: Fraction = 0.1,
+        split_seed: Seed = 0,
         **loader: Any,
     ) -> None:
         super().__init__(**loader)

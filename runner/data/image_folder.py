@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
+from runner.config import Fraction, PositiveFloat, PositiveInt, Range, Seed
 from runner.data.base import DataSource, random_split
 from runner.errors import ConfigError
 
@@ -90,14 +91,14 @@ class ImageFolder(DataSource):
         self,
         path: str,
         eval_path: str | None = None,
-        image_size: int = 32,
+        image_size: PositiveInt = 32,
         grayscale: bool = False,
-        mean: list[float] | None = None,
-        std: list[float] | None = None,
+        mean: list[Annotated[float, Range()]] | None = None,  # any real per channel
+        std: list[PositiveFloat] | None = None,
         random_flip: bool = True,
         flatten: bool = True,
-        eval_fraction: float = 0.2,
-        split_seed: int = 0,
+        eval_fraction: Fraction = 0.2,
+        split_seed: Seed = 0,
         **loader: Any,
     ) -> None:
         super().__init__(**loader)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
+from runner.config import Fraction, NonNegativeFloat, PositiveInt, Range, Seed
 from runner.data.base import DataSource, TensorDictDataset, random_split
 from runner.data.text import TokenWindows
 from runner.errors import ConfigError
@@ -16,13 +17,13 @@ class SyntheticRegression(DataSource):
 
     def __init__(
         self,
-        num_samples: int = 4096,
-        num_features: int = 16,
-        num_targets: int = 1,
-        hidden: int = 32,
-        noise: float = 0.05,
-        eval_fraction: float = 0.1,
-        seed: int = 0,
+        num_samples: PositiveInt = 4096,
+        num_features: PositiveInt = 16,
+        num_targets: PositiveInt = 1,
+        hidden: PositiveInt = 32,
+        noise: NonNegativeFloat = 0.05,
+        eval_fraction: Fraction = 0.1,
+        seed: Seed = 0,
         **loader: Any,
     ) -> None:
         super().__init__(**loader)
@@ -55,11 +56,11 @@ class RandomTokens(DataSource):
 
     def __init__(
         self,
-        vocab_size: int = 50304,
-        seq_len: int = 1024,
-        num_samples: int = 1024,
-        eval_samples: int = 16,
-        seed: int = 0,
+        vocab_size: Annotated[int, Range(ge=2)] = 50304,
+        seq_len: PositiveInt = 1024,
+        num_samples: PositiveInt = 1024,
+        eval_samples: PositiveInt = 16,
+        seed: Seed = 0,
         **loader: Any,
     ) -> None:
         super().__init__(**loader)

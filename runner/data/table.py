@@ -12,6 +12,7 @@ from typing import IO, Any
 
 import torch
 
+from runner.config import Fraction, Seed
 from runner.data.base import DataSource, TensorDictDataset, existing_file, random_split
 from runner.errors import ConfigError
 
@@ -56,8 +57,8 @@ class TableFile(DataSource):
         features: list[str] | None = None,
         task: str = "classification",
         normalize: bool = True,
-        eval_fraction: float = 0.2,
-        split_seed: int = 0,
+        eval_fraction: Fraction = 0.2,
+        split_seed: Seed = 0,
         **loader: Any,
     ) -> None:
         super().__init__(**loader)

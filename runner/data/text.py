@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from runner.config import Fraction, PositiveInt
 from runner.data.base import DataSource, existing_file
 from runner.errors import ConfigError
 
@@ -39,7 +40,12 @@ class TextFile(DataSource):
     """
 
     def __init__(
-        self, path: str, seq_len: int = 64, stride: int = 1, eval_fraction: float = 0.1, **loader: Any
+        self,
+        path: str,
+        seq_len: PositiveInt = 64,
+        stride: PositiveInt = 1,
+        eval_fraction: Fraction = 0.1,
+        **loader: Any,
     ) -> None:
         super().__init__(**loader)
         self.path = existing_file(path)

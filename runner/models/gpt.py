@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runner.config import PositiveInt, Probability
 from runner.models.checks import check_sizes
 
 if TYPE_CHECKING:  # torch.distributed.tensor takes ~0.5 s to import: tp_plan imports it when asked
@@ -72,13 +73,13 @@ class GPT(nn.Module):
 
     def __init__(
         self,
-        vocab_size: int,
-        max_seq_len: int = 128,
-        d_model: int = 128,
-        n_layers: int = 2,
-        n_heads: int = 4,
-        mlp_ratio: int = 4,
-        dropout: float = 0.0,
+        vocab_size: PositiveInt,
+        max_seq_len: PositiveInt = 128,
+        d_model: PositiveInt = 128,
+        n_layers: PositiveInt = 2,
+        n_heads: PositiveInt = 4,
+        mlp_ratio: PositiveInt = 4,
+        dropout: Probability = 0.0,
         tie_embeddings: bool = True,
     ) -> None:
         super().__init__()

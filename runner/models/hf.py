@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from runner.config import PositiveInt
 from runner.errors import ConfigError
 
 try:
@@ -25,7 +26,7 @@ def causal_lm(
     pretrained: str | None = None,
     load_weights: bool = True,
     config: Mapping[str, Any] | None = None,
-    vocab_size: int | None = None,
+    vocab_size: PositiveInt | None = None,
     **overrides: Any,
 ) -> transformers.PreTrainedModel:
     """A causal language model (`AutoModelForCausalLM`); its `logits` feed the language-modeling task.
@@ -46,8 +47,8 @@ def sequence_classification(
     pretrained: str | None = None,
     load_weights: bool = True,
     config: Mapping[str, Any] | None = None,
-    vocab_size: int | None = None,
-    num_labels: int | None = None,
+    vocab_size: PositiveInt | None = None,
+    num_labels: PositiveInt | None = None,
     **overrides: Any,
 ) -> transformers.PreTrainedModel:
     """A sequence classifier (`AutoModelForSequenceClassification`): a transformer whose `logits` are one

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runner.config import PositiveInt, Probability
 from runner.models.checks import check_sizes
 
 
@@ -16,11 +17,11 @@ class MLP(nn.Module):
 
     def __init__(
         self,
-        in_features: int,
-        out_features: int,
-        hidden_size: int = 256,
-        num_layers: int = 4,
-        dropout: float = 0.0,
+        in_features: PositiveInt,
+        out_features: PositiveInt,
+        hidden_size: PositiveInt = 256,
+        num_layers: PositiveInt = 4,
+        dropout: Probability = 0.0,
     ) -> None:
         super().__init__()
         check_sizes(
