@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from runner.checkpoint import (
     ProjectConfiguration,
     check_checkpoint_fits,
+    check_optimizer_classes,
     checkpoint_files,
     checkpoint_number,
     commit_staging,
@@ -637,14 +638,7 @@ class Accelerator:
             "optimizers": len(self._optimizers),
             **{k: len(v) for k, v in parts.items()},
         }
-        written_with = meta.get("optimizer_classes")  # absent in checkpoints of earlier versions
-        has = [_qualified_name(opt.optimizer) for opt in self._optimizers]
-        if written_with is not None and written_with != has:
-            raise ConfigError(
-                f"{directory} holds the state of optimizer(s) {', '.join(written_with)} and this run has "
-                f"{', '.join(has)}: an optimizer's state does not carry over to another kind. Resume with the optimizer "
-                "it was written with, or start fresh (trainer.resume=null)."
-            )
+        check_optimizer_classes(directory, meta, [_qualified_name(opt.optimizer) for opt in self._optimizers])
         if meta["counts"] != counts:
             raise ConfigError(
                 f"{directory} holds {meta['counts']}, but this Accelerator has {counts} prepared/registered: "

@@ -300,6 +300,18 @@ def check_checkpoint_fits(
     return meta
 
 
+def check_optimizer_classes(checkpoint: Path, meta: dict[str, Any], classes: list[str]) -> None:
+    """Refuse a checkpoint whose optimizer state another kind of optimizer wrote (`classes`: this run's,
+    as "module.QualName"); checkpoints of earlier versions do not record theirs."""
+    written_with = meta.get("optimizer_classes")
+    if written_with is not None and written_with != classes:
+        raise ConfigError(
+            f"{checkpoint} holds the state of optimizer(s) {', '.join(written_with)} and this run has "
+            f"{', '.join(classes)}: an optimizer's state does not carry over to another kind. Resume with the optimizer "
+            "it was written with, or start fresh (trainer.resume=null)."
+        )
+
+
 def check_format(checkpoint: Path, meta: dict[str, Any], checkpoint_format: str) -> None:
     """Refuse a checkpoint whose models and optimizers were written in another format than this
     hardware's (whole-model safetensors, sharded DCP, DeepSpeed partitions)."""

@@ -26,8 +26,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.build import is_inference
-from runner.checkpoint import check_checkpoint_fits, resume_checkpoint
+from runner.build import is_inference, locate
+from runner.checkpoint import check_checkpoint_fits, check_optimizer_classes, resume_checkpoint
 from runner.cluster import launched_environment
 from runner.config import CONF_SEARCH_PATH, register_configs
 from runner.errors import (
@@ -77,7 +77,12 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
             verify = env is None or env.rank == 0
             checkpoint = resume_checkpoint(cfg.trainer.resume, output_dir, verify=verify)
             if checkpoint is not None:
-                check_checkpoint_fits(checkpoint, world_size, built.hardware.checkpoint_format)
+                meta = check_checkpoint_fits(checkpoint, world_size, built.hardware.checkpoint_format)
+                if not is_inference(cfg.task._target_):  # the run's one optimizer, before any rank starts
+                    optimizer = locate(cfg.optimizer._target_)
+                    check_optimizer_classes(
+                        checkpoint, meta, [f"{optimizer.__module__}.{optimizer.__qualname__}"]
+                    )
         if cfg.plan:
             with _single_threaded():
                 line = launcher.describe(cfg, built.hardware)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -59,18 +60,33 @@ class Built:
 def validate(cfg: DictConfig) -> Built:
     """The hardware and the launcher, built and checked; a ConfigError whose message lists every problem
     found, one paragraph each, if there is any."""
-    problems = _missing_values(cfg) or [
+    built, problems = _validate(cfg)
+    if problems:
+        raise ConfigError("\n\n".join(problems))
+    return Built(hardware=built["hardware"], launcher=built["launcher"])
+
+
+def _validate(cfg: DictConfig) -> tuple[dict[str, Any], list[str]]:
+    """What could be built (hardware, launcher, data source) and every problem found: the settings
+    checked, then each node built whose settings no problem names."""
+    problems = _missing_values(cfg)
+    if problems:  # interpolations and builds would fail on them
+        return {}, problems
+    problems = [
         *_schema_problems(cfg),
         *_target_problems(cfg),
         *_trainer_problems(cfg.trainer),
         *_range_problems(cfg),
     ]
     built: dict[str, Any] = {}
-    if not problems:
-        problems = _build_problems(cfg, built)
-    if problems:
-        raise ConfigError("\n\n".join(problems))
-    return Built(hardware=built["hardware"], launcher=built["launcher"])
+    problems += _build_problems(cfg, built, skip=named_nodes(problems))
+    return built, problems
+
+
+def named_nodes(problems: list[str]) -> set[str]:
+    """The nodes the problems are about (each message starts with the key it names: `data.path=...`,
+    `model._target_=...`, `optimizer: ...`)."""
+    return {node for node in TARGET_NODES for p in problems if re.match(rf"{node}[.=:\[ ]", p)}
 
 
 def _missing_values(cfg: DictConfig) -> list[str]:
@@ -187,19 +203,21 @@ def _number_problem(key: str, value: Any, number: type, bounds: Range) -> str | 
     return None
 
 
-def _build_problems(cfg: DictConfig, built: dict[str, Any]) -> list[str]:
-    """Build the hardware, the launcher and the data source into `built`: their constructors check what
-    only they know (process counts against the GPUs here, files that must exist); reading the data happens
-    in the ranks. Then ask the hardware whether it can run the precision."""
+def _build_problems(cfg: DictConfig, built: dict[str, Any], skip: set[str]) -> list[str]:
+    """Build the hardware, the launcher and the data source into `built` (not those in `skip`, whose
+    settings are known to be wrong): their constructors check what only they know (process counts against
+    the GPUs here, files that must exist). Then ask the hardware whether it can run the precision."""
     problems = []
     for node in BUILT_NODES:
+        if node in skip:
+            continue
         try:
             built[node] = instantiate(cfg[node])
         except InstantiationException as err:
             if not isinstance(err.__cause__, ConfigError):
                 raise
             problems.append(str(err.__cause__))
-    if "hardware" in built:
+    if "hardware" in built and "precision" not in skip:
         try:
             built["hardware"].setup_precision(instantiate(cfg.precision))
         except ConfigError as err:
@@ -209,27 +227,35 @@ def _build_problems(cfg: DictConfig, built: dict[str, Any]) -> list[str]:
 
 
 def check_job(cfg: DictConfig) -> tuple[Built, int]:
-    """Every check a job passes before launch (`validate`, the launcher's own, then `validate_for_world`
-    with the number of ranks the launcher will start): what was built, and that number."""
-    built = validate(cfg)
-    world_size = built.launcher.world_size(cfg, built.hardware)
-    failures: list[ConfigError] = []
-    for check in (
-        lambda: built.launcher.check(cfg, built.hardware),
-        lambda: validate_for_world(cfg, world_size, built.hardware),
-    ):
-        try:
-            check()
-        except ConfigError as err:
-            failures.append(err)
-    if failures:  # all of them at once
-        details = "\n".join(err.details for err in failures if err.details)
-        raise ConfigError("\n\n".join(map(str, failures)), details=details or None)
-    return built, world_size
+    """Every check a job passes before launch, all of them reported at once: `validate`'s, then (once the
+    hardware and the launcher are built) the launcher's own and `validate_for_world`'s with the number of
+    ranks the launcher will start. What was built, and that number."""
+    built, problems = _validate(cfg)
+    details = []
+    if "hardware" in built and "launcher" in built:
+        hardware, launcher = built["hardware"], built["launcher"]
+        world_size = launcher.world_size(cfg, hardware)
+        skip = named_nodes(problems)
+        for check in (
+            lambda: launcher.check(cfg, hardware),
+            lambda: validate_for_world(cfg, world_size, hardware, skip),
+        ):
+            try:
+                check()
+            except ConfigError as err:
+                problems.append(str(err))
+                details += [err.details] if err.details else []
+    if problems:
+        raise ConfigError("\n\n".join(problems), details="\n".join(details) or None)
+    return Built(hardware=built["hardware"], launcher=built["launcher"]), world_size
 
 
-def validate_for_world(cfg: DictConfig, world_size: int, hardware: Strategy) -> None:
-    """The checks that need the number of ranks the launcher will start (ConfigError listing all)."""
+def validate_for_world(
+    cfg: DictConfig, world_size: int, hardware: Strategy, skip: set[str] = frozenset()
+) -> None:
+    """The checks that need the number of ranks the launcher will start (ConfigError listing all): the
+    data read, the model built on meta, one training step on meta, the optimizer and schedule built; not
+    when a node they build is in `skip` (its settings are known to be wrong)."""
     problems = []
     batch_size = cfg.data.get("batch_size")
     if cfg.trainer.split_batches and batch_size and batch_size % world_size:
@@ -239,7 +265,7 @@ def validate_for_world(cfg: DictConfig, world_size: int, hardware: Strategy) -> 
             f"{batch_size - batch_size % world_size or world_size}), or trainer.split_batches=false for "
             f"{batch_size} per process."
         )
-    if not is_inference(cfg.task._target_):
+    if not skip & set(UNTYPED_NODES) and not is_inference(cfg.task._target_):
         data = _run_user_code("data", cfg.data, "to read its data", lambda: build_data(cfg))
         model = _run_user_code("model", cfg.model, "to build the model", lambda: build_on_meta(cfg, data))
         try:
@@ -312,7 +338,7 @@ def _step_problems(cfg: DictConfig, model: torch.nn.Module, data: DataSource, pe
 
 def _optimizer_problems(cfg: DictConfig, model: torch.nn.Module) -> list[str]:
     """Build the optimizer over the (meta) model's parameters and the schedule over it, as the ranks
-    will: their constructors check their own settings (a negative learning rate, a warm-up of 2)."""
+    will: their constructors check what the declared ranges do not (a `betas` of one value)."""
     built = {}
     for node, build in (
         ("optimizer", lambda: instantiate(cfg.optimizer)(model.parameters())),
