@@ -222,15 +222,17 @@ def sampler_generators(dataloader: DataLoader) -> list[torch.Generator]:
     A shuffling RandomSampler without one gets one (seeded from torch's RNG): processes can then agree on
     it, and a checkpoint can restore it. The loader itself draws a seed at the start of every pass; it is
     given the sampler's generator to draw from, so that a pass never touches torch's global RNG (a
-    resumed run would otherwise replay that draw out of order).
+    resumed run would otherwise replay that draw out of order). A loader in order gets a generator of its
+    own for that draw, which decides nothing (not returned): how often a run evaluates then does not change
+    its training's randomness.
     """
     sampler = dataloader.sampler
     if isinstance(sampler, RandomSampler) and sampler.generator is None:
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
         sampler.generator = torch.Generator().manual_seed(seed)
-    if dataloader.generator is None and getattr(sampler, "generator", None) is not None:
-        dataloader.generator = sampler.generator
     found = [getattr(sampler, "generator", None), dataloader.generator]
+    if dataloader.generator is None:
+        dataloader.generator = getattr(sampler, "generator", None) or torch.Generator().manual_seed(0)
     return list({id(g): g for g in found if g is not None}.values())
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import time
@@ -33,6 +34,10 @@ def run_ranks(fn, *args: Any, num_processes: int = 2) -> dict[int, Any]:
         logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp()),
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Garbage of earlier launches in this process (a TCPStore, a gloo group: objects whose destructors join
+    # their threads) would be inherited by the forked ranks and, collected there where those threads do not
+    # exist, hang them: collect it here first.
+    gc.collect()
     return elastic_launch(config, fn)(*args)
 
 

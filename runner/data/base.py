@@ -84,14 +84,7 @@ class DataSource(ABC):
         )
 
     def eval_dataloader(self) -> DataLoader:
-        """In order. Its own generator: starting an evaluation draws no number from torch's global RNG, so
-        how often a run evaluates does not change its training (dropout, augmentation)."""
-        return DataLoader(
-            self.eval_set,
-            batch_size=self.eval_batch_size,
-            num_workers=self.num_workers,
-            generator=torch.Generator().manual_seed(0),
-        )
+        return DataLoader(self.eval_set, batch_size=self.eval_batch_size, num_workers=self.num_workers)
 
 
 def existing_file(path: str | Path, key: str = "data.path") -> Path:
