@@ -154,6 +154,7 @@ def run() -> None:
             sys.exit(2)
         return
     register_configs()
+    sys.argv[1:] = options_first(sys.argv[1:])
     _importable_cwd()
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra raise instead of printing its own report
     env = launched_environment()
@@ -173,6 +174,29 @@ def run() -> None:
     except yaml.YAMLError as err:  # a config file of the search path (the user's --config-dir) is not YAML
         print(f"Configuration error: {describe_yaml_error(err)}", file=sys.stderr)
         sys.exit(2)
+
+
+VALUE_OPTIONS = ("--config-dir", "-cd", "--config-name", "-cn")  # Hydra's options that take a value
+
+
+def options_first(arguments: list[str]) -> list[str]:
+    """`arguments` with Hydra's --config-dir / --config-name (and their values) moved before the overrides:
+    Hydra's parser takes them only there, and `runner experiment=mine --config-dir conf` is how users type."""
+    options: list[str] = []
+    rest: list[str] = []
+    taking_value = False
+    for argument in arguments:
+        if taking_value:
+            options.append(argument)
+            taking_value = False
+        elif argument in VALUE_OPTIONS:
+            options.append(argument)
+            taking_value = True
+        elif argument.split("=", 1)[0] in VALUE_OPTIONS:
+            options.append(argument)
+        else:
+            rest.append(argument)
+    return options + rest
 
 
 def _importable_cwd() -> None:

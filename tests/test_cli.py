@@ -470,6 +470,9 @@ def test_a_users_config_dir_adds_options_and_its_yaml_errors_are_one_paragraph(r
     ok = run_cli(search, "model=small", "trainer.max_steps=5")
     assert ok.returncode == 0, ok.stderr  # the data's sizes fill in_features and out_features it omits
     assert OmegaConf.load(ok.run_dir / "resolved_config.yaml").model.hidden_size == 8
+    # --config-dir after the overrides, as users type it (Hydra's parser wants it before them).
+    typed = run_cli("model=small", "--config-dir", str(tmp_path / "conf"), "trainer.max_steps=5")
+    assert typed.returncode == 0, typed.stderr
     bad = run_cli(search, "model=broken")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     message = bad.stderr.strip()

@@ -18,6 +18,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from safetensors.torch import save_file
 
 from runner.build import locate
+from runner.cli import options_first
 from runner.config import CONF_DIR, SCHEMAS, Range, TrainerConfig, declared_ranges, register_configs
 from runner.errors import ConfigError, describe_compose_error
 from runner.validate import validate
@@ -387,3 +388,16 @@ def test_fuzzed_untyped_settings_are_refused_by_name_before_launch(group, option
         cfg = compose("config", overrides=[f"{group}={option}", *required, f"{group}.{key}={value}"])
         with pytest.raises(ConfigError, match=rf"{group}\.{key}(\[\d\])?="):
             validate(cfg)
+
+
+def test_hydra_options_move_before_the_overrides():
+    assert options_first(
+        ["experiment=mine", "--config-dir", "conf", "-m", "trainer.seed=1,2", "-cn=other"]
+    ) == [
+        "--config-dir",
+        "conf",
+        "-cn=other",
+        "experiment=mine",
+        "-m",
+        "trainer.seed=1,2",
+    ]
