@@ -59,26 +59,40 @@ NonNegativeFloat = Annotated[float, Range(ge=0)]
 Fraction = Annotated[float, Range(gt=0, lt=1)]  # a share strictly between none and all
 Probability = Annotated[float, Range(ge=0, lt=1)]  # dropout, a warm-up share
 
-_ADAM = {"lr": Range(gt=0), "weight_decay": Range(ge=0), "eps": Range(gt=0), "betas": Range(ge=0, lt=1)}
-# Third-party targets the shipped YAML names ("module.qualname" -> argument -> Range).
-THIRD_PARTY_RANGES: dict[str, dict[str, Range]] = {
+
+@dataclass(frozen=True)
+class Declared:
+    """What an argument of an untyped group's target accepts: numbers of `number`'s type within `bounds`;
+    a list of them with `many`."""
+
+    number: type
+    bounds: Range
+    many: bool = False
+
+
+_ADAM = {
+    "lr": Declared(float, Range(gt=0)),
+    "weight_decay": Declared(float, Range(ge=0)),
+    "eps": Declared(float, Range(gt=0)),
+    "betas": Declared(float, Range(ge=0, lt=1), many=True),
+}
+# Third-party targets the shipped YAML names ("module.qualname" -> argument -> what it accepts).
+THIRD_PARTY_RANGES: dict[str, dict[str, Declared]] = {
     "torch.optim.adamw.AdamW": _ADAM,
     "torch.optim.adam.Adam": _ADAM,
     "torch.optim.sgd.SGD": {
-        "lr": Range(gt=0),
-        "momentum": Range(ge=0),
-        "dampening": Range(ge=0),
-        "weight_decay": Range(ge=0),
+        key: Declared(float, Range(gt=0) if key == "lr" else Range(ge=0))
+        for key in ("lr", "momentum", "dampening", "weight_decay")
     },
 }
 
 
-def declared_ranges(target: Any) -> dict[str, tuple[type, Range]]:
-    """(number type, Range) of each argument of `target`, a class or function a `_target_` names: what its
-    signature declares (`Annotated[int, Range(...)]`; for a class, its base classes' too, which receive its
-    **kwargs; for a function, the class it returns too), and THIRD_PARTY_RANGES."""
+def declared_ranges(target: Any) -> dict[str, Declared]:
+    """What each numeric argument of `target`, a class or function a `_target_` names, accepts: what its
+    signature declares (`Annotated[int, Range(...)]`, in a list too; for a class, its base classes' too,
+    which receive its **kwargs; for a function, the class it returns too), and THIRD_PARTY_RANGES."""
     name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '')}"
-    ranges = {key: (float, bounds) for key, bounds in THIRD_PARTY_RANGES.get(name, {}).items()}
+    ranges = dict(THIRD_PARTY_RANGES.get(name, {}))
     for function in _signatures(target):
         for key, hint in _hints(function).items():
             declared = _range_in(hint)
@@ -101,13 +115,14 @@ def _hints(function: Any) -> dict[str, Any]:
         return {}
 
 
-def _range_in(hint: Any) -> tuple[type, Range] | None:
-    """The (number type, Range) an annotation carries, looking inside Optional[...] and list[...]."""
+def _range_in(hint: Any, many: bool = False) -> Declared | None:
+    """What an annotation declares, looking inside Optional[...] and list[...]."""
     if get_origin(hint) is Annotated:
         number, *metadata = get_args(hint)
         bounds = next((m for m in metadata if isinstance(m, Range)), None)
-        return (number, bounds) if bounds is not None else None
-    return next((found for arg in get_args(hint) if (found := _range_in(arg)) is not None), None)
+        return Declared(number, bounds, many) if bounds is not None else None
+    inside = many or get_origin(hint) in (list, tuple)
+    return next((found for arg in get_args(hint) if (found := _range_in(arg, inside)) is not None), None)
 
 
 @dataclass
@@ -164,9 +179,8 @@ class DDPConfig(ParallelConfig):
 
 @dataclass
 class FSDPConfig(ParallelConfig):
-    shard_modules: list[str] | None = (
-        None  # sharding units by class; null: the model's _no_split_modules; []: root
-    )
+    # sharding units by class; null: the model's _no_split_modules; []: the root only
+    shard_modules: list[str] | None = None
     reshard_after_forward: bool = True
     cpu_offload: bool = False
 

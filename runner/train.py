@@ -213,11 +213,10 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
         accelerator.log(metrics, step=done.step)
     if trainer.save_model:
         accelerator.save_model(model, str(output_dir / "model"))
+        # A transformers model's config next to its weights: from_pretrained loads the dir.
         model_config = getattr(accelerator.unwrap_model(model), "config", None)
         if accelerator.is_main_process and hasattr(model_config, "save_pretrained"):
-            model_config.save_pretrained(
-                output_dir / "model"
-            )  # a transformers model: from_pretrained loads the dir
+            model_config.save_pretrained(output_dir / "model")
     for run_tracker in accelerator.trackers:  # the main process's
         for artifact in (output_dir / "resolved_config.yaml", *output_dir.glob("*.log")):  # and Hydra's log
             run_tracker.log_artifact(str(artifact))
@@ -251,9 +250,8 @@ def keep_configured_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, configur
         group["lr"] = group["lr"] * after / before if before else after
         group["initial_lr"] = after
     scheduler.base_lrs = list(configured)
-    scheduler._last_lr = [
-        group["lr"] for group in scheduler.optimizer.param_groups
-    ]  # what get_last_lr() says
+    # What get_last_lr() says (and the log reports) until the next step.
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
     log.info("learning rate from the config: %s (the checkpoint had %s)", configured, saved)
 
 

@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runner.build import build_data, build_on_meta, is_inference, locate, meta_training_step
-from runner.config import Range, RunConfig, declared_ranges
+from runner.config import Declared, RunConfig, declared_ranges
 from runner.data.base import DataSource
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
@@ -181,24 +181,28 @@ def _range_problems(cfg: DictConfig) -> list[str]:
             target = locate(cfg[node].get("_target_"))
         except ImportError:  # _target_problems names it
             continue
-        for key, (number, bounds) in declared_ranges(target).items():
+        for key, declared in declared_ranges(target).items():
             value = cfg[node].get(key)
-            if (problem := _number_problem(f"{node}.{key}", value, number, bounds)) is not None:
+            if (problem := _number_problem(f"{node}.{key}", value, declared)) is not None:
                 problems.append(problem)
     return problems
 
 
-def _number_problem(key: str, value: Any, number: type, bounds: Range) -> str | None:
-    """Why `value` (a number, or a list of them) is not a `number` within `bounds`, or None."""
+def _number_problem(key: str, value: Any, declared: Declared) -> str | None:
+    """Why `value` is not what `declared` accepts (a number of its type within its bounds, or a list of
+    them), or None."""
     if value is None:
         return None
     several = isinstance(value, (ListConfig, list, tuple))
-    kinds = (int,) if number is int else (int, float)
+    kind = "an integer" if declared.number is int else "a number"
+    if several != declared.many:
+        return f"{key}={value!r}: expected {'a list of numbers' if declared.many else kind}."
+    kinds = (int,) if declared.number is int else (int, float)
     for index, item in enumerate(value if several else [value]):
         name = f"{key}[{index}]" if several else key
         if isinstance(item, bool) or not isinstance(item, kinds):
-            return f"{name}={item!r}: expected {'an integer' if number is int else 'a number'}."
-        if (problem := bounds.problem(name, item)) is not None:
+            return f"{name}={item!r}: expected {kind}."
+        if (problem := declared.bounds.problem(name, item)) is not None:
             return problem
     return None
 

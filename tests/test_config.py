@@ -378,10 +378,10 @@ def test_fuzzed_untyped_settings_are_refused_by_name_before_launch(group, option
     """A wrong type and an out-of-range value for each: a ConfigError naming the key, before anything is
     built (the paths the data needs point at nothing)."""
     document = yaml.safe_load((CONF_DIR / group / f"{option}.yaml").read_text())
-    _, bounds = declared_ranges(locate(document["_target_"]))[key]
+    bounds = declared_ranges(locate(document["_target_"]))[key].bounds
     rng = random.Random(f"{group}.{option}.{key}")
     required = [f"{group}.{name}=no/such/thing" for name, value in document.items() if value == "???"]
-    values = [rng.choice(["abc", "true", "{a: 1}"])]
+    values = [rng.choice(["abc", "true", "{a: 1}"]), "[1,2]"]  # "[1,2]": a list where a number is expected
     if bounds != Range():  # any number: only a wrong type to refuse
         values.append(out_of_range(bounds, rng))
     for value in values:

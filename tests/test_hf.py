@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from runner.big_modeling import init_empty_weights, load_checkpoint_and_dispatch
 from runner.errors import ConfigError
 from runner.hardware.megatron import TensorParallel
-from runner.hardware.parallelize import declared_tp_plan, declared_units
+from runner.hardware.parallelize import declared_tp_plan, sharding_units
 from runner.models.hf import causal_lm, sequence_classification
 from runner.task import batch_targets, model_outputs
 from runner.tasks import Classification, LanguageModeling
@@ -128,7 +128,7 @@ def test_training_goes_on_from_a_saved_models_dir(reference, tmp_path):
 
 def test_the_model_declares_its_sharding_units_and_tensor_parallel_plan():
     model = causal_lm(vocab_size=50, config=LLAMA)
-    assert declared_units(model) == ["LlamaDecoderLayer"]
+    assert sharding_units(model, None) == ["LlamaDecoderLayer"] and sharding_units(model, []) == []
     plan = declared_tp_plan(model, tp_size=2)
     assert {type(style).__name__ for style in plan.values()} == {"ColwiseParallel", "RowwiseParallel"}
     assert "model.layers.*.self_attn.o_proj" in plan

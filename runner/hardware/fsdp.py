@@ -10,7 +10,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from runner.hardware.parallel import ParallelStrategy
-from runner.hardware.parallelize import ShardedState, apply_fsdp, declared_units
+from runner.hardware.parallelize import ShardedState, apply_fsdp, sharding_units
 from runner.precision import MixedPrecision, Precision, ShardedMixedPrecision, refuse_fp16
 
 
@@ -63,7 +63,7 @@ class FSDP(ShardedState, ParallelStrategy):
             lambda: apply_fsdp(
                 module,
                 mesh,
-                declared_units(module) if self.shard_modules is None else self.shard_modules,
+                sharding_units(module, self.shard_modules),
                 self.reshard_after_forward,
                 self.mp_policy,
                 self.offload_policy,

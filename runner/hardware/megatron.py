@@ -18,7 +18,7 @@ from runner.hardware.parallelize import (
     apply_fsdp,
     apply_tp,
     declared_tp_plan,
-    declared_units,
+    sharding_units,
 )
 from runner.precision import Precision, refuse_fp16
 from runner.state import ProcessState
@@ -117,7 +117,7 @@ class TensorParallel(ShardedState, ParallelStrategy):
                 apply_fsdp(
                     module,
                     mesh["dp"],
-                    declared_units(module) if self.shard_modules is None else self.shard_modules,
+                    sharding_units(module, self.shard_modules),
                     self.reshard_after_forward,
                     no_cast,
                     no_offload,

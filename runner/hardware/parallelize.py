@@ -65,10 +65,11 @@ def apply_fsdp(
     fully_shard(module, **(options | {"mp_policy": root_policy}))
 
 
-def declared_units(module: torch.nn.Module) -> list[str]:
-    """The class names a model declares as its indivisible blocks (`_no_split_modules`, transformers'
-    convention: the decoder layer): the natural sharding units."""
-    return sorted(getattr(module, "_no_split_modules", None) or [])
+def sharding_units(module: torch.nn.Module, asked: list[str] | None) -> list[str]:
+    """The class names of the FSDP units: those `asked` (`hardware.shard_modules`; [] shards the root
+    only), else those the model declares indivisible (`_no_split_modules`, transformers' convention: its
+    decoder layer; GPT's Block)."""
+    return list(asked) if asked is not None else sorted(getattr(module, "_no_split_modules", None) or [])
 
 
 def declared_tp_plan(module: torch.nn.Module, tp_size: int) -> dict[str, ParallelStyle]:
