@@ -37,6 +37,7 @@ from runner.checkpoint import (
     start_staging,
     write_meta,
 )
+from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.data_loader import (
     DataLoaderShard,
     last_batch_remainder,
@@ -86,6 +87,10 @@ class Accelerator:
         project_config: where `save_state()` without a directory writes, and how it names checkpoints.
         log_with: trackers ("mlflow", "all", or `runner.trackers.Tracker` objects) that `init_trackers`
             starts and `log` writes to, on the main process only.
+        compile: `torch.compile` of prepared models (`CompileConfig`: the whole model or each block),
+            applied by the strategy before it wraps the model; None: eager.
+        activation_checkpointing: recompute each block's activations in backward
+            (`ActivationCheckpointingConfig`), applied like `compile`; None: keep them.
     """
 
     def __init__(
@@ -102,6 +107,8 @@ class Accelerator:
         project_dir: str | None = None,
         project_config: ProjectConfiguration | None = None,
         log_with: str | Tracker | list[str | Tracker] | None = None,
+        compile: CompileConfig | None = None,
+        activation_checkpointing: ActivationCheckpointingConfig | None = None,
     ) -> None:
         if gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}.")
@@ -115,6 +122,9 @@ class Accelerator:
             )
         )
         self.precision.setup(self.state.device)
+        self.strategy.setup_compute(
+            compile or CompileConfig(), activation_checkpointing or ActivationCheckpointingConfig()
+        )
         self.gradient_state = GradientState(num_steps=gradient_accumulation_steps)
         # id of a parameter -> (it, what device placement replaced it with); the old one is kept alive so
         # that its id is not reused.

@@ -41,19 +41,25 @@ def build_on_meta(cfg: DictConfig, data: DataSource | None = None) -> torch.nn.M
         return build_model(cfg, data)
 
 
-def meta_training_step(
-    cfg: DictConfig, model: torch.nn.Module, data: DataSource, per_device: int = 1
-) -> None:
-    """The configured task's training step (forward and loss) on the first batch of `data`, both on the
-    meta device: the real shapes, no values and no memory. `per_device` > 1 cuts the batch to one
-    process's share (`trainer.split_batches`). A task that reads values (`.item()`) cannot run so: that
-    raises NotImplementedError or RuntimeError naming the meta device. No backward: the autograd engine
-    sizes its device queues on its first backward, and one here, before an XLA device exists, breaks the
-    backward of a rank that runs in this process."""
+def first_batch(data: DataSource, per_device: int = 1) -> Any:
+    """The first training batch of `data` (seed 0); `per_device` > 1 cuts it to one process's share
+    (`trainer.split_batches`)."""
     batch = next(iter(data.train_dataloader(seed=0)))
     if per_device > 1:
         batch = apply_to_tensors(lambda t: t[: len(t) // per_device], batch)
-    instantiate(cfg.task).training_step(model.train(), send_to_device(batch, torch.device("meta")))
+    return batch
+
+
+def meta_training_step(
+    cfg: DictConfig, model: torch.nn.Module, data: DataSource, per_device: int = 1
+) -> torch.Tensor:
+    """The configured task's training step (forward and loss) on `first_batch(data, per_device)`, both on
+    the meta device: the real shapes, no values and no memory; the (meta) loss. A task that reads values
+    (`.item()`) cannot run so: that raises NotImplementedError or RuntimeError naming the meta device. No
+    backward here: the autograd engine sizes its device queues on its first backward, and one before an
+    XLA device exists breaks the backward of a rank that runs in this process."""
+    batch = send_to_device(first_batch(data, per_device), torch.device("meta"))
+    return instantiate(cfg.task).training_step(model.train(), batch)
 
 
 def load_start_weights(model: torch.nn.Module, checkpoint: str) -> None:

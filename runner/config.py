@@ -8,6 +8,7 @@ Each hardware and precision option declares its schema in its defaults list, e.g
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from importlib.resources import files
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_origin, get_type_hints
@@ -19,8 +20,6 @@ from omegaconf import MISSING
 CONF_PACKAGE = "runner.conf"
 CONF_SEARCH_PATH = f"pkg://{CONF_PACKAGE}"
 CONF_DIR = Path(str(files(CONF_PACKAGE)))
-
-# Optional[...] rather than `X | None`: OmegaConf reads these annotations at runtime on Python 3.10.
 
 
 @dataclass(frozen=True)
@@ -125,6 +124,58 @@ def _range_in(hint: Any, many: bool = False) -> Declared | None:
     return next((found for arg in get_args(hint) if (found := _range_in(arg, inside)) is not None), None)
 
 
+class CompileScope(str, Enum):
+    """What `trainer.compile.scope` compiles."""
+
+    none = "none"  # eager
+    model = "model"  # the whole model, one graph (broken where it must be)
+    regional = (
+        "regional"  # each block (the FSDP units, else the model's `_no_split_modules`): one compile, reused
+    )
+
+
+@dataclass
+class CompileConfig:
+    """`torch.compile` of the model (`trainer.compile`): applied in place (`Module.compile`) before the
+    backend wraps the model, so state-dict keys and checkpoints are the eager model's."""
+
+    scope: CompileScope = CompileScope.none
+    backend: str = "inductor"  # a torch.compile backend: inductor | aot_eager | eager | ...
+    mode: str | None = None  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+    fullgraph: bool = False  # a graph break is an error instead of a fallback to Python
+    dynamic: bool | None = None  # null: dynamic shapes after a recompilation; false: specialise
+
+
+class CheckpointingMode(str, Enum):
+    """What `trainer.activation_checkpointing.mode` recomputes in backward."""
+
+    none = "none"  # keep every activation
+    full = "full"  # every block: keep its input, recompute the rest
+    selective = "selective"  # every `every_n_blocks`-th block; with `save_matmuls`, recompute all but matmuls
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    """Activation checkpointing per block (`trainer.activation_checkpointing`, torch.utils.checkpoint,
+    non-reentrant), applied before the backend wraps the model."""
+
+    mode: CheckpointingMode = CheckpointingMode.none
+    every_n_blocks: int = bounded(1, ge=1)  # selective: checkpoint blocks n-1, 2n-1, ... (1: every block)
+    save_matmuls: bool = False  # selective: inside a checkpointed block keep the matmul outputs (op-level)
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler over a window of optimizer steps (`trainer.profile`): skip `wait`, warm up
+    `warmup`, record `active` (0: off); the trace goes to <output dir>/profile/."""
+
+    wait: int = bounded(1, ge=0)
+    warmup: int = bounded(1, ge=0)
+    active: int = bounded(0, ge=0)
+    record_shapes: bool = False  # the input shapes of each op (the table groups by them)
+    profile_memory: bool = False  # the memory each op allocates and frees
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int | None = bounded(200, ge=1)  # optimizer steps; null: run `max_epochs` epochs
@@ -146,6 +197,14 @@ class TrainerConfig:
     resume: str | None = "auto"  # auto: the output dir's latest checkpoint, if any | a checkpoint dir | null
     save_model: bool = True  # write the final weights to <output dir>/model
     objective: str | None = "eval/loss"  # the metric the Hydra main returns to sweepers; null: all metrics
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    memory_snapshot: bool = (
+        False  # CUDA: record allocations; an out-of-memory error dumps them to the run dir
+    )
 
 
 @dataclass
@@ -157,6 +216,7 @@ class HardwareConfig:
 class CPUConfig(HardwareConfig):
     device: str = "cpu"
     num_threads: int | None = bounded(None, ge=1)
+    peak_flops: float | None = bounded(None, gt=0)  # the device's peak FLOP/s for MFU; null: the known table
 
 
 @dataclass
@@ -167,6 +227,7 @@ class ParallelConfig(HardwareConfig):
     timeout_s: float = bounded(1800.0, gt=0)  # collective timeout
     num_threads: int | None = bounded(None, ge=1)  # CPU threads per rank; null: cores / ranks
     oversubscribe: bool = False  # allow more CPU ranks than cores
+    peak_flops: float | None = bounded(None, gt=0)  # one device's peak FLOP/s for MFU; null: the known table
 
 
 @dataclass
@@ -206,6 +267,7 @@ class DeepSpeedConfig(ParallelConfig):
 @dataclass
 class XLAConfig(HardwareConfig):
     spmd: bool | None = None  # shard each batch over the host's devices; null: when there are several
+    peak_flops: float | None = bounded(None, gt=0)  # one device's peak FLOP/s for MFU; null: the known table
 
 
 @dataclass
@@ -235,6 +297,14 @@ class Float16Config(PrecisionConfig):
     growth_factor: float = bounded(2.0, gt=1)
     backoff_factor: float = bounded(0.5, gt=0, lt=1)
     growth_interval: int = bounded(2000, ge=1)
+
+
+@dataclass
+class Float8Config(PrecisionConfig):
+    recipe: str = "tensorwise"  # tensorwise | rowwise
+    keep: list[str] = field(default_factory=lambda: ["lm_head"])  # module name patterns kept in bf16
+    fsdp_float8_all_gather: bool = False
+    emulate: bool = False  # float8 numerics with high-precision matmuls, on any device
 
 
 @dataclass
@@ -319,7 +389,12 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "tpu": XLAConfig,
         "big_model": BigModelConfig,
     },
-    "precision": {"fp32": PrecisionConfig, "bf16": MixedPrecisionConfig, "fp16": Float16Config},
+    "precision": {
+        "fp32": PrecisionConfig,
+        "bf16": MixedPrecisionConfig,
+        "fp16": Float16Config,
+        "fp8": Float8Config,
+    },
     "launcher": {"local": LocalLauncherConfig, "slurm": SlurmLauncherConfig},
     "tracker": {"mlflow": MLflowTrackerConfig, "none": TrackerConfig},
 }

@@ -52,6 +52,14 @@ def is_tensor_structure(data: Any) -> bool:
     return True
 
 
+def find_batch_size(data: Any) -> int | None:
+    """The first dimension of the first tensor in `data` with one (Accelerate's `find_batch_size`), or
+    None when it holds none."""
+    sizes: list[int] = []
+    apply_to_tensors(lambda t: sizes.append(len(t)) if t.ndim else None, data)
+    return sizes[0] if sizes else None
+
+
 def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Move every tensor in `data` to `device` (one already there is kept, without a `.to` call)."""
     device = torch.device(device)

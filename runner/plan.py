@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from runner.build import build_data, build_on_meta, meta_training_step
 from runner.cluster import available_cores
+from runner.config import CheckpointingMode, CompileScope
 from runner.data.base import DataSource
 from runner.hardware.base import Strategy
-from runner.ops import apply_to_tensors
+from runner.hardware.parallelize import apply_ac, blocks_of
+from runner.perf import count_flops
 
 MB = 1024**2
 
@@ -57,10 +57,30 @@ def describe(
         "tracker": _tracker(cfg),
         "model": f"{cfg.model._target_}, {parameters / 1e6:.2f}M parameters",
         "memory/device": _memory(parameters, strategy, world_size, cfg.optimizer),
-        "activations": _activations(cfg, model, data, world_size),
+        "compute": _compute(strategy),
+        "activations": _activations(cfg, model, data, world_size, strategy),
     }
     width = max(map(len, lines))
     return "plan (nothing was started):\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in lines.items())
+
+
+def _compute(strategy: Strategy) -> str:
+    """The compute options the strategy applies to the model."""
+    compile = strategy.compile_config
+    compiled = (
+        f"torch.compile {CompileScope(compile.scope).value} (backend {compile.backend}, mode {compile.mode or 'default'}"
+        f"{', fullgraph' if compile.fullgraph else ''})"
+        if compile.scope != CompileScope.none
+        else "eager"
+    )
+    checkpointing = strategy.checkpointing
+    recomputed = {
+        CheckpointingMode.none: "no activation checkpointing",
+        CheckpointingMode.full: "activation checkpointing of every block",
+        CheckpointingMode.selective: f"activation checkpointing of one block in {checkpointing.every_n_blocks}"
+        + (" (matmul outputs kept)" if checkpointing.save_matmuls else ""),
+    }[CheckpointingMode(checkpointing.mode)]
+    return f"{compiled}; {recomputed}"
 
 
 def _tracker(cfg: DictConfig) -> str:
@@ -93,33 +113,36 @@ def state_memory(
     return {k: v / (world_size if k in sharded else 1) for k, v in sizes.items()}
 
 
-def _activations(cfg: DictConfig, model: torch.nn.Module, data: DataSource, world_size: int) -> str:
-    """The outputs of every leaf module in one training step of a per-device batch, run on meta tensors:
-    roughly what autograd keeps for the backward pass (fp32; bf16/fp16 autocast halves the matmul ones)."""
-    total = 0
+def _activations(
+    cfg: DictConfig, model: torch.nn.Module, data: DataSource, world_size: int, strategy: Strategy
+) -> str:
+    """What autograd keeps for the backward pass in one training step of a per-device batch, run on meta
+    tensors with the strategy's activation checkpointing applied (fp32; bf16/fp16 autocast halves the
+    matmul ones); and the FLOPs of that step (forward and backward, by torch's FLOP counter)."""
+    per_device = world_size if cfg.trainer.split_batches else 1
+    parameters = {id(p) for p in model.parameters()}
+    kept: dict[int, int] = {}
 
-    def count(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-        nonlocal total
-        for tensor in tensors_in(output):
-            total += tensor.numel() * tensor.element_size()
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in parameters and id(tensor._base) not in parameters:
+            kept[id(tensor)] = tensor.numel() * tensor.element_size()
+        return tensor
 
-    leaves = [m for m in model.modules() if next(m.children(), None) is None]
-    handles = [m.register_forward_hook(count) for m in leaves]
     try:
-        meta_training_step(cfg, model, data, world_size if cfg.trainer.split_batches else 1)
+        flops = count_flops(lambda: meta_training_step(cfg, model, data, per_device))
+        apply_ac(blocks_of(model, strategy.block_classes(model)), strategy.checkpointing)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            meta_training_step(cfg, model, data, per_device)
     except Exception as err:  # a task that reads values (`.item()`) cannot run on meta tensors
         return f"not estimated (the task's training_step cannot run on meta tensors: {str(err).splitlines()[0][:120]})"
-    finally:
-        for handle in handles:
-            handle.remove()
-    return f"about {total / MB:.1f} MB per device for one micro-batch (module outputs kept for backward)"
-
-
-def tensors_in(data: Any) -> list[torch.Tensor]:
-    """The tensors inside a nested output."""
-    found: list[torch.Tensor] = []
-    apply_to_tensors(found.append, data)
-    return found
+    checkpointing = strategy.checkpointing
+    checkpointed = ", with activation checkpointing" if checkpointing.mode != CheckpointingMode.none else ""
+    if checkpointing.mode == CheckpointingMode.selective and checkpointing.save_matmuls:
+        checkpointed += ", plus the matmul outputs it keeps, not counted here"
+    return (
+        f"about {sum(kept.values()) / MB:.1f} MB per device for one micro-batch (tensors kept for backward"
+        f"{checkpointed}); the step computes {flops / 1e9:.3g} GFLOP (forward and backward, recomputation not counted)"
+    )
 
 
 def _memory(parameters: int, strategy: Strategy, world_size: int, optimizer: DictConfig) -> str:

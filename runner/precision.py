@@ -6,7 +6,11 @@ Strategies and the Accelerator call these hooks and never ask which precision is
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import functools
+import importlib.util
+import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -24,11 +28,19 @@ class Precision:
 
     def setup(self, device: torch.device) -> None:
         """Bind to the device this process trains on."""
+        self.check_device(device)
         self.device = device
+
+    def check_device(self, device: torch.device) -> None:
+        """ConfigError when this precision cannot compute on `device` (checked before launch too)."""
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Replace the layers this precision computes its own way (float8 linears), in place."""
+        return module
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Prepare a model for this precision (mixed precision runs its forward under autocast)."""
-        return module
+        return self.convert_module(module)
 
     def autocast(self) -> AbstractContextManager:
         return nullcontext()
@@ -67,6 +79,7 @@ class MixedPrecision(Precision):
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         # As Accelerate does: the instance's forward runs under autocast and returns fp32 outputs;
         # `Accelerator.unwrap_model(model, keep_fp32_wrapper=False)` restores `_original_forward`.
+        module = self.convert_module(module)
         if "_original_forward" not in module.__dict__:
             module._original_forward = module.forward
             module.forward = _autocast_forward(module.forward, self.autocast)
@@ -78,10 +91,99 @@ class MixedPrecision(Precision):
 
 class ShardedMixedPrecision(Precision):
     """Mixed precision that the strategy applies itself (FSDP's MixedPrecisionPolicy casts parameters and
-    outputs): no autocast here, only the name."""
+    outputs): no autocast here; `precision`'s name and layer conversion (float8)."""
 
-    def __init__(self, mixed_precision: str) -> None:
-        self.mixed_precision = mixed_precision
+    def __init__(self, precision: Precision) -> None:
+        self.mixed_precision = precision.mixed_precision
+        self.precision = precision
+
+    def check_device(self, device: torch.device) -> None:
+        self.precision.check_device(device)
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return self.precision.convert_module(module)
+
+
+FP8_REQUIREMENT = "pip install 'runner[fp8]' (torchao)"
+
+
+class Float8Precision(MixedPrecision):
+    """float8 training with torchao (the `fp8` group): each `nn.Linear` becomes a `Float8Linear` whose
+    three matmuls (forward, input and weight gradients) run in float8 with dynamic scales; everything
+    else runs under bf16 autocast, weights and optimizer stay fp32. Needs an NVIDIA GPU of compute
+    capability 8.9 or newer (Ada, Hopper, Blackwell).
+
+    Args:
+        recipe: "tensorwise" (one scale per tensor: fastest) or "rowwise" (one per row: more accurate).
+        keep: module names (fnmatch patterns, e.g. "lm_head", "blocks.0.*") kept in bf16. Linear layers
+            whose sizes are not multiples of 16 (what float8 matmuls need) are kept too.
+        fsdp_float8_all_gather: with hardware=fsdp, all-gather the weights in float8 (tensorwise only).
+        emulate: compute the float8 casts and scales, but matmuls in high precision (torchao's emulation):
+            float8 numerics on any device, without the speed, for tests on the CPU.
+    """
+
+    RECIPES = ("tensorwise", "rowwise")
+
+    def __init__(
+        self,
+        recipe: str = "tensorwise",
+        keep: list[str] | None = None,
+        fsdp_float8_all_gather: bool = False,
+        emulate: bool = False,
+    ) -> None:
+        super().__init__("bfloat16")
+        self.mixed_precision = "fp8"
+        if recipe not in self.RECIPES:
+            raise ConfigError(f"precision.recipe={recipe!r}: expected one of {', '.join(self.RECIPES)}.")
+        if fsdp_float8_all_gather and recipe != "tensorwise":
+            raise ConfigError(
+                f"precision.fsdp_float8_all_gather=true with precision.recipe={recipe}: torchao gathers float8 "
+                "weights with one scale per tensor only. Use precision.recipe=tensorwise, or "
+                "precision.fsdp_float8_all_gather=false."
+            )
+        if importlib.util.find_spec("torchao") is None:
+            raise ConfigError(
+                f"precision=fp8 needs torchao, which is not installed here: {FP8_REQUIREMENT}."
+            ) from None
+        self.recipe = recipe
+        self.keep = list(keep or [])
+        self.fsdp_float8_all_gather = fsdp_float8_all_gather
+        self.emulate = emulate
+
+    def check_device(self, device: torch.device) -> None:
+        if self.emulate:
+            return
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        if capability is None or capability < (8, 9):
+            found = (
+                f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]})"
+                if capability
+                else f"the {device.type} device"
+            )
+            raise ConfigError(
+                f"precision=fp8 needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell) "
+                f"for its float8 matmuls; this run computes on {found}. Use precision=bf16 here, or "
+                "precision.emulate=true to run float8 numerics without float8 matmuls (slower: for tests)."
+            )
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The model's linear layers as Float8Linear, in place, but those `keep` names and those whose
+        sizes float8 matmuls cannot take."""
+        Float8LinearConfig, convert_to_float8_training = _torchao_float8()
+        config = dataclasses.replace(
+            Float8LinearConfig.from_recipe_name(self.recipe),
+            emulate=self.emulate,
+            enable_fsdp_float8_all_gather=self.fsdp_float8_all_gather,
+        )
+        return convert_to_float8_training(module, config=config, module_filter_fn=self.converts)
+
+    def converts(self, module: torch.nn.Module, name: str) -> bool:
+        """Whether the linear layer `name` is converted to float8."""
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.keep):
+            return False
+        return not isinstance(module, torch.nn.Linear) or (
+            module.in_features % 16 == 0 and module.out_features % 16 == 0
+        )
 
 
 class Float16MixedPrecision(MixedPrecision):
@@ -128,6 +230,30 @@ class Float16MixedPrecision(MixedPrecision):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scaler.load_state_dict(state["scaler"])
+
+
+def _torchao_float8() -> tuple[Any, Any]:
+    """torchao's `Float8LinearConfig` and `convert_to_float8_training`, imported without the warnings
+    logged on import (the CUDA kernels and Triton a CPU build lacks, a deprecation in torch)."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+    return Float8LinearConfig, convert_to_float8_training
+
+
+def refuse_fp8(precision: Precision, hardware: str, why: str) -> None:
+    """ConfigError when `precision` is float8, which `hardware` cannot run (`why` says so)."""
+    if isinstance(precision, Float8Precision):
+        raise ConfigError(
+            f"precision=fp8 with hardware={hardware}: {why}. Use precision=fp8 with hardware=cpu (one GPU), "
+            "multi_gpu or fsdp, or precision=bf16 here."
+        )
 
 
 def refuse_fp16(precision: Precision, hardware: str, why: str) -> None:

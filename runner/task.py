@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from runner.ops import find_batch_size
+
 HF_LABELS = "labels"  # Hugging Face batches: the targets' key; every other key is a model argument
 
 
@@ -50,6 +52,19 @@ def model_outputs(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     if isinstance(outputs, torch.Tensor):
         return outputs
     return outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+
+
+def batch_units(batch: Any) -> tuple[str, int]:
+    """What throughput counts in `batch`: ("tokens", their number) when the model's input is token ids (an
+    integer (batch, seq) tensor: runner's `inputs`, Hugging Face's `input_ids`, a tuple's first item;
+    padding included, as the FLOPs are), else ("samples", the batch size)."""
+    if isinstance(batch, Mapping):
+        inputs = batch.get("inputs", batch.get("input_ids"))
+    else:
+        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+    if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 and not inputs.is_floating_point():
+        return "tokens", inputs.numel()
+    return "samples", find_batch_size(batch) or 1
 
 
 def batch_targets(batch: Any) -> torch.Tensor:

@@ -19,7 +19,14 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from runner.accelerator import Accelerator
-from runner.build import build_data, build_model, load_start_weights
+from runner.build import (
+    build_data,
+    build_model,
+    build_on_meta,
+    first_batch,
+    load_start_weights,
+    meta_training_step,
+)
 from runner.checkpoint import (
     ProjectConfiguration,
     checkpoint_number,
@@ -27,10 +34,12 @@ from runner.checkpoint import (
     numbered_checkpoints,
     resume_checkpoint,
 )
+from runner.data.base import DataSource
 from runner.errors import ConfigError, TrainingDiverged, TrainingInterrupted
 from runner.hardware.base import Strategy
+from runner.perf import Throughput, count_flops, memory_snapshot_on_oom, peak_flops, profiled
 from runner.rng import set_seed
-from runner.task import Task
+from runner.task import Task, batch_units
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +84,8 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
             automatic_checkpoint_naming=True, total_limit=trainer.keep_checkpoints
         ),
         log_with=tracker,
+        compile=OmegaConf.to_object(trainer.compile),
+        activation_checkpointing=OmegaConf.to_object(trainer.activation_checkpointing),
     )
     # Under torchrun or srun each rank ran Hydra itself: the job's dir is rank 0's.
     output_dir = Path(accelerator.broadcast_object_list([str(output_dir)])[0])
@@ -89,6 +100,7 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
     train_loader, eval_loader = accelerator.prepare(
         data.train_dataloader(seed=trainer.seed), data.eval_dataloader()
     )
+    throughput = throughput_meter(cfg, data, accelerator)
     model = build_model(cfg, data)
     if cfg.checkpoint is not None:  # fine-tune from these weights
         load_start_weights(model, cfg.checkpoint)
@@ -145,7 +157,19 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
         disable=not (trainer.progress_bar and accelerator.is_local_main_process),
     )
     model.train()
-    with stop_signals() as received, closed_on_failure(accelerator):
+    with (
+        stop_signals() as received,
+        closed_on_failure(accelerator),
+        memory_snapshot_on_oom(
+            trainer.memory_snapshot,
+            accelerator.device,
+            output_dir / f"memory_snapshot_rank{accelerator.process_index}.pickle",
+        ),
+        profiled(
+            trainer.profile, output_dir / "profile", accelerator.process_index, accelerator.device
+        ) as profiler,
+    ):
+        throughput.restart()
         while done.step < total_steps:
             train_loader.set_epoch(done.epoch)
             batches = (
@@ -163,26 +187,41 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
                 done.batches += 1
                 done.window_loss += loss.detach()
                 done.window_batches += 1
+                throughput.add(batch_units(batch)[1])
                 if not accelerator.sync_gradients:
                     continue
                 done.step += 1
+                throughput.step()
                 progress.update()
+                if profiler is not None:
+                    profiler.step()
 
                 if done.step % trainer.log_every == 0 or done.step == total_steps:
-                    metrics["train/loss"] = accelerator.reduce(
-                        done.window_loss / done.window_batches, "mean"
-                    ).item()
-                    metrics["train/lr"] = scheduler.get_last_lr()[0]
+                    logged = {
+                        "train/loss": accelerator.reduce(
+                            done.window_loss / done.window_batches, "mean"
+                        ).item(),
+                        "train/lr": scheduler.get_last_lr()[0],
+                        **read_throughput(
+                            accelerator, throughput
+                        ),  # the loss's .item() waited for the device
+                    }
+                    metrics.update(logged)
                     done.window_loss.zero_()
                     done.window_batches = 0
                     check_finite(metrics, done.step, trainer, accelerator, output_dir)
                     if trainer.checkpoint_last_finite:
                         save_last_finite(accelerator, output_dir)
-                    progress.set_postfix(loss=f"{metrics['train/loss']:.4f}")
-                    accelerator.log(
-                        {"train/loss": metrics["train/loss"], "train/lr": metrics["train/lr"]}, step=done.step
+                    progress.set_postfix(
+                        {"loss": f"{logged['train/loss']:.4f}"}
+                        | {
+                            name.removeprefix("perf/"): f"{logged[name]:.3g}"
+                            for name in PROGRESS_BAR
+                            if name in logged
+                        }
                     )
-                    log.debug("step %d: %s", done.step, _fmt(metrics))
+                    accelerator.log(logged, step=done.step)
+                    log.info("step %d/%d: %s", done.step, total_steps, _fmt(logged))
                 if done.step == total_steps or (trainer.eval_every and done.step % trainer.eval_every == 0):
                     evaluated = evaluate(accelerator, model, task, eval_loader)
                     metrics.update(evaluated)
@@ -224,6 +263,53 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
             run_tracker.log_artifact(str(output_dir / "model"), "model")
     accelerator.end_training()
     return metrics
+
+
+# The perf/* metrics the progress bar shows next to the loss.
+PROGRESS_BAR = ("perf/tokens_per_s", "perf/samples_per_s", "perf/mfu")
+
+
+def throughput_meter(cfg: DictConfig, data: DataSource, accelerator: Accelerator) -> Throughput:
+    """What `perf/*` is measured with: the unit (tokens for batches of token ids, else samples), the
+    model's training FLOPs per unit, counted once by torch's FLOP counter on a meta-device copy (forward
+    and backward of the first batch: the model's FLOPs, without activation recomputation), and one
+    device's peak FLOP/s (`hardware.peak_flops`, else `runner.perf`'s table)."""
+    data_parallel = accelerator.state.data_parallel_size
+    per_device = data_parallel if cfg.trainer.split_batches else 1
+    unit, units = batch_units(first_batch(data, per_device))
+    flops_per_unit = None
+    try:
+        with torch.random.fork_rng(devices=[]):  # whatever the user's model draws at init
+            meta_model = build_on_meta(cfg, data)
+            flops_per_unit = (
+                count_flops(lambda: meta_training_step(cfg, meta_model, data, per_device)) / units
+            )
+    except Exception as err:  # a task that reads values (`.item()`) cannot run on meta tensors
+        log.warning(
+            "perf/mfu is not reported: the training step could not run on the meta device to count its FLOPs (%s)",
+            str(err).splitlines()[0][:200] if str(err) else type(err).__name__,
+        )
+    strategy = accelerator.strategy
+    peak = strategy.peak_flops or peak_flops(strategy.device_name(), accelerator.mixed_precision)
+    if peak is None:
+        log.info(
+            "perf/mfu is not reported: no peak FLOP/s is known for %s; set hardware.peak_flops",
+            strategy.device_name(),
+        )
+    return Throughput(
+        unit, flops_per_unit, peak, devices_per_batch=accelerator.num_processes // data_parallel
+    )
+
+
+def read_throughput(accelerator: Accelerator, throughput: Throughput) -> dict[str, float]:
+    """The `perf/*` metrics over the processes: rates averaged, peak memory the largest."""
+    local = throughput.read(accelerator.device)
+    values = torch.tensor(list(local.values()), dtype=torch.float64, device=accelerator.device)
+    every = accelerator.gather(values[None]).view(-1, len(local))
+    return {
+        name: (every[:, i].max() if "memory" in name else every[:, i].mean()).item()
+        for i, name in enumerate(local)
+    }
 
 
 def load_checkpoint(accelerator: Accelerator, checkpoint: Path) -> None:

@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runner.build import build_data, build_on_meta, is_inference, locate, meta_training_step
-from runner.config import Declared, RunConfig, declared_ranges
+from runner.config import CheckpointingMode, Declared, RunConfig, declared_ranges
 from runner.data.base import DataSource
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
@@ -108,14 +108,29 @@ def _schema_problems(cfg: DictConfig) -> list[str]:
             problems.append(
                 f"{key}: not a setting of the top level (its settings are {', '.join(top)}).{hint} Remove it."
             )
-    for node in TYPED_NODES:
-        fields = [f.name for f in dataclasses.fields(OmegaConf.get_type(cfg[node]))]
+    for node, node_cfg in _typed_nodes(cfg):
+        fields = [f.name for f in dataclasses.fields(OmegaConf.get_type(node_cfg))]
         problems += [
             f"{node}.{key}: not a setting of {node} (its settings are {', '.join(fields)}). Remove it."
-            for key in cfg[node]
+            for key in node_cfg
             if key not in fields
         ]
     return problems
+
+
+def _typed_nodes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
+    """(dotted key, node) of every node with a schema: the typed groups and the settings nested in them
+    (`trainer.compile`)."""
+    found = []
+    pending = [(node, cfg[node]) for node in TYPED_NODES]
+    while pending:
+        key, node_cfg = pending.pop(0)
+        found.append((key, node_cfg))
+        for setting in dataclasses.fields(OmegaConf.get_type(node_cfg)):
+            child = node_cfg.get(setting.name)
+            if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
+                pending.append((f"{key}.{setting.name}", child))
+    return found
 
 
 def _target_problems(cfg: DictConfig) -> list[str]:
@@ -156,9 +171,28 @@ def _argument_problems(node: str, obj: Any, node_cfg: DictConfig) -> list[str]:
 
 
 def _trainer_problems(trainer: DictConfig) -> list[str]:
+    problems = []
     if trainer.max_steps is None and trainer.max_epochs is None:
-        return ["trainer.max_steps and trainer.max_epochs are both null: set one of them."]
-    return []
+        problems.append("trainer.max_steps and trainer.max_epochs are both null: set one of them.")
+    checkpointing = trainer.activation_checkpointing
+    selective = {"every_n_blocks": 1, "save_matmuls": False}
+    changed = [
+        f"{key}={checkpointing[key]}" for key, default in selective.items() if checkpointing[key] != default
+    ]
+    if changed and checkpointing.mode != CheckpointingMode.selective:
+        problems.append(
+            f"trainer.activation_checkpointing.{changed[0]}: a setting of mode=selective, and mode is "
+            f"{checkpointing.mode.value} ({'every block is checkpointed whole' if checkpointing.mode == CheckpointingMode.full else 'nothing is checkpointed'}). "
+            "Set trainer.activation_checkpointing.mode=selective, or leave every_n_blocks=1 and save_matmuls=false."
+        )
+    window = trainer.profile.wait + trainer.profile.warmup + trainer.profile.active
+    if trainer.profile.active and trainer.max_steps is not None and window > trainer.max_steps:
+        problems.append(
+            f"trainer.profile: the window (wait {trainer.profile.wait} + warmup {trainer.profile.warmup} + active "
+            f"{trainer.profile.active} = {window} steps) is longer than trainer.max_steps={trainer.max_steps}: "
+            "nothing would be written. Shorten the window or train longer."
+        )
+    return problems
 
 
 def _range_problems(cfg: DictConfig) -> list[str]:
@@ -166,10 +200,10 @@ def _range_problems(cfg: DictConfig) -> list[str]:
     (`config.bounded`), an untyped group's from the signature of what it instantiates
     (`config.declared_ranges`), where a value of the wrong type is named too."""
     problems = []
-    for node in TYPED_NODES:
-        for setting in dataclasses.fields(OmegaConf.get_type(cfg[node])):
+    for node, node_cfg in _typed_nodes(cfg):
+        for setting in dataclasses.fields(OmegaConf.get_type(node_cfg)):
             bounds = setting.metadata.get("range")
-            value = cfg[node].get(setting.name)
+            value = node_cfg.get(setting.name)
             if (
                 bounds is not None
                 and value is not None
@@ -222,11 +256,25 @@ def _build_problems(cfg: DictConfig, built: dict[str, Any], skip: set[str]) -> l
                 raise
             problems.append(str(err.__cause__))
     if "hardware" in built and "precision" not in skip:
-        try:
-            built["hardware"].setup_precision(instantiate(cfg.precision))
-        except ConfigError as err:
-            problems.append(str(err))
-        problems += _checkpoint_problems(cfg, built["hardware"])
+        hardware = built["hardware"]
+        device = getattr(hardware, "device", torch.device("cpu"))
+        for check in (
+            lambda: hardware.setup_precision(instantiate(cfg.precision)).check_device(device),
+            lambda: hardware.setup_compute(
+                OmegaConf.to_object(cfg.trainer.compile),
+                OmegaConf.to_object(cfg.trainer.activation_checkpointing),
+            ),
+        ):
+            try:
+                check()
+            except ConfigError as err:
+                problems.append(str(err))
+        if cfg.trainer.memory_snapshot and device.type != "cuda":
+            problems.append(
+                f"trainer.memory_snapshot=true records the CUDA allocator's history; hardware={cfg.hardware._target_} "
+                f"computes on {device.type}. Set trainer.memory_snapshot=false, or run on GPUs."
+            )
+        problems += _checkpoint_problems(cfg, hardware)
     return problems
 
 
@@ -272,10 +320,11 @@ def validate_for_world(
     if not skip & set(UNTYPED_NODES) and not is_inference(cfg.task._target_):
         data = _run_user_code("data", cfg.data, "to read its data", lambda: build_data(cfg))
         model = _run_user_code("model", cfg.model, "to build the model", lambda: build_on_meta(cfg, data))
-        try:
-            hardware.check_model(model, world_size)
-        except ConfigError as err:
-            problems.append(str(err))
+        for check in (hardware.check_model, lambda model, _: hardware.check_compute(model)):
+            try:
+                check(model, world_size)
+            except ConfigError as err:
+                problems.append(str(err))
         problems += _step_problems(cfg, model, data, world_size if cfg.trainer.split_batches else 1)
         problems += _optimizer_problems(cfg, model)
         step_samples = (batch_size or 1) * (1 if cfg.trainer.split_batches else world_size)

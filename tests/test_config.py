@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,8 @@ OTHER_VALUES = {
     "start_method": "spawn",
     "shard_modules": ["Block"],
     "device_map": "sequential",
+    "recipe": "rowwise",
+    "keep": ["blocks.*"],
     "max_memory": {"cpu": "1GB"},
     "no_split_module_classes": ["Block"],
     "offload_folder": "elsewhere",
@@ -255,15 +258,30 @@ def state_of(obj: object) -> str:
 
 def typed_settings() -> list[tuple[str, str, dataclasses.Field]]:
     """(group, option, setting) for every setting of every typed group's schema (trainer: no options)."""
-    found = [("trainer", "", setting) for setting in dataclasses.fields(TrainerConfig)]
+    found = [("trainer", "", setting) for setting in nested_fields(TrainerConfig)]
     for group, options in SCHEMAS.items():
         for option, schema in options.items():
-            found += [(group, option, setting) for setting in dataclasses.fields(schema)]
+            found += [(group, option, setting) for setting in nested_fields(schema)]
+    return found
+
+
+def nested_fields(schema: type, prefix: str = "") -> list[dataclasses.Field]:
+    """The settings of `schema`, those of the nested schemas (`trainer.compile`) included, each renamed
+    to its dotted key below the group."""
+    found = []
+    for setting in dataclasses.fields(schema):
+        default = setting.default_factory() if setting.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default):
+            found += nested_fields(type(default), f"{prefix}{setting.name}.")
+            continue
+        renamed = dataclasses.field(default=setting.default, metadata=setting.metadata)
+        renamed.name, renamed.type = prefix + setting.name, setting.type
+        found.append(renamed)
     return found
 
 
 def is_numeric(setting: dataclasses.Field) -> bool:
-    return any(name in str(setting.type) for name in ("int", "float"))
+    return re.search(r"\b(int|float)\b", str(setting.type)) is not None
 
 
 def test_every_numeric_setting_declares_its_range():

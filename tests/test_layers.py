@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.cluster",
             "runner.log",
             "runner.config",
+            "runner.perf",
             "runner.rng",
             "runner.checkpoint",
             "runner.weights",

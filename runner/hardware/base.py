@@ -12,7 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 from runner.checkpoint import load_torch
+from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
+from runner.hardware.parallelize import apply_ac, apply_compile, blocks_of, compute_settings, sharding_units
 from runner.ops import on_device, send_to_device
 from runner.precision import Precision
 from runner.state import ProcessState
@@ -56,6 +58,44 @@ class Strategy(ABC):
     checkpoint_format: str = "full"  # how save_checkpoint writes models and optimizers (see there)
     # Which of "weights", "gradients", "optimizer" each rank holds only a 1/world_size share of.
     sharded_states: frozenset[str] = frozenset()
+    # The compute options (trainer.compile, trainer.activation_checkpointing) `setup_module` applies.
+    compile_config: CompileConfig = CompileConfig()
+    checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
+    peak_flops: float | None = None  # hardware.peak_flops: one device's peak FLOP/s, over runner.perf's table
+
+    def device_name(self) -> str:
+        """The name of this process's device, as `runner.perf.PEAK_FLOPS` knows devices."""
+        device = getattr(self, "device", torch.device("cpu"))
+        return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+    def setup_compute(self, compile: CompileConfig, checkpointing: ActivationCheckpointingConfig) -> None:
+        """Keep the compute options that `setup_module` applies per block; ConfigError for one this
+        backend cannot run."""
+        self.compile_config, self.checkpointing = compile, checkpointing
+
+    def block_classes(self, module: torch.nn.Module) -> list[str]:
+        """The class names of the model's repeated blocks, which activation checkpointing and regional
+        compilation act on: those it declares indivisible (`_no_split_modules`)."""
+        return sharding_units(module, None)
+
+    def check_compute(self, module: torch.nn.Module) -> None:
+        """Before launch, on the meta model: ConfigError when the compute options need blocks that the
+        model does not declare."""
+        needs = compute_settings(self.compile_config, self.checkpointing, per_block=True)
+        if needs and not blocks_of(module, self.block_classes(module)):
+            raise ConfigError(
+                f"{' and '.join(needs)}: they act on the model's repeated blocks, and {type(module).__name__} "
+                f"declares none (classes named in hardware.shard_modules, else its `_no_split_modules`; found "
+                f'{self.block_classes(module) or "none"}). Add `_no_split_modules = ["MyBlock"]` to the model '
+                "class (transformers models and runner.models.GPT have it), or use trainer.compile.scope=model."
+            )
+
+    def apply_compute(self, module: torch.nn.Module) -> None:
+        """Activation checkpointing, then compilation, of the model's blocks (in place): after tensor
+        parallel, before the data-parallel wrapper, as torchtitan orders them."""
+        blocks = blocks_of(module, self.block_classes(module))
+        apply_ac(blocks, self.checkpointing)
+        apply_compile(module, blocks, self.compile_config)
 
     @abstractmethod
     def setup_environment(self) -> ProcessState:
@@ -95,7 +135,8 @@ class Strategy(ABC):
         return precision
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Wrap the (already placed) model for this backend."""
+        """Wrap the (already placed) model for this backend; here: the compute options only."""
+        self.apply_compute(module)
         return module
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

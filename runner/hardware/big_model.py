@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from runner.big_modeling import AUTO_MAPS, get_max_memory, load_checkpoint_and_dispatch
+from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy, checked_threads, one_process_state
+from runner.hardware.parallelize import compute_settings
 from runner.state import ProcessState
 
 
@@ -63,6 +65,15 @@ class BigModel(Strategy):
 
     def setup_environment(self) -> ProcessState:
         return one_process_state(self.device, self.num_threads)
+
+    def setup_compute(self, compile: CompileConfig, checkpointing: ActivationCheckpointingConfig) -> None:
+        """Inference runs the model as loaded: the training loop's compute options do not apply."""
+        asked = compute_settings(compile, checkpointing)
+        if asked:
+            raise ConfigError(
+                f"{' and '.join(asked)}: a training option; hardware=big_model runs inference on a dispatched "
+                "model as loaded. Leave trainer.compile.scope and trainer.activation_checkpointing.mode at none."
+            )
 
     def dispatch(self, model: nn.Module, checkpoint: str | Path, job_dir: Path) -> nn.Module:
         """`model` (built under `init_empty_weights`) loaded from `checkpoint` and dispatched; a checkpoint

@@ -14,11 +14,15 @@ class SingleDevice(Strategy):
     Args:
         device: the torch device to train on.
         num_threads: intra-op CPU threads (`torch.set_num_threads`); None keeps torch's default.
+        peak_flops: the device's peak FLOP/s that MFU is measured against; None: `runner.perf`'s table.
     """
 
-    def __init__(self, device: str = "cpu", num_threads: int | None = None) -> None:
+    def __init__(
+        self, device: str = "cpu", num_threads: int | None = None, peak_flops: float | None = None
+    ) -> None:
         self.device = torch.device(device)
         self.num_threads = checked_threads(num_threads)
+        self.peak_flops = peak_flops
 
     def setup_environment(self) -> ProcessState:
         return one_process_state(self.device, self.num_threads)

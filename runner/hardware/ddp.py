@@ -40,6 +40,7 @@ class DDP(ParallelStrategy):
             self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.apply_compute(module)
         return apply_ddp(module, self.device, **self.ddp_kwargs)
 
     def unwrap_module(self, module: torch.nn.Module) -> torch.nn.Module:

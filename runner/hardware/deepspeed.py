@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.cluster import export_local_rank
 from runner.errors import ConfigError
 from runner.hardware.parallel import ParallelStrategy
-from runner.precision import Float16MixedPrecision, MixedPrecision, Precision
+from runner.precision import Float16MixedPrecision, MixedPrecision, Precision, refuse_fp8
 from runner.state import ProcessState
 
 INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation 'deepspeed>=0.16,<0.20'"
@@ -123,6 +123,7 @@ class DeepSpeed(ParallelStrategy):
     def setup_precision(self, precision: Precision) -> Precision:
         """DeepSpeed keeps fp32 master weights and casts the model itself (`bf16`/`fp16` blocks); the
         forward still runs under autocast, so fp32 inputs meet low-precision weights safely."""
+        refuse_fp8(precision, "deepspeed", "DeepSpeed's engine casts the model to its own dtype")
         if not isinstance(precision, MixedPrecision):
             self.precision_config = {}
         elif precision.mixed_precision == "bf16":
@@ -203,6 +204,7 @@ class DeepSpeed(ParallelStrategy):
         self.config = self.deepspeed_config(
             micro_batch_size, gradient_accumulation_steps, dist.get_world_size()
         )
+        self.apply_compute(module)
         self.engine, *_ = deepspeed.initialize(
             model=module,
             optimizer=optimizers[0] if optimizers else None,

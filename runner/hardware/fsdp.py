@@ -53,11 +53,15 @@ class FSDP(ShardedState, ParallelStrategy):
         refuse_fp16(precision, "fsdp", "loss scaling of sharded gradients is not supported here")
         if isinstance(precision, MixedPrecision):
             self.mp_policy = MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=torch.float32)
-            return ShardedMixedPrecision(precision.mixed_precision)
+            return ShardedMixedPrecision(precision)
         return precision
+
+    def block_classes(self, module: torch.nn.Module) -> list[str]:
+        return sharding_units(module, self.shard_modules)
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         mesh = init_device_mesh(self.device.type, (torch.distributed.get_world_size(),))
+        self.apply_compute(module)
         self.replace_parameters(
             module,
             lambda: apply_fsdp(

@@ -20,7 +20,7 @@ from runner.hardware.parallelize import (
     declared_tp_plan,
     sharding_units,
 )
-from runner.precision import Precision, refuse_fp16
+from runner.precision import Precision, refuse_fp8, refuse_fp16
 from runner.state import ProcessState
 
 
@@ -60,6 +60,11 @@ class TensorParallel(ShardedState, ParallelStrategy):
     def setup_precision(self, precision: Precision) -> Precision:
         """bf16 by autocast around the forward (parameters stay fp32 on every mesh); fp16 is refused."""
         refuse_fp16(precision, "megatron", "loss scaling of DTensor gradients is not supported here")
+        refuse_fp8(
+            precision,
+            "megatron",
+            "float8 linears need torchao's float8 tensor-parallel styles, not used here",
+        )
         return precision
 
     def check_model(self, model: torch.nn.Module, world_size: int) -> None:
@@ -104,6 +109,9 @@ class TensorParallel(ShardedState, ParallelStrategy):
             state, data_parallel_index=self.mesh.get_local_rank("dp"), data_parallel_size=shape[0]
         )
 
+    def block_classes(self, module: torch.nn.Module) -> list[str]:
+        return sharding_units(module, self.shard_modules)
+
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         assert self.mesh is not None, "setup_environment() first"
         mesh = self.mesh
@@ -112,6 +120,7 @@ class TensorParallel(ShardedState, ParallelStrategy):
 
         def parallelize() -> None:
             apply_tp(module, mesh["tp"], self._plan(module))
+            self.apply_compute(module)
             if mesh["dp"].size() > 1:
                 no_cast, no_offload = MixedPrecisionPolicy(), OffloadPolicy()  # bf16 is autocast's here
                 apply_fsdp(

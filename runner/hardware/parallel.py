@@ -31,6 +31,7 @@ class ParallelStrategy(Strategy):
         num_threads: CPU threads per rank; None: `OMP_NUM_THREADS`, else the cores shared out evenly.
         oversubscribe: start more CPU ranks than this machine has cores (refused otherwise: ranks that share
             a core wait on each other at every collective).
+        peak_flops: one device's peak FLOP/s that MFU is measured against; None: `runner.perf`'s table.
     """
 
     def __init__(
@@ -42,6 +43,7 @@ class ParallelStrategy(Strategy):
         timeout_s: float = 1800.0,
         num_threads: int | None = None,
         oversubscribe: bool = False,
+        peak_flops: float | None = None,
     ) -> None:
         self.device_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.device_type not in ("cuda", "cpu"):
@@ -66,6 +68,7 @@ class ParallelStrategy(Strategy):
         self.timeout = timedelta(seconds=timeout_s)
         self.num_threads = checked_threads(num_threads)
         self.oversubscribe = oversubscribe
+        self.peak_flops = peak_flops
         # A forked rank starts in milliseconds; CUDA does not survive a fork, so GPU ranks are spawned.
         self.start_method = "spawn" if self.device_type == "cuda" else "fork"
         self.device = torch.device(self.device_type)

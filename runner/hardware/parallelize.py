@@ -2,13 +2,15 @@
 strategies whose models end up as DTensors share afterwards (`ShardedState`: gradient sync switch, full
 weights, DCP checkpoints).
 
-Strategies compose them in a fixed order over one mesh: tensor parallel first (`apply_tp`), then data
-parallel over the rest of the world (`apply_fsdp`, or `apply_ddp` for replicas).
+Strategies compose them in a fixed order over one mesh: tensor parallel first (`apply_tp`), then the
+compute options per block (`apply_ac`, then `apply_compile`), then data parallel over the rest of the
+world (`apply_fsdp`, or `apply_ddp` for replicas).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from runner.config import (
+    ActivationCheckpointingConfig,
+    CheckpointingMode,
+    CompileConfig,
+    CompileScope,
+)
 from runner.errors import ConfigError
 
 # torch.distributed.tensor (under FSDP2, tensor parallel and DCP) takes about 0.5 s to import: only runs
@@ -86,6 +94,97 @@ def declared_tp_plan(module: torch.nn.Module, tp_size: int) -> dict[str, Paralle
         if isinstance(size, int) and size % tp_size:
             raise ValueError(f"tp_size={tp_size} does not divide the model's {name}={size}.")
     return plan
+
+
+def compute_settings(
+    compile: CompileConfig, checkpointing: ActivationCheckpointingConfig, per_block: bool = False
+) -> list[str]:
+    """The compute options that are on, as `trainer.<key>=<value>`; with `per_block`, only those that act
+    on the model's blocks (regional compilation, activation checkpointing)."""
+    compiled = compile.scope == CompileScope.regional or (
+        not per_block and compile.scope != CompileScope.none
+    )
+    settings = [f"trainer.compile.scope={CompileScope(compile.scope).value}"] if compiled else []
+    if checkpointing.mode != CheckpointingMode.none:
+        settings.append(
+            f"trainer.activation_checkpointing.mode={CheckpointingMode(checkpointing.mode).value}"
+        )
+    return settings
+
+
+def blocks_of(module: torch.nn.Module, classes: list[str]) -> list[torch.nn.Module]:
+    """The submodules of `module` whose class is named in `classes`, in order: the repeated blocks that
+    activation checkpointing and regional compilation act on (the FSDP units, the decoder layers)."""
+    return [m for m in module.modules() if type(m).__name__ in classes and m is not module]
+
+
+# The ops whose outputs `save_matmuls` keeps: recomputing them is most of a block's FLOPs.
+MATMULS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu")
+) | frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(torch.ops.aten, name)
+)
+
+
+def apply_ac(blocks: list[torch.nn.Module], config: ActivationCheckpointingConfig) -> None:
+    """Checkpoint the forward of each block `config` selects (non-reentrant `torch.utils.checkpoint`), in
+    place: the module keeps its class, hooks and state-dict keys; only its input is kept for backward
+    (with `save_matmuls`, its matmul outputs too), the rest is recomputed. `full`: every block;
+    `selective`: blocks every_n_blocks - 1, 2 * every_n_blocks - 1, ..."""
+    if config.mode == CheckpointingMode.none:
+        return
+    every = config.every_n_blocks if config.mode == CheckpointingMode.selective else 1
+    save_matmuls = config.mode == CheckpointingMode.selective and config.save_matmuls
+    for index, block in enumerate(blocks):
+        if (index + 1) % every == 0 and "_unchecked_forward" not in block.__dict__:
+            block._unchecked_forward = block.forward
+            block.forward = _checkpointed(block.forward, save_matmuls)
+
+
+def _checkpointed(forward: Callable, save_matmuls: bool) -> Callable:
+    from torch.utils.checkpoint import checkpoint
+
+    options: dict[str, Any] = {"use_reentrant": False}
+    if save_matmuls:
+        options["context_fn"] = _save_matmuls_context
+
+    @functools.wraps(forward)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, **kwargs, **options)
+
+    return wrapped
+
+
+def _save_matmuls_context() -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_compile(module: torch.nn.Module, blocks: list[torch.nn.Module], config: CompileConfig) -> None:
+    """`torch.compile` in place (`Module.compile`: the module stays the user's, its state-dict keys have
+    no `_orig_mod.`): the whole `module` (`model`), or each of `blocks` (`regional`: one compilation
+    that the identical blocks reuse)."""
+    if config.scope == CompileScope.none:
+        return
+    options = {
+        "backend": config.backend,
+        "mode": config.mode,
+        "fullgraph": config.fullgraph,
+        "dynamic": config.dynamic,
+    }
+    for target in [module] if config.scope == CompileScope.model else blocks:
+        target.compile(**options)
 
 
 def apply_ddp(module: torch.nn.Module, device: torch.device, **options: Any) -> DistributedDataParallel:

@@ -4,16 +4,19 @@ gradient all-reduces."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
+from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
+from runner.hardware.parallelize import compute_settings
 from runner.ops import apply_to_tensors
-from runner.precision import Precision, refuse_fp16
+from runner.precision import Precision, refuse_fp8, refuse_fp16
 from runner.state import ProcessState
 
 XLA_REQUIREMENT = "pip install -e '.[tpu]' in its own environment (torch_xla 2.9 needs torch 2.9)"
@@ -30,9 +33,11 @@ class XLA(Strategy):
     Args:
         spmd: shard each batch over all the host's devices (SPMD data parallel); None: when there are
             several devices.
+        peak_flops: one device's peak FLOP/s that MFU is measured against; None: `runner.perf`'s table
+            (by `TPU_ACCELERATOR_TYPE`, e.g. v5litepod-8).
     """
 
-    def __init__(self, spmd: bool | None = None) -> None:
+    def __init__(self, spmd: bool | None = None, peak_flops: float | None = None) -> None:
         try:
             import torch_xla  # noqa: F401
         except ImportError:
@@ -41,6 +46,7 @@ class XLA(Strategy):
             ) from None
         self.device = torch.device("cpu")  # the XLA device, once setup_environment has made it
         self.spmd = spmd
+        self.peak_flops = peak_flops
         self.mesh: Any = None
 
     def setup_environment(self) -> ProcessState:
@@ -56,8 +62,23 @@ class XLA(Strategy):
         self.device = torch_xla.device()
         return ProcessState(device=self.device)
 
+    def setup_compute(self, compile: CompileConfig, checkpointing: ActivationCheckpointingConfig) -> None:
+        """torch_xla compiles every step's graph itself; its activation checkpointing is its own."""
+        asked = compute_settings(compile, checkpointing)
+        if asked:
+            raise ConfigError(
+                f"{' and '.join(asked)} with hardware=tpu: torch_xla traces and compiles every step into one XLA "
+                "graph already, and runner does not apply torch.utils.checkpoint under XLA. Use "
+                "trainer.compile.scope=none and trainer.activation_checkpointing.mode=none with hardware=tpu."
+            )
+
+    def device_name(self) -> str:
+        accelerator = os.environ.get("TPU_ACCELERATOR_TYPE")  # set on Cloud TPU VMs: v4-8, v5litepod-8, v6e-8
+        return f"TPU {accelerator}" if accelerator else "xla"
+
     def setup_precision(self, precision: Precision) -> Precision:
         refuse_fp16(precision, "tpu", "XLA devices compute in bf16 without loss scaling")
+        refuse_fp8(precision, "tpu", "torchao's float8 training runs on NVIDIA GPUs")
         return precision
 
     def device_batches(self, batches: Iterator[Any], device: torch.device) -> Iterator[Any]:

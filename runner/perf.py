@@ -1,0 +1,193 @@
+"""Throughput, model FLOPs utilisation and peak memory (what the loop logs as `perf/*` every `log_every`
+steps), the devices' peak FLOP/s that MFU is measured against, the profiler window and the CUDA memory
+snapshot on out-of-memory."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from runner.config import ProfileConfig
+from runner.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+GB = 1024**3
+
+# Dense peak FLOP/s of one device (vendor data sheets): "bf16" is the 16-bit tensor-core peak, "fp32"
+# the one without TF32 (torch's default for fp32 matmuls). Matched in order against the device's name,
+# so the more specific names come first. `hardware.peak_flops` overrides it; a device not listed (a CPU)
+# reports no MFU.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "GB200": {"bf16": 2.5e15, "fp32": 80e12},
+    "B200": {"bf16": 2.25e15, "fp32": 80e12},
+    "H100 PCIe": {"bf16": 756e12, "fp32": 51.2e12},
+    "H100 NVL": {"bf16": 835e12, "fp32": 60e12},
+    "H100": {"bf16": 989.4e12, "fp32": 66.9e12},
+    "H200": {"bf16": 989.4e12, "fp32": 66.9e12},
+    "H20": {"bf16": 148e12, "fp32": 44e12},
+    "A100": {"bf16": 312e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362.05e12, "fp32": 91.6e12},
+    "L4": {"bf16": 121e12, "fp32": 30.3e12},
+    "V100": {"bf16": 125e12, "fp32": 15.7e12},  # fp16 tensor cores: fp16's peak
+    "TPU v6e": {"bf16": 918e12},
+    "TPU v5p": {"bf16": 459e12},
+    "TPU v5e": {"bf16": 197e12},
+    "TPU v5litepod": {"bf16": 197e12},
+    "TPU v4": {"bf16": 275e12},
+}
+# The peak a precision's MFU is measured against (by its `mixed_precision` name). fp8 runs against the
+# 16-bit peak, as torchtitan reports it, so that MFU compares across bf16 and fp8 runs as tokens/s does.
+PEAK_OF_PRECISION = {"no": "fp32", "bf16": "bf16", "fp16": "bf16", "fp8": "bf16"}
+
+
+def peak_flops(device_name: str, mixed_precision: str) -> float | None:
+    """The table's peak FLOP/s of one `device_name` device in `mixed_precision`, or None if not listed."""
+    for name, peaks in PEAK_FLOPS.items():
+        if name in device_name:
+            return peaks.get(PEAK_OF_PRECISION.get(mixed_precision, "fp32"))
+    return None
+
+
+def count_flops(step: Callable[[], torch.Tensor]) -> int:
+    """The FLOPs of `step()` (a forward returning a loss) and of its backward, by torch's FLOP counter:
+    run it on meta tensors to count without computing."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        step().backward()
+    return counter.get_total_flops()
+
+
+def peak_memory_gb(device: torch.device) -> tuple[float, float]:
+    """(device, host) peak memory of this process so far, in GiB: the CUDA allocator's peak (the host's
+    on a CPU device) and the peak resident set size."""
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB  # KiB on Linux
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GB, host
+    return host, host
+
+
+@dataclass
+class Throughput:
+    """Counts what the loop processes between two log lines and turns it into `perf/*` metrics.
+
+    `unit` is "tokens" or "samples"; `flops_per_unit` the model's training FLOPs per unit (None: no
+    MFU); `peak_flops` one device's peak (None: no MFU); `devices_per_batch` how many devices share one
+    batch (tensor-parallel ranks read the same batch), so that rates are per device.
+    """
+
+    unit: str
+    flops_per_unit: float | None
+    peak_flops: float | None
+    devices_per_batch: int = 1
+    units: int = 0
+    steps: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def restart(self) -> None:
+        """Count from now (the loop starts)."""
+        self.units, self.steps, self.start = 0, 0, time.perf_counter()
+
+    def add(self, units: int) -> None:
+        """A micro-batch of `units` tokens or samples went through this rank."""
+        self.units += units
+
+    def step(self) -> None:
+        """An optimizer step was done."""
+        self.steps += 1
+
+    def read(self, device: torch.device) -> dict[str, float]:
+        """This rank's `perf/*` metrics since the last read (call it where the device was waited for),
+        and start counting again."""
+        now = time.perf_counter()
+        elapsed = max(now - self.start, 1e-9)
+        per_device = self.units / self.devices_per_batch / elapsed
+        device_gb, host_gb = peak_memory_gb(device)
+        metrics = {
+            f"perf/{self.unit}_per_s": per_device,
+            "perf/step_time_s": elapsed / max(self.steps, 1),
+            "perf/peak_memory_gb": device_gb,
+            "perf/peak_host_memory_gb": host_gb,
+        }
+        if self.flops_per_unit is not None and self.peak_flops:
+            metrics["perf/mfu"] = per_device * self.flops_per_unit / self.peak_flops
+        self.units, self.steps, self.start = 0, 0, now
+        return metrics
+
+
+class Profiler:
+    """torch.profiler over a window of optimizer steps (`trainer.profile`); `step()` after each. When the
+    window closes, `<directory>/trace_rank<r>.json` (a Chrome trace: chrome://tracing, Perfetto) and
+    `key_averages_rank<r>.txt` (the ops by total time) are written."""
+
+    def __init__(self, config: ProfileConfig, directory: Path, rank: int, device: torch.device) -> None:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        self.directory, self.rank, self.device = directory, rank, device
+        self.group_by_shape = config.record_shapes
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.profile = profile(
+            activities=activities,
+            schedule=schedule(wait=config.wait, warmup=config.warmup, active=config.active, repeat=1),
+            on_trace_ready=self._write,
+            record_shapes=config.record_shapes,
+            profile_memory=config.profile_memory,
+        )
+
+    def _write(self, profile: torch.profiler.profile) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        profile.export_chrome_trace(str(self.directory / f"trace_rank{self.rank}.json"))
+        sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        table = profile.key_averages(group_by_input_shape=self.group_by_shape).table(
+            sort_by=sort, row_limit=40
+        )
+        (self.directory / f"key_averages_rank{self.rank}.txt").write_text(table + "\n")
+        log.info("profile of the steps recorded: %s", self.directory)
+
+    def step(self) -> None:
+        self.profile.step()
+
+
+@contextmanager
+def profiled(
+    config: ProfileConfig, directory: Path, rank: int, device: torch.device
+) -> Iterator[Profiler | None]:
+    """A running `Profiler` inside (None when `config.active` is 0)."""
+    if not config.active:
+        yield None
+        return
+    profiler = Profiler(config, directory, rank, device)
+    with profiler.profile:
+        yield profiler
+
+
+@contextmanager
+def memory_snapshot_on_oom(enabled: bool, device: torch.device, path: Path) -> Iterator[None]:
+    """With `enabled` (`trainer.memory_snapshot`), record the CUDA allocator's history inside, and on an
+    out-of-memory error write it to `path` (load it at pytorch.org/memory_viz) before re-raising."""
+    if not enabled:
+        yield
+        return
+    if device.type != "cuda":
+        raise ConfigError(
+            f"trainer.memory_snapshot=true records the CUDA allocator; this run computes on {device.type}. "
+            "Set trainer.memory_snapshot=false, or run on a GPU."
+        )
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(path))
+        log.error("out of memory: the allocator's history is in %s (open it at pytorch.org/memory_viz)", path)
+        raise
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
