@@ -27,12 +27,15 @@ def runner_command(run_dir: Path, *overrides: str) -> list[str]:
     ]
 
 
-def run_to_end(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m runner` with its run dir at `run_dir` (working in its parent), which must exit 0."""
+def run_to_end(
+    run_dir: Path, *overrides: str, timeout: float = 300, pythonpath: Path | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m runner` with its run dir at `run_dir` (working in its parent), which must exit 0;
+    `pythonpath` adds a dir of test modules."""
     proc = subprocess.run(
         runner_command(run_dir, *overrides),
         cwd=run_dir.parent,
-        env=cli_env(),
+        env=cli_env(pythonpath),
         capture_output=True,
         text=True,
         timeout=timeout,

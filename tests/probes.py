@@ -101,3 +101,24 @@ class CountedDDP(DDP):
     def __init__(self, **settings: Any) -> None:
         _count_construction()
         super().__init__(**settings)
+
+
+class ComputeRecordingLanguageModeling(LanguageModeling):
+    """A language-modelling task recording, per micro-batch, how the compute options left the model it
+    trains: "<compiled blocks>,<checkpointed blocks>,<root compiled>,<float8 linears>"."""
+
+    def __init__(self, record: str) -> None:
+        self.record = record
+
+    def training_step(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        loss = super().training_step(model, batch)
+        if loss.device.type != "meta":
+            modules = list(model.modules())
+            blocks = [m for m in modules if type(m).__name__ == "Block"]
+            compiled = sum(m._compiled_call_impl is not None for m in blocks)
+            checkpointed = sum("_unchecked_forward" in m.__dict__ for m in blocks)
+            root = next(m for m in modules if type(m).__name__ == "GPT")
+            float8 = sum(type(m).__name__ == "Float8Linear" for m in modules)
+            line = f"{compiled},{checkpointed},{int(root._compiled_call_impl is not None)},{float8}"
+            _append(self.record, "compute", line)
+        return loss

@@ -262,6 +262,8 @@ def matrix_strategy(hardware: str):
         "megatron_tp2_sp": lambda: TensorParallel(device="cpu", tp_size=2, sequence_parallel=True),
         "megatron_tp2_dp2": lambda: TensorParallel(device="cpu", tp_size=2, shard_modules=["Block"]),
         "cpu": lambda: SingleDevice("cpu"),
+        # A forked process computes on one thread (its parent's OpenMP threads do not survive the fork).
+        "cpu_forked": lambda: SingleDevice("cpu", num_threads=1),
         "multi_gpu": lambda: DDP(device="cpu"),
         "fsdp": lambda: FSDP(device="cpu", shard_modules=["Block"]),
         "deepspeed_zero1": lambda: DeepSpeed(device="cpu", zero_stage=1),
@@ -271,12 +273,52 @@ def matrix_strategy(hardware: str):
     return strategies[hardware]()
 
 
-def matrix_run(hardware: str, precision: str, checkpoint_dir: str) -> dict[str, Any]:
+def matrix_run(
+    hardware: str, precision: str, checkpoint_dir: str, compile: str = "none", checkpointing: str = "none"
+) -> dict[str, Any]:
     """Train the tiny GPT for MATRIX_STEPS steps; each rank takes its slice of the same global batches.
-    Then save a checkpoint, take one more step, load the checkpoint and take that step again."""
+    Then save a checkpoint, take one more step, load the checkpoint and take that step again. `compile`
+    (a `trainer.compile.scope`) and `checkpointing` (`full`, or `selective` every 2nd block with its
+    matmuls kept) are the compute options."""
+    accelerator, step = matrix_training(hardware, precision, compile, checkpointing)
+    losses = [step(k) for k in range(MATRIX_STEPS)]
+    accelerator.save_state(checkpoint_dir)
+    continued = step(MATRIX_STEPS)
+    accelerator.load_state(checkpoint_dir)
+    after_load = step(MATRIX_STEPS)
+    accelerator.end_training()
+    return {"losses": losses, "continued": continued, "after_load": after_load}
+
+
+def matrix_resumed(
+    hardware: str, checkpoint_dir: str, compile: str = "none", save_dir: str | None = None
+) -> float:
+    """The loss of the step after a `matrix_run` checkpoint, taken by a fresh run (fp32) that loads it
+    (and, with `save_dir`, saves what it loaded there first)."""
+    accelerator, step = matrix_training(hardware, "no", compile, "none")
+    accelerator.load_state(checkpoint_dir)
+    if save_dir is not None:
+        accelerator.save_state(save_dir)
+    loss = step(MATRIX_STEPS)
+    accelerator.end_training()
+    return loss
+
+
+def matrix_training(hardware: str, precision: str, compile: str, checkpointing: str) -> tuple[Any, Any]:
+    """The prepared Accelerator of a matrix run and its step function (batch index -> mean loss)."""
+    from runner.config import ActivationCheckpointingConfig, CompileConfig
     from runner.models import GPT
 
-    accelerator = Accelerator(strategy=matrix_strategy(hardware), mixed_precision=precision)
+    accelerator = Accelerator(
+        strategy=matrix_strategy(hardware),
+        mixed_precision=precision,
+        compile=CompileConfig(scope=compile),
+        activation_checkpointing=ActivationCheckpointingConfig(
+            mode=checkpointing,
+            every_n_blocks=2 if checkpointing == "selective" else 1,
+            save_matmuls=checkpointing == "selective",
+        ),
+    )
     torch.manual_seed(0)
     model = GPT(vocab_size=32, max_seq_len=MATRIX_SEQ, d_model=32, n_layers=2, n_heads=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -300,13 +342,7 @@ def matrix_run(hardware: str, precision: str, checkpoint_dir: str) -> dict[str, 
         optimizer.zero_grad()
         return accelerator.reduce(loss.detach().float(), "mean").item()
 
-    losses = [step(k) for k in range(MATRIX_STEPS)]
-    accelerator.save_state(checkpoint_dir)
-    continued = step(MATRIX_STEPS)
-    accelerator.load_state(checkpoint_dir)
-    after_load = step(MATRIX_STEPS)
-    accelerator.end_training()
-    return {"losses": losses, "continued": continued, "after_load": after_load}
+    return accelerator, step
 
 
 # --- tracking: only the main process talks to the tracker ---------------------------------------------------

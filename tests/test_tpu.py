@@ -122,6 +122,14 @@ def test_runner_trains_on_tpu_from_the_command_line(run_cli, monkeypatch, tmp_pa
     assert set(probes.read(record, "task")) == {"bfloat16"}  # XLA's autocast
     refused = run_cli("hardware=tpu", "precision=fp16")
     assert refused.returncode == 2 and "precision=fp16 with hardware=tpu" in refused.stderr
+    refused = run_cli(
+        "hardware=tpu", "trainer.compile.scope=model", "trainer.activation_checkpointing.mode=full"
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert (
+        "trainer.compile.scope=model and trainer.activation_checkpointing.mode=full with hardware=tpu"
+        in refused.stderr
+    )
 
 
 @pytest.mark.skipif(HAS_XLA, reason="torch_xla is installed here")
