@@ -7,7 +7,9 @@ The model is the gpt experiment's GPT at a size that takes about 100 ms per step
 (d_model 256, 4 blocks, 4 x 256 tokens, vocabulary 512, AdamW). Each mode runs in a fresh process (its
 own compilation, its own peak memory): warm-up steps (compilation included), then timed steps; the modes
 take turns for `--rounds` rounds, and the medians are reported with the spread (max - min over median).
-Peak memory is the process's peak resident set on the CPU, the allocator's peak on a GPU.
+Memory: the bytes autograd keeps for backward in one step (activations, measured with saved-tensor
+hooks: what activation checkpointing cuts), and the peak memory (the allocator's on a GPU; on a CPU the
+process's peak resident set, which the torch libraries and the compiler dominate).
 
 On a GPU (`--device cuda`) the modes run in bf16 autocast, plus fp8 (torchao's float8 linears), with
 tokens/s and MFU against the device's bf16 peak (runner.perf.PEAK_FLOPS).
@@ -33,7 +35,7 @@ from runner import Accelerator
 from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.hardware import SingleDevice
 from runner.models import GPT
-from runner.perf import count_flops, peak_flops, peak_memory_gb
+from runner.perf import count_flops, kept_for_backward, peak_flops, peak_memory_gb
 from runner.precision import Float8Precision, MixedPrecision, Precision
 
 SIZE = {"vocab_size": 512, "max_seq_len": 256, "d_model": 256, "n_layers": 4, "n_heads": 4}
@@ -110,6 +112,8 @@ def worker(mode: str, device: str, warmup: int, steps: int) -> dict[str, float]:
 
     for _ in range(warmup):
         step()
+    with kept_for_backward(model) as kept:
+        step()
     synchronize()
     start = time.perf_counter()
     for _ in range(steps):
@@ -123,6 +127,7 @@ def worker(mode: str, device: str, warmup: int, steps: int) -> dict[str, float]:
         "tokens_per_s": tokens_per_s,
         "mfu": flops_per_step / seconds / peak if peak else float("nan"),
         "peak_memory_gb": peak_memory_gb(torch.device(device))[0],
+        "activations_mb": sum(kept.values()) / 2**20,
     }
 
 
@@ -147,23 +152,24 @@ def main() -> None:
             results[mode].append(json.loads(out.strip().splitlines()[-1]))
             print(f"round {round_ + 1}/{args.rounds} {mode}: {results[mode][-1]}", file=sys.stderr)
     base = statistics.median(r["steps_per_s"] for r in results["plain eager"])
-    base_memory = statistics.median(r["peak_memory_gb"] for r in results["plain eager"])
     name = (
         torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     )
     print(
-        f"\n| mode ({name}, torch {torch.__version__}) | steps/s | vs plain eager | spread | tokens/s | MFU | peak memory GB | vs plain eager |"
+        f"\n| mode ({name}, torch {torch.__version__}) | steps/s | vs plain eager | spread | tokens/s | MFU "
+        "| activations MB | peak memory GB |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for mode, rounds in results.items():
         rate = [r["steps_per_s"] for r in rounds]
         median = statistics.median(rate)
-        memory = statistics.median(r["peak_memory_gb"] for r in rounds)
         mfu = statistics.median(r["mfu"] for r in rounds)
         print(
             f"| {mode} | {median:.2f} | {median / base:.3f} | {(max(rate) - min(rate)) / median:.1%} | "
             f"{statistics.median(r['tokens_per_s'] for r in rounds):.0f} | "
-            f"{'n/a' if mfu != mfu else f'{mfu:.1%}'} | {memory:.2f} | {memory / base_memory:.3f} |"
+            f"{'n/a' if mfu != mfu else f'{mfu:.1%}'} | "
+            f"{statistics.median(r['activations_mb'] for r in rounds):.1f} | "
+            f"{statistics.median(r['peak_memory_gb'] for r in rounds):.2f} |"
         )
 
 

@@ -19,12 +19,15 @@ if TYPE_CHECKING:
         load_checkpoint_in_model,
     )
     from runner.checkpoint import ProjectConfiguration
+    from runner.config import ActivationCheckpointingConfig, CompileConfig
     from runner.launchers.notebook import notebook_launcher
     from runner.rng import set_seed
 
 # public name -> the module that defines it
 EXPORTS = {
     "Accelerator": "runner.accelerator",
+    "ActivationCheckpointingConfig": "runner.config",
+    "CompileConfig": "runner.config",
     "ProjectConfiguration": "runner.checkpoint",
     "dispatch_model": "runner.big_modeling",
     "infer_auto_device_map": "runner.big_modeling",
@@ -38,6 +41,8 @@ EXPORTS = {
 
 __all__ = [
     "Accelerator",
+    "ActivationCheckpointingConfig",
+    "CompileConfig",
     "ProjectConfiguration",
     "dispatch_model",
     "infer_auto_device_map",

@@ -66,6 +66,22 @@ def count_flops(step: Callable[[], torch.Tensor]) -> int:
     return counter.get_total_flops()
 
 
+@contextmanager
+def kept_for_backward(module: torch.nn.Module) -> Iterator[dict[int, int]]:
+    """Inside, the bytes of each tensor autograd keeps for backward (by the tensor's id), `module`'s
+    parameters not counted: the activation memory of what runs inside (on meta tensors too)."""
+    parameters = {id(p) for p in module.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in parameters and id(tensor._base) not in parameters:
+            kept[id(tensor)] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield kept
+
+
 def peak_memory_gb(device: torch.device) -> tuple[float, float]:
     """(device, host) peak memory of this process so far, in GiB: the CUDA allocator's peak (the host's
     on a CPU device) and the peak resident set size."""

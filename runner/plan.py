@@ -12,7 +12,7 @@ from runner.config import CheckpointingMode, CompileScope
 from runner.data.base import DataSource
 from runner.hardware.base import Strategy
 from runner.hardware.parallelize import apply_ac, blocks_of
-from runner.perf import count_flops
+from runner.perf import count_flops, kept_for_backward
 
 MB = 1024**2
 
@@ -120,18 +120,10 @@ def _activations(
     tensors with the strategy's activation checkpointing applied (fp32; bf16/fp16 autocast halves the
     matmul ones); and the FLOPs of that step (forward and backward, by torch's FLOP counter)."""
     per_device = world_size if cfg.trainer.split_batches else 1
-    parameters = {id(p) for p in model.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if id(tensor) not in parameters and id(tensor._base) not in parameters:
-            kept[id(tensor)] = tensor.numel() * tensor.element_size()
-        return tensor
-
     try:
         flops = count_flops(lambda: meta_training_step(cfg, model, data, per_device))
         apply_ac(blocks_of(model, strategy.block_classes(model)), strategy.checkpointing)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with kept_for_backward(model) as kept:
             meta_training_step(cfg, model, data, per_device)
     except Exception as err:  # a task that reads values (`.item()`) cannot run on meta tensors
         return f"not estimated (the task's training_step cannot run on meta tensors: {str(err).splitlines()[0][:120]})"

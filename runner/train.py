@@ -197,15 +197,10 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
                     profiler.step()
 
                 if done.step % trainer.log_every == 0 or done.step == total_steps:
-                    logged = {
-                        "train/loss": accelerator.reduce(
-                            done.window_loss / done.window_batches, "mean"
-                        ).item(),
-                        "train/lr": scheduler.get_last_lr()[0],
-                        **read_throughput(
-                            accelerator, throughput
-                        ),  # the loss's .item() waited for the device
-                    }
+                    window_loss = accelerator.reduce(done.window_loss / done.window_batches, "mean").item()
+                    # After the .item(), which waited for the device: the window's time is its work.
+                    perf = read_throughput(accelerator, throughput)
+                    logged = {"train/loss": window_loss, "train/lr": scheduler.get_last_lr()[0], **perf}
                     metrics.update(logged)
                     done.window_loss.zero_()
                     done.window_batches = 0
@@ -304,7 +299,7 @@ def throughput_meter(cfg: DictConfig, data: DataSource, accelerator: Accelerator
 def read_throughput(accelerator: Accelerator, throughput: Throughput) -> dict[str, float]:
     """The `perf/*` metrics over the processes: rates averaged, peak memory the largest."""
     local = throughput.read(accelerator.device)
-    values = torch.tensor(list(local.values()), dtype=torch.float64, device=accelerator.device)
+    values = torch.tensor(list(local.values()), device=accelerator.device)
     every = accelerator.gather(values[None]).view(-1, len(local))
     return {
         name: (every[:, i].max() if "memory" in name else every[:, i].mean()).item()

@@ -85,9 +85,14 @@ def cli_env(pythonpath: Path | None = None) -> dict[str, str]:
 
 
 def metrics_of(proc: subprocess.CompletedProcess) -> dict[str, float]:
-    """The final metrics table that `python -m runner` logs."""
+    """The final metrics table that `python -m runner` logs, but the `perf/*` measurements (throughput
+    and memory differ from run to run)."""
     lines = proc.stderr.split("final metrics")[1].splitlines()[1:]
-    return {name: float(value) for name, value in (line.split() for line in lines if line.startswith("  "))}
+    return {
+        name: float(value)
+        for name, value in (line.split() for line in lines if line.startswith("  "))
+        if not name.startswith("perf/")
+    }
 
 
 @functools.cache

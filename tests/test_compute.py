@@ -28,7 +28,7 @@ from runner.errors import ConfigError
 from runner.hardware import SingleDevice
 from runner.hardware.parallelize import apply_compile
 from runner.models import GPT, MLP
-from runner.perf import PEAK_FLOPS, count_flops, peak_flops
+from runner.perf import PEAK_FLOPS, count_flops, kept_for_backward, peak_flops
 from runner.precision import Float8Precision
 from runner.task import batch_units
 from runner.validate import check_job
@@ -50,15 +50,7 @@ def one_step(checkpointing: ActivationCheckpointingConfig) -> dict:
     accelerator = Accelerator(strategy=SingleDevice("cpu"), activation_checkpointing=checkpointing)
     model = accelerator.prepare(tiny_gpt())
     tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    parameters = {id(p) for p in model.parameters()}
-    kept = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if id(tensor) not in parameters and id(tensor._base) not in parameters:
-            kept[id(tensor)] = tensor.numel() * tensor.element_size()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with kept_for_backward(model) as kept:
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     with FlopCounterMode(display=False) as backward:

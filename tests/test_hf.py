@@ -48,7 +48,13 @@ HARDWARE = {
 
 def _train(run_dir: Path, *overrides: str) -> dict[str, float]:
     run_to_end(run_dir, *TINY, *overrides)
-    return json.loads((run_dir / "metrics.json").read_text())
+    return learned(run_dir)
+
+
+def learned(run_dir: Path) -> dict[str, float]:
+    """The run's metrics.json, but the `perf/*` measurements (timings differ from run to run)."""
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    return {name: value for name, value in metrics.items() if not name.startswith("perf/")}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +68,7 @@ def reference(tmp_path_factory) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("hardware", list(HARDWARE))
 def test_a_transformers_model_trains_on_every_cpu_group_as_on_one_process(reference, tmp_path, hardware):
-    expected = json.loads((reference / "metrics.json").read_text())
+    expected = learned(reference)
     metrics = _train(tmp_path / hardware, *HARDWARE[hardware])
     assert expected["eval/loss"] < math.log(256) - 1  # it learned the sonnets' bytes
     assert metrics.keys() == expected.keys()

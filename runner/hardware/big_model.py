@@ -14,7 +14,7 @@ from runner.big_modeling import AUTO_MAPS, get_max_memory, load_checkpoint_and_d
 from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy, checked_threads, one_process_state
-from runner.hardware.parallelize import compute_settings
+from runner.hardware.parallelize import refuse_compute
 from runner.state import ProcessState
 
 
@@ -68,12 +68,9 @@ class BigModel(Strategy):
 
     def setup_compute(self, compile: CompileConfig, checkpointing: ActivationCheckpointingConfig) -> None:
         """Inference runs the model as loaded: the training loop's compute options do not apply."""
-        asked = compute_settings(compile, checkpointing)
-        if asked:
-            raise ConfigError(
-                f"{' and '.join(asked)}: a training option; hardware=big_model runs inference on a dispatched "
-                "model as loaded. Leave trainer.compile.scope and trainer.activation_checkpointing.mode at none."
-            )
+        refuse_compute(
+            compile, checkpointing, "big_model", "training options; it runs a dispatched model as loaded"
+        )
 
     def dispatch(self, model: nn.Module, checkpoint: str | Path, job_dir: Path) -> nn.Module:
         """`model` (built under `init_empty_weights`) loaded from `checkpoint` and dispatched; a checkpoint

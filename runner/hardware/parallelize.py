@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from runner.config import (
     ActivationCheckpointingConfig,
@@ -112,6 +113,18 @@ def compute_settings(
     return settings
 
 
+def refuse_compute(
+    compile: CompileConfig, checkpointing: ActivationCheckpointingConfig, hardware: str, why: str
+) -> None:
+    """ConfigError when a compute option is on, which `hardware` cannot apply (`why` says so)."""
+    asked = compute_settings(compile, checkpointing)
+    if asked:
+        raise ConfigError(
+            f"{' and '.join(asked)} with hardware={hardware}: {why}. Leave trainer.compile.scope and "
+            f"trainer.activation_checkpointing.mode at none with hardware={hardware}."
+        )
+
+
 def blocks_of(module: torch.nn.Module, classes: list[str]) -> list[torch.nn.Module]:
     """The submodules of `module` whose class is named in `classes`, in order: the repeated blocks that
     activation checkpointing and regional compilation act on (the FSDP units, the decoder layers)."""
@@ -121,10 +134,12 @@ def blocks_of(module: torch.nn.Module, classes: list[str]) -> list[torch.nn.Modu
 # The ops whose outputs `save_matmuls` keeps: recomputing them is most of a block's FLOPs.
 MATMULS = frozenset(
     getattr(torch.ops.aten, name).default
-    for name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu")
-) | frozenset(
-    getattr(torch.ops.aten, name).default
     for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",
@@ -149,8 +164,6 @@ def apply_ac(blocks: list[torch.nn.Module], config: ActivationCheckpointingConfi
 
 
 def _checkpointed(forward: Callable, save_matmuls: bool) -> Callable:
-    from torch.utils.checkpoint import checkpoint
-
     options: dict[str, Any] = {"use_reentrant": False}
     if save_matmuls:
         options["context_fn"] = _save_matmuls_context
@@ -163,8 +176,6 @@ def _checkpointed(forward: Callable, save_matmuls: bool) -> Callable:
 
 
 def _save_matmuls_context() -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op in MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -14,7 +14,7 @@ import torch
 from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
-from runner.hardware.parallelize import compute_settings
+from runner.hardware.parallelize import refuse_compute
 from runner.ops import apply_to_tensors
 from runner.precision import Precision, refuse_fp8, refuse_fp16
 from runner.state import ProcessState
@@ -64,13 +64,13 @@ class XLA(Strategy):
 
     def setup_compute(self, compile: CompileConfig, checkpointing: ActivationCheckpointingConfig) -> None:
         """torch_xla compiles every step's graph itself; its activation checkpointing is its own."""
-        asked = compute_settings(compile, checkpointing)
-        if asked:
-            raise ConfigError(
-                f"{' and '.join(asked)} with hardware=tpu: torch_xla traces and compiles every step into one XLA "
-                "graph already, and runner does not apply torch.utils.checkpoint under XLA. Use "
-                "trainer.compile.scope=none and trainer.activation_checkpointing.mode=none with hardware=tpu."
-            )
+        refuse_compute(
+            compile,
+            checkpointing,
+            "tpu",
+            "torch_xla traces and compiles every step into one XLA graph already, and runner does not apply "
+            "torch.utils.checkpoint under XLA",
+        )
 
     def device_name(self) -> str:
         accelerator = os.environ.get("TPU_ACCELERATOR_TYPE")  # set on Cloud TPU VMs: v4-8, v5litepod-8, v6e-8

@@ -253,3 +253,42 @@ def test_stopped_cli_run_on_cuda_resumes_to_bitwise_the_uninterrupted_weights(tm
     assert "resumed from" in (run_dir / "runner.log").read_text()
     weights = "model/model.safetensors"
     assert (run_dir / weights).read_bytes() == (tmp_path / "reference" / weights).read_bytes()
+
+
+@pytest.mark.parametrize("options", [["trainer.compile.scope=regional"], ["trainer.compile.scope=model"],
+                                     ["trainer.activation_checkpointing.mode=full", "trainer.compile.scope=regional"]])  # fmt: skip
+def test_compute_options_on_cuda_follow_the_eager_bf16_run_and_report_mfu(tmp_path, single_gpu, options):
+    proc = runner_cli(tmp_path, *GPT_RUN, "hardware.device=cuda", "precision=bf16", *options)
+    ours, reference = final_metrics(proc), single_gpu["bf16"]
+    assert abs(ours["train/loss"] - reference["train/loss"]) <= 5e-2 * reference["train/loss"], (
+        ours,
+        reference,
+    )
+    assert (
+        ours["perf/tokens_per_s"] > 0 and 0 < ours.get("perf/mfu", 0) < 1
+    )  # the GPU is in runner.perf's table
+
+
+def test_fp8_on_a_capable_gpu_trains_float8_linears_near_bf16(tmp_path, single_gpu):
+    if torch.cuda.get_device_capability() < (8, 9):
+        proc = runner_cli(tmp_path, *GPT_RUN, "hardware.device=cuda", "precision=fp8")
+        assert proc.returncode == 2 and "compute capability 8.9 or newer" in proc.stderr
+        return
+    pytest.importorskip("torchao")
+    # gpt_sonnets' widths (96, 384) are multiples of 16: every block linear is float8, the head is kept.
+    proc = runner_cli(tmp_path, *GPT_RUN, "hardware.device=cuda", "precision=fp8")
+    ours, reference = final_metrics(proc), single_gpu["bf16"]
+    assert abs(ours["train/loss"] - reference["train/loss"]) <= 0.1 * reference["train/loss"], (
+        ours,
+        reference,
+    )
+    assert "precision fp8" in proc.stderr
+
+
+def test_an_out_of_memory_error_leaves_a_memory_snapshot(tmp_path):
+    run_dir = tmp_path / "oom"
+    # 1024 x 1024 tokens: their logits alone over a vocabulary of 50304 are 211 GB.
+    proc = runner_cli(run_dir, *GPT_RUN, "hardware.device=cuda", "trainer.memory_snapshot=true",
+                      "data=random_tokens", "data.batch_size=1024")  # fmt: skip
+    assert proc.returncode != 0 and "OutOfMemoryError" in proc.stderr, proc.stderr[-3000:]
+    assert (run_dir / "memory_snapshot_rank0.pickle").stat().st_size > 0
