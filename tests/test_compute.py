@@ -29,6 +29,7 @@ from runner.hardware import SingleDevice
 from runner.hardware.parallelize import apply_compile
 from runner.models import GPT, MLP
 from runner.perf import PEAK_FLOPS, count_flops, kept_for_backward, peak_flops
+from runner.plan import describe
 from runner.precision import Float8Precision
 from runner.task import batch_units
 from runner.validate import check_job
@@ -197,6 +198,29 @@ def test_combinations_that_cannot_run_are_refused_before_launch(hydra_context, o
     else:
         raise AssertionError(f"{overrides} was accepted")
     assert REFUSED[overrides] in message, message
+
+
+def test_the_plan_shows_the_compute_options_and_the_activations_they_keep(hydra_context):
+    def plan(*overrides: str) -> dict[str, str]:
+        cfg = compose("config", overrides=["experiment=gpt_sonnets", "tracker=none", *overrides])
+        built, world_size = check_job(cfg)
+        text = describe(cfg, built.hardware, world_size, "local", None)
+        return dict(line.strip().split(None, 1) for line in text.splitlines()[1:])
+
+    eager = plan()
+    checkpointed = plan("trainer.activation_checkpointing.mode=full", "trainer.compile.scope=regional")
+    assert eager["compute"] == "eager; no activation checkpointing"
+    assert checkpointed["compute"].startswith("torch.compile regional (backend inductor")
+    assert checkpointed["compute"].endswith("activation checkpointing of every block")
+
+    def megabytes(line: str) -> float:
+        return float(line.split("about ")[1].split(" MB")[0])
+
+    assert megabytes(checkpointed["activations"]) < megabytes(eager["activations"]) / 4
+    assert (
+        "GFLOP" in eager["activations"]
+        and eager["activations"].split("computes")[1] == checkpointed["activations"].split("computes")[1]
+    )  # the same model FLOPs: recomputation is not counted
 
 
 # --- in real ranks and fresh processes -------------------------------------------------------------------
