@@ -52,7 +52,7 @@ from runner.precision import Precision
 from runner.precision import from_name as precision_from_name
 from runner.prepared import AcceleratedOptimizer, AcceleratedScheduler
 from runner.rng import rng_state, set_rng_state
-from runner.state import GradientState
+from runner.state import DistributedType, GradientState
 from runner.trackers import BlankTracker, Tracker, tracker_from_name
 from runner.weights import save_model_files, set_module_tensor
 
@@ -131,7 +131,10 @@ class Accelerator:
         self._placed: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.rng_types = ["generator"] if rng_types is None else list(rng_types)
+        # RNGType members or their values ("torch", "cuda", "generator").
+        self.rng_types = (
+            ["generator"] if rng_types is None else [str(getattr(t, "value", t)) for t in rng_types]
+        )
         unknown = set(self.rng_types) - {"generator", "torch", "cuda"}
         if unknown:
             raise ValueError(
@@ -176,6 +179,11 @@ class Accelerator:
     @property
     def is_local_main_process(self) -> bool:
         return self.state.is_local_main_process
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """How the processes share the work, as the strategy reports it (`DistributedType.FSDP`, ...)."""
+        return self.strategy.distributed_type
 
     @property
     def use_distributed(self) -> bool:

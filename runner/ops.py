@@ -60,12 +60,40 @@ def find_batch_size(data: Any) -> int | None:
     return sizes[0] if sizes else None
 
 
-def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move every tensor in `data` to `device` (one already there is kept, without a `.to` call)."""
+def send_to_device(
+    data: Any,
+    device: torch.device | str,
+    non_blocking: bool = False,
+    skip_keys: str | list[str] | None = None,
+) -> Any:
+    """Move every tensor in `data` to `device` (one already there is kept, without a `.to` call); the
+    entries of a top-level mapping named in `skip_keys` stay where they are (Accelerate's signature)."""
     device = torch.device(device)
-    return apply_to_tensors(
-        lambda t: t if t.device == device else t.to(device, non_blocking=non_blocking), data
-    )
+
+    def move(tensors: Any) -> Any:
+        return apply_to_tensors(
+            lambda t: t if t.device == device else t.to(device, non_blocking=non_blocking), tensors
+        )
+
+    if skip_keys is None or not isinstance(data, Mapping):
+        return move(data)
+    skipped = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys)
+    return type(data)({key: value if key in skipped else move(value) for key, value in data.items()})
+
+
+def concatenate(data: list[Any], dim: int = 0) -> Any:
+    """Concatenate a list of equally nested structures (lists, tuples, mappings) of tensors, tensor by
+    tensor along `dim` (Accelerate's `concatenate`)."""
+    first = data[0]
+    if isinstance(first, (tuple, list)):
+        return type(first)(concatenate([d[i] for d in data], dim) for i in range(len(first)))
+    if isinstance(first, Mapping):
+        return type(first)({key: concatenate([d[key] for d in data], dim) for key in first})
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(
+            f"can only concatenate nested lists, tuples or mappings of tensors, not {type(first).__name__}."
+        )
+    return torch.cat(data, dim=dim)
 
 
 def convert_to_fp32(data: Any) -> Any:

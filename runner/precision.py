@@ -13,12 +13,22 @@ import importlib.util
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from enum import Enum
 from typing import Any
 
 import torch
 
 from runner.errors import ConfigError
 from runner.ops import convert_to_fp32
+
+
+class PrecisionType(str, Enum):
+    """Accelerate's `mixed_precision` names (a plugin's `mixed_precision` is one of them)."""
+
+    NO = "no"
+    FP8 = "fp8"
+    FP16 = "fp16"
+    BF16 = "bf16"
 
 
 class Precision:

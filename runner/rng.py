@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import random
+from enum import Enum
 from typing import Any
 
 import numpy as np
 import torch
 
 from runner.cluster import launched_environment
+
+
+class RNGType(str, Enum):
+    """The RNGs `Accelerator(rng_types=...)` synchronises across processes (Accelerate's names; those of
+    devices runner does not drive are not here)."""
+
+    TORCH = "torch"
+    CUDA = "cuda"
+    GENERATOR = "generator"
 
 
 def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:

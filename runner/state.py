@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
+
+
+class DistributedType(str, Enum):
+    """How a job's processes share the work (Accelerate's names and values): each hardware strategy
+    reports its own (`Strategy.distributed_type`, `Accelerator.distributed_type`)."""
+
+    NO = "NO"  # one process
+    MULTI_CPU = "MULTI_CPU"  # data parallel over CPU ranks
+    MULTI_GPU = "MULTI_GPU"  # data parallel over GPUs
+    FSDP = "FSDP"
+    DEEPSPEED = "DEEPSPEED"
+    MEGATRON_LM = "MEGATRON_LM"  # tensor (x data) parallel
+    XLA = "XLA"
 
 
 @dataclass(frozen=True)

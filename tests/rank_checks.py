@@ -356,3 +356,26 @@ def tracking_from_two_ranks(project_dir: str) -> dict[str, Any]:
     tracker = accelerator.get_tracker("mlflow")
     accelerator.end_training()
     return {"run_id": getattr(tracker, "run_id", None), "tracker": type(tracker).__name__}
+
+
+# --- runner.logging: the multi-process logger ------------------------------------------------------------------
+def multiprocess_logging(shared_log: str) -> dict[str, Any]:
+    """Every rank logs through `get_logger` into one shared file: once main-process-only, once from every
+    process, once in rank order (rank 1 sleeps first: only the barriers keep it second)."""
+    import logging
+
+    from runner.logging import get_logger
+
+    accelerator = Accelerator(strategy=DDP(device="cpu"))
+    handler = logging.FileHandler(shared_log)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = get_logger(f"shared.{accelerator.process_index}", log_level="INFO")
+    logger.logger.addHandler(handler)
+    logger.info("main only %d", accelerator.process_index)
+    logger.info("every %d", accelerator.process_index, main_process_only=False)
+    if accelerator.process_index == 1:
+        time.sleep(0.5)
+    logger.info("in order %d", accelerator.process_index, in_order=True)
+    handler.close()
+    accelerator.end_training()
+    return {}

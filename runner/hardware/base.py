@@ -17,7 +17,7 @@ from runner.errors import ConfigError
 from runner.hardware.parallelize import apply_ac, apply_compile, blocks_of, compute_settings, sharding_units
 from runner.ops import on_device, send_to_device
 from runner.precision import Precision
-from runner.state import ProcessState
+from runner.state import DistributedType, ProcessState
 from runner.weights import distinct_tensors, load_weights
 
 
@@ -55,6 +55,7 @@ class Strategy(ABC):
         """How many of the ranks a launcher starts on this machine compute on its CPU cores."""
         return 0
 
+    distributed_type: DistributedType = DistributedType.NO
     checkpoint_format: str = "full"  # how save_checkpoint writes models and optimizers (see there)
     # Which of "weights", "gradients", "optimizer" each rank holds only a 1/world_size share of.
     sharded_states: frozenset[str] = frozenset()

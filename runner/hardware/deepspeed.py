@@ -22,7 +22,7 @@ from runner.cluster import export_local_rank
 from runner.errors import ConfigError
 from runner.hardware.parallel import ParallelStrategy
 from runner.precision import Float16MixedPrecision, MixedPrecision, Precision, refuse_fp8
-from runner.state import ProcessState
+from runner.state import DistributedType, ProcessState
 
 INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation 'deepspeed>=0.16,<0.20'"
 CHECKPOINT_DIR, CHECKPOINT_TAG = "deepspeed", "state"  # inside a save_state directory
@@ -52,6 +52,8 @@ class DeepSpeed(ParallelStrategy):
             throughput accounting reads it: the loop, not DeepSpeed, feeds the batches).
         config: a DeepSpeed JSON file, or its contents as a mapping.
     """
+
+    distributed_type = DistributedType.DEEPSPEED
 
     checkpoint_format = "deepspeed"
 

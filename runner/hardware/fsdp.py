@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from runner.hardware.parallel import ParallelStrategy
 from runner.hardware.parallelize import ShardedState, apply_fsdp, sharding_units
 from runner.precision import MixedPrecision, Precision, ShardedMixedPrecision, refuse_fp16
+from runner.state import DistributedType
 
 
 class FSDP(ShardedState, ParallelStrategy):
@@ -31,6 +32,8 @@ class FSDP(ShardedState, ParallelStrategy):
     gradients reduced in fp32, outputs fp32). Checkpoints are sharded (torch.distributed.checkpoint);
     `save_model` gathers the full weights on rank 0.
     """
+
+    distributed_type = DistributedType.FSDP
 
     def __init__(
         self,

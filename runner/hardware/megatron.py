@@ -21,7 +21,7 @@ from runner.hardware.parallelize import (
     sharding_units,
 )
 from runner.precision import Precision, refuse_fp8, refuse_fp16
-from runner.state import ProcessState
+from runner.state import DistributedType, ProcessState
 
 
 class TensorParallel(ShardedState, ParallelStrategy):
@@ -39,6 +39,8 @@ class TensorParallel(ShardedState, ParallelStrategy):
         shard_modules, reshard_after_forward: FSDP2's, for the data-parallel dimension (`hardware=fsdp`'s:
             None, the model's `_no_split_modules`; [], the root only).
     """
+
+    distributed_type = DistributedType.MEGATRON_LM
 
     def __init__(
         self,

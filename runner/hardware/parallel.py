@@ -14,7 +14,7 @@ import torch.distributed as dist
 from runner.cluster import available_cores, launched_environment
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy, checked_threads
-from runner.state import ProcessState
+from runner.state import DistributedType, ProcessState
 
 
 class ParallelStrategy(Strategy):
@@ -76,6 +76,10 @@ class ParallelStrategy(Strategy):
 
     def cpu_ranks(self) -> int:
         return self.num_processes if self.device_type == "cpu" else 0
+
+    @property
+    def distributed_type(self) -> DistributedType:  # type: ignore[override]
+        return DistributedType.MULTI_GPU if self.device_type == "cuda" else DistributedType.MULTI_CPU
 
     def setup_environment(self) -> ProcessState:
         env = launched_environment()

@@ -17,7 +17,7 @@ from runner.hardware.base import Strategy
 from runner.hardware.parallelize import refuse_compute
 from runner.ops import apply_to_tensors
 from runner.precision import Precision, refuse_fp8, refuse_fp16
-from runner.state import ProcessState
+from runner.state import DistributedType, ProcessState
 
 XLA_REQUIREMENT = "pip install -e '.[tpu]' in its own environment (torch_xla 2.9 needs torch 2.9)"
 
@@ -36,6 +36,8 @@ class XLA(Strategy):
         peak_flops: one device's peak FLOP/s that MFU is measured against; None: `runner.perf`'s table
             (by `TPU_ACCELERATOR_TYPE`, e.g. v5litepod-8).
     """
+
+    distributed_type = DistributedType.XLA
 
     def __init__(self, spmd: bool | None = None, peak_flops: float | None = None) -> None:
         try:
