@@ -152,9 +152,7 @@ class Float8Precision(MixedPrecision):
                 "precision.fsdp_float8_all_gather=false."
             )
         if importlib.util.find_spec("torchao") is None:
-            raise ConfigError(
-                f"precision=fp8 needs torchao, which is not installed here: {FP8_REQUIREMENT}."
-            ) from None
+            raise ConfigError(f"precision=fp8 needs torchao, which is not installed here: {FP8_REQUIREMENT}.")
         self.recipe = recipe
         self.keep = list(keep or [])
         self.fsdp_float8_all_gather = fsdp_float8_all_gather
@@ -275,18 +273,21 @@ def refuse_fp16(precision: Precision, hardware: str, why: str) -> None:
         )
 
 
-def from_name(mixed_precision: str | None) -> Precision:
-    """Accelerate's `mixed_precision` strings ("no", "fp16", "bf16") to a precision plugin."""
+def from_name(mixed_precision: str | PrecisionType | None) -> Precision:
+    """Accelerate's `mixed_precision` names ("no", "fp16", "bf16", "fp8", or a `PrecisionType`) to a
+    precision plugin."""
     factories: dict[str | None, Callable[[], Precision]] = {
         None: Precision,
         "no": Precision,
         "fp32": Precision,
         "bf16": MixedPrecision,
         "fp16": Float16MixedPrecision,
+        "fp8": Float8Precision,
     }
-    if mixed_precision not in factories:
-        raise ValueError(f"mixed_precision={mixed_precision!r}: expected one of 'no', 'fp16', 'bf16'.")
-    return factories[mixed_precision]()
+    name = getattr(mixed_precision, "value", mixed_precision)
+    if name not in factories:
+        raise ValueError(f"mixed_precision={mixed_precision!r}: expected one of 'no', 'fp16', 'bf16', 'fp8'.")
+    return factories[name]()
 
 
 def _autocast_forward(forward: Callable, autocast: Callable[[], AbstractContextManager]) -> Callable:

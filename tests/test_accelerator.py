@@ -227,6 +227,6 @@ def test_execution_helpers_and_free_memory(capsys):
 
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="mixed_precision"):
-        Accelerator(mixed_precision="fp8")
+        Accelerator(mixed_precision="fp4")
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         Accelerator(gradient_accumulation_steps=0)

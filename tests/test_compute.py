@@ -184,6 +184,7 @@ REFUSED = {
     ("experiment=gpt_sonnets", "trainer.memory_snapshot=true"): "records the CUDA allocator's history",
     ("experiment=gpt_sonnets", "trainer.profile.active=200"): "longer than trainer.max_steps=150",
     ("experiment=gpt_sonnets", "trainer.compile.scope=bogus"): "compile.scope",
+    ("experiment=gpt_sonnets", "hardware=megatron", "trainer.compile.scope=regional", "trainer.activation_checkpointing.mode=full"): "under tensor parallel in this torch",
 }  # fmt: skip
 
 
@@ -374,3 +375,20 @@ def test_the_compile_settings_reach_torch_compile():
         [{"backend": "inductor", "mode": None, "fullgraph": False, "dynamic": None}]
     ] * 2
     assert len(model.asked) == 1  # regional leaves the root alone
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("hardware", "checkpointing"), [("deepspeed_zero3", "full"), ("megatron_tp2", "none")]
+)
+def test_compiled_blocks_under_deepspeed_and_megatron_match_eager(
+    eager_reference, tmp_path, hardware, checkpointing
+):
+    """Regional compilation before DeepSpeed's engine wraps the model (with activation checkpointing), and
+    after tensor parallel (alone: both at once are refused there)."""
+    result = rank_checks.run_ranks(
+        rank_checks.matrix_run, hardware, "no", str(tmp_path / "ckpt"), "regional", checkpointing
+    )[0]
+    for step, (ours, eager) in enumerate(zip(result["losses"], eager_reference["losses"], strict=True)):
+        assert abs(ours - eager) <= 1e-5, (step, ours, eager)
+    assert result["after_load"] == result["continued"]

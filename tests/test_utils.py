@@ -11,6 +11,7 @@ import rank_checks
 import torch
 
 from runner import Accelerator
+from runner.errors import ConfigError
 from runner.hardware import DDP, FSDP, SingleDevice
 from runner.hardware.deepspeed import DeepSpeed
 from runner.hardware.megatron import TensorParallel
@@ -113,10 +114,10 @@ def test_each_strategy_reports_its_distributed_type():
     }
     for strategy, expected in types.items():
         assert strategy.distributed_type == expected, type(strategy).__name__
-    assert (
-        PrecisionType("bf16")
-        == Accelerator(strategy=SingleDevice("cpu"), mixed_precision="bf16").mixed_precision
-    )
+    bf16 = Accelerator(strategy=SingleDevice("cpu"), mixed_precision=PrecisionType.BF16)
+    assert bf16.mixed_precision == PrecisionType.BF16 == "bf16"
+    with pytest.raises(ConfigError, match="precision=fp8 needs an NVIDIA GPU"):  # Accelerate's "fp8" name
+        Accelerator(strategy=SingleDevice("cpu"), mixed_precision="fp8")
     accelerator = Accelerator(strategy=SingleDevice("cpu"), rng_types=[RNGType.TORCH, "generator"])
     assert accelerator.rng_types == ["torch", "generator"]
     assert is_mlflow_available() and not is_torch_xla_available()

@@ -11,12 +11,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
 from runner.hardware.parallel import ParallelStrategy
 from runner.hardware.parallelize import (
     ShardedState,
     apply_fsdp,
     apply_tp,
+    compute_settings,
     declared_tp_plan,
     sharding_units,
 )
@@ -68,6 +70,18 @@ class TensorParallel(ShardedState, ParallelStrategy):
             "float8 linears need torchao's float8 tensor-parallel styles, not used here",
         )
         return precision
+
+    def setup_compute(self, compile: CompileConfig, checkpointing: ActivationCheckpointingConfig) -> None:
+        """Either compute option works with tensor parallel; both at once do not (torch 2.13 cannot save a
+        compiled block's DTensor inputs for its checkpointed backward: its device mesh is not a tensor)."""
+        asked = compute_settings(compile, checkpointing)
+        if len(asked) > 1:
+            raise ConfigError(
+                f"{' and '.join(asked)} with hardware=megatron: a compiled block that is also checkpointed fails "
+                "under tensor parallel in this torch (its backward cannot save the DTensors' device mesh). Keep "
+                "one of them: trainer.compile.scope=none, or trainer.activation_checkpointing.mode=none."
+            )
+        super().setup_compute(compile, checkpointing)
 
     def check_model(self, model: torch.nn.Module, world_size: int) -> None:
         if world_size % self.tp_size:
