@@ -286,7 +286,8 @@ def matrix_run(
     continued = step(MATRIX_STEPS)
     accelerator.load_state(checkpoint_dir)
     after_load = step(MATRIX_STEPS)
-    accelerator.end_training()
+    del step  # it holds the prepared model
+    end_matrix_training(accelerator)
     return {"losses": losses, "continued": continued, "after_load": after_load}
 
 
@@ -300,8 +301,17 @@ def matrix_resumed(
     if save_dir is not None:
         accelerator.save_state(save_dir)
     loss = step(MATRIX_STEPS)
-    accelerator.end_training()
+    del step  # it holds the prepared model
+    end_matrix_training(accelerator)
     return loss
+
+
+def end_matrix_training(accelerator: Any) -> None:
+    """Free the prepared model (the caller dropped its own references) while the process group lives,
+    then leave the group: a DDP reducer collected after the group was destroyed joins its gloo threads
+    forever, hanging the rank at exit."""
+    accelerator.free_memory()
+    accelerator.end_training()
 
 
 def matrix_training(hardware: str, precision: str, compile: str, checkpointing: str) -> tuple[Any, Any]:
