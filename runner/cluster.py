@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -112,3 +115,18 @@ def _tasks_on_node(tasks_per_node: str, node_index: int) -> int:
 def available_cores() -> int:
     """CPU cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@contextmanager
+def patch_environment(**kwargs: Any) -> Iterator[None]:
+    """Set environment variables inside (names upper-cased, values as strings), restored after."""
+    before = {key.upper(): os.environ.get(key.upper()) for key in kwargs}
+    os.environ.update({key.upper(): str(value) for key, value in kwargs.items()})
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -4,9 +4,7 @@ set_seed`): re-exported from the modules that hold them, and the few that only a
 from __future__ import annotations
 
 import importlib.util
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from runner.big_modeling import load_checkpoint_in_model
 from runner.checkpoint import ProjectConfiguration
+from runner.cluster import patch_environment
 from runner.memory import find_executable_batch_size, release_memory
 from runner.ops import apply_to_tensors, concatenate, find_batch_size, send_to_device
 from runner.precision import PrecisionType
@@ -79,21 +78,6 @@ def extract_model_from_parallel(
         compiled._orig_mod = inner
         return compiled
     return inner
-
-
-@contextmanager
-def patch_environment(**kwargs: Any) -> Iterator[None]:
-    """Set environment variables inside (names upper-cased, values as strings), restored after."""
-    before = {key.upper(): os.environ.get(key.upper()) for key in kwargs}
-    os.environ.update({key.upper(): str(value) for key, value in kwargs.items()})
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _installed(module: str) -> Callable[[], bool]:

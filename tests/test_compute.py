@@ -262,11 +262,22 @@ def test_compiled_training_matches_eager_and_its_checkpoints_resume_across(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpointing", ["full", "selective"])
-@pytest.mark.parametrize("hardware", ["fsdp", "megatron_tp2"])
-def test_checkpointed_training_matches_eager_across_ranks(eager_reference, tmp_path, hardware, checkpointing):
+@pytest.mark.parametrize(
+    ("hardware", "compile", "checkpointing"),
+    [
+        ("fsdp", "none", "full"),
+        ("fsdp", "none", "selective"),
+        ("megatron_tp2", "none", "full"),
+        ("megatron_tp2", "none", "selective"),
+        ("megatron_tp2", "regional", "none"),  # both at once are refused there
+        ("deepspeed_zero3", "regional", "full"),  # before DeepSpeed's engine wraps the model
+    ],
+)
+def test_compute_options_match_eager_across_ranks(
+    eager_reference, tmp_path, hardware, compile, checkpointing
+):
     result = rank_checks.run_ranks(
-        rank_checks.matrix_run, hardware, "no", str(tmp_path / "ckpt"), "none", checkpointing
+        rank_checks.matrix_run, hardware, "no", str(tmp_path / "ckpt"), compile, checkpointing
     )[0]
     for step, (ours, eager) in enumerate(zip(result["losses"], eager_reference["losses"], strict=True)):
         assert abs(ours - eager) <= 1e-5, (step, ours, eager)
@@ -375,20 +386,3 @@ def test_the_compile_settings_reach_torch_compile():
         [{"backend": "inductor", "mode": None, "fullgraph": False, "dynamic": None}]
     ] * 2
     assert len(model.asked) == 1  # regional leaves the root alone
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("hardware", "checkpointing"), [("deepspeed_zero3", "full"), ("megatron_tp2", "none")]
-)
-def test_compiled_blocks_under_deepspeed_and_megatron_match_eager(
-    eager_reference, tmp_path, hardware, checkpointing
-):
-    """Regional compilation before DeepSpeed's engine wraps the model (with activation checkpointing), and
-    after tensor parallel (alone: both at once are refused there)."""
-    result = rank_checks.run_ranks(
-        rank_checks.matrix_run, hardware, "no", str(tmp_path / "ckpt"), "regional", checkpointing
-    )[0]
-    for step, (ours, eager) in enumerate(zip(result["losses"], eager_reference["losses"], strict=True)):
-        assert abs(ours - eager) <= 1e-5, (step, ours, eager)
-    assert result["after_load"] == result["continued"]

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Callable
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 
+from runner.cluster import patch_environment
 from runner.launchers.base import RankFailedError
 from runner.launchers.local import single_node_config
 
@@ -36,7 +35,7 @@ def notebook_launcher(
     are where the processes meet ("0": a free port). On CPU each process computes on one thread: a forked
     process cannot use the OpenMP threads of a notebook that has already computed.
     """
-    with _environment(ACCELERATE_MIXED_PRECISION=mixed_precision):
+    with patch_environment(ACCELERATE_MIXED_PRECISION=mixed_precision):
         if num_processes is None or num_processes == 1:
             return {0: function(*args)}
         if num_processes < 1:
@@ -55,7 +54,7 @@ def notebook_launcher(
             monitor_interval=monitor_interval,
         )
         threads = {} if torch.cuda.is_available() else {"OMP_NUM_THREADS": "1"}
-        with _environment(**threads):
+        with patch_environment(**threads):
             try:
                 return elastic_launch(config, function)(*args)
             except ChildFailedError as err:
@@ -68,18 +67,3 @@ def notebook_launcher(
                     f"process {rank} of {num_processes} failed (exit code {failure.exitcode}): "
                     f"{report['message']}\n{traceback}".rstrip()
                 ) from err
-
-
-@contextmanager
-def _environment(**variables: str):
-    """Set environment variables for the duration (children inherit them), then restore them."""
-    previous = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

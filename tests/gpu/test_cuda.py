@@ -274,7 +274,6 @@ def test_fp8_on_a_capable_gpu_trains_float8_linears_near_bf16(tmp_path, single_g
         proc = runner_cli(tmp_path, *GPT_RUN, "hardware.device=cuda", "precision=fp8")
         assert proc.returncode == 2 and "compute capability 8.9 or newer" in proc.stderr
         return
-    pytest.importorskip("torchao")
     # gpt_sonnets' widths (96, 384) are multiples of 16: every block linear is float8, the head is kept.
     proc = runner_cli(tmp_path, *GPT_RUN, "hardware.device=cuda", "precision=fp8")
     ours, reference = final_metrics(proc), single_gpu["bf16"]
