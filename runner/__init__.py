@@ -20,11 +20,36 @@ if TYPE_CHECKING:
     )
     from runner.checkpoint import ProjectConfiguration
     from runner.config import ActivationCheckpointingConfig, CompileConfig
+    from runner.handlers import (
+        AutocastKwargs,
+        DataLoaderConfiguration,
+        DDPCommunicationHookType,
+        DistributedDataParallelKwargs,
+        GradientAccumulationPlugin,
+        GradScalerKwargs,
+        InitProcessGroupKwargs,
+        ProfileKwargs,
+    )
     from runner.launchers.notebook import notebook_launcher
+    from runner.memory import find_executable_batch_size
+    from runner.partial_state import PartialState
     from runner.rng import set_seed
+    from runner.state import DistributedType
+    from runner.utils import synchronize_rng_states
 
 # public name -> the module that defines it
 EXPORTS = {
+    "AutocastKwargs": "runner.handlers",
+    "DDPCommunicationHookType": "runner.handlers",
+    "DataLoaderConfiguration": "runner.handlers",
+    "DistributedDataParallelKwargs": "runner.handlers",
+    "GradScalerKwargs": "runner.handlers",
+    "InitProcessGroupKwargs": "runner.handlers",
+    "ProfileKwargs": "runner.handlers",
+    "GradientAccumulationPlugin": "runner.handlers",
+    "DistributedType": "runner.state",
+    "find_executable_batch_size": "runner.memory",
+    "synchronize_rng_states": "runner.utils",
     "Accelerator": "runner.accelerator",
     "ActivationCheckpointingConfig": "runner.config",
     "CompileConfig": "runner.config",
@@ -36,15 +61,27 @@ EXPORTS = {
     "load_checkpoint_and_dispatch": "runner.big_modeling",
     "load_checkpoint_in_model": "runner.big_modeling",
     "notebook_launcher": "runner.launchers.notebook",
+    "PartialState": "runner.partial_state",
     "set_seed": "runner.rng",
 }
 
 __all__ = [
     "Accelerator",
     "ActivationCheckpointingConfig",
+    "AutocastKwargs",
     "CompileConfig",
+    "DDPCommunicationHookType",
+    "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "InitProcessGroupKwargs",
+    "PartialState",
+    "ProfileKwargs",
     "ProjectConfiguration",
     "dispatch_model",
+    "find_executable_batch_size",
     "infer_auto_device_map",
     "init_empty_weights",
     "init_on_device",
@@ -52,6 +89,7 @@ __all__ = [
     "load_checkpoint_in_model",
     "notebook_launcher",
     "set_seed",
+    "synchronize_rng_states",
 ]
 
 

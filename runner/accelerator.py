@@ -11,13 +11,16 @@ import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from functools import partial, wraps
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch.utils.data import DataLoader
+from torch.utils.hooks import RemovableHandle
 
+import runner.collectives as collectives
 from runner.checkpoint import (
     ProjectConfiguration,
     check_checkpoint_fits,
@@ -37,7 +40,9 @@ from runner.checkpoint import (
     start_staging,
     write_meta,
 )
-from runner.config import ActivationCheckpointingConfig, CompileConfig
+from runner.cluster import accelerate_launch_settings
+from runner.collectives import rng_generators
+from runner.config import ActivationCheckpointingConfig, CompileConfig, CompileScope
 from runner.data_loader import (
     DataLoaderShard,
     last_batch_remainder,
@@ -46,15 +51,26 @@ from runner.data_loader import (
     shard_dataloader,
 )
 from runner.errors import ConfigError
+from runner.handlers import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    ProfileKwargs,
+)
 from runner.hardware import Strategy, default_strategy
 from runner.ops import apply_to_tensors, is_tensor_structure
+from runner.partial_state import ProcessControl, activate, deactivate
 from runner.precision import Precision
 from runner.precision import from_name as precision_from_name
 from runner.prepared import AcceleratedOptimizer, AcceleratedScheduler
 from runner.rng import rng_state, set_rng_state
-from runner.state import DistributedType, GradientState
-from runner.trackers import BlankTracker, Tracker, tracker_from_name
-from runner.weights import save_model_files, set_module_tensor
+from runner.state import GradientState
+from runner.trackers import BlankTracker, LoggerType, Tracker, trackers_from_name
+from runner.weights import distinct_tensors, save_model_files, set_module_tensor
 
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
 
@@ -67,12 +83,17 @@ def _is_new_optimizer(obj: Any) -> bool:
     return isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer)
 
 
-class Accelerator:
+class Accelerator(ProcessControl):
     """Prepares models, optimizers, dataloaders and schedulers, and runs the training step around them.
 
     Args:
-        mixed_precision: "no", "fp16", "bf16", or a `Precision` plugin (what `conf/precision` builds);
-            None: `$ACCELERATE_MIXED_PRECISION`, else "no".
+        mixed_precision: "no", "fp16", "bf16", "fp8", or a `Precision` plugin (what `conf/precision`
+            builds); None: `$ACCELERATE_MIXED_PRECISION`, else "no".
+
+        What `accelerate launch` sets is applied where the script leaves the default: ACCELERATE_USE_CPU,
+        _MIXED_PRECISION, _GRADIENT_ACCUMULATION_STEPS, _DYNAMO_BACKEND (with _MODE, _USE_FULLGRAPH,
+        _USE_DYNAMIC, _USE_REGIONAL_COMPILATION). ACCELERATE_USE_FSDP, _USE_DEEPSPEED, _USE_MEGATRON_LM,
+        _DEBUG_MODE are refused (ValueError) rather than run as plain data parallel.
         gradient_accumulation_steps: micro-batches per optimizer step, driven by `accumulate()`.
         device_placement: move prepared models and batches to `device`.
         cpu: force the CPU when no `strategy` is given.
@@ -81,12 +102,21 @@ class Accelerator:
             dataloader: "generator" (the sampler's), "torch", "cuda". Default ["generator"].
         split_batches: the dataloader's batch size is the global one, split across processes.
         even_batches: pad the last batches so that every process gets the same number of batches.
+        dataloader_config: `DataLoaderConfiguration` (split_batches, even_batches, data_seed,
+            non_blocking, ...); its values win over the two arguments above.
+        gradient_accumulation_plugin: `GradientAccumulationPlugin` (num_steps, adjust_scheduler,
+            sync_with_dataloader, sync_each_batch); refused together with gradient_accumulation_steps.
+        kwargs_handlers: Accelerate's handlers (`runner.utils.DistributedDataParallelKwargs`,
+            `InitProcessGroupKwargs`, `GradScalerKwargs`, `AutocastKwargs`, `ProfileKwargs`): each goes to
+            what it configures (the strategy, the precision, `profile()`); one of each kind.
         strategy: the hardware backend (what `conf/hardware` builds); default DDP when a launcher started
             several ranks (torchrun, srun), else one process on CUDA when available, else the CPU.
         project_dir: shorthand for `ProjectConfiguration(project_dir=...)`.
         project_config: where `save_state()` without a directory writes, and how it names checkpoints.
-        log_with: trackers ("mlflow", "all", or `runner.trackers.Tracker` objects) that `init_trackers`
-            starts and `log` writes to, on the main process only.
+        log_with: trackers that `init_trackers` starts and `log` writes to, on the main process (unless
+            a tracker says `main_process_only = False`): "mlflow", "tensorboard", "all" (those installed),
+            `LoggerType` members, or tracker objects (`MLflowTracker(...)`, a `GeneralTracker` subclass).
+        logging_dir: where trackers keep local files (TensorBoard's events); None: `project_dir`.
         compile: `torch.compile` of prepared models (`CompileConfig`: the whole model or each block),
             applied by the strategy before it wraps the model; None: eager.
         activation_checkpointing: recompute each block's activations in backward
@@ -106,42 +136,62 @@ class Accelerator:
         strategy: Strategy | None = None,
         project_dir: str | None = None,
         project_config: ProjectConfiguration | None = None,
-        log_with: str | Tracker | list[str | Tracker] | None = None,
+        log_with: str | LoggerType | Tracker | list[str | LoggerType | Tracker] | None = None,
         compile: CompileConfig | None = None,
         activation_checkpointing: ActivationCheckpointingConfig | None = None,
+        dataloader_config: DataLoaderConfiguration | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+        kwargs_handlers: list[KwargsHandler] | None = None,
+        logging_dir: str | None = None,
     ) -> None:
-        if gradient_accumulation_steps < 1:
-            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}.")
-        self.strategy = strategy or default_strategy(cpu)
+        launch = accelerate_launch_settings()  # what `accelerate launch` set, where the script did not
+        if gradient_accumulation_plugin is None and gradient_accumulation_steps == 1:
+            gradient_accumulation_steps = launch.gradient_accumulation_steps or 1
+        if compile is None and launch.dynamo_backend is not None:
+            compile = CompileConfig(
+                scope=CompileScope.regional if launch.dynamo_regional else CompileScope.model,
+                backend=launch.dynamo_backend,
+                mode=launch.dynamo_mode,
+                fullgraph=launch.dynamo_fullgraph,
+                dynamic=launch.dynamo_dynamic,
+            )
+        accumulation = _accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
+        handlers = _one_of_each(kwargs_handlers or [])
+        self.strategy = strategy or default_strategy(cpu or launch.cpu)
+        for handler in handlers:
+            if isinstance(handler, (InitProcessGroupKwargs, DistributedDataParallelKwargs)):
+                self.strategy.use_kwargs(handler)
         self.state = self.strategy.setup_environment()
+        activate(self.strategy, self.state)
         self.precision = self.strategy.setup_precision(
             mixed_precision
             if isinstance(mixed_precision, Precision)
-            else precision_from_name(
-                mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")  # set by notebook_launcher
-            )
+            else precision_from_name(mixed_precision or launch.mixed_precision)
         )
+        for handler in handlers:
+            if isinstance(handler, (AutocastKwargs, GradScalerKwargs)):
+                self.precision.use_kwargs(handler)
+        self.profile_handler = next((h for h in handlers if isinstance(h, ProfileKwargs)), None)
         self.precision.setup(self.state.device)
         self.strategy.setup_compute(
             compile or CompileConfig(), activation_checkpointing or ActivationCheckpointingConfig()
         )
-        self.gradient_state = GradientState(num_steps=gradient_accumulation_steps)
+        self.gradient_state = GradientState(
+            num_steps=accumulation.num_steps,
+            adjust_scheduler=accumulation.adjust_scheduler,
+            sync_with_dataloader=accumulation.sync_with_dataloader,
+            sync_each_batch=accumulation.sync_each_batch,
+        )
         # id of a parameter -> (it, what device placement replaced it with); the old one is kept alive so
         # that its id is not reused.
         self._placed: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        # RNGType members or their values ("torch", "cuda", "generator").
-        self.rng_types = (
-            ["generator"] if rng_types is None else [str(getattr(t, "value", t)) for t in rng_types]
+        self.rng_types = ["generator"] if rng_types is None else list(rng_types)
+        rng_generators(self.rng_types, self.device)  # a ValueError for an unknown one, now
+        self.dataloader_config = dataloader_config or DataLoaderConfiguration(
+            split_batches=split_batches, even_batches=even_batches
         )
-        unknown = set(self.rng_types) - {"generator", "torch", "cuda"}
-        if unknown:
-            raise ValueError(
-                f"rng_types={rng_types}: unknown {sorted(unknown)}; use 'generator', 'torch', 'cuda'."
-            )
-        self.split_batches = split_batches
-        self.even_batches = even_batches
         self.step = 0
         self._trigger = False
         self._models: list[torch.nn.Module] = []
@@ -150,44 +200,37 @@ class Accelerator:
         self._dataloaders: list[DataLoaderShard] = []
         self._micro_batch_size: int | None = None  # per process, of the first prepared dataloader
         self._custom_objects: list[Any] = []
-        self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
+        self.project_configuration = project_config or ProjectConfiguration(
+            project_dir=project_dir, logging_dir=logging_dir
+        )
+        self._save_state_pre_hooks: dict[int, Callable[..., None]] = {}
+        self._load_state_pre_hooks: dict[int, Callable[..., None]] = {}
         entries = log_with if isinstance(log_with, list) else [] if log_with is None else [log_with]
-        self.log_with = [tracker_from_name(e) if isinstance(e, str) else e for e in entries]
+        self.log_with = [
+            tracker for e in entries for tracker in (trackers_from_name(e) if isinstance(e, str) else [e])
+        ]
         self.trackers: list[Tracker] = []
 
     # ----------------------------------------------------------------------------------- process info
     @property
-    def device(self) -> torch.device:
-        return self.state.device
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
 
     @property
-    def process_index(self) -> int:
-        return self.state.process_index
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
 
     @property
-    def local_process_index(self) -> int:
-        return self.state.local_process_index
+    def non_blocking(self) -> bool:
+        return self.dataloader_config.non_blocking
 
     @property
-    def num_processes(self) -> int:
-        return self.state.num_processes
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler
 
     @property
-    def is_main_process(self) -> bool:
-        return self.state.is_main_process
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.state.is_local_main_process
-
-    @property
-    def distributed_type(self) -> DistributedType:
-        """How the processes share the work, as the strategy reports it (`DistributedType.FSDP`, ...)."""
-        return self.strategy.distributed_type
-
-    @property
-    def use_distributed(self) -> bool:
-        return self.num_processes > 1
+    def logging_dir(self) -> str | None:
+        return self.project_configuration.logging_dir
 
     @property
     def mixed_precision(self) -> str:
@@ -205,11 +248,6 @@ class Accelerator:
     def optimizer_step_was_skipped(self) -> bool:
         """True when the last optimizer step was skipped (fp16 overflow)."""
         return any(opt.step_was_skipped for opt in self._optimizers)
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """`print` on the local main process only."""
-        if self.is_local_main_process:
-            print(*args, **kwargs)
 
     # ---------------------------------------------------------------------------------------- prepare
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
@@ -310,11 +348,15 @@ class Accelerator:
         return wrapped
 
     def prepare_data_loader(
-        self, dataloader: DataLoader, device_placement: bool | None = None
+        self, data_loader: DataLoader, device_placement: bool | None = None
     ) -> DataLoaderShard:
-        """This process's share of `dataloader`'s batches, placed on the device."""
+        """This process's share of `data_loader`'s batches, placed on the device."""
+        dataloader = data_loader
         place = device_placement if device_placement is not None else self.device_placement
         generators = sampler_generators(dataloader)
+        if self.dataloader_config.data_seed is not None:
+            for generator in generators:
+                generator.manual_seed(self.dataloader_config.data_seed)
         readers, reader = self.state.data_parallel_size, self.state.data_parallel_index
         shard = shard_dataloader(dataloader, readers, reader, self.split_batches, self.even_batches)
         remainder = last_batch_remainder(dataloader, readers, self.split_batches)
@@ -325,10 +367,10 @@ class Accelerator:
             shard,
             self.gradient_state,
             device=self.device if place else None,
-            remainder=remainder if self.even_batches else 0,
+            remainder=remainder,
             synchronize_rng=partial(self._synchronize_rng, generators) if self.use_distributed else None,
             generators=generators,
-            place=self.strategy.device_batches,
+            place=partial(self.strategy.device_batches, non_blocking=self.non_blocking),
         )
         self._dataloaders.append(wrapped)
         return wrapped
@@ -342,19 +384,15 @@ class Accelerator:
 
     def _synchronize_rng(self, loader_generators: list[torch.Generator]) -> None:
         """Give every process process 0's state of the RNGs named by `rng_types`."""
-        generators = {
-            "generator": loader_generators,
-            "torch": [torch.default_generator],
-            "cuda": [torch.cuda.default_generators[self.device.index or 0]]
-            if self.device.type == "cuda"
-            else [],
-        }
-        for rng_type in self.rng_types:
-            for generator in generators[rng_type]:
-                generator.set_state(self.strategy.broadcast(generator.get_state(), src=0))
+        generators = rng_generators(self.rng_types, self.device, loader_generators)
+        collectives.synchronize_rng_states(self.strategy, generators)
 
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
-        """The user's model from a prepared one; `keep_fp32_wrapper=False` also removes the autocast forward."""
+    def unwrap_model(
+        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> torch.nn.Module:
+        """The user's model from a prepared one; `keep_fp32_wrapper=False` also removes the autocast
+        forward. Runner compiles in place (`Module.compile`), so there is no compiled wrapper to keep or
+        remove: `keep_torch_compile` is Accelerate's argument, with nothing to do."""
         model = self.strategy.unwrap_module(model)
         if not keep_fp32_wrapper and "_original_forward" in model.__dict__:  # precision's autocast forward
             model.forward = model.__dict__.pop("_original_forward")
@@ -371,7 +409,7 @@ class Accelerator:
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
         """One micro-batch: sets `sync_gradients` and skips gradient sync on the models in between."""
         self._do_sync()
-        if self.sync_gradients:
+        if self.sync_gradients or (self.use_distributed and self.gradient_state.sync_each_batch):
             yield
             return
         with ExitStack() as stack:
@@ -380,7 +418,7 @@ class Accelerator:
             yield
 
     def _do_sync(self) -> None:
-        if self.gradient_state.end_of_dataloader:
+        if self.gradient_state.sync_with_dataloader and self.gradient_state.end_of_dataloader:
             self.step = 0
             self.gradient_state.sync_gradients = True
         else:
@@ -391,9 +429,41 @@ class Accelerator:
         """Gradients computed inside are not synchronised across processes."""
         return self.strategy.no_sync(model)
 
-    def autocast(self) -> AbstractContextManager:
-        """The precision's autocast context (prepared models already run their forward in it)."""
-        return self.precision.autocast()
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> AbstractContextManager:
+        """The precision's autocast context (prepared models already run their forward in it);
+        `autocast_handler` overrides the `AutocastKwargs` given to the Accelerator."""
+        return self.precision.autocast(autocast_handler)
+
+    def trigger_sync_in_backward(self, model: torch.nn.Module) -> AbstractContextManager:
+        """Synchronise gradients in the next backward, after forwards run under `no_sync`."""
+        return self.strategy.trigger_sync_in_backward(model)
+
+    @contextmanager
+    def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
+        """Train on dataloaders that give processes different numbers of batches: processes that finish
+        first shadow the others' collectives (DDP's `Join`). `even_batches` overrides the prepared
+        dataloaders' inside."""
+        with ExitStack() as stack:
+            if even_batches is not None:
+                for loader in self._dataloaders:
+                    stack.enter_context(loader.even_batches_set_to(even_batches))
+            if self.use_distributed:
+                stack.enter_context(self.strategy.join(joinables))
+            yield
+
+    @contextmanager
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> Iterator[torch.profiler.profile]:
+        """`torch.profiler` over the body, with `profile_handler`'s (else the Accelerator's `ProfileKwargs`)
+        settings; with `output_trace_dir`, each process writes its Chrome trace `profile_<i>.json` there."""
+        handler = profile_handler or self.profile_handler or ProfileKwargs()
+        with handler.build() as profiler:
+            yield profiler
+        if handler.output_trace_dir is not None:
+            Path(handler.output_trace_dir).mkdir(parents=True, exist_ok=True)
+            profiler.export_chrome_trace(
+                str(Path(handler.output_trace_dir) / f"profile_{self.process_index}.json")
+            )
+            self.wait_for_everyone()
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Undo fp16 loss scaling on the gradients (called by the clip functions)."""
@@ -416,7 +486,7 @@ class Accelerator:
     # ------------------------------------------------------------------------------------ collectives
     def gather(self, tensor: Any) -> Any:
         """Concatenate tensors (nested structures too) from all processes along the first dimension."""
-        return apply_to_tensors(self.strategy.all_gather, tensor)
+        return collectives.gather(self.strategy, tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """`gather` (or `gather_object` for non-tensor data), minus the samples that even batches
@@ -425,11 +495,8 @@ class Accelerator:
             data = self.gather_object(input_data)
         else:
             data = self.gather(input_data)
-        remainder = (
-            self.gradient_state.active_dataloaders[-1].remainder
-            if self.gradient_state.end_of_dataloader
-            else 0
-        )
+        loader = self.gradient_state.active_dataloaders[-1] if self.gradient_state.end_of_dataloader else None
+        remainder = loader.remainder if loader is not None and loader.even_batches else 0
         if remainder > 0:
             data = (
                 data[:remainder]
@@ -440,50 +507,26 @@ class Accelerator:
 
     def gather_object(self, obj: Any) -> list[Any]:
         """Every process's picklable `obj`, in process order; lists and tuples are concatenated."""
-        gathered = self.strategy.all_gather_object(obj)
-        if isinstance(obj, (list, tuple)):
-            return [item for part in gathered for item in part]
-        return gathered
+        return collectives.gather_object(self.strategy, obj)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        """Reduce tensors across processes with "sum" or "mean" ("none" returns them as they are)."""
-        if reduction not in ("sum", "mean", "none"):
-            raise ValueError(f"reduction={reduction!r}: expected 'sum', 'mean' or 'none'.")
-
-        def _reduce(t: torch.Tensor) -> torch.Tensor:
-            out = t if reduction == "none" else self.strategy.all_reduce(t.clone(), op=reduction)
-            return out * scale if scale != 1.0 else out
-
-        return apply_to_tensors(_reduce, tensor)
+        """Reduce tensors (nested structures too) across processes: "sum", "mean", "max", "min" ("none"
+        returns them as they are), times `scale`."""
+        return collectives.reduce(self.strategy, tensor, reduction, scale)
 
     def pad_across_processes(
         self, tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False
     ) -> Any:
         """Pad tensors along `dim` to the largest size any process has, so that they can be gathered."""
-
-        def _pad(t: torch.Tensor) -> torch.Tensor:
-            if dim >= t.ndim or dim < -t.ndim:
-                return t
-            size = torch.tensor(t.shape, device=self.device)
-            longest = int(self.strategy.all_gather(size).view(-1, size.numel())[:, dim].max())
-            if longest == t.shape[dim]:
-                return t
-            shape = list(t.shape)
-            shape[dim] = longest
-            padded = t.new_full(shape, pad_index)
-            start = longest - t.shape[dim] if pad_first else 0
-            padded.narrow(dim, start, t.shape[dim]).copy_(t)
-            return padded
-
-        return apply_to_tensors(_pad, tensor)
+        return collectives.pad_across_processes(self.strategy, tensor, dim, pad_index, pad_first)
 
     def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
         """Overwrite tensors (nested structures too) with process `from_process`'s, in place."""
-        return apply_to_tensors(lambda t: self.strategy.broadcast(t, src=from_process), tensor)
+        return collectives.broadcast(self.strategy, tensor, from_process)
 
     def broadcast_object_list(self, object_list: list[Any], from_process: int = 0) -> list[Any]:
         """Replace the picklable objects of `object_list`, in place, by process `from_process`'s."""
-        return self.strategy.broadcast_object_list(object_list, src=from_process)
+        return collectives.broadcast_object_list(self.strategy, object_list, from_process)
 
     def set_trigger(self) -> None:
         """Raise this process's flag; the next `check_trigger` on every process sees it."""
@@ -498,59 +541,6 @@ class Accelerator:
             raised = self.strategy.all_reduce(flag).item() > 0
         self._trigger = False
         return raised
-
-    # --------------------------------------------------------------------------------- execution order
-    def wait_for_everyone(self) -> None:
-        """Block until every process reaches this line (no-op with one process)."""
-        self.strategy.barrier()
-
-    @contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        """Run the body on the main process first, then on the others."""
-        with self._goes_first(self.is_main_process):
-            yield
-
-    @contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
-        """Run the body on each machine's local main process first, then on the others."""
-        with self._goes_first(self.is_local_main_process):
-            yield
-
-    @contextmanager
-    def _goes_first(self, is_first: bool) -> Iterator[None]:
-        if not is_first:
-            self.wait_for_everyone()
-        yield
-        if is_first:
-            self.wait_for_everyone()
-
-    def on_main_process(self, function: Callable) -> Callable:
-        """Decorator: run `function` on the main process only."""
-        return self._run_on(function, self.is_main_process)
-
-    def on_local_main_process(self, function: Callable) -> Callable:
-        """Decorator: run `function` on the main process of each machine only."""
-        return self._run_on(function, self.is_local_main_process)
-
-    def on_process(self, function: Callable | None = None, process_index: int = 0) -> Callable:
-        """Decorator: run `function` on process `process_index` only (usable with or without arguments)."""
-        if function is None:
-            return lambda fn: self.on_process(fn, process_index=process_index)
-        return self._run_on(function, self.process_index == process_index)
-
-    def on_local_process(self, function: Callable | None = None, local_process_idx: int = 0) -> Callable:
-        """Decorator: run `function` on local process `local_process_idx` of each machine only."""
-        if function is None:
-            return lambda fn: self.on_local_process(fn, local_process_idx=local_process_idx)
-        return self._run_on(function, self.local_process_index == local_process_idx)
-
-    @staticmethod
-    def _run_on(function: Callable, here: bool) -> Callable:
-        @wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if here else None
-
-        return wrapper
 
     # ------------------------------------------------------------------------------------- checkpoints
     @property
@@ -604,10 +594,62 @@ class Accelerator:
         self.wait_for_everyone()
         return str(final)
 
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call `hook(models, weights, output_dir)` at the start of every `save_state`: `models` the
+        unwrapped prepared models, `weights` their state dicts, `output_dir` the checkpoint's directory
+        being written. A model whose state dict the hook removes from `weights` is not saved by
+        `save_state` (the hook saves it its own way: `save_pretrained`)."""
+        handle = RemovableHandle(self._save_state_pre_hooks)
+        self._save_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call `hook(models, input_dir)` at the start of every `load_state`: a model the hook removes
+        from `models` is not loaded by `load_state` (the hook loads it its own way)."""
+        handle = RemovableHandle(self._load_state_pre_hooks)
+        self._load_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def _models_to_save(self, staging: Path) -> list[torch.nn.Module]:
+        """The prepared models that `save_state` writes, after the save hooks took theirs."""
+        if not self._save_state_pre_hooks:
+            return self._models
+        models = [self.unwrap_model(m) for m in self._models]
+        weights = [self.get_state_dict(m) for m in self._models]
+        kept_before = {id(w): i for i, w in enumerate(weights)}
+        for hook in self._save_state_pre_hooks.values():
+            hook(models, weights, str(staging))
+        return [self._models[kept_before[id(w)]] for w in weights if id(w) in kept_before]
+
+    def _models_to_load(self, directory: Path) -> list[torch.nn.Module]:
+        """The prepared models that `load_state` fills, after the load hooks took theirs."""
+        if not self._load_state_pre_hooks:
+            return self._models
+        unwrapped = [self.unwrap_model(m) for m in self._models]
+        models = list(unwrapped)
+        for hook in self._load_state_pre_hooks.values():
+            hook(models, str(directory))
+        left = {id(m) for m in models}
+        return [prepared for prepared, m in zip(self._models, unwrapped, strict=True) if id(m) in left]
+
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+        """Write `obj` to `f` once (from the main process), through a temporary file renamed into place:
+        `torch.save`, or safetensors for a dict of tensors with `safe_serialization`."""
+        if self.is_main_process:
+            path = Path(f)
+            partial_path = path.with_name(f".{path.name}.partial")
+            if safe_serialization:
+                save_file(distinct_tensors(obj), partial_path)
+            else:
+                torch.save(obj, partial_path)
+            partial_path.replace(path)
+        self.wait_for_everyone()
+
     def _write_checkpoint(self, staging: Path) -> None:
         """Every process's part of a checkpoint into `staging`; the main process's `meta.json` last."""
         optimizers = [opt.optimizer for opt in self._optimizers]
-        self.strategy.save_checkpoint(staging, self._models, optimizers, self.is_main_process)
+        models = self._models_to_save(staging)
+        self.strategy.save_checkpoint(staging, models, optimizers, self.is_main_process)
         if self.is_main_process:
             parts = {
                 "scheduler": self._schedulers,
@@ -622,7 +664,7 @@ class Accelerator:
         self.wait_for_everyone()
         if self.is_main_process:
             counts = {
-                "models": len(self._models),
+                "models": len(models),
                 "optimizers": len(optimizers),
                 **{k: len(v) for k, v in parts.items()},
             }
@@ -646,13 +688,14 @@ class Accelerator:
         # Sizes here; `python -m runner` also checks the contents (CRC-32) before any rank starts.
         if problems := damage(directory, meta, contents=False):
             raise damaged_error(directory, problems, key="load_state input_dir")
+        models = self._models_to_load(directory)
         parts = {
             "scheduler": self._schedulers,
             "dataloader": self._dataloaders,
             "custom_checkpoint": self._custom_objects,
         }
         counts = {
-            "models": len(self._models),
+            "models": len(models),
             "optimizers": len(self._optimizers),
             **{k: len(v) for k, v in parts.items()},
         }
@@ -662,7 +705,7 @@ class Accelerator:
                 f"{directory} holds {meta['counts']}, but this Accelerator has {counts} prepared/registered: "
                 "prepare and register the same objects, in the same order, as the run that saved it."
             )
-        self.strategy.load_checkpoint(directory, self._models, [opt.optimizer for opt in self._optimizers])
+        self.strategy.load_checkpoint(directory, models, [opt.optimizer for opt in self._optimizers])
         for prefix, objects in parts.items():
             for i, obj in enumerate(objects):
                 obj.load_state_dict(load_torch(directory / f"{prefix}_{i}.pt"))
@@ -728,12 +771,11 @@ class Accelerator:
     ) -> None:
         """Start the `log_with` trackers on the main process (local files under `project_dir`) and record
         `config` as the run's parameters; `init_kwargs={"mlflow": {"tags": {...}}}` adds run tags."""
-        if not self.is_main_process:
-            return
         for tracker in self.log_with:
-            tracker.start(
-                project_name, logging_dir=self.project_dir, **(init_kwargs or {}).get(tracker.name, {})
-            )
+            if tracker.main_process_only and not self.is_main_process:
+                continue
+            logging_dir = self.logging_dir or self.project_dir
+            tracker.open(project_name, logging_dir, (init_kwargs or {}).get(tracker.name, {}))
             if config is not None:
                 tracker.store_init_configuration(config)
             self.trackers.append(tracker)
@@ -776,9 +818,46 @@ class Accelerator:
     def end_training(self) -> None:
         """Close the trackers' runs, then release the process group and the strategy's other resources."""
         for tracker in self.trackers:
-            tracker.finish()
+            tracker.close()
         self.trackers.clear()
         self.strategy.teardown()
+        deactivate(self.strategy)
+
+
+def _accumulation_plugin(steps: int, plugin: GradientAccumulationPlugin | None) -> GradientAccumulationPlugin:
+    """The one description of gradient accumulation that the arguments give (Accelerate refuses both)."""
+    if steps < 1:
+        raise ValueError(f"gradient_accumulation_steps must be >= 1, got {steps}.")
+    if plugin is None:
+        return GradientAccumulationPlugin(num_steps=steps)
+    if steps != 1:
+        raise ValueError(
+            "Give gradient accumulation once: gradient_accumulation_steps or gradient_accumulation_plugin "
+            f"(GradientAccumulationPlugin(num_steps={steps}, ...)), not both."
+        )
+    if plugin.num_steps is None or plugin.num_steps < 1:
+        raise ValueError(f"GradientAccumulationPlugin.num_steps must be >= 1, got {plugin.num_steps}.")
+    return plugin
+
+
+def _one_of_each(handlers: list[KwargsHandler]) -> list[KwargsHandler]:
+    """`handlers`, refused when one is no kwargs handler or when two are of one kind."""
+    kinds = (
+        DistributedDataParallelKwargs,
+        InitProcessGroupKwargs,
+        GradScalerKwargs,
+        AutocastKwargs,
+        ProfileKwargs,
+    )
+    for handler in handlers:
+        if not isinstance(handler, kinds):
+            raise ValueError(
+                f"kwargs_handlers: {handler!r} is not one of {', '.join(k.__name__ for k in kinds)}."
+            )
+    names = [type(h).__name__ for h in handlers]
+    if doubled := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(f"kwargs_handlers: give one {' and one '.join(doubled)}, not several.")
+    return handlers
 
 
 def _qualified_name(obj: Any) -> str:

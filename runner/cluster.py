@@ -130,3 +130,58 @@ def patch_environment(**kwargs: Any) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+# `accelerate launch` (and an Accelerate config) pass settings to the script in these variables.
+_ACCELERATE_REFUSED = {
+    "ACCELERATE_USE_FSDP": "FSDP: pass strategy=runner.hardware.FSDP(...) to Accelerator, or run `python -m runner hardware=fsdp`",
+    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed: pass strategy=runner.hardware.DeepSpeed(...), or run `python -m runner hardware=deepspeed`",
+    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM: pass strategy=runner.hardware.TensorParallel(...), or run `python -m runner hardware=megatron`",
+    "ACCELERATE_USE_SAGEMAKER": "SageMaker data parallel, which runner does not have",
+    "ACCELERATE_DEBUG_MODE": "debug mode (shape checks before every collective), which runner does not have",
+}
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes")
+
+
+@dataclass(frozen=True)
+class AccelerateLaunchSettings:
+    """What `accelerate launch` set for the script, as the Accelerator applies it."""
+
+    cpu: bool = False  # ACCELERATE_USE_CPU
+    mixed_precision: str | None = None  # ACCELERATE_MIXED_PRECISION
+    gradient_accumulation_steps: int | None = None  # ACCELERATE_GRADIENT_ACCUMULATION_STEPS
+    # ACCELERATE_DYNAMO_BACKEND (None: "no"), _MODE, _USE_FULLGRAPH, _USE_DYNAMIC, _USE_REGIONAL_COMPILATION
+    dynamo_backend: str | None = None
+    dynamo_mode: str | None = None
+    dynamo_fullgraph: bool = False
+    dynamo_dynamic: bool | None = None
+    dynamo_regional: bool = False
+
+
+def accelerate_launch_settings() -> AccelerateLaunchSettings:
+    """The `ACCELERATE_*` variables of this process's environment that runner applies; ValueError for
+    one that selects what runner's Accelerator does not do that way (FSDP, DeepSpeed, ... from a launch
+    config: never silently replaced by plain data parallel)."""
+    refused = [f"{name}=true asks for {why}" for name, why in _ACCELERATE_REFUSED.items() if _flag(name)]
+    if refused:
+        raise ValueError(
+            "This process was started with Accelerate launch settings that runner's Accelerator does not read: "
+            + "; ".join(refused)
+            + ". Unset them (or launch with torchrun / `accelerate launch` without them)."
+        )
+    steps = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").strip().lower()
+    dynamic = os.environ.get("ACCELERATE_DYNAMO_USE_DYNAMIC")
+    return AccelerateLaunchSettings(
+        cpu=_flag("ACCELERATE_USE_CPU"),
+        mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION") or None,
+        gradient_accumulation_steps=int(steps) if steps else None,
+        dynamo_backend=None if backend in ("", "no") else backend,
+        dynamo_mode=os.environ.get("ACCELERATE_DYNAMO_MODE") or None,
+        dynamo_fullgraph=_flag("ACCELERATE_DYNAMO_USE_FULLGRAPH"),
+        dynamo_dynamic=None if dynamic is None else _flag("ACCELERATE_DYNAMO_USE_DYNAMIC"),
+        dynamo_regional=_flag("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"),
+    )

@@ -359,6 +359,12 @@ class MLflowTrackerConfig(TrackerConfig):
 
 
 @dataclass
+class TensorBoardTrackerConfig(TrackerConfig):
+    experiment_name: str = "runner"  # the folder under logging_dir
+    logging_dir: str | None = None  # null: the run's directory
+
+
+@dataclass
 class RunConfig:
     """The composed config: `model`, `data`, `task`, `optimizer` and `scheduler` are free-form `_target_`
     nodes; the groups the runner reads are typed."""
@@ -396,7 +402,11 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "fp8": Float8Config,
     },
     "launcher": {"local": LocalLauncherConfig, "slurm": SlurmLauncherConfig},
-    "tracker": {"mlflow": MLflowTrackerConfig, "none": TrackerConfig},
+    "tracker": {
+        "mlflow": MLflowTrackerConfig,
+        "tensorboard": TensorBoardTrackerConfig,
+        "none": TrackerConfig,
+    },
 }
 
 

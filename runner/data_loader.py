@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -267,7 +268,8 @@ class DataLoaderShard:
         dataloader: this process's loader (what `shard_dataloader` made).
         gradient_state: the Accelerator's, told which loader is being iterated.
         device: where batches go; None leaves them where the loader puts them.
-        remainder: real samples in the last global batch (-1: unknown); see `gather_for_metrics`.
+        remainder: real samples in the last global batch (-1: unknown); what `gather_for_metrics` keeps
+            of it while batches are even.
         synchronize_rng: called before each pass over the data.
         skip_batches: batches skipped at the start of every pass (`Accelerator.skip_first_batches`).
         generators: the RNGs that decide the order (`sampler_generators`).
@@ -358,6 +360,35 @@ class DataLoaderShard:
         self.iteration = epoch
         loader = self.base_dataloader
         _set_epoch([loader.sampler, loader.batch_sampler, loader.dataset], epoch)
+
+    def _shard(self) -> BatchSamplerShard | IterableDatasetShard | None:
+        """What splits the data between processes (None: one process reads it all)."""
+        sampler = self.base_dataloader.batch_sampler
+        while isinstance(sampler, SkipBatchSampler):
+            sampler = sampler.batch_sampler
+        for candidate in (sampler, self.base_dataloader.dataset):
+            if isinstance(candidate, (BatchSamplerShard, IterableDatasetShard)):
+                return candidate
+        return None
+
+    @property
+    def even_batches(self) -> bool:
+        """Whether every process gets as many batches (the last round completed from the start)."""
+        shard = self._shard()
+        return shard.even_batches if shard is not None else True
+
+    @contextmanager
+    def even_batches_set_to(self, even_batches: bool) -> Iterator[None]:
+        """Inside: this loader's processes get even batches or not (`Accelerator.join_uneven_inputs`)."""
+        shard = self._shard()
+        if shard is None:
+            yield
+            return
+        before, shard.even_batches = shard.even_batches, even_batches
+        try:
+            yield
+        finally:
+            shard.even_batches = before
 
     def skip_first_batches(self, num_batches: int) -> DataLoaderShard:
         """This loader, minus the first `num_batches` batches of each pass (a map-style loader never

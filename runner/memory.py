@@ -52,8 +52,8 @@ def find_executable_batch_size(
     reduce_batch_size_fn: Callable[[], int] | None = None,
 ) -> Callable:
     """Decorate `function(batch_size, ...)`: call it with `starting_batch_size`, and after each
-    out-of-memory error free memory and call it again with half the batch (or `reduce_batch_size_fn()`),
-    until it returns; RuntimeError when the batch size reaches zero. Call the decorated function without
+    out-of-memory error free memory and call it again with 90% of the batch, rounded down (Accelerate
+    1.x's step; or `reduce_batch_size_fn()`), until it returns; RuntimeError when the batch size reaches zero. Call the decorated function without
     the batch size: the decorator passes it."""
     if function is None:
         return functools.partial(
@@ -62,7 +62,7 @@ def find_executable_batch_size(
             reduce_batch_size_fn=reduce_batch_size_fn,
         )
     batch_size = starting_batch_size
-    reduce = reduce_batch_size_fn or (lambda: batch_size // 2)
+    reduce = reduce_batch_size_fn or (lambda: int(batch_size * 0.9))
 
     @functools.wraps(function)
     def decorated(*args: Any, **kwargs: Any) -> Any:

@@ -105,6 +105,6 @@ def _float_to_fp32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if tensor.is_floating_point() else tensor
 
 
-def on_device(batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
-    """Each batch of `batches` moved to `device`."""
-    return (send_to_device(batch, device) for batch in batches)
+def on_device(batches: Iterator[Any], device: torch.device, non_blocking: bool = False) -> Iterator[Any]:
+    """Each batch of `batches` moved to `device` (asynchronously from pinned memory with `non_blocking`)."""
+    return (send_to_device(batch, device, non_blocking=non_blocking) for batch in batches)

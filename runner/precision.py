@@ -19,7 +19,10 @@ from typing import Any
 import torch
 
 from runner.errors import ConfigError
+from runner.handlers import AutocastKwargs, GradScalerKwargs
 from runner.ops import convert_to_fp32
+
+log = logging.getLogger(__name__)
 
 
 class PrecisionType(str, Enum):
@@ -35,6 +38,7 @@ class Precision:
     """Full fp32 (the `fp32` group): no autocast, no loss scaling."""
 
     mixed_precision = "no"
+    autocast_kwargs = AutocastKwargs()
 
     def setup(self, device: torch.device) -> None:
         """Bind to the device this process trains on."""
@@ -52,7 +56,21 @@ class Precision:
         """Prepare a model for this precision (mixed precision runs its forward under autocast)."""
         return self.convert_module(module)
 
-    def autocast(self) -> AbstractContextManager:
+    def use_kwargs(self, handler: AutocastKwargs | GradScalerKwargs) -> None:
+        """Apply Accelerate's `AutocastKwargs` (to every autocast of this precision) or `GradScalerKwargs`
+        (to fp16's loss scaling: a warning elsewhere, as there is no scaler to configure)."""
+        if isinstance(handler, AutocastKwargs):
+            self.autocast_kwargs = handler
+        elif isinstance(handler, GradScalerKwargs):
+            log.warning(
+                "GradScalerKwargs configures fp16 loss scaling; mixed_precision=%r has none, so it changes nothing.",
+                self.mixed_precision,
+            )
+        else:
+            raise TypeError(f"{type(handler).__name__} does not configure a precision.")
+
+    def autocast(self, handler: AutocastKwargs | None = None) -> AbstractContextManager:
+        """The context that computes in this precision (`handler` overrides `AutocastKwargs`)."""
         return nullcontext()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -95,8 +113,9 @@ class MixedPrecision(Precision):
             module.forward = _autocast_forward(module.forward, self.autocast)
         return module
 
-    def autocast(self) -> AbstractContextManager:
-        return torch.autocast(self.device.type, dtype=self.dtype)
+    def autocast(self, handler: AutocastKwargs | None = None) -> AbstractContextManager:
+        settings = (handler or self.autocast_kwargs).to_kwargs()
+        return torch.autocast(self.device.type, dtype=self.dtype, **settings)
 
 
 class ShardedMixedPrecision(Precision):
@@ -214,6 +233,12 @@ class Float16MixedPrecision(MixedPrecision):
             backoff_factor=backoff_factor,
             growth_interval=growth_interval,
         )
+
+    def use_kwargs(self, handler: AutocastKwargs | GradScalerKwargs) -> None:
+        if isinstance(handler, GradScalerKwargs):
+            self.scaler_kwargs.update(handler.to_kwargs())
+        else:
+            super().use_kwargs(handler)
 
     def setup(self, device: torch.device) -> None:
         super().setup(device)

@@ -107,6 +107,8 @@ class AcceleratedScheduler:
             self.scheduler.step(*args, **kwargs)
             return
         if not self.gradient_state.sync_gradients:
+            if self.gradient_state.adjust_scheduler:  # counted, not taken (bounds OneCycleLR)
+                self.scheduler._step_count += 1
             return
         if any(opt.step_was_skipped for opt in self.optimizers):
             return

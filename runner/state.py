@@ -60,6 +60,9 @@ class GradientState:
 
     num_steps: int = 1
     sync_gradients: bool = True
+    adjust_scheduler: bool = True  # GradientAccumulationPlugin's settings
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
     active_dataloaders: list[Any] = field(default_factory=list)
 
     @property

@@ -344,7 +344,7 @@ def closed_on_failure(accelerator: Accelerator) -> Iterator[None]:
         yield
     except BaseException as err:
         for tracker in accelerator.trackers:
-            tracker.finish("KILLED" if isinstance(err, TrainingInterrupted | KeyboardInterrupt) else "FAILED")
+            tracker.close("KILLED" if isinstance(err, TrainingInterrupted | KeyboardInterrupt) else "FAILED")
         accelerator.trackers.clear()
         raise
 

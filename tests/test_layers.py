@@ -18,6 +18,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "state, files and components",
         [
             "runner.errors",
+            "runner.handlers",
             "runner.ops",
             "runner.state",
             "runner.cluster",
@@ -40,7 +41,15 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("hardware strategies", ["runner.hardware"]),
     (
         "the Accelerator and its wrappers",
-        ["runner.data_loader", "runner.prepared", "runner.trackers", "runner.accelerator"],
+        [
+            "runner.collectives",
+            "runner.partial_state",
+            "runner.data_loader",
+            "runner.prepared",
+            "runner.trackers",
+            "runner.accelerator",
+            "runner.local_sgd",
+        ],
     ),
     ("building from config", ["runner.build", "runner.validate"]),
     ("loops and the plan", ["runner.train", "runner.inference", "runner.plan"]),

@@ -32,7 +32,7 @@ from runner.utils import (
 )
 
 
-def test_find_executable_batch_size_halves_the_batch_after_each_out_of_memory_error():
+def test_find_executable_batch_size_takes_90_percent_after_each_out_of_memory_error():
     tried = []
 
     @find_executable_batch_size(starting_batch_size=128)
@@ -42,7 +42,19 @@ def test_find_executable_batch_size_halves_the_batch_after_each_out_of_memory_er
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return batch_size, lr
 
-    assert train(lr=0.1) == (16, 0.1) and tried == [128, 64, 32, 16]
+    assert train(lr=0.1) == (15, 0.1)
+    assert tried == [128, 115, 103, 92, 82, 73, 65, 58, 52, 46, 41, 36, 32, 28, 25, 22, 19, 17, 15]
+
+    halved = []
+
+    @find_executable_batch_size(starting_batch_size=64, reduce_batch_size_fn=lambda: halved[-1] // 2)
+    def with_own_step(batch_size: int) -> int:
+        halved.append(batch_size)
+        if batch_size > 16:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        return batch_size
+
+    assert with_own_step() == 16 and halved == [64, 32, 16]
 
     @find_executable_batch_size(starting_batch_size=4)
     def on_cpu(batch_size: int) -> None:  # the CPU allocator's error is a RuntimeError

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from runner.checkpoint import load_torch
 from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
+from runner.handlers import KwargsHandler
 from runner.hardware.parallelize import apply_ac, apply_compile, blocks_of, compute_settings, sharding_units
 from runner.ops import on_device, send_to_device
 from runner.precision import Precision
@@ -98,6 +99,15 @@ class Strategy(ABC):
         apply_ac(blocks, self.checkpointing)
         apply_compile(module, blocks, self.compile_config)
 
+    def use_kwargs(self, handler: KwargsHandler) -> None:
+        """Apply an Accelerate kwargs handler that configures this backend (before `setup_environment`);
+        ConfigError for one it has no use for."""
+        raise ConfigError(
+            f"kwargs_handlers: {type(handler).__name__} configures what {type(self).__name__} "
+            f"(DistributedType.{self.distributed_type.value}) does not use: remove it, or run the backend it "
+            "is meant for."
+        )
+
     @abstractmethod
     def setup_environment(self) -> ProcessState:
         """Join the job (process group, device selection) and say where this process sits in it."""
@@ -107,7 +117,7 @@ class Strategy(ABC):
         """Block until every process reaches this point."""
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce `tensor` over all processes (`op` is "sum" or "mean")."""
+        """Reduce `tensor` over all processes (`op`: "sum", "mean", "max", "min" or "product")."""
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -173,6 +183,20 @@ class Strategy(ABC):
         """Skip gradient synchronisation inside this context (gradient accumulation)."""
         return nullcontext()
 
+    def trigger_sync_in_backward(self, module: torch.nn.Module) -> AbstractContextManager:
+        """Make the next backward synchronise gradients, even after forwards under `no_sync` (nothing to do
+        where gradients are not synchronised by the wrapper)."""
+        return nullcontext()
+
+    def join(self, joinables: list[Any]) -> AbstractContextManager:
+        """In a job of several processes: let those that run out of batches early shadow the collectives
+        of the others (`torch.distributed.algorithms.Join`)."""
+        raise ConfigError(
+            f"join_uneven_inputs: {type(self).__name__} (DistributedType.{self.distributed_type.value}) "
+            "cannot let ranks run different numbers of steps (DDP can, through torch's Join). Keep "
+            "even_batches=True so that every rank gets as many batches."
+        )
+
     def backward(
         self, loss: torch.Tensor, precision: Precision, sync_gradients: bool = True, **kwargs: Any
     ) -> None:
@@ -212,9 +236,11 @@ class Strategy(ABC):
                 send_to_device(optimizer.state_dict(), torch.device("cpu")), directory / f"optimizer_{i}.pt"
             )
 
-    def device_batches(self, batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
+    def device_batches(
+        self, batches: Iterator[Any], device: torch.device, non_blocking: bool = False
+    ) -> Iterator[Any]:
         """The batches of a prepared dataloader on `device` (a backend may also lay them out there)."""
-        return on_device(batches, device)
+        return on_device(batches, device, non_blocking)
 
     def load_checkpoint(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
         """Load what `save_checkpoint` wrote into the (prepared) models and optimizers."""

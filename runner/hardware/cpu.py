@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from runner.handlers import DistributedDataParallelKwargs, InitProcessGroupKwargs, KwargsHandler
 from runner.hardware.base import Strategy, checked_threads, one_process_state
 from runner.state import ProcessState
 
@@ -23,6 +24,12 @@ class SingleDevice(Strategy):
         self.device = torch.device(device)
         self.num_threads = checked_threads(num_threads)
         self.peak_flops = peak_flops
+
+    def use_kwargs(self, handler: KwargsHandler) -> None:
+        """The process-group and DDP handlers have nothing to configure in a one-process job (Accelerate
+        takes them there too, so that one script runs alone and launched)."""
+        if not isinstance(handler, (InitProcessGroupKwargs, DistributedDataParallelKwargs)):
+            super().use_kwargs(handler)
 
     def setup_environment(self) -> ProcessState:
         return one_process_state(self.device, self.num_threads)

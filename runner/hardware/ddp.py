@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
+from runner.handlers import DDPCommunicationHookType, DistributedDataParallelKwargs, KwargsHandler
 from runner.hardware.parallel import ParallelStrategy
-from runner.hardware.parallelize import apply_ddp
+from runner.hardware.parallelize import apply_ddp, register_comm_hook
 
 
 class DDP(ParallelStrategy):
@@ -38,10 +41,45 @@ class DDP(ParallelStrategy):
         }
         if bucket_cap_mb is not None:
             self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+        # DistributedDataParallelKwargs' comm_hook, comm_wrapper, comm_state_option
+        self.comm_hook: tuple[DDPCommunicationHookType, DDPCommunicationHookType, dict[str, Any]] = (
+            DDPCommunicationHookType.NO,
+            DDPCommunicationHookType.NO,
+            {},
+        )
+
+    def use_kwargs(self, handler: KwargsHandler) -> None:
+        if not isinstance(handler, DistributedDataParallelKwargs):
+            return super().use_kwargs(handler)
+        settings = handler.to_kwargs()
+        self.comm_hook = (
+            settings.pop("comm_hook", DDPCommunicationHookType.NO),
+            settings.pop("comm_wrapper", DDPCommunicationHookType.NO),
+            settings.pop("comm_state_option", {}),
+        )
+        self.ddp_kwargs.update(settings)
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         self.apply_compute(module)
-        return apply_ddp(module, self.device, **self.ddp_kwargs)
+        wrapped = apply_ddp(module, self.device, **self.ddp_kwargs)
+        register_comm_hook(wrapped, *self.comm_hook)
+        return wrapped
+
+    @contextmanager
+    def trigger_sync_in_backward(self, module: torch.nn.Module) -> Iterator[None]:
+        if not isinstance(module, DistributedDataParallel):
+            yield
+            return
+        before = module.require_backward_grad_sync, module.require_forward_param_sync
+        module.require_backward_grad_sync = module.require_forward_param_sync = True
+        module.reducer.prepare_for_backward([])  # what DDP's forward does when it will sync
+        try:
+            yield
+        finally:
+            module.require_backward_grad_sync, module.require_forward_param_sync = before
+
+    def join(self, joinables: list[Any]) -> AbstractContextManager:
+        return Join(joinables)
 
     def unwrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module

@@ -13,8 +13,18 @@ import torch.distributed as dist
 
 from runner.cluster import available_cores, launched_environment
 from runner.errors import ConfigError
+from runner.handlers import InitProcessGroupKwargs, KwargsHandler
 from runner.hardware.base import Strategy, checked_threads
 from runner.state import DistributedType, ProcessState
+
+# all_reduce's `op` names ("mean" sums, then divides by the group's size)
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
 
 
 class ParallelStrategy(Strategy):
@@ -66,6 +76,7 @@ class ParallelStrategy(Strategy):
             raise ConfigError(f"hardware.timeout_s={timeout_s}: must be > 0 seconds.")
         self.backend = backend or ("nccl" if self.device_type == "cuda" else "gloo")
         self.timeout = timedelta(seconds=timeout_s)
+        self.init_method = "env://"
         self.num_threads = checked_threads(num_threads)
         self.oversubscribe = oversubscribe
         self.peak_flops = peak_flops
@@ -80,6 +91,14 @@ class ParallelStrategy(Strategy):
     @property
     def distributed_type(self) -> DistributedType:  # type: ignore[override]
         return DistributedType.MULTI_GPU if self.device_type == "cuda" else DistributedType.MULTI_CPU
+
+    def use_kwargs(self, handler: KwargsHandler) -> None:
+        if not isinstance(handler, InitProcessGroupKwargs):
+            return super().use_kwargs(handler)
+        settings = handler.to_kwargs()
+        self.backend = settings.get("backend", self.backend)
+        self.init_method = settings.get("init_method", self.init_method)
+        self.timeout = settings.get("timeout", self.timeout)
 
     def setup_environment(self) -> ProcessState:
         env = launched_environment()
@@ -98,7 +117,7 @@ class ParallelStrategy(Strategy):
                 )
             else:
                 env.export()
-                dist.init_process_group(self.backend, init_method="env://", timeout=self.timeout)
+                dist.init_process_group(self.backend, init_method=self.init_method, timeout=self.timeout)
             # A script that never calls end_training() still leaves the group before the interpreter
             # tears down (the backend's threads otherwise abort the process at exit).
             atexit.register(_release_process_group)
@@ -135,7 +154,7 @@ class ParallelStrategy(Strategy):
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         reduced = self._on_device(tensor)
-        dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=self.data_group())
+        dist.all_reduce(reduced, op=REDUCE_OPS[op], group=self.data_group())
         if op == "mean":
             reduced = reduced / dist.get_world_size(self.data_group())
         return reduced.to(tensor.device)

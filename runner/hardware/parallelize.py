@@ -26,6 +26,7 @@ from runner.config import (
     CompileScope,
 )
 from runner.errors import ConfigError
+from runner.handlers import DDPCommunicationHookType
 
 # torch.distributed.tensor (under FSDP2, tensor parallel and DCP) takes about 0.5 s to import: only runs
 # that shard import it, when they do.
@@ -202,6 +203,43 @@ def apply_ddp(module: torch.nn.Module, device: torch.device, **options: Any) -> 
     """A replica of `module` per rank whose gradients are averaged during backward (DDP's `options`)."""
     device_ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(module, device_ids=device_ids, **options)
+
+
+def register_comm_hook(
+    module: DistributedDataParallel,
+    hook: DDPCommunicationHookType,
+    wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO,
+    state_options: dict[str, Any] | None = None,
+) -> None:
+    """Compress `module`'s gradients before DDP's all-reduce: fp16 or bf16 casts, or PowerSGD's low-rank
+    approximation (`state_options`: PowerSGDState's arguments), optionally wrapped by an fp16/bf16 cast of
+    what PowerSGD sends."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    hooks = {
+        DDPCommunicationHookType.FP16: default_hooks.fp16_compress_hook,
+        DDPCommunicationHookType.BF16: default_hooks.bf16_compress_hook,
+        DDPCommunicationHookType.POWER_SGD: powerSGD_hook.powerSGD_hook,
+        DDPCommunicationHookType.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook,
+    }
+    wrappers = {
+        DDPCommunicationHookType.FP16: default_hooks.fp16_compress_wrapper,
+        DDPCommunicationHookType.BF16: default_hooks.bf16_compress_wrapper,
+    }
+    hook, wrapper = DDPCommunicationHookType(hook), DDPCommunicationHookType(wrapper)
+    if hook is DDPCommunicationHookType.NO:
+        return
+    if wrapper is not DDPCommunicationHookType.NO and wrapper not in wrappers:
+        raise ValueError(
+            f"DistributedDataParallelKwargs.comm_wrapper={wrapper.value!r}: expected 'no', 'fp16' or 'bf16'."
+        )
+    function = hooks[hook]
+    if wrapper in wrappers:
+        function = wrappers[wrapper](function)
+    state = None
+    if hook in (DDPCommunicationHookType.POWER_SGD, DDPCommunicationHookType.BATCHED_POWER_SGD):
+        state = powerSGD_hook.PowerSGDState(process_group=None, **(state_options or {}))
+    module.register_comm_hook(state=state, hook=function)
 
 
 def fsdp_no_sync(module: torch.nn.Module) -> AbstractContextManager:

@@ -83,9 +83,11 @@ class XLA(Strategy):
         refuse_fp8(precision, "tpu", "torchao's float8 training runs on NVIDIA GPUs")
         return precision
 
-    def device_batches(self, batches: Iterator[Any], device: torch.device) -> Iterator[Any]:
-        """torch_xla's MpDeviceLoader moves the batches to the device in the background (and syncs the
-        graph at each); under SPMD each batch is then split along its first dimension over the devices."""
+    def device_batches(
+        self, batches: Iterator[Any], device: torch.device, non_blocking: bool = False
+    ) -> Iterator[Any]:
+        """torch_xla's MpDeviceLoader moves the batches to the device in the background, whatever
+        `non_blocking` says (and syncs the graph at each); under SPMD each batch is then split along its first dimension over the devices."""
         import torch_xla.distributed.parallel_loader as pl
         import torch_xla.distributed.spmd as xs
 

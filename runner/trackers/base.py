@@ -3,8 +3,35 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from enum import Enum
 from pathlib import Path
 from typing import Any
+
+
+class LoggerType(str, Enum):
+    """Accelerate's tracker names for `log_with`; runner has MLFLOW and TENSORBOARD (ALL: those of them
+    that are installed). A `GeneralTracker` of the user's own takes the others' place."""
+
+    ALL = "all"
+    AIM = "aim"
+    TENSORBOARD = "tensorboard"
+    WANDB = "wandb"
+    TRACKIO = "trackio"
+    COMETML = "comet_ml"
+    MLFLOW = "mlflow"
+    CLEARML = "clearml"
+    DVCLIVE = "dvclive"
+    SWANLAB = "swanlab"
+
+
+def flatten(values: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """A nested configuration's leaves, with their keys joined by dots."""
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            yield from flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 class Tracker(ABC):
@@ -16,6 +43,15 @@ class Tracker(ABC):
     name: str
 
     log_model: bool = False  # whether the runner attaches the final model files
+    main_process_only: bool = True  # False: every process starts it and logs to it
+
+    def open(self, project_name: str, logging_dir: str | None, init_kwargs: dict[str, Any]) -> None:
+        """What `Accelerator.init_trackers` calls: `start`, with the tracker's `init_kwargs`."""
+        self.start(project_name, logging_dir=logging_dir, **init_kwargs)
+
+    def close(self, status: str = "FINISHED") -> None:
+        """What `Accelerator.end_training` (and the runner's loop, on failure) calls: `finish`."""
+        self.finish(status)
 
     @abstractmethod
     def start(
@@ -73,3 +109,39 @@ class BlankTracker(Tracker):
 
     def finish(self, status: str = "FINISHED") -> None:
         """Nothing to close."""
+
+
+class GeneralTracker(Tracker):
+    """Accelerate's base for a tracker of one's own, passed in `Accelerator(log_with=[MyTracker(...)])`:
+    define `name`, `requires_logging_directory`, the `tracker` property, `store_init_configuration` and
+    `log(values, step=None, **kwargs)`; optionally `start()` (called by `init_trackers`, after the process
+    group exists) and `finish()`."""
+
+    requires_logging_directory: bool = False
+
+    def __init__(self, _blank: bool = False) -> None:
+        if _blank:
+            return
+        missing = [
+            attr for attr in ("name", "requires_logging_directory", "tracker") if not hasattr(self, attr)
+        ]
+        if missing:
+            raise NotImplementedError(f"{type(self).__name__} must define {', '.join(missing)}.")
+
+    def open(self, project_name: str, logging_dir: str | None, init_kwargs: dict[str, Any]) -> None:
+        self.start()
+
+    def close(self, status: str = "FINISHED") -> None:
+        self.finish()
+
+    def start(self) -> None:  # type: ignore[override]
+        """Open the run (nothing by default: a tracker may open it in its constructor)."""
+
+    def store_init_configuration(self, values: dict[str, Any]) -> None:
+        """Record the run's hyperparameters (nothing by default)."""
+
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """Record `values` at `step` (nothing by default)."""
+
+    def finish(self) -> None:  # type: ignore[override]
+        """Close the run (nothing by default)."""

@@ -12,12 +12,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from runner.cluster import slurm_job_id
-from runner.trackers.base import Tracker
+from runner.trackers.base import Tracker, flatten
 from runner.trackers.journal import Journal
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,8 @@ class MLflowTracker(Tracker):
             self._send()
 
     def store_init_configuration(self, values: dict[str, Any]) -> None:
-        self._record(op="params", params=dict(_flatten(values)))
+        params = {key: str(value)[:MAX_PARAM_LENGTH] for key, value in flatten(values)}
+        self._record(op="params", params=params)
 
     def log(self, values: dict[str, Any], step: int | None = None) -> None:
         metrics = {key: float(value) for key, value in values.items()}
@@ -420,11 +421,3 @@ def experiment(client: Any, name: str, artifact_location: str | None) -> str:
         if found is None:
             raise
         return found.experiment_id
-
-
-def _flatten(values: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, str]]:
-    for key, value in values.items():
-        if isinstance(value, Mapping):
-            yield from _flatten(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", str(value)[:MAX_PARAM_LENGTH]

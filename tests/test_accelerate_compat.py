@@ -1,0 +1,95 @@
+"""A script written for Accelerate ports to runner by renaming the module on its import lines: the same
+script (tests/accelerate_scripts/classifier.py) runs with `accelerate` and ported to `runner`, alone and
+under `torchrun --nproc-per-node 2`; every rank's results must agree (loss curves within 1e-6, fp32) and
+each feature must have done what it is for."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).parent / "accelerate_scripts" / "classifier.py"
+IMPORT_LINE = re.compile(r"^(from|import) accelerate(?=[. ])", re.MULTILINE)
+LAUNCHES = {
+    "1 process": [sys.executable],
+    "torchrun x2": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"],
+}
+
+
+def ported(directory: Path) -> Path:
+    """The script with `accelerate` replaced by `runner` on its import lines, and nowhere else."""
+    text = SCRIPT.read_text()
+    port = IMPORT_LINE.sub(r"\1 runner", text)
+    changed = [old for old, new in zip(text.splitlines(), port.splitlines(), strict=True) if old != new]
+    assert changed and all(line.startswith(("from accelerate", "import accelerate")) for line in changed)
+    path = directory / "classifier_runner.py"
+    path.write_text(port)
+    return path
+
+
+def run(launch: list[str], script: Path, out: Path) -> list[dict]:
+    out.mkdir()
+    # Accelerate runs CPU ranks started by torchrun as a group only when told to use the CPU (else each
+    # rank trains alone); runner's Accelerator honours the same variable.
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*launch, str(script), str(out)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads(path.read_text()) for path in sorted(out.glob("results_*.json"))]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=list(LAUNCHES))
+def test_ported_script_matches_accelerate_and_each_feature_works(tmp_path, launch):
+    reference = run(LAUNCHES[launch], SCRIPT, tmp_path / "with_accelerate")
+    results = run(LAUNCHES[launch], ported(tmp_path), tmp_path / "with_runner")
+    processes = 2 if launch == "torchrun x2" else 1
+    assert len(results) == len(reference) == processes
+
+    for ours, theirs in zip(results, reference, strict=True):
+        assert set(ours) == set(theirs)
+        for key, value in theirs.items():
+            if key.endswith("losses"):
+                assert ours[key] == pytest.approx(value, abs=1e-6), key
+            else:
+                assert ours[key] == value, key
+
+    for rank, result in enumerate(results):
+        assert result["num_processes"] == processes
+        assert result["distributed_type"] == (
+            "DistributedType.MULTI_CPU" if processes > 1 else "DistributedType.NO"
+        )
+        # DistributedDataParallelKwargs(comm_hook=FP16) reached DDP (no DDP in a one-process job)
+        assert result["comm_hook"] == ("fp16_compress_hook" if processes > 1 else None)
+        # 64 samples in batches of 4 shared out, two epochs; resuming from the first epoch's checkpoint
+        # replays the second exactly
+        assert len(result["losses"]) == 2 * 16 // processes
+        assert result["resumed_losses"] == result["second_epoch_losses"]
+        quarter = len(result["losses"]) // 4
+        assert sum(result["losses"][-quarter:]) < sum(result["losses"][:quarter])  # it learns
+        assert result["eval_samples"] == 13  # gather_for_metrics dropped the padding of even batches
+        assert result["stopped_at"] == 3  # the last process's trigger stopped every process
+        assert result["batch_size"] == 15 and result["batch_sizes_tried"][:3] == [64, 57, 51]
+        assert result["all_scores"] == [0, 10, 20, 30, 40]
+        assert result["my_folds"] == ([0, 1, 2, 3, 4] if processes == 1 else [[0, 1, 2], [3, 4]][rank])
+        assert result["sum_of_ranks"] == sum(range(1, processes + 1))
+        assert result["profiled_ops"] and (tmp_path / "with_runner" / "traces" / f"profile_{rank}.json").is_file()
+        # local SGD: replicas drift apart between averages (several processes), agree after each
+        agree = [result[f"local_replicas_agree_after_step_{step}"] for step in range(3)]
+        assert agree == ([False, True, False] if processes > 1 else [True, True, True])
+        assert result["local_replicas_agree_at_exit"]
+
+    events = EventAccumulator(str(tmp_path / "with_runner" / "project" / "compat"))
+    events.Reload()
+    logged = [event.value for event in events.Scalars("train_loss")]
+    assert logged == pytest.approx(results[0]["losses"], abs=1e-6)
+    assert [event.value for event in events.Scalars("accuracy")] == pytest.approx([results[0]["accuracy"]])
