@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from functools import partial
@@ -203,8 +204,9 @@ class Accelerator(ProcessControl):
         self.project_configuration = project_config or ProjectConfiguration(
             project_dir=project_dir, logging_dir=logging_dir
         )
-        self._save_state_pre_hooks: dict[int, Callable[..., None]] = {}
-        self._load_state_pre_hooks: dict[int, Callable[..., None]] = {}
+        # OrderedDicts: a hook's RemovableHandle holds a weak reference to them
+        self._save_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self._load_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         entries = log_with if isinstance(log_with, list) else [] if log_with is None else [log_with]
         self.log_with = [
             tracker for e in entries for tracker in (trackers_from_name(e) if isinstance(e, str) else [e])

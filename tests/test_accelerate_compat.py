@@ -82,7 +82,10 @@ def test_ported_script_matches_accelerate_and_each_feature_works(tmp_path, launc
         assert result["all_scores"] == [0, 10, 20, 30, 40]
         assert result["my_folds"] == ([0, 1, 2, 3, 4] if processes == 1 else [[0, 1, 2], [3, 4]][rank])
         assert result["sum_of_ranks"] == sum(range(1, processes + 1))
-        assert result["profiled_ops"] and (tmp_path / "with_runner" / "traces" / f"profile_{rank}.json").is_file()
+        assert (
+            result["profiled_ops"]
+            and (tmp_path / "with_runner" / "traces" / f"profile_{rank}.json").is_file()
+        )
         # local SGD: replicas drift apart between averages (several processes), agree after each
         agree = [result[f"local_replicas_agree_after_step_{step}"] for step in range(3)]
         assert agree == ([False, True, False] if processes > 1 else [True, True, True])

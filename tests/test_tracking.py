@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 import rank_checks
-from conftest import cli_env, runner_command, wait_for_checkpoint
+from conftest import cli_env, metrics_of, runner_command, wait_for_checkpoint
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 pytestmark = pytest.mark.slow
 
@@ -396,3 +397,14 @@ def test_a_run_killed_outright_keeps_its_metrics_and_ends_killed(tmp_path):
     assert run.info.status == "KILLED"
     logged = [event["step"] for event in lines if event["op"] == "metrics"]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == logged
+
+
+def test_tracker_tensorboard_writes_the_runs_metrics_into_its_directory(run_cli):
+    proc = run_cli(*TRAIN, "tracker=tensorboard", "tracker.experiment_name=tb")
+    assert proc.returncode == 0, proc.stderr
+    events = EventAccumulator(str(proc.run_dir / "tb"))
+    events.Reload()
+    losses = events.Scalars("train/loss")
+    assert [e.step for e in losses] == [5, 10, 15, 20, 25, 30]
+    assert losses[-1].value < losses[0].value
+    assert f"{metrics_of(proc)['train/loss']:.4f}" == f"{losses[-1].value:.4f}"

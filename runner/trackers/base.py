@@ -113,20 +113,17 @@ class BlankTracker(Tracker):
 
 class GeneralTracker(Tracker):
     """Accelerate's base for a tracker of one's own, passed in `Accelerator(log_with=[MyTracker(...)])`:
-    define `name`, `requires_logging_directory`, the `tracker` property, `store_init_configuration` and
-    `log(values, step=None, **kwargs)`; optionally `start()` (called by `init_trackers`, after the process
-    group exists) and `finish()`."""
+    define `name`, and `store_init_configuration`, `log(values, step=None, **kwargs)` and the `tracker`
+    property (the client object; default: the tracker itself); optionally `start()` (called by
+    `init_trackers`, after the process group exists) and `finish()`."""
 
     requires_logging_directory: bool = False
 
     def __init__(self, _blank: bool = False) -> None:
         if _blank:
             return
-        missing = [
-            attr for attr in ("name", "requires_logging_directory", "tracker") if not hasattr(self, attr)
-        ]
-        if missing:
-            raise NotImplementedError(f"{type(self).__name__} must define {', '.join(missing)}.")
+        if not hasattr(self, "name"):
+            raise NotImplementedError(f"{type(self).__name__} must define `name` (what get_tracker looks up).")
 
     def open(self, project_name: str, logging_dir: str | None, init_kwargs: dict[str, Any]) -> None:
         self.start()

@@ -1,0 +1,351 @@
+"""Accelerate's configuration objects and the rest of its API, in this process (one CPU process): each
+setting changes what it is meant to change. Several processes: tests/test_accelerate_compat.py."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.commands.config.config_args import load_config_from_file
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.data import DataLoader, TensorDataset
+
+from runner import Accelerator, PartialState
+from runner.collectives import split_between_processes
+from runner.data_loader import DataLoaderShard, shard_dataloader
+from runner.errors import ConfigError
+from runner.hardware import DDP, FSDP
+from runner.state import GradientState
+from runner.trackers import GeneralTracker, LoggerType, MLflowTracker, TensorBoardTracker
+from runner.utils import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    ProfileKwargs,
+    gather,
+    patch_environment,
+    reduce,
+    wait_for_everyone,
+    write_basic_config,
+)
+
+
+@pytest.fixture
+def accelerator_made():
+    """Accelerators made in a test, ended after it (their process group, their trackers)."""
+    made: list[Accelerator] = []
+
+    def make(**kwargs) -> Accelerator:
+        made.append(Accelerator(**kwargs))
+        return made[-1]
+
+    yield make
+    for accelerator in made:
+        accelerator.end_training()
+
+
+def loader(samples: int = 12, batch_size: int = 2, shuffle: bool = False) -> DataLoader:
+    data = TensorDataset(torch.arange(samples, dtype=torch.float32)[:, None])
+    return DataLoader(data, batch_size=batch_size, shuffle=shuffle)
+
+
+# ------------------------------------------------------------------------------------- kwargs handlers
+def test_grad_scaler_kwargs_set_the_fp16_loss_scale(accelerator_made):
+    default = accelerator_made(cpu=True, mixed_precision="fp16")
+    assert default.precision.scaler.get_scale() == 65536.0
+    scaled = accelerator_made(
+        cpu=True,
+        mixed_precision="fp16",
+        kwargs_handlers=[GradScalerKwargs(init_scale=1024.0, growth_interval=7)],
+    )
+    assert (
+        scaled.precision.scaler.get_scale() == 1024.0 and scaled.precision.scaler.get_growth_interval() == 7
+    )
+
+
+def test_autocast_kwargs_turn_autocast_off(accelerator_made):
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    bf16 = accelerator_made(cpu=True, mixed_precision="bf16")
+    with bf16.autocast():
+        assert (a @ b).dtype == torch.bfloat16
+    with bf16.autocast(AutocastKwargs(enabled=False)):  # a handler for one block
+        assert (a @ b).dtype == torch.float32
+    off = accelerator_made(cpu=True, mixed_precision="bf16", kwargs_handlers=[AutocastKwargs(enabled=False)])
+    model = off.prepare(torch.nn.Linear(4, 4))
+    seen = []
+    model.register_forward_hook(lambda module, args, output: seen.append(output.dtype))
+    model(a)
+    assert seen == [torch.float32]  # the prepared model's autocast forward follows the handler
+
+
+def test_ddp_and_process_group_kwargs_reach_ddp(accelerator_made):
+    accelerator = accelerator_made(
+        strategy=DDP(device="cpu", num_processes=1),
+        kwargs_handlers=[
+            DistributedDataParallelKwargs(
+                find_unused_parameters=True, broadcast_buffers=False, bucket_cap_mb=1
+            ),
+            InitProcessGroupKwargs(timeout=timedelta(seconds=42)),
+        ],
+    )
+    model = accelerator.prepare(torch.nn.Linear(3, 3))
+    assert model.find_unused_parameters and not model.broadcast_buffers
+    assert model.bucket_bytes_cap == 1024 * 1024
+    assert accelerator.strategy.timeout == timedelta(seconds=42) and accelerator.strategy.backend == "gloo"
+
+
+def test_handlers_are_refused_where_they_configure_nothing_or_twice(accelerator_made):
+    with pytest.raises(ConfigError, match="DistributedDataParallelKwargs configures what FSDP"):
+        FSDP(device="cpu", num_processes=1).use_kwargs(DistributedDataParallelKwargs())
+    with pytest.raises(ValueError, match="one GradScalerKwargs"):
+        accelerator_made(cpu=True, kwargs_handlers=[GradScalerKwargs(), GradScalerKwargs()])
+    with pytest.raises(ValueError, match="is not one of"):
+        accelerator_made(cpu=True, kwargs_handlers=[{"find_unused_parameters": True}])
+    # A one-process job has no process group and no DDP: Accelerate's scripts pass them anyway.
+    accelerator_made(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(), InitProcessGroupKwargs()])
+
+
+def test_profile_kwargs_of_the_accelerator_are_used_by_profile(accelerator_made, tmp_path):
+    accelerator = accelerator_made(
+        cpu=True, kwargs_handlers=[ProfileKwargs(record_shapes=True, output_trace_dir=str(tmp_path))]
+    )
+    with accelerator.profile() as profiler:
+        torch.randn(8, 8) @ torch.randn(8, 8)
+    assert any(event.input_shapes for event in profiler.key_averages(group_by_input_shape=True))
+    assert json.loads((tmp_path / "profile_0.json").read_text())["traceEvents"]
+
+
+# -------------------------------------------------------------------------- dataloaders and accumulation
+def test_dataloader_configuration_data_seed_decides_the_shuffle(accelerator_made):
+    def order(seed: int) -> list[float]:
+        accelerator = accelerator_made(cpu=True, dataloader_config=DataLoaderConfiguration(data_seed=seed))
+        return [batch[0].flatten().tolist() for batch in accelerator.prepare(loader(shuffle=True))]
+
+    assert order(3) == order(3) != order(4)
+
+
+def test_dataloader_configuration_is_what_the_accelerator_uses(accelerator_made):
+    accelerator = accelerator_made(
+        cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True)
+    )
+    assert accelerator.split_batches and accelerator.non_blocking and accelerator.even_batches
+    with pytest.raises(ValueError, match=r"dispatch_batches=True\) is not supported"):
+        DataLoaderConfiguration(dispatch_batches=True)
+
+
+def accumulation_run(accelerator: Accelerator, batches: int = 5) -> tuple[list[bool], int]:
+    """The `sync_gradients` of each batch of one pass, and the scheduler's step count after it."""
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    model, optimizer, scheduler, data = accelerator.prepare(model, optimizer, scheduler, loader(batches, 1))
+    syncs = []
+    for (x,) in data:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(x).sum())
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            syncs.append(accelerator.sync_gradients)
+    return syncs, scheduler.scheduler._step_count
+
+
+def test_gradient_accumulation_plugin(accelerator_made):
+    plugin = accelerator_made(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))
+    assert plugin.gradient_accumulation_steps == 2
+    # the last batch completes a step; micro-steps are counted on the scheduler (adjust_scheduler)
+    assert accumulation_run(plugin) == ([False, True, False, True, True], 1 + 5)
+    unadjusted = GradientAccumulationPlugin(num_steps=2, adjust_scheduler=False, sync_with_dataloader=False)
+    accelerator = accelerator_made(cpu=True, gradient_accumulation_plugin=unadjusted)
+    assert accumulation_run(accelerator) == ([False, True, False, True, False], 1 + 2)
+    with pytest.raises(ValueError, match="not both"):
+        accelerator_made(cpu=True, gradient_accumulation_steps=2, gradient_accumulation_plugin=plugin_of(2))
+
+
+def plugin_of(steps: int) -> GradientAccumulationPlugin:
+    return GradientAccumulationPlugin(num_steps=steps)
+
+
+def test_sync_each_batch_keeps_gradient_sync_on_every_micro_batch():
+    state = GradientState(num_steps=2, sync_each_batch=True)
+    assert state.sync_each_batch  # Accelerator.accumulate enters no no_sync then (several processes)
+
+
+def test_join_uneven_inputs_switches_even_batches_inside():
+    shard = DataLoaderShard(shard_dataloader(loader(10, 2), 2, 1), GradientState())  # 5 batches, rank 1
+    assert shard.even_batches and len(shard) == 3  # its third batch is padding
+    with shard.even_batches_set_to(False):
+        assert not shard.even_batches and len(shard) == 2
+    assert len(shard) == 3
+
+
+# ------------------------------------------------------------------------------------ launch variables
+def test_accelerate_launch_variables_are_applied_or_refused(accelerator_made):
+    with patch_environment(accelerate_gradient_accumulation_steps="4", accelerate_mixed_precision="bf16"):
+        accelerator = accelerator_made(cpu=True)
+    assert accelerator.gradient_accumulation_steps == 4 and accelerator.mixed_precision == "bf16"
+    with patch_environment(accelerate_dynamo_backend="EAGER", accelerate_dynamo_use_fullgraph="true"):
+        compiled = accelerator_made(cpu=True)
+    assert compiled.strategy.compile_config.scope.value == "model"
+    assert compiled.strategy.compile_config.backend == "eager" and compiled.strategy.compile_config.fullgraph
+    with (
+        patch_environment(accelerate_use_fsdp="true"),
+        pytest.raises(ValueError, match="ACCELERATE_USE_FSDP=true"),
+    ):
+        accelerator_made(cpu=True)
+
+
+# ---------------------------------------------------------------------------------------------- trackers
+def test_tensorboard_tracker_writes_what_is_logged(accelerator_made, tmp_path):
+    accelerator = accelerator_made(cpu=True, log_with=LoggerType.TENSORBOARD, project_dir=str(tmp_path))
+    accelerator.init_trackers("project", config={"lr": 0.1, "model": {"layers": 2}})
+    for step in range(3):
+        accelerator.log({"loss": 1.0 / (step + 1), "phase": "train"}, step=step)
+    accelerator.end_training()
+    events = EventAccumulator(str(tmp_path / "project"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([1.0, 0.5, 1 / 3])
+    assert [e.step for e in events.Scalars("loss")] == [0, 1, 2]
+    assert "phase/text_summary" in events.Tags()["tensors"]
+
+
+def test_log_with_all_and_unknown_names(accelerator_made, tmp_path):
+    everything = accelerator_made(cpu=True, log_with="all", project_dir=str(tmp_path))
+    assert sorted(type(t).__name__ for t in everything.log_with) == ["MLflowTracker", "TensorBoardTracker"]
+    with pytest.raises(ValueError, match="GeneralTracker subclass"):
+        accelerator_made(cpu=True, log_with="wandb")
+    with pytest.raises(ValueError, match="needs a directory"):
+        accelerator_made(cpu=True, log_with="tensorboard").init_trackers("p")
+    assert isinstance(MLflowTracker(), MLflowTracker) and TensorBoardTracker.name == "tensorboard"
+
+
+class ListTracker(GeneralTracker):
+    """A user's own tracker, written against Accelerate's GeneralTracker contract."""
+
+    name = "list"
+    requires_logging_directory = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    @property
+    def tracker(self):
+        return self.calls
+
+    def start(self) -> None:
+        self.calls.append(("start",))
+
+    def store_init_configuration(self, values: dict) -> None:
+        self.calls.append(("config", values))
+
+    def log(self, values: dict, step: int | None = None, **kwargs) -> None:
+        self.calls.append(("log", values, step))
+
+    def finish(self) -> None:
+        self.calls.append(("finish",))
+
+
+def test_a_general_tracker_of_ones_own_plugs_in(accelerator_made):
+    mine = ListTracker()
+    accelerator = accelerator_made(cpu=True, log_with=[mine])
+    accelerator.init_trackers("p", config={"a": 1})
+    accelerator.log({"x": 2.0}, step=5)
+    assert accelerator.get_tracker("list", unwrap=True) is mine.calls
+    accelerator.end_training()
+    assert mine.calls == [("start",), ("config", {"a": 1}), ("log", {"x": 2.0}, 5), ("finish",)]
+
+    class Nameless(GeneralTracker):
+        requires_logging_directory = False
+
+    with pytest.raises(NotImplementedError, match="must define `name`"):
+        Nameless()
+
+
+# ---------------------------------------------------------------------------------- the rest of the API
+def test_split_between_processes_shares_lists_tensors_and_dicts():
+    def shares(inputs, padding=False):
+        out = []
+        for rank in range(3):
+            with split_between_processes(inputs, 3, rank, apply_padding=padding) as part:
+                out.append(part)
+        return out
+
+    assert shares(list(range(7))) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert shares(list(range(7)), padding=True) == [[0, 1, 2], [3, 4, 4], [5, 6, 6]]
+    assert [t.tolist() for t in shares(torch.arange(4), padding=True)] == [[0, 1], [2, 2], [3, 3]]
+    assert shares({"a": [1, 2, 3], "b": "xyz"}) == [
+        {"a": [1], "b": "x"},
+        {"a": [2], "b": "y"},
+        {"a": [3], "b": "z"},
+    ]
+    with pytest.raises(ValueError, match="one length"):
+        shares({"a": [1, 2], "b": [1]})
+
+
+def test_partial_state_and_the_function_forms_use_the_accelerators_process_group(accelerator_made):
+    accelerator = accelerator_made(cpu=True)
+    state = PartialState()
+    assert state.strategy is accelerator.strategy and state.is_last_process and not state.multi_device
+    with state.split_between_processes(["a", "b"]) as mine:
+        assert mine == ["a", "b"]
+    assert gather(torch.tensor([1.0, 2.0])).tolist() == [1.0, 2.0]
+    assert reduce(torch.tensor(3.0), "max").item() == 3.0
+    wait_for_everyone()
+    ran = []
+    accelerator.on_local_process(local_process_idx=0)(lambda: ran.append("idx"))()
+    accelerator.on_local_process(local_process_index=0)(lambda: ran.append("index"))()
+    accelerator.on_local_process(local_process_index=1)(lambda: ran.append("not here"))()
+    accelerator.on_last_process(lambda: ran.append("last"))()
+    assert ran == ["idx", "index", "last"]
+
+
+def test_save_writes_once_atomically(accelerator_made, tmp_path):
+    accelerator = accelerator_made(cpu=True)
+    accelerator.save({"w": torch.ones(2)}, tmp_path / "plain.pt")
+    accelerator.save({"w": torch.ones(2)}, tmp_path / "safe.safetensors", safe_serialization=True)
+    assert torch.load(tmp_path / "plain.pt")["w"].tolist() == [1.0, 1.0]
+    assert load_file(tmp_path / "safe.safetensors")["w"].tolist() == [1.0, 1.0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain.pt", "safe.safetensors"]
+
+
+def test_state_pre_hooks_save_and_load_models_their_own_way(accelerator_made, tmp_path):
+    accelerator = accelerator_made(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+
+    def save_pretrained(models, weights, output_dir):
+        torch.save(models[0].state_dict(), Path(output_dir) / "pretrained.pt")
+        weights.pop()
+
+    def from_pretrained(models, input_dir):
+        models.pop().load_state_dict(torch.load(Path(input_dir) / "pretrained.pt"))
+
+    accelerator.register_save_state_pre_hook(save_pretrained)
+    load_handle = accelerator.register_load_state_pre_hook(from_pretrained)
+    checkpoint = Path(accelerator.save_state(str(tmp_path / "ckpt")))
+    assert (checkpoint / "pretrained.pt").is_file() and not (checkpoint / "model_0.safetensors").exists()
+    saved = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    accelerator.load_state(str(checkpoint))
+    assert torch.equal(model.weight, saved)  # the load hook restored it
+    load_handle.remove()
+    with pytest.raises(ConfigError, match="prepare and register the same objects"):
+        accelerator.load_state(str(checkpoint))  # without its hook the checkpoint lacks the model
+
+
+def test_write_basic_config_writes_what_accelerate_reads(tmp_path):
+    path = tmp_path / "default_config.yaml"
+    assert write_basic_config("bf16", save_location=str(path)) == path
+    config = load_config_from_file(str(path))
+    assert config.mixed_precision == "bf16" and config.num_processes == 1 and config.use_cpu
+    assert write_basic_config(save_location=str(path)) is False  # an existing file is kept
+    with pytest.raises(ValueError):
+        write_basic_config("fp12", save_location=str(tmp_path / "other.yaml"))
