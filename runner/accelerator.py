@@ -69,7 +69,7 @@ from runner.precision import Precision
 from runner.precision import from_name as precision_from_name
 from runner.prepared import AcceleratedOptimizer, AcceleratedScheduler
 from runner.rng import rng_state, set_rng_state
-from runner.state import GradientState
+from runner.state import DistributedType, GradientState
 from runner.trackers import BlankTracker, LoggerType, Tracker, trackers_from_name
 from runner.weights import distinct_tensors, save_model_files, set_module_tensor
 
@@ -229,6 +229,31 @@ class Accelerator(ProcessControl):
     @property
     def use_seedable_sampler(self) -> bool:
         return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def dispatch_batches(self) -> bool:
+        """False: every process reads its own share (`DataLoaderConfiguration.dispatch_batches`)."""
+        return bool(self.dataloader_config.dispatch_batches)
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        """True: prepared dataloaders always have `state_dict`/`load_state_dict` (their position)."""
+        return True
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which share of the data this process reads (ranks of one tensor-parallel group share one)."""
+        return self.state.data_parallel_index
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """Whether models are sharded with FSDP (runner's FSDP is torch's FSDP2, `fully_shard`)."""
+        return self.distributed_type is DistributedType.FSDP
+
+    @property
+    def should_save_model(self) -> bool:
+        """Whether this process writes model files in `save_model` (the main process)."""
+        return self.is_main_process
 
     @property
     def logging_dir(self) -> str | None:

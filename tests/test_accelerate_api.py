@@ -136,6 +136,8 @@ def test_dataloader_configuration_is_what_the_accelerator_uses(accelerator_made)
         cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True)
     )
     assert accelerator.split_batches and accelerator.non_blocking and accelerator.even_batches
+    assert not accelerator.dispatch_batches and accelerator.use_stateful_dataloader
+    assert accelerator.data_parallel_rank == 0 and accelerator.should_save_model and not accelerator.is_fsdp2
     with pytest.raises(ValueError, match=r"dispatch_batches=True\) is not supported"):
         DataLoaderConfiguration(dispatch_batches=True)
 

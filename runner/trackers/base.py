@@ -123,7 +123,9 @@ class GeneralTracker(Tracker):
         if _blank:
             return
         if not hasattr(self, "name"):
-            raise NotImplementedError(f"{type(self).__name__} must define `name` (what get_tracker looks up).")
+            raise NotImplementedError(
+                f"{type(self).__name__} must define `name` (what get_tracker looks up)."
+            )
 
     def open(self, project_name: str, logging_dir: str | None, init_kwargs: dict[str, Any]) -> None:
         self.start()
