@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from runner.accelerator import Accelerator
     from runner.big_modeling import (
+        cpu_offload,
+        cpu_offload_with_hook,
+        disk_offload,
         dispatch_model,
         infer_auto_device_map,
         init_empty_weights,
@@ -20,6 +23,7 @@ if TYPE_CHECKING:
     )
     from runner.checkpoint import ProjectConfiguration
     from runner.config import ActivationCheckpointingConfig, CompileConfig
+    from runner.data_loader import skip_first_batches
     from runner.handlers import (
         AutocastKwargs,
         DataLoaderConfiguration,
@@ -39,6 +43,10 @@ if TYPE_CHECKING:
 
 # public name -> the module that defines it
 EXPORTS = {
+    "cpu_offload": "runner.big_modeling",
+    "disk_offload": "runner.big_modeling",
+    "cpu_offload_with_hook": "runner.big_modeling",
+    "skip_first_batches": "runner.data_loader",
     "AutocastKwargs": "runner.handlers",
     "DDPCommunicationHookType": "runner.handlers",
     "DataLoaderConfiguration": "runner.handlers",
@@ -80,6 +88,9 @@ __all__ = [
     "PartialState",
     "ProfileKwargs",
     "ProjectConfiguration",
+    "cpu_offload",
+    "cpu_offload_with_hook",
+    "disk_offload",
     "dispatch_model",
     "find_executable_batch_size",
     "infer_auto_device_map",
@@ -89,6 +100,7 @@ __all__ = [
     "load_checkpoint_in_model",
     "notebook_launcher",
     "set_seed",
+    "skip_first_batches",
     "synchronize_rng_states",
 ]
 

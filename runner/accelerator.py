@@ -395,7 +395,15 @@ class Accelerator(ProcessControl):
             self.gradient_state,
             device=self.device if place else None,
             remainder=remainder,
-            synchronize_rng=partial(self._synchronize_rng, generators) if self.use_distributed else None,
+            synchronize_rng=(  # process 0's state of the RNGs `rng_types` names, before each pass
+                partial(
+                    collectives.synchronize_rng_states,
+                    self.strategy,
+                    rng_generators(self.rng_types, self.device, generators),
+                )
+                if self.use_distributed
+                else None
+            ),
             generators=generators,
             place=partial(self.strategy.device_batches, non_blocking=self.non_blocking),
         )
@@ -409,10 +417,10 @@ class Accelerator(ProcessControl):
             dataloader = self.prepare_data_loader(dataloader)
         return dataloader.skip_first_batches(num_batches)
 
-    def _synchronize_rng(self, loader_generators: list[torch.Generator]) -> None:
-        """Give every process process 0's state of the RNGs named by `rng_types`."""
-        generators = rng_generators(self.rng_types, self.device, loader_generators)
-        collectives.synchronize_rng_states(self.strategy, generators)
+    def verify_device_map(self, model: torch.nn.Module) -> bool:
+        """Whether `model` (or a module in it) was dispatched over several devices with a device map
+        (big model inference: such a model is for inference, not for training with `prepare`)."""
+        return any(len(set(getattr(m, "hf_device_map", {}).values())) > 1 for m in model.modules())
 
     def unwrap_model(
         self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
@@ -436,7 +444,7 @@ class Accelerator(ProcessControl):
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
         """One micro-batch: sets `sync_gradients` and skips gradient sync on the models in between."""
         self._do_sync()
-        if self.sync_gradients or (self.use_distributed and self.gradient_state.sync_each_batch):
+        if self.sync_gradients or self.gradient_state.sync_each_batch:
             yield
             return
         with ExitStack() as stack:

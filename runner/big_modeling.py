@@ -229,20 +229,29 @@ def load_checkpoint_in_model(
     device_map: Mapping[str, Device] | None = None,
     offload_folder: str | os.PathLike | None = None,
     dtype: torch.dtype | str | None = None,
-    strict: bool = True,
+    offload_state_dict: bool = False,
+    offload_buffers: bool = False,
+    keep_in_fp32_modules: list[str] | None = None,
+    strict: bool = False,
 ) -> None:
     """Load a checkpoint (a safetensors or torch file, or a directory with one or with shards and an
     index) into `model`, tensor by tensor, each straight onto its device in `device_map` (else where the
     model's tensor is; the CPU for meta tensors). Tensors mapped to "disk" stay on the meta device and
-    are listed in `offload_folder` (safetensors checkpoints are pointed to, not copied).
+    are listed in `offload_folder` (safetensors checkpoints are pointed to, not copied); so are the
+    buffers of modules on "disk" with `offload_buffers`, which are otherwise loaded on the CPU.
 
-    Every name and shape is checked before anything is loaded: a tensor the model does not have, one it
-    has with another shape, or (with `strict`) one the checkpoint lacks raises ValueError naming the first
-    offending keys, and the model is left as it was.
+    `dtype` converts floating-point tensors, except those of modules whose name contains one of
+    `keep_in_fp32_modules` (kept in float32). Every name and shape is checked before anything is loaded:
+    a tensor with another shape than the model's raises ValueError naming it, and the model is left as it
+    was; a tensor the model lacks, or one the checkpoint lacks, is logged as a warning and skipped
+    (Accelerate's default), or refused the same way with `strict`. `offload_state_dict` is Accelerate's
+    way not to hold the whole state dict in memory: loading here is always tensor by tensor.
     """
     dtype = _dtype(dtype)
     sources = checkpoint_tensors(checkpoint)
-    check_against_model(model, checkpoint, sources, strict)
+    for name in check_against_model(model, checkpoint, sources, strict):
+        del sources[name]
+    buffers = {name for name, _ in model.named_buffers(remove_duplicate=False)}
     if device_map is not None:
         check_device_map(model, device_map)
     aliases = tensor_aliases(model)
@@ -251,9 +260,15 @@ def load_checkpoint_in_model(
     current = dict(named_tensors(model, True))
     for name, source in sources.items():
         placement = _placement(device_map, name) if device_map is not None else None
+        if placement == "disk" and name in buffers and not offload_buffers:
+            placement = "cpu"
+        tensor_dtype = torch.float32 if _kept_in_fp32(name, keep_in_fp32_modules) else dtype
         if placement == "disk":
-            if not isinstance(source, StoredTensor) or (dtype is not None and source.dtype.is_floating_point):
-                pending[name] = read_tensor(source, dtype)
+            converts = (
+                tensor_dtype is not None and source.dtype.is_floating_point and source.dtype != tensor_dtype
+            )
+            if not isinstance(source, StoredTensor) or converts:
+                pending[name] = read_tensor(source, tensor_dtype)
             stored_dtype = pending[name].dtype if name in pending else source.dtype
             placeholder = torch.empty(source.shape, dtype=stored_dtype, device="meta")  # loaded in this dtype
             if isinstance(current[name], nn.Parameter):
@@ -263,13 +278,20 @@ def load_checkpoint_in_model(
                 offloaded[alias] = name
             continue
         target = None if placement is None else torch.device(_device_name(placement))
-        place_tensor(model, name, read_tensor(source, dtype), target, current, aliases)
+        place_tensor(model, name, read_tensor(source, tensor_dtype), target, current, aliases)
     if offloaded or pending:
         if offload_folder is None:
             raise ValueError(
                 "device_map puts some modules on 'disk': pass an offload_folder where their weights are listed."
             )
         write_offload_index(Path(offload_folder), offloaded, sources, pending)
+
+
+def _kept_in_fp32(name: str, modules: list[str] | None) -> bool:
+    """Whether tensor `name` belongs to a module that `keep_in_fp32_modules` names (one part of its
+    dotted path, as in Accelerate)."""
+    parts = name.split(".")
+    return any(module in parts for module in modules or [])
 
 
 def write_offload_index(
@@ -311,11 +333,17 @@ def dispatch_model(
     main_device: Device | None = None,
     offload_dir: str | os.PathLike | None = None,
     offload_buffers: bool = False,
+    skip_keys: str | list[str] | None = None,
+    preload_module_classes: list[str] | None = None,
+    force_hooks: bool = False,
 ) -> nn.Module:
     """Attach the hooks that run `model` as `device_map` places it: each module's inputs go to its
-    execution device; modules on "cpu" (when a GPU runs them) or "disk" get their weights there just before
-    they run and drop them after. The model's tensors must already be where the map says (as
-    `load_checkpoint_in_model` leaves them)."""
+    execution device (but keyword arguments named in `skip_keys`); modules on "cpu" (when a GPU runs them)
+    or "disk" get their weights there just before they run and drop them after. A module whose class is
+    in `preload_module_classes` loads the weights of all its submodules before it runs (for modules that
+    use a child's weights without calling it). The model's tensors must already be where the map says
+    (as `load_checkpoint_in_model` leaves them). Hooks are attached even for a map of one device, as
+    `force_hooks=True` asks in Accelerate."""
     check_device_map(model, device_map)
     devices = list(dict.fromkeys(device_map.values()))
     if main_device is None:
@@ -323,6 +351,7 @@ def dispatch_model(
         main_device = compute[0] if compute else "cpu"
     execution = torch.device(_device_name(main_device))
     stored = read_offload_index(offload_dir) if offload_dir is not None and "disk" in devices else {}
+    preloading = _preloading_modules(model, set(preload_module_classes or []))
     for entry, device in device_map.items():
         offloaded = device == "disk" or (device == "cpu" and execution.type != "cpu")
         run_on = execution if offloaded else torch.device(_device_name(device))
@@ -330,15 +359,110 @@ def dispatch_model(
         owners: dict[str, list[str]] = {}
         for name, _ in named_tensors(model, True):
             if _placement_key(device_map, name) == entry:
-                owners.setdefault(name.rpartition(".")[0], []).append(name)
+                owners.setdefault(_owner(name, preloading), []).append(name)
         for owner, names in owners.items():
             loaders = _loaders(model, names, device, stored, offload_buffers) if offloaded else {}
-            _attach(model, model.get_submodule(owner), run_on, loaders)
+            _attach(model, model.get_submodule(owner), run_on, loaders, skip_keys)
         module, attribute = tensor_owner(model, entry)
         if not attribute and entry not in owners:  # its inputs too, for what it computes itself
-            _attach(model, module, run_on, {})
+            _attach(model, module, run_on, {}, skip_keys)
     model.hf_device_map = dict(device_map)  # type: ignore[assignment]  # Accelerate's attribute
     return model
+
+
+def cpu_offload(
+    model: nn.Module,
+    execution_device: Device | torch.device | None = None,
+    offload_buffers: bool = False,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    preload_module_classes: list[str] | None = None,
+) -> nn.Module:
+    """Keep `model`'s weights in CPU memory and bring each module's to `execution_device` (default: the
+    first GPU, else the CPU) only while it runs; `state_dict` (on the CPU) replaces the model's weights
+    first."""
+    if state_dict is not None:
+        for name, tensor in state_dict.items():
+            set_module_tensor(model, name, tensor.to("cpu"))
+    model.to("cpu")
+    return dispatch_model(
+        model,
+        {"": "cpu"},
+        main_device=_execution_device(execution_device),
+        offload_buffers=offload_buffers,
+        preload_module_classes=preload_module_classes,
+    )
+
+
+def disk_offload(
+    model: nn.Module,
+    offload_dir: str | os.PathLike,
+    execution_device: Device | torch.device | None = None,
+    offload_buffers: bool = False,
+    preload_module_classes: list[str] | None = None,
+) -> nn.Module:
+    """Write `model`'s weights (and buffers, with `offload_buffers`) to `offload_dir` unless it already
+    holds an offload index, leave none in memory, and read each module's from there while it runs on
+    `execution_device` (default: the first GPU, else the CPU)."""
+    folder = Path(offload_dir)
+    if not (folder / OFFLOAD_INDEX).exists():
+        offloaded = {
+            name: tensor.detach().to("cpu")
+            for name, tensor in named_tensors(model)
+            if offload_buffers or is_parameter(model, name)
+        }
+        aliases = tensor_aliases(model)
+        names = {alias: name for name in offloaded for alias in aliases.get(name, [name])}
+        write_offload_index(folder, names, {}, offloaded)
+    for name, stored in read_offload_index(folder).items():
+        current = get_module_tensor(model, name)
+        placeholder = torch.empty(stored.shape, dtype=stored.dtype, device="meta")
+        if isinstance(current, nn.Parameter):
+            placeholder = nn.Parameter(placeholder, requires_grad=current.requires_grad)
+        set_module_tensor(model, name, placeholder)
+    return dispatch_model(
+        model,
+        {"": "disk"},
+        main_device=_execution_device(execution_device),
+        offload_dir=folder,
+        offload_buffers=offload_buffers,
+        preload_module_classes=preload_module_classes,
+    )
+
+
+class UserCpuOffloadHook:
+    """What `cpu_offload_with_hook` returns: `offload()` sends the model back to the CPU, `remove()`
+    detaches the hook."""
+
+    def __init__(self, model: nn.Module, handle: Any) -> None:
+        self.model = model
+        self.handle = handle
+
+    def offload(self) -> None:
+        self.model.to("cpu")
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def cpu_offload_with_hook(
+    model: nn.Module,
+    execution_device: Device | torch.device | None = None,
+    prev_module_hook: UserCpuOffloadHook | None = None,
+) -> tuple[nn.Module, UserCpuOffloadHook]:
+    """Keep `model` on the CPU until it is called: then it moves whole to `execution_device` (default: the
+    first GPU, else the CPU), after offloading the model of `prev_module_hook`, and stays there until its
+    hook's `offload()`. For pipelines of models run one after another (a text encoder, then a UNet, ...)."""
+    device = torch.device(_device_name(_execution_device(execution_device)))
+    model.to("cpu")
+
+    def to_device(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if prev_module_hook is not None:
+            prev_module_hook.offload()
+        module.to(device)
+        return send_to_device(args, device), send_to_device(kwargs, device)
+
+    handle = model.register_forward_pre_hook(to_device, with_kwargs=True)
+    return model, UserCpuOffloadHook(model, handle)
 
 
 def load_checkpoint_and_dispatch(
@@ -350,11 +474,16 @@ def load_checkpoint_and_dispatch(
     offload_folder: str | os.PathLike | None = None,
     offload_buffers: bool = False,
     dtype: torch.dtype | str | None = None,
-    strict: bool = True,
+    offload_state_dict: bool | None = None,
+    skip_keys: str | list[str] | None = None,
+    preload_module_classes: list[str] | None = None,
+    force_hooks: bool = False,
+    strict: bool = False,
 ) -> nn.Module:
     """Load `checkpoint` into `model` (built under `init_empty_weights`) and dispatch it. `device_map`:
     "auto" or "balanced" (spread evenly over the GPUs, then CPU, then disk), "balanced_low_0", "sequential"
-    (fill each device in turn), a dict, or None (load in place, no hooks)."""
+    (fill each device in turn), a dict, or None (load in place, no hooks). The other arguments are
+    `load_checkpoint_in_model`'s and `dispatch_model`'s."""
     if isinstance(device_map, str):
         if device_map not in AUTO_MAPS:
             raise ValueError(f"device_map={device_map!r}: expected one of {AUTO_MAPS}, a dict, or None.")
@@ -363,10 +492,27 @@ def load_checkpoint_and_dispatch(
                 model, max_memory, no_split_module_classes, dtype, low_zero=device_map == "balanced_low_0"
             )
         device_map = infer_auto_device_map(model, max_memory, no_split_module_classes, dtype)
-    load_checkpoint_in_model(model, checkpoint, device_map, offload_folder, dtype, strict)
+    load_checkpoint_in_model(
+        model,
+        checkpoint,
+        device_map,
+        offload_folder,
+        dtype,
+        offload_state_dict=bool(offload_state_dict),
+        offload_buffers=offload_buffers,
+        strict=strict,
+    )
     if device_map is None:
         return model
-    return dispatch_model(model, device_map, offload_dir=offload_folder, offload_buffers=offload_buffers)
+    return dispatch_model(
+        model,
+        device_map,
+        offload_dir=offload_folder,
+        offload_buffers=offload_buffers,
+        skip_keys=skip_keys,
+        preload_module_classes=preload_module_classes,
+        force_hooks=force_hooks,
+    )
 
 
 # --------------------------------------------------------------------------------------------- internals
@@ -392,13 +538,37 @@ def _loaders(
                     "and offload_folder (load_checkpoint_in_model) before dispatching."
                 )
             loaders[name] = stored[name].read
-        elif device == "cpu" and (offload_buffers or is_parameter(model, name)):
-            loaders[name] = lambda tensor=tensor: tensor
+        elif device == "disk" or (device == "cpu" and (offload_buffers or is_parameter(model, name))):
+            loaders[name] = lambda tensor=tensor: tensor  # a resident buffer of a module on "disk" too
     return loaders
 
 
+def _execution_device(device: Device | torch.device | None) -> Device:
+    """Where offloaded modules compute: `device`, else the first GPU, else the CPU."""
+    if device is not None:
+        return str(device) if isinstance(device, torch.device) else device
+    return 0 if torch.cuda.is_available() else "cpu"
+
+
+def _preloading_modules(model: nn.Module, classes: set[str]) -> list[str]:
+    """The names of the modules whose class is one of `classes`, outermost first."""
+    return [name for name, module in model.named_modules() if type(module).__name__ in classes]
+
+
+def _owner(name: str, preloading: list[str]) -> str:
+    """The module that loads tensor `name`: the outermost preloading module above it, else its own."""
+    for module in preloading:
+        if _under(name, module):
+            return module
+    return name.rpartition(".")[0]
+
+
 def _attach(
-    model: nn.Module, module: nn.Module, device: torch.device, loaders: dict[str, Callable[[], torch.Tensor]]
+    model: nn.Module,
+    module: nn.Module,
+    device: torch.device,
+    loaders: dict[str, Callable[[], torch.Tensor]],
+    skip_keys: str | list[str] | None = None,
 ) -> None:
     """Before `module` runs: its inputs to `device`, and each tensor in `loaders` loaded there (replacing
     the meta or CPU tensor); after it ran: the replaced tensors back."""
@@ -408,7 +578,7 @@ def _attach(
         for name, load in loaders.items():
             kept[name] = get_module_tensor(model, name)
             set_module_tensor(model, name, load().to(device))
-        return send_to_device(args, device), send_to_device(kwargs, device)
+        return send_to_device(args, device), send_to_device(kwargs, device, skip_keys=skip_keys)
 
     def after(mod: nn.Module, args: tuple, output: Any) -> None:
         for name, tensor in kept.items():

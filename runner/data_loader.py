@@ -413,6 +413,16 @@ class DataLoaderShard:
         return getattr(self.base_dataloader, name)
 
 
+def skip_first_batches(dataloader: DataLoader | DataLoaderShard, num_batches: int = 0) -> Any:
+    """`dataloader` without its first `num_batches` batches (a map-style loader never loads them):
+    Accelerate's function, for prepared loaders and plain ones alike."""
+    if isinstance(dataloader, DataLoaderShard):
+        return dataloader.skip_first_batches(num_batches)
+    if dataloader.batch_sampler is None:
+        return itertools.islice(dataloader, num_batches, None)
+    return loader_like(dataloader, batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches))
+
+
 def last_batch_remainder(dataloader: DataLoader, num_processes: int, split_batches: bool) -> int:
     """Real samples in the last global batch of `dataloader` once sharded (0: it is full; -1: unknown)."""
     batch_size = dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", None)

@@ -4,6 +4,7 @@ loaded into a model by name (checked first; tied weights stay tied)."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import pickle
@@ -19,6 +20,8 @@ from torch import nn
 
 from runner.checkpoint import atomic_directory, load_torch
 from runner.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 SAFE_NAME, TORCH_NAME = "model.safetensors", "pytorch_model.bin"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -193,7 +196,8 @@ def load_weights(
     (the CPU for meta tensors), in place where device and dtype agree. Every name and shape is checked
     first (`check_against_model`): on a mismatch nothing is loaded."""
     sources = checkpoint_tensors(checkpoint)
-    check_against_model(model, checkpoint, sources, strict)
+    for name in check_against_model(model, checkpoint, sources, strict):
+        del sources[name]
     current, aliases = dict(named_tensors(model, True)), tensor_aliases(model)
     for name, source in sources.items():
         place_tensor(model, name, read_tensor(source, dtype), None, current, aliases)
@@ -258,7 +262,10 @@ def checkpoint_tensors(checkpoint: str | os.PathLike) -> dict[str, StoredTensor 
 
 def check_against_model(
     model: nn.Module, checkpoint: Any, sources: Mapping[str, StoredTensor | torch.Tensor], strict: bool
-) -> None:
+) -> list[str]:
+    """ValueError, before anything is loaded, for a checkpoint tensor whose shape differs from the
+    model's, and with `strict` for one the model lacks or one the checkpoint lacks; without `strict` those
+    two are logged as a warning (Accelerate's default). Returns the checkpoint's names the model lacks."""
     own = model.state_dict(keep_vars=True)  # persistent tensors, tied ones under each of their names
     aliases = tensor_aliases(model)
     unexpected = [name for name in sources if name not in own]
@@ -268,21 +275,30 @@ def check_against_model(
         if (source := sources.get(name)) is not None and tuple(source.shape) != tuple(own[name].shape)
     ]
     covered = {alias for name in sources if name in aliases for alias in aliases[name]} | set(sources)
-    missing = [name for name in own if name not in covered] if strict else []
-    problems = [
-        f"{label}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
-        for label, names in (
-            ("not in the model", unexpected),
-            ("with another shape", wrong_shape),
-            ("missing from the checkpoint", missing),
-        )
-        if names
-    ]
+    missing = [name for name in own if name not in covered]
+    named = {"not in the model": unexpected, "missing from the checkpoint": missing}
+    problems = _listed({"with another shape": wrong_shape, **(named if strict else {})})
     if problems:
         raise ValueError(
-            f"checkpoint {checkpoint} does not match {type(model).__name__} ({'; '.join(problems)}). Build the model "
+            f"checkpoint {checkpoint} does not match {type(model).__name__} ({problems}). Build the model "
             "with the settings the checkpoint was saved with; nothing was loaded."
         )
+    if not strict and (unexpected or missing):
+        log.warning(
+            "checkpoint %s does not match %s (%s): loading the rest (strict=True refuses it).",
+            checkpoint,
+            type(model).__name__,
+            _listed(named),
+        )
+    return unexpected
+
+
+def _listed(groups: Mapping[str, list[str]]) -> str:
+    return "; ".join(
+        f"{label}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+        for label, names in groups.items()
+        if names
+    )
 
 
 def read_tensor(source: StoredTensor | torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

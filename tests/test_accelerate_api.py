@@ -175,9 +175,18 @@ def plugin_of(steps: int) -> GradientAccumulationPlugin:
     return GradientAccumulationPlugin(num_steps=steps)
 
 
-def test_sync_each_batch_keeps_gradient_sync_on_every_micro_batch():
-    state = GradientState(num_steps=2, sync_each_batch=True)
-    assert state.sync_each_batch  # Accelerator.accumulate enters no no_sync then (several processes)
+@pytest.mark.parametrize("sync_each_batch", [False, True])
+def test_sync_each_batch_keeps_gradient_sync_on_every_micro_batch(accelerator_made, sync_each_batch):
+    plugin = GradientAccumulationPlugin(num_steps=2, sync_each_batch=sync_each_batch)
+    accelerator = accelerator_made(
+        strategy=DDP(device="cpu", num_processes=1), gradient_accumulation_plugin=plugin
+    )
+    model = accelerator.prepare(torch.nn.Linear(1, 1))
+    syncing = []
+    for _ in range(2):
+        with accelerator.accumulate(model):
+            syncing.append(model.require_backward_grad_sync)  # False inside DDP's no_sync
+    assert syncing == [sync_each_batch, True]
 
 
 def test_join_uneven_inputs_switches_even_batches_inside():

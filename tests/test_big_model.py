@@ -3,6 +3,7 @@ the same model fully loaded; bad checkpoints and maps refused with nothing loade
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -11,16 +12,22 @@ import pytest
 import torch
 from conftest import cli_env
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from runner import (
+    Accelerator,
+    cpu_offload,
+    cpu_offload_with_hook,
+    disk_offload,
     dispatch_model,
     infer_auto_device_map,
     init_empty_weights,
     init_on_device,
     load_checkpoint_and_dispatch,
     load_checkpoint_in_model,
+    skip_first_batches,
 )
-from runner.big_modeling import compute_module_sizes
+from runner.big_modeling import UserCpuOffloadHook, compute_module_sizes
 from runner.estimate_memory import main as estimate_memory
 from runner.models import GPT
 from runner.weights import save_model_files
@@ -115,8 +122,7 @@ def test_dispatched_outputs_equal_the_fully_loaded_model(trained, tmp_path, file
 
 def test_dtype_loads_weights_converted_wherever_they_are(trained, tmp_path):
     model, inputs, _, root = trained
-    expected = model.to(torch.bfloat16)(inputs)
-    model.float()
+    expected = copy.deepcopy(model).to(torch.bfloat16)(inputs)  # the shared model stays fp32
     for device_map in ("auto", {"": "disk"}):
         loaded = load_checkpoint_and_dispatch(
             empty_gpt(), root / "sharded", device_map=device_map, offload_folder=tmp_path, dtype="bfloat16"
@@ -146,8 +152,29 @@ def test_load_then_dispatch_separately_as_accelerate_does(trained, tmp_path):
 def test_a_checkpoint_that_does_not_match_names_the_keys_and_loads_nothing(trained, changes, message):
     model = empty_gpt(**changes)
     with pytest.raises(ValueError, match=message):
-        load_checkpoint_and_dispatch(model, trained[3] / "sharded", device_map="auto")
+        load_checkpoint_and_dispatch(model, trained[3] / "sharded", device_map="auto", strict=True)
     assert all(p.is_meta for p in model.parameters())  # nothing half-loaded
+
+
+def test_by_default_keys_on_one_side_only_are_a_warning_and_the_rest_loads(trained, caplog):
+    model = empty_gpt(n_layers=3)  # the checkpoint has a fourth block
+    load_checkpoint_in_model(model, trained[3] / "sharded")
+    assert "not in the model: blocks.3.attn.k_proj.bias" in caplog.text
+    assert torch.equal(model.blocks[2].mlp.fc_in.weight, trained[0].blocks[2].mlp.fc_in.weight)
+    with pytest.raises(ValueError, match="with another shape"):  # a shape is never loaded past
+        load_checkpoint_in_model(empty_gpt(vocab_size=98), trained[3] / "sharded")
+
+
+def test_keep_in_fp32_modules_keeps_those_modules_out_of_dtype(trained):
+    model = empty_gpt()
+    load_checkpoint_in_model(
+        model, trained[3] / "sharded", dtype=torch.bfloat16, keep_in_fp32_modules=["ln_1"]
+    )
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert (
+        dtypes["blocks.0.ln_1.weight"] == torch.float32 and dtypes["blocks.0.ln_2.weight"] == torch.bfloat16
+    )
+    assert dtypes["blocks.3.attn.q_proj.weight"] == torch.bfloat16
 
 
 @pytest.mark.parametrize(
@@ -297,3 +324,80 @@ def test_loading_peaks_at_the_model_size_and_disk_offload_at_a_third_of_it():
     assert peak["plain"] > 1.8, proc.stdout  # construct, then a second copy to load from
     assert peak["runner_auto"] <= 1.1, proc.stdout
     assert peak["runner_disk75"] <= 0.5 and int(rows["runner_disk75"][-2]) > 0, proc.stdout
+
+
+def test_disk_offload_keeps_no_weight_in_memory_and_computes_the_same(trained, tmp_path):
+    model = copy.deepcopy(trained[0])
+    disk_offload(model, tmp_path / "offload", execution_device="cpu")
+    assert all(p.is_meta for p in model.parameters()) and (tmp_path / "offload" / "index.json").is_file()
+    with torch.no_grad():
+        assert torch.equal(model(trained[1]), trained[2])
+    assert all(p.is_meta for p in model.parameters())  # loaded for the forward only
+
+
+def test_cpu_offload_computes_the_same(trained):
+    model = cpu_offload(copy.deepcopy(trained[0]), execution_device="cpu")
+    with torch.no_grad():
+        assert torch.equal(model(trained[1]), trained[2])
+
+
+class UsesChildWeight(nn.Module):
+    """Computes with its child's weight without calling the child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.child.weight, self.child.bias)
+
+
+def test_preload_module_classes_load_the_children_of_such_modules(tmp_path):
+    torch.manual_seed(0)
+    model, x = UsesChildWeight(), torch.randn(2, 4)
+    expected = model(x)
+    with pytest.raises((RuntimeError, NotImplementedError)):  # the child's weights stay on meta
+        disk_offload(copy.deepcopy(model), tmp_path / "plain", execution_device="cpu")(x)
+    preloaded = disk_offload(
+        copy.deepcopy(model),
+        tmp_path / "preloaded",
+        execution_device="cpu",
+        preload_module_classes=["UsesChildWeight"],
+    )
+    assert torch.equal(preloaded(x), expected)
+
+
+def test_cpu_offload_with_hook_offloads_the_previous_model_when_the_next_runs():
+    offloaded = []
+
+    class Recorded(UserCpuOffloadHook):
+        def offload(self) -> None:
+            offloaded.append(self.model)
+            super().offload()
+
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    first, first_hook = cpu_offload_with_hook(first, execution_device="cpu")
+    first_hook.__class__ = Recorded
+    second, second_hook = cpu_offload_with_hook(second, execution_device="cpu", prev_module_hook=first_hook)
+    first(torch.randn(1, 2))
+    assert offloaded == []
+    second(torch.randn(1, 2))
+    assert offloaded == [first]  # the first model left the execution device before the second ran
+    second_hook.remove()
+    second(torch.randn(1, 2))
+    assert offloaded == [first]
+
+
+def test_skip_first_batches_of_a_plain_dataloader():
+    loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=3)
+    assert [b[0].tolist() for b in skip_first_batches(loader, 2)] == [[6, 7, 8], [9]]
+
+
+def test_verify_device_map_tells_a_dispatched_model(trained, tmp_path):
+    model = empty_gpt()
+    load_checkpoint_and_dispatch(
+        model, trained[3] / "sharded", device_map={"blocks": "disk", "": "cpu"}, offload_folder=tmp_path
+    )
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.verify_device_map(model) and not accelerator.verify_device_map(trained[0])
+    accelerator.end_training()

@@ -86,6 +86,7 @@ class BigModel(Strategy):
                 offload_folder=self.offload_folder or job_dir / "offload",
                 offload_buffers=self.offload_buffers,
                 dtype=self.dtype,
+                strict=True,  # a checkpoint for another model is bad input here, not a warning
             )
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError(f"hardware=big_model: {err}") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -190,5 +191,9 @@ class ParallelStrategy(Strategy):
 
 
 def _release_process_group() -> None:
+    """At exit, while the interpreter still runs: collect what holds the group (a DDP model in a reference
+    cycle, whose reducer would otherwise release it during the interpreter's teardown and abort the
+    process), then leave it."""
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -28,10 +28,13 @@ from accelerate.utils import (
     LoggerType,
     ProfileKwargs,
     ProjectConfiguration,
+    broadcast,
     find_executable_batch_size,
     gather_object,
+    pad_across_processes,
     reduce,
     set_seed,
+    synchronize_rng_states,
 )
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -180,6 +183,36 @@ def main(out: Path) -> None:
             local_sgd.step()
             results[f"local_replicas_agree_after_step_{step}"] = replicas_agree()
     results["local_replicas_agree_at_exit"] = replicas_agree()
+
+    # Uneven inputs: 5 batches over the processes, the ones done early shadow the others' all-reduces.
+    uneven = accelerator.prepare(DataLoader(dataset(10, seed=4), batch_size=2))
+    seen = 0
+    with accelerator.join_uneven_inputs([model], even_batches=False):
+        for tokens, labels in uneven:
+            accelerator.backward(torch.nn.functional.cross_entropy(model(tokens), labels))
+            optimizer.zero_grad()
+            seen += 1
+    results["uneven_batches_seen"] = seen
+
+    # Forwards under no_sync; the backward of the second is made to synchronise the gradients.
+    tokens, labels = (t.to(accelerator.device) for t in dataset(4, seed=5 + accelerator.process_index)[:])
+    with accelerator.no_sync(model):
+        loss_a = torch.nn.functional.cross_entropy(model(tokens[:2]), labels[:2])
+        loss_b = torch.nn.functional.cross_entropy(model(tokens[2:]), labels[2:])
+    accelerator.backward(loss_a)  # local gradients only
+    with accelerator.trigger_sync_in_backward(model):
+        accelerator.backward(loss_b)  # all-reduces the accumulated gradients
+    grads = accelerator.gather(accelerator.unwrap_model(model).head.weight.grad[None])
+    results["grads_agree_after_trigger"] = all(torch.allclose(grads[0], g) for g in grads[1:])
+    optimizer.zero_grad()
+
+    # The other collectives as functions.
+    results["padded_length"] = len(pad_across_processes(torch.arange(state.process_index + 1)))
+    results["broadcast"] = broadcast(torch.tensor(float(state.process_index))).item()
+    torch.manual_seed(100 + state.process_index)
+    synchronize_rng_states(["torch"])
+    draws = gather_object([torch.rand(1).item()])
+    results["rng_synchronized"] = len(set(draws)) == 1
 
     accelerator.end_training()
     (out / f"results_{state.process_index}.json").write_text(json.dumps(results))

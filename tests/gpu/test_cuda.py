@@ -17,7 +17,14 @@ import torch
 import torch.nn.functional as F
 from conftest import runner_command, wait_for_checkpoint
 
-from runner import Accelerator, init_empty_weights, load_checkpoint_and_dispatch
+from runner import (
+    Accelerator,
+    cpu_offload,
+    cpu_offload_with_hook,
+    dispatch_model,
+    init_empty_weights,
+    load_checkpoint_and_dispatch,
+)
 from runner.big_modeling import compute_module_sizes
 from runner.models import GPT
 from runner.weights import save_model_files
@@ -291,3 +298,38 @@ def test_an_out_of_memory_error_leaves_a_memory_snapshot(tmp_path):
                       "data=random_tokens", "data.batch_size=1024")  # fmt: skip
     assert proc.returncode != 0 and "OutOfMemoryError" in proc.stderr, proc.stderr[-3000:]
     assert (run_dir / "memory_snapshot_rank0.pickle").stat().st_size > 0
+
+
+def test_cpu_offload_keeps_weights_on_the_cpu_and_computes_on_the_gpu():
+    torch.manual_seed(0)
+    model, x = GPT(**SIZE).eval(), torch.randint(0, SIZE["vocab_size"], (2, 16))
+    with torch.no_grad():
+        expected = model(x)
+        offloaded = cpu_offload(model, execution_device=0)
+        out = offloaded(x)
+    assert out.device.type == "cuda" and torch.allclose(out.cpu(), expected, atol=1e-4)
+    assert all(p.device.type == "cpu" for p in offloaded.parameters())  # brought over only while running
+
+
+def test_cpu_offload_with_hook_moves_the_previous_model_back_when_the_next_runs():
+    first, hook = cpu_offload_with_hook(torch.nn.Linear(4, 4), execution_device=0)
+    second, _ = cpu_offload_with_hook(torch.nn.Linear(4, 4), execution_device=0, prev_module_hook=hook)
+    first(torch.randn(2, 4))
+    assert first.weight.device.type == "cuda"  # stays on the GPU until the next model runs
+    second(torch.randn(2, 4))
+    assert first.weight.device.type == "cpu" and second.weight.device.type == "cuda"
+
+
+def test_dispatch_skip_keys_leave_those_inputs_where_they_are():
+    class TakesExtra(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+            self.seen = extra.device.type
+            return self.linear(x)
+
+    model = dispatch_model(TakesExtra().cuda(), {"": 0}, skip_keys="extra")
+    model(torch.randn(2, 4), extra=torch.zeros(1))
+    assert model.seen == "cpu"
