@@ -26,6 +26,7 @@ from runner import (
     load_checkpoint_and_dispatch,
 )
 from runner.big_modeling import compute_module_sizes
+from runner.handlers import DataLoaderConfiguration
 from runner.models import GPT
 from runner.weights import save_model_files
 
@@ -333,3 +334,15 @@ def test_dispatch_skip_keys_leave_those_inputs_where_they_are():
     model = dispatch_model(TakesExtra().cuda(), {"": 0}, skip_keys="extra")
     model(torch.randn(2, 4), extra=torch.zeros(1))
     assert model.seen == "cpu"
+
+
+def test_non_blocking_batches_arrive_on_the_gpu_from_pinned_memory():
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(non_blocking=True))
+    data = torch.utils.data.TensorDataset(torch.arange(8.0)[:, None])
+    loader = accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=4, pin_memory=True))
+    batches = [batch[0] for batch in loader]
+    torch.cuda.synchronize()
+    assert all(b.device.type == "cuda" for b in batches) and torch.cat(batches).flatten().tolist() == list(
+        range(8)
+    )
+    accelerator.end_training()
