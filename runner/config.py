@@ -244,6 +244,9 @@ class FSDPConfig(ParallelConfig):
     shard_modules: list[str] | None = None
     reshard_after_forward: bool = True
     cpu_offload: bool = False
+    dp_replicate: int = bounded(
+        1, ge=1
+    )  # HSDP: replica groups, each sharding over world / dp_replicate ranks
 
 
 @dataclass

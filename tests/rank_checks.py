@@ -266,6 +266,7 @@ def matrix_strategy(hardware: str):
         "cpu_forked": lambda: SingleDevice("cpu", num_threads=1),
         "multi_gpu": lambda: DDP(device="cpu"),
         "fsdp": lambda: FSDP(device="cpu", shard_modules=["Block"]),
+        "fsdp_hsdp2x2": lambda: FSDP(device="cpu", shard_modules=["Block"], dp_replicate=2),
         "deepspeed_zero1": lambda: DeepSpeed(device="cpu", zero_stage=1),
         "deepspeed_zero2": lambda: DeepSpeed(device="cpu", zero_stage=2),
         "deepspeed_zero3": lambda: DeepSpeed(device="cpu", zero_stage=3),
@@ -389,3 +390,23 @@ def multiprocess_logging(shared_log: str) -> dict[str, Any]:
     handler.close()
     accelerator.end_training()
     return {}
+
+
+def hsdp_layout() -> dict[str, Any]:
+    """How `FSDP(dp_replicate=2)` lays a tiny GPT out over 4 ranks: the placements and mesh of a block's
+    weight, and the share of it this rank holds."""
+    from runner.hardware import FSDP
+    from runner.models import GPT
+
+    accelerator = Accelerator(strategy=FSDP(device="cpu", shard_modules=["Block"], dp_replicate=2))
+    model = accelerator.prepare(GPT(vocab_size=32, max_seq_len=8, d_model=32, n_layers=2, n_heads=2))
+    weight = model.blocks[0].mlp.fc_in.weight
+    layout = {
+        "placements": [str(p) for p in weight.placements],
+        "mesh": list(weight.device_mesh.mesh.shape),
+        "mesh_dims": list(weight.device_mesh.mesh_dim_names),
+        "local_fraction": weight.to_local().numel() / weight.numel(),
+    }
+    accelerator.free_memory()
+    accelerator.end_training()
+    return layout

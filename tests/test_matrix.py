@@ -21,7 +21,7 @@ HARDWARE = [
     "megatron_tp2",
     "megatron_tp2_sp",
 ]
-PROCESSES = {"megatron_tp2_dp2": 4}
+PROCESSES = {"megatron_tp2_dp2": 4, "fsdp_hsdp2x2": 4}
 TOLERANCE = {"no": 1e-5, "bf16": 2e-2}
 
 
@@ -55,3 +55,29 @@ def test_several_ranks_match_one_process(single_process, tmp_path, hardware, pre
 @pytest.mark.parametrize("precision", list(TOLERANCE))
 def test_single_process_checkpoint_round_trip(single_process, precision):
     assert single_process[precision]["after_load"] == single_process[precision]["continued"]
+
+
+def test_hsdp_replicates_across_groups_and_shards_within_one():
+    layouts = rank_checks.run_ranks(rank_checks.hsdp_layout, num_processes=4)
+    for layout in layouts.values():
+        assert layout["mesh"] == [2, 2] and layout["mesh_dims"] == ["dp_replicate", "dp_shard"]
+        assert layout["placements"] == ["R", "S(0)"]  # Replicate(), Shard(0)
+        assert layout["local_fraction"] == 0.5  # a shard over the 2 ranks of its group, not over all 4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["hardware.dp_replicate=3"],
+            "hardware.dp_replicate=3: the parallel degrees (dp_replicate x dp_shard x tp_size = 3 (dp_shard takes "
+            "the rest of the ranks)) must multiply to the world size, 2 ranks",
+        ),
+        (["hardware.dp_replicate=0"], "hardware.dp_replicate=0: must be >= 1"),
+    ],
+)
+def test_a_layout_that_does_not_fit_the_world_is_refused_before_launch(run_cli, overrides, message):
+    proc = run_cli("hardware=fsdp", "hardware.device=cpu", "hardware.num_processes=2", *overrides)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert "starting" not in proc.stderr  # no rank was started

@@ -7,8 +7,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 
+from runner.hardware.mesh import ParallelDims
 from runner.hardware.parallel import ParallelStrategy
 from runner.hardware.parallelize import ShardedState, apply_fsdp, sharding_units
 from runner.precision import MixedPrecision, Precision, ShardedMixedPrecision, refuse_fp16
@@ -27,6 +27,9 @@ class FSDP(ShardedState, ParallelStrategy):
         reshard_after_forward: free gathered parameters after each unit's forward (saves memory, costs a
             second all-gather in backward).
         cpu_offload: keep parameter shards, gradients and optimizer states in CPU memory.
+        dp_replicate: HSDP: the ranks form this many replica groups, each sharding the model over its
+            world_size / dp_replicate ranks (all-gathers stay within a group, e.g. a node; gradients are
+            averaged across groups). 1: one group of all ranks (plain FSDP).
 
     bf16 comes from the precision group as FSDP's MixedPrecisionPolicy (parameters gathered in bf16,
     gradients reduced in fp32, outputs fp32). Checkpoints are sharded (torch.distributed.checkpoint);
@@ -40,6 +43,7 @@ class FSDP(ShardedState, ParallelStrategy):
         shard_modules: list[str] | None = None,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
+        dp_replicate: int = 1,
         **process_group: Any,
     ) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -49,6 +53,7 @@ class FSDP(ShardedState, ParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
         self.mp_policy = MixedPrecisionPolicy()
+        self.dims = ParallelDims(dp_replicate=dp_replicate)
 
     def setup_precision(self, precision: Precision) -> Precision:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -62,8 +67,12 @@ class FSDP(ShardedState, ParallelStrategy):
     def block_classes(self, module: torch.nn.Module) -> list[str]:
         return sharding_units(module, self.shard_modules)
 
+    def check_model(self, model: torch.nn.Module, world_size: int) -> None:
+        self.dims.resolved(world_size)
+
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        mesh = init_device_mesh(self.device.type, (torch.distributed.get_world_size(),))
+        dims = self.dims.resolved(torch.distributed.get_world_size())
+        mesh = dims.submesh(dims.build_mesh(self.device.type), "dp_replicate", "dp_shard")
         self.apply_compute(module)
         self.replace_parameters(
             module,
