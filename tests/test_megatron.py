@@ -60,7 +60,8 @@ def test_tp_by_dp_checkpoints_with_dcp_resumes_and_saves_full_weights(run_cli):
     [
         (
             ["experiment=gpt_sonnets", "hardware.num_processes=3", "hardware.oversubscribe=true"],
-            "hardware.tp_size=2 does not divide the world size 3",
+            "hardware.tp_size=2: the parallel degrees (dp_replicate x dp_shard x tp_size = 2 (dp_shard takes the "
+            "rest of the ranks)) must multiply to the world size, 3 ranks",
         ),
         (
             [

@@ -1,5 +1,5 @@
 """`hardware=megatron`: Megatron-style tensor parallelism on DTensor, data parallel (FSDP2) over the rest
-of the world on a 2-D ("dp", "tp") mesh."""
+of the world on a 2-D ("dp_shard", "tp") mesh (`ParallelDims`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
+from runner.hardware.mesh import ParallelDims
 from runner.hardware.parallel import ParallelStrategy
 from runner.hardware.parallelize import (
     ShardedState,
@@ -30,8 +31,9 @@ class TensorParallel(ShardedState, ParallelStrategy):
     """Split each layer of the model over `tp_size` ranks by the model's own plan (`model.tp_plan(tp_size,
     sequence_parallel)`, declared next to its definition: column-wise then row-wise linear layers, one
     all-reduce per sub-layer). A world of `tp_size` x N ranks is N-way data parallel too: FSDP2 shards the
-    model over the "dp" dimension of the mesh (`apply_tp`, then `apply_fsdp`). Ranks of one tensor-parallel
-    group read the same batches: the data is split over "dp" only, and `gather`/`reduce` collect over "dp".
+    model over the "dp_shard" dimension of the mesh (`apply_tp`, then `apply_fsdp`). Ranks of one
+    tensor-parallel group read the same batches: the data is split over "dp_shard" only, and
+    `gather`/`reduce` collect over it.
     Checkpoints are sharded (DCP), the final `model/` holds the full weights, as with FSDP.
 
     Args (beyond `ParallelStrategy`'s):
@@ -84,11 +86,7 @@ class TensorParallel(ShardedState, ParallelStrategy):
         super().setup_compute(compile, checkpointing)
 
     def check_model(self, model: torch.nn.Module, world_size: int) -> None:
-        if world_size % self.tp_size:
-            raise ConfigError(
-                f"hardware.tp_size={self.tp_size} does not divide the world size {world_size}: the ranks form groups "
-                f"of tp_size. Use a tp_size that divides {world_size}, or {self.tp_size} x N processes."
-            )
+        ParallelDims(tp=self.tp_size).resolved(world_size)
         self._plan(model)
 
     def _plan(self, model: torch.nn.Module) -> dict[str, Any]:
@@ -115,14 +113,10 @@ class TensorParallel(ShardedState, ParallelStrategy):
 
     def setup_environment(self) -> ProcessState:
         state = super().setup_environment()
-        if state.num_processes % self.tp_size:
-            raise ConfigError(
-                f"hardware.tp_size={self.tp_size} does not divide the world size {state.num_processes}."
-            )
-        shape = (state.num_processes // self.tp_size, self.tp_size)
-        self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("dp", "tp"))
+        dims = ParallelDims(tp=self.tp_size).resolved(state.num_processes)
+        self.mesh = dims.build_mesh(self.device.type, always=("dp_shard", "tp"))
         return dataclasses.replace(
-            state, data_parallel_index=self.mesh.get_local_rank("dp"), data_parallel_size=shape[0]
+            state, data_parallel_index=self.mesh.get_local_rank("dp_shard"), data_parallel_size=dims.dp
         )
 
     def block_classes(self, module: torch.nn.Module) -> list[str]:
@@ -137,11 +131,11 @@ class TensorParallel(ShardedState, ParallelStrategy):
         def parallelize() -> None:
             apply_tp(module, mesh["tp"], self._plan(module))
             self.apply_compute(module)
-            if mesh["dp"].size() > 1:
+            if mesh["dp_shard"].size() > 1:
                 no_cast, no_offload = MixedPrecisionPolicy(), OffloadPolicy()  # bf16 is autocast's here
                 apply_fsdp(
                     module,
-                    mesh["dp"],
+                    mesh["dp_shard"],
                     sharding_units(module, self.shard_modules),
                     self.reshard_after_forward,
                     no_cast,
@@ -167,6 +161,6 @@ class TensorParallel(ShardedState, ParallelStrategy):
         return total
 
     def data_group(self) -> dist.ProcessGroup:
-        """The ranks of one tp group hold the same samples: the data collectives run over "dp"."""
+        """The ranks of one tp group hold the same samples: the data collectives run over "dp_shard"."""
         assert self.mesh is not None, "setup_environment() first"
-        return self.mesh.get_group("dp")
+        return self.mesh.get_group("dp_shard")

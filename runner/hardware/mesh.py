@@ -53,17 +53,21 @@ class ParallelDims:
         """Ranks that read different data: every data-parallel rank, replicated or sharded."""
         return self.dp_replicate * self.dp_shard
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The mesh over the world: one named dimension per degree above 1 (all of them size 1 for a
-        world of one: "dp_shard"). Call on resolved degrees."""
+    def build_mesh(self, device_type: str, always: tuple[str, ...] = ()) -> DeviceMesh:
+        """The mesh over the world: one named dimension per degree above 1 or named in `always` (a
+        world of one: "dp_shard" of size 1). Call on resolved degrees."""
         assert self.dp_shard > 0, "resolved() first"
-        dims = [(name, getattr(self, name)) for name in self.NAMES if getattr(self, name) > 1]
+        dims = [(name, size) for name, size in self.degrees().items() if size > 1 or name in always]
         dims = dims or [("dp_shard", 1)]
         return init_device_mesh(
             device_type, tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims)
         )
 
-    def submesh(self, mesh: DeviceMesh, *names: str) -> DeviceMesh | None:
+    def degrees(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.NAMES}
+
+    @staticmethod
+    def submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh | None:
         """The part of `mesh` over the dimensions `names` that it has (None: none of them)."""
         present = tuple(name for name in names if name in (mesh.mesh_dim_names or ()))
         return mesh[present] if present else None
