@@ -37,6 +37,7 @@ def describe(
         "launcher": launcher,
         "devices": f"{world_size} x {strategy.device.type} ({available_cores()} CPU cores on this machine)",
         "hardware": f"{cfg.hardware._target_} {hardware}",
+        "layout": strategy.layout(world_size),
         "precision": precision,
         "batch": (
             f"{batch} per device x {world_size} device(s) x {trainer.gradient_accumulation_steps} accumulation "

@@ -81,3 +81,17 @@ def test_a_layout_that_does_not_fit_the_world_is_refused_before_launch(run_cli, 
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert "starting" not in proc.stderr  # no rank was started
+
+
+def test_the_plan_shows_the_mesh_and_each_ranks_coordinates(run_cli):
+    proc = run_cli(
+        "plan=true",
+        "hardware=fsdp",
+        "hardware.device=cpu",
+        "hardware.num_processes=4",
+        "hardware.oversubscribe=true",
+        "hardware.dp_replicate=2",
+    )
+    assert proc.returncode == 0, proc.stderr
+    layout = "dp_replicate 2 x dp_shard 2 x tp 1; rank:(dp_replicate,dp_shard,tp) 0:(0,0,0) 1:(0,1,0) 2:(1,0,0) 3:(1,1,0)"
+    assert layout in proc.stdout + proc.stderr

@@ -136,6 +136,10 @@ class Strategy(ABC):
         """The picklable `obj` of every process, in process order."""
         return [obj]
 
+    def layout(self, world_size: int) -> str:
+        """How `world_size` ranks share the work, for the plan."""
+        return "one process" if world_size == 1 else f"{world_size} ranks, each reading its own batches"
+
     def check_model(self, model: torch.nn.Module, world_size: int) -> None:
         """Before launch, with the model on the meta device: raise ConfigError for what this backend cannot
         do with it on `world_size` ranks."""

@@ -67,6 +67,9 @@ class FSDP(ShardedState, ParallelStrategy):
     def block_classes(self, module: torch.nn.Module) -> list[str]:
         return sharding_units(module, self.shard_modules)
 
+    def layout(self, world_size: int) -> str:
+        return self.dims.resolved(world_size).describe()
+
     def check_model(self, model: torch.nn.Module, world_size: int) -> None:
         self.dims.resolved(world_size)
 

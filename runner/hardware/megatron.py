@@ -85,6 +85,9 @@ class TensorParallel(ShardedState, ParallelStrategy):
             )
         super().setup_compute(compile, checkpointing)
 
+    def layout(self, world_size: int) -> str:
+        return ParallelDims(tp=self.tp_size).resolved(world_size).describe()
+
     def check_model(self, model: torch.nn.Module, world_size: int) -> None:
         ParallelDims(tp=self.tp_size).resolved(world_size)
         self._plan(model)

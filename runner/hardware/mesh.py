@@ -63,6 +63,23 @@ class ParallelDims:
             device_type, tuple(size for _, size in dims), mesh_dim_names=tuple(name for name, _ in dims)
         )
 
+    def describe(self, shown_ranks: int = 8) -> str:
+        """The mesh in words, with each rank's coordinates (the first `shown_ranks`). Call on resolved
+        degrees."""
+        degrees = self.degrees()
+        world = self.dp * self.tp
+        sizes = list(degrees.values())
+        coordinates = []
+        for rank in range(min(world, shown_ranks)):
+            position, rest = [], rank
+            for size in reversed(sizes):
+                rest, index = divmod(rest, size)
+                position.append(index)
+            coordinates.append(f"{rank}:({','.join(map(str, reversed(position)))})")
+        more = f" ... ({world} ranks)" if world > shown_ranks else ""
+        mesh = " x ".join(f"{name} {size}" for name, size in degrees.items())
+        return f"{mesh}; rank:(dp_replicate,dp_shard,tp) {' '.join(coordinates)}{more}"
+
     def degrees(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.NAMES}
 
