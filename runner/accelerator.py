@@ -705,6 +705,8 @@ class Accelerator(ProcessControl):
             }
             meta = {
                 "num_processes": self.num_processes,
+                "data_parallel_size": self.state.data_parallel_size,
+                "split_batches": self.split_batches,
                 "checkpoint_format": self.strategy.checkpoint_format,
                 "step": self.step,
                 "counts": counts,
@@ -715,10 +717,18 @@ class Accelerator(ProcessControl):
 
     def load_state(self, input_dir: str | None = None) -> None:
         """Restore a checkpoint that `save_state` wrote (without `input_dir`: the latest one of the
-        project), into the objects prepared and registered, in the same order."""
+        project), into the objects prepared and registered, in the same order. A sharded (DCP) checkpoint
+        loads onto another number of ranks or another layout (fsdp 4 -> 2, fsdp -> tensor parallel):
+        DCP reshards it."""
         directory = Path(input_dir) if input_dir is not None else self._latest_project_checkpoint()
         meta = check_checkpoint_fits(
-            directory, self.num_processes, self.strategy.checkpoint_format, key="load_state input_dir"
+            directory,
+            self.num_processes,
+            self.strategy.checkpoint_format,
+            key="load_state input_dir",
+            reshards=self.strategy.reshards_checkpoints,
+            readers=self.state.data_parallel_size if self._dataloaders else None,
+            split_batches=self.split_batches,
         )
         # Sizes here; `python -m runner` also checks the contents (CRC-32) before any rank starts.
         if problems := damage(directory, meta, contents=False):
@@ -745,7 +755,10 @@ class Accelerator(ProcessControl):
             for i, obj in enumerate(objects):
                 obj.load_state_dict(load_torch(directory / f"{prefix}_{i}.pt"))
         self.precision.load_state_dict(load_torch(directory / "precision.pt"))
-        set_rng_state(load_torch(directory / f"random_states_{self.process_index}.pt"))
+        # On another number of ranks (a resharded checkpoint) a new rank takes the states of rank i % N.
+        set_rng_state(
+            load_torch(directory / f"random_states_{self.process_index % meta['num_processes']}.pt")
+        )
         self.step = meta["step"]
         if (
             self.project_configuration.automatic_checkpoint_naming

@@ -282,20 +282,42 @@ def resume_checkpoint(resume: str | None, output_dir: Path, verify: bool = False
 
 
 def check_checkpoint_fits(
-    checkpoint: Path, world_size: int, checkpoint_format: str, key: str = "trainer.resume"
+    checkpoint: Path,
+    world_size: int,
+    checkpoint_format: str,
+    key: str = "trainer.resume",
+    reshards: bool = False,
+    readers: int | None = None,
+    split_batches: bool = False,
 ) -> dict[str, Any]:
     """The checkpoint's metadata, or a ConfigError naming `key` when this hardware cannot read its model
-    state (another `Strategy.checkpoint_format`) or this many ranks cannot use its per-rank state. Checked
-    before any rank starts and again by `Accelerator.load_state`."""
+    state (another `Strategy.checkpoint_format`), or cannot on this many ranks (a format that does not
+    `reshards` onto another layout), or when its data positions mean something else here: `readers`
+    (this run's data-parallel ranks; None: no data position to restore) differ from the writer's, and
+    the batch size is not the global one in both runs (`split_batches`). Checked before any rank starts
+    and again by `Accelerator.load_state`."""
     meta = read_meta(checkpoint, key=key)
     check_format(checkpoint, meta, checkpoint_format)
     written_by = meta["num_processes"]
-    if written_by != world_size:
+    if written_by != world_size and not reshards:
         raise ConfigError(
             f"{key}: {checkpoint} was written by {written_by} process(es) and this run has {world_size}; "
-            "each rank's data position and RNG state do not carry over to another number of ranks. Resume with "
-            f"{written_by} process(es) (hardware.num_processes={written_by} from the command line), or start "
-            "fresh (trainer.resume=null)."
+            f"its {checkpoint_format!r} model state does not reshard onto another number of ranks (the sharded "
+            f"checkpoints of hardware=fsdp and megatron do). Resume with {written_by} process(es) "
+            f"(hardware.num_processes={written_by} from the command line), or start fresh (trainer.resume=null)."
+        )
+    written_readers = meta.get("data_parallel_size", written_by)
+    if (
+        readers is not None
+        and written_readers != readers
+        and not (split_batches and meta.get("split_batches"))
+    ):
+        raise ConfigError(
+            f"{key}: {checkpoint} was written by {written_readers} data-parallel rank(s) and this run has "
+            f"{readers}: with a batch size per rank, the global batch and so each rank's data position would "
+            "change. Resharding a run onto another layout needs trainer.split_batches=true (data.batch_size is "
+            f"the global batch) in the run that wrote it and in this one; else resume with {written_readers} "
+            "data-parallel rank(s)."
         )
     return meta
 

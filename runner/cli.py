@@ -77,7 +77,14 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
             verify = env is None or env.rank == 0
             checkpoint = resume_checkpoint(cfg.trainer.resume, output_dir, verify=verify)
             if checkpoint is not None:
-                meta = check_checkpoint_fits(checkpoint, world_size, built.hardware.checkpoint_format)
+                meta = check_checkpoint_fits(
+                    checkpoint,
+                    world_size,
+                    built.hardware.checkpoint_format,
+                    reshards=built.hardware.reshards_checkpoints,
+                    readers=built.hardware.data_parallel_size(world_size),
+                    split_batches=cfg.trainer.split_batches,
+                )
                 if not is_inference(cfg.task._target_):  # the run's one optimizer, before any rank starts
                     optimizer = locate(cfg.optimizer._target_)
                     check_optimizer_classes(

@@ -95,3 +95,20 @@ def test_the_plan_shows_the_mesh_and_each_ranks_coordinates(run_cli):
     assert proc.returncode == 0, proc.stderr
     layout = "dp_replicate 2 x dp_shard 2 x tp 1; rank:(dp_replicate,dp_shard,tp) 0:(0,0,0) 1:(0,1,0) 2:(1,0,0) 3:(1,1,0)"
     assert layout in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("written", "resumed"),
+    [(("fsdp", 4), ("fsdp", 2)), (("fsdp", 2), ("megatron_tp2", 2)), (("megatron_tp2_dp2", 4), ("fsdp", 2))],
+    ids=["fsdp4-to-fsdp2", "fsdp2-to-tp2", "tp2xdp2-to-fsdp2"],
+)
+def test_a_sharded_checkpoint_resumes_on_another_layout(tmp_path, written, resumed):
+    """DCP reshards the model and optimizer state: the next loss is the uninterrupted run's."""
+    checkpoint = str(tmp_path / "ckpt")
+    run = rank_checks.run_ranks(
+        rank_checks.matrix_run, written[0], "no", checkpoint, num_processes=written[1]
+    )[0]
+    loss = rank_checks.run_ranks(
+        rank_checks.matrix_resumed, resumed[0], checkpoint, num_processes=resumed[1]
+    )[0]
+    assert abs(loss - run["continued"]) <= 1e-6, (loss, run["continued"])

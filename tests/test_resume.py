@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, runner_command, wait_for_checkpoint
+from conftest import cli_env, metrics_of, runner_command, wait_for_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -248,3 +248,31 @@ def test_evaluating_more_often_does_not_change_training(tmp_path):
         assert proc.returncode == 0, proc.stderr
         weights.append((run_dir / "model" / "model.safetensors").read_bytes())
     assert weights[0] == weights[1]
+
+
+def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks_with_a_global_batch(tmp_path):
+    fsdp = [
+        "hardware=fsdp",
+        "hardware.device=cpu",
+        "tracker=none",
+        "trainer.eval_every=0",
+        "trainer.log_every=10",
+    ]
+    steps = ["trainer.max_steps=30", "trainer.checkpoint_every=10"]
+    whole = run(tmp_path / "whole", *fsdp, *steps, "hardware.num_processes=2", "trainer.split_batches=true")
+    assert whole.returncode == 0, whole.stderr
+    checkpoint = tmp_path / "whole" / "checkpoints" / "checkpoint_1"  # after step 20
+    resumed = run(
+        tmp_path / "resumed", *fsdp, *steps, "hardware.num_processes=1", "trainer.split_batches=true",
+        f"trainer.resume={checkpoint}",
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr and "at step 20" in resumed.stderr
+    ours, theirs = metrics_of(resumed), metrics_of(whole)
+    assert abs(ours["train/loss"] - theirs["train/loss"]) <= 1e-5, (ours, theirs)
+    # With a batch size per rank, the global batch (and so the data position) would change: refused.
+    refused = run(
+        tmp_path / "refused", *fsdp, *steps, "hardware.num_processes=1", f"trainer.resume={checkpoint}"
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert "needs trainer.split_batches=true" in refused.stderr and "starting" not in refused.stderr

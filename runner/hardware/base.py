@@ -58,6 +58,7 @@ class Strategy(ABC):
 
     distributed_type: DistributedType = DistributedType.NO
     checkpoint_format: str = "full"  # how save_checkpoint writes models and optimizers (see there)
+    reshards_checkpoints: bool = False  # whether its checkpoints load onto another number of ranks
     # Which of "weights", "gradients", "optimizer" each rank holds only a 1/world_size share of.
     sharded_states: frozenset[str] = frozenset()
     # The compute options (trainer.compile, trainer.activation_checkpointing) `setup_module` applies.
@@ -135,6 +136,11 @@ class Strategy(ABC):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """The picklable `obj` of every process, in process order."""
         return [obj]
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """How many of `world_size` ranks read different batches (all of them, unless ranks split the
+        model itself)."""
+        return world_size
 
     def layout(self, world_size: int) -> str:
         """How `world_size` ranks share the work, for the plan."""

@@ -85,6 +85,9 @@ class TensorParallel(ShardedState, ParallelStrategy):
             )
         super().setup_compute(compile, checkpointing)
 
+    def data_parallel_size(self, world_size: int) -> int:
+        return ParallelDims(tp=self.tp_size).resolved(world_size).dp
+
     def layout(self, world_size: int) -> str:
         return ParallelDims(tp=self.tp_size).resolved(world_size).describe()
 

@@ -265,6 +265,7 @@ class ShardedState:
     shards). Listed first among a strategy's bases."""
 
     checkpoint_format = "sharded"
+    reshards_checkpoints = True  # DCP loads a checkpoint onto any layout of the same model
     sharded_states = frozenset({"weights", "gradients", "optimizer"})
 
     def no_sync(self, module: torch.nn.Module) -> AbstractContextManager:
