@@ -256,6 +256,10 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
             run_tracker.log_artifact(str(artifact))
         if run_tracker.log_model and trainer.save_model:
             run_tracker.log_artifact(str(output_dir / "model"), "model")
+    # Free the prepared model while the process group lives: a DDP reducer collected after the group is
+    # gone joins its gloo threads forever (a rank hung at exit).
+    del model, optimizer, scheduler
+    accelerator.free_memory()
     accelerator.end_training()
     return metrics
 
