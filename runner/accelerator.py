@@ -434,6 +434,16 @@ class Accelerator(ProcessControl):
         return model
 
     # ------------------------------------------------------------------------------- training step
+    def training_loss(
+        self, model: torch.nn.Module, batch: Any, loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]
+    ) -> torch.Tensor:
+        """`loss_fn(outputs, batch)` of the model's outputs on `batch` (`runner.task.model_outputs`), for
+        `backward`. Under pipeline parallel (`hardware=megatron hardware.pp_size=N`) the model trains only
+        so: the schedule runs forward and backward over microbatches here, the last stage computing
+        `loss_fn` on each one's rows, and every rank gets their mean (`backward` has nothing left to do)."""
+        scale = 1.0 / self.gradient_state.num_steps
+        return self.strategy.training_loss(model, batch, loss_fn, scale, self.sync_gradients)
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """`loss.backward()`, divided by the accumulation steps and scaled for fp16."""
         if self.gradient_state.num_steps > 1:

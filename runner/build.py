@@ -72,8 +72,12 @@ def load_start_weights(model: torch.nn.Module, checkpoint: str) -> None:
 
 
 def is_inference(task_target: str) -> bool:
-    """Whether the task class at `task_target` is an inference task (else a training one)."""
-    task = locate(task_target)
+    """Whether the task class at `task_target` is an inference task (else a training one, or a target that
+    cannot be imported: the check of the task node says so)."""
+    try:
+        task = locate(task_target)
+    except ImportError:
+        return False
     return isinstance(task, type) and issubclass(task, InferenceTask)
 
 

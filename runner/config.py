@@ -255,6 +255,10 @@ class MegatronConfig(ParallelConfig):
     sequence_parallel: bool = False  # also split the activations between layers along the sequence
     shard_modules: list[str] | None = None  # FSDP2 units for the data-parallel dimension
     reshard_after_forward: bool = True
+    pp_size: int = bounded(1, ge=1)  # pipeline stages; tp_size x pp_size must divide the world
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    microbatches: int = bounded(4, ge=1)  # pipeline microbatches per batch (a divisor of the per-rank batch)
+    virtual_stages: int = bounded(1, ge=1)  # stages per rank (interleaved_1f1b: >= 2)
 
 
 @dataclass

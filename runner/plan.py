@@ -38,6 +38,7 @@ def describe(
         "devices": f"{world_size} x {strategy.device.type} ({available_cores()} CPU cores on this machine)",
         "hardware": f"{cfg.hardware._target_} {hardware}",
         "layout": strategy.layout(world_size),
+        "stages": strategy.describe_stages(model),
         "precision": precision,
         "batch": (
             f"{batch} per device x {world_size} device(s) x {trainer.gradient_accumulation_steps} accumulation "
@@ -61,6 +62,7 @@ def describe(
         "compute": _compute(strategy),
         "activations": _activations(cfg, model, data, world_size, strategy),
     }
+    lines = {k: v for k, v in lines.items() if v is not None}
     width = max(map(len, lines))
     return "plan (nothing was started):\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in lines.items())
 

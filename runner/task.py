@@ -24,7 +24,14 @@ class Task:
     """
 
     def training_step(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        raise NotImplementedError
+        """The loss to minimise on `batch`; by default `loss` of the model's outputs."""
+        return self.loss(model_outputs(model, batch), batch)
+
+    def loss(self, outputs: torch.Tensor, batch: Any) -> torch.Tensor:
+        """The training loss from the model's output tensor (`model_outputs`) for `batch`. A task that
+        defines it can train under pipeline parallel, where the last stage computes it per microbatch
+        (a slice of `batch`'s rows); one that only overrides `training_step` cannot."""
+        raise NotImplementedError(f"{type(self).__name__} defines no loss(outputs, batch).")
 
     def evaluation_step(self, model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -40,15 +47,30 @@ class InferenceTask:
         raise NotImplementedError
 
 
-def model_outputs(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    """The model's output tensor for `batch`, whatever its shape: runner's samples (`{"inputs",
-    "targets"}`) and `(inputs, targets)` tuples call `model(inputs)`; Hugging Face batches (`{"input_ids",
-    "attention_mask", ..., "labels"}`) call `model(**batch)` without the labels. Of a transformers
-    `ModelOutput`, the `logits`."""
+def trains_by_loss(task: Any) -> bool:
+    """Whether `task` trains by its `loss` of the model's outputs (it defines `loss` and keeps Task's
+    `training_step`), which lets a backend compute that loss where it needs to (pipeline parallel)."""
+    cls = type(task)
+    return (
+        getattr(cls, "training_step", None) is Task.training_step
+        and getattr(cls, "loss", Task.loss) is not Task.loss
+    )
+
+
+def model_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments the model is called with for `batch`: runner's samples (`{"inputs", "targets"}`) and
+    `(inputs, targets)` tuples pass `inputs`; Hugging Face batches (`{"input_ids", "attention_mask", ...,
+    "labels"}`) pass every key but the labels, by name."""
     if isinstance(batch, Mapping) and "inputs" not in batch:
-        outputs = model(**{key: value for key, value in batch.items() if key != HF_LABELS})
-    else:
-        outputs = model(batch["inputs"] if isinstance(batch, Mapping) else batch[0])
+        return (), {key: value for key, value in batch.items() if key != HF_LABELS}
+    return (batch["inputs"] if isinstance(batch, Mapping) else batch[0],), {}
+
+
+def model_outputs(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The model's output tensor for `batch` (called with `model_inputs`); of a transformers `ModelOutput`,
+    the `logits`."""
+    args, kwargs = model_inputs(batch)
+    outputs = model(*args, **kwargs)
     if isinstance(outputs, torch.Tensor):
         return outputs
     return outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]

@@ -39,7 +39,7 @@ from runner.errors import ConfigError, TrainingDiverged, TrainingInterrupted
 from runner.hardware.base import Strategy
 from runner.perf import Throughput, count_flops, memory_snapshot_on_oom, peak_flops, profiled
 from runner.rng import set_seed
-from runner.task import Task, batch_units
+from runner.task import Task, batch_units, trains_by_loss
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,7 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
     if cfg.checkpoint is not None:  # fine-tune from these weights
         load_start_weights(model, cfg.checkpoint)
     task: Task = instantiate(cfg.task)
+    by_loss = trains_by_loss(task)  # a backend may compute it itself (pipeline parallel)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     total_steps = num_training_steps(trainer, len(train_loader))  # this rank's share of the batches
     # A prepared scheduler advances once per data-parallel process on each optimizer step (Accelerate's
@@ -177,7 +178,11 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
             )
             for batch in batches:
                 with accelerator.accumulate(model):
-                    loss = task.training_step(model, batch)
+                    loss = (
+                        accelerator.training_loss(model, batch, task.loss)
+                        if by_loss
+                        else task.training_step(model, batch)
+                    )
                     accelerator.backward(loss)
                     if trainer.max_grad_norm is not None and accelerator.sync_gradients:
                         accelerator.clip_grad_norm_(model.parameters(), trainer.max_grad_norm)

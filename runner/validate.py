@@ -320,7 +320,11 @@ def validate_for_world(
     if not skip & set(UNTYPED_NODES) and not is_inference(cfg.task._target_):
         data = _run_user_code("data", cfg.data, "to read its data", lambda: build_data(cfg))
         model = _run_user_code("model", cfg.model, "to build the model", lambda: build_on_meta(cfg, data))
-        for check in (hardware.check_model, lambda model, _: hardware.check_compute(model)):
+        for check in (
+            hardware.check_model,
+            lambda model, _: hardware.check_compute(model),
+            lambda _, world: _check_training(cfg, hardware, world),
+        ):
             try:
                 check(model, world_size)
             except ConfigError as err:
@@ -343,6 +347,17 @@ def validate_for_world(
             )
     if problems:
         raise ConfigError("\n\n".join(problems))
+
+
+def _check_training(cfg: DictConfig, hardware: Strategy, world_size: int) -> None:
+    """The backend's checks of the task and the rows of each batch one data-parallel rank trains on."""
+    try:
+        task = instantiate(cfg.task)
+    except Exception:  # the training step on meta reports a task that cannot be built
+        return
+    batch_size = cfg.data.get("batch_size") or 1
+    readers = hardware.data_parallel_size(world_size)
+    hardware.check_training(task, batch_size // readers if cfg.trainer.split_batches else batch_size)
 
 
 def _run_user_code(node: str, node_cfg: DictConfig, doing: str, build: Callable[[], T]) -> T:

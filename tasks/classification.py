@@ -19,9 +19,8 @@ class Classification(Task):
     def __init__(self, label_smoothing: Annotated[float, Range(ge=0, le=1)] = 0.0) -> None:
         self.label_smoothing = label_smoothing
 
-    def training_step(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        logits = model_outputs(model, batch)
-        return F.cross_entropy(logits, batch_targets(batch), label_smoothing=self.label_smoothing)
+    def loss(self, outputs: torch.Tensor, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(outputs, batch_targets(batch), label_smoothing=self.label_smoothing)
 
     def evaluation_step(self, model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         logits, targets = model_outputs(model, batch), batch_targets(batch)

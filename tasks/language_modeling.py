@@ -20,12 +20,12 @@ class LanguageModeling(Task):
     `attention_mask`, `labels` equal to the inputs: shifted here, as transformers' causal LMs do).
     """
 
-    def training_step(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        logits, targets = _next_token(model, batch)
+    def loss(self, outputs: torch.Tensor, batch: Any) -> torch.Tensor:
+        logits, targets = _next_token(outputs, batch)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def evaluation_step(self, model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
-        logits, targets = _next_token(model, batch)
+        logits, targets = _next_token(model_outputs(model, batch), batch)
         token_loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
         counted = (targets != IGNORED).sum(-1).clamp(min=1)
         return {
@@ -39,9 +39,9 @@ class LanguageModeling(Task):
 IGNORED = -100  # cross-entropy's ignore_index: padding in Hugging Face labels
 
 
-def _next_token(model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _next_token(logits: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, targets) aligned so that position t predicts token t + 1."""
-    logits, targets = model_outputs(model, batch), batch_targets(batch)
+    targets = batch_targets(batch)
     if isinstance(batch, Mapping) and HF_LABELS in batch:
         return logits[:, :-1], targets[:, 1:]
     return logits, targets

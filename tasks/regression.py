@@ -13,8 +13,8 @@ from runner.task import Task, batch_targets, model_outputs
 class Regression(Task):
     """Loss: MSE. Eval metrics: mse and mae."""
 
-    def training_step(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        return F.mse_loss(model_outputs(model, batch), batch_targets(batch))
+    def loss(self, outputs: torch.Tensor, batch: Any) -> torch.Tensor:
+        return F.mse_loss(outputs, batch_targets(batch))
 
     def evaluation_step(self, model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         error = model_outputs(model, batch) - batch_targets(batch)

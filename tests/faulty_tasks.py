@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from runner.data import SyntheticRegression
+from runner.task import model_outputs
+from runner.tasks.language_modeling import LanguageModeling
 from runner.tasks.regression import Regression
 
 
@@ -83,3 +85,10 @@ class SlowToLoad(SyntheticRegression):
         Path(os.environ["SLOW_DATA_MARKER"]).touch()
         time.sleep(60)
         return super().load()
+
+
+class OwnTrainingStep(LanguageModeling):
+    """Computes its loss in its own training_step (which pipeline parallel cannot split by microbatch)."""
+
+    def training_step(self, model, batch):
+        return self.loss(model_outputs(model, batch), batch)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import gc
+import multiprocessing
 import os
 import tempfile
 import time
@@ -19,9 +19,18 @@ from runner.trackers import MLflowTracker
 
 
 def run_ranks(fn, *args: Any, num_processes: int = 2) -> dict[int, Any]:
-    """Run `fn(*args)` in `num_processes` real ranks started by torch's elastic launcher (forked: each rank
-    must compute on one thread, as ParallelStrategy's do with OMP_NUM_THREADS=1, since this process's
-    OpenMP threads may already have run)."""
+    """Run `fn(*args)` in `num_processes` real ranks started by torch's elastic launcher.
+
+    The ranks are forked from a forkserver that has imported this module (so torch and runner), never from
+    this process: a fork of a process with threads (the launcher's store, earlier launches' gloo groups) can
+    copy a lock some thread holds, and a rank then hangs before it joins the group. Each rank sees this
+    process's environment as it is now, with the launcher's variables on top."""
+    os.environ.setdefault(
+        "OMP_NUM_THREADS", "1"
+    )  # each rank computes on one thread, as ParallelStrategy's do
+    if not _SERVER_ENVIRONMENT:
+        _SERVER_ENVIRONMENT.update(os.environ)  # what the forkserver, started by this first launch, inherits
+        multiprocessing.set_forkserver_preload([__name__])
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -30,15 +39,22 @@ def run_ranks(fn, *args: Any, num_processes: int = 2) -> dict[int, Any]:
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
         max_restarts=0,
-        start_method="fork",
+        start_method="forkserver",
         logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp()),
     )
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # Garbage of earlier launches in this process (a TCPStore, a gloo group: objects whose destructors join
-    # their threads) would be inherited by the forked ranks and, collected there where those threads do not
-    # exist, hang them: collect it here first.
-    gc.collect()
-    return elastic_launch(config, fn)(*args)
+    return elastic_launch(config, _in_environment)(_SERVER_ENVIRONMENT, dict(os.environ), fn, *args)
+
+
+_SERVER_ENVIRONMENT: dict[str, str] = {}
+
+
+def _in_environment(server: dict[str, str], environment: dict[str, str], fn, *args: Any) -> Any:
+    """In a rank: `environment` with the variables the launcher set for this rank (those that differ from
+    the forkserver's environment, `server`) on top, then `fn(*args)`."""
+    launcher = {k: v for k, v in os.environ.items() if server.get(k) != v}
+    os.environ.clear()
+    os.environ.update(environment | launcher)
+    return fn(*args)
 
 
 class Stream(IterableDataset):
@@ -261,6 +277,24 @@ def matrix_strategy(hardware: str):
         "megatron_tp2": lambda: TensorParallel(device="cpu", tp_size=2),
         "megatron_tp2_sp": lambda: TensorParallel(device="cpu", tp_size=2, sequence_parallel=True),
         "megatron_tp2_dp2": lambda: TensorParallel(device="cpu", tp_size=2, shard_modules=["Block"]),
+        **{
+            f"megatron_pp2_{schedule}": lambda schedule=schedule: TensorParallel(
+                device="cpu", tp_size=1, pp_size=2, pp_schedule=schedule, microbatches=4
+            )
+            for schedule in ("gpipe", "1f1b")
+        },
+        "megatron_pp2_interleaved_1f1b": lambda: TensorParallel(
+            device="cpu",
+            tp_size=1,
+            pp_size=2,
+            pp_schedule="interleaved_1f1b",
+            virtual_stages=2,
+            microbatches=4,
+        ),
+        "megatron_pp2_dp2": lambda: TensorParallel(
+            device="cpu", tp_size=1, pp_size=2, microbatches=2, shard_modules=["Block"]
+        ),
+        "megatron_tp2_pp2": lambda: TensorParallel(device="cpu", tp_size=2, pp_size=2, microbatches=4),
         "cpu": lambda: SingleDevice("cpu"),
         # A forked process computes on one thread (its parent's OpenMP threads do not survive the fork).
         "cpu_forked": lambda: SingleDevice("cpu", num_threads=1),
@@ -331,7 +365,7 @@ def matrix_training(hardware: str, precision: str, compile: str, checkpointing: 
         ),
     )
     torch.manual_seed(0)
-    model = GPT(vocab_size=32, max_seq_len=MATRIX_SEQ, d_model=32, n_layers=2, n_heads=2)
+    model = GPT(vocab_size=32, max_seq_len=MATRIX_SEQ, d_model=32, n_layers=4, n_heads=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
     # Learnable sequences: each row counts up (mod 32) from a random start.
@@ -344,10 +378,14 @@ def matrix_training(hardware: str, precision: str, compile: str, checkpointing: 
     share = MATRIX_BATCH // readers
     mine = slice(reader * share, (reader + 1) * share)
 
+    def next_token_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), batch["targets"].reshape(-1))
+
     def step(k: int) -> float:
-        batch = tokens[k, mine]
-        logits = model(batch[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 32), batch[:, 1:].reshape(-1))
+        rows = tokens[k, mine]
+        # The model's outputs and this loss; a pipeline computes it per microbatch on its last stage.
+        batch = {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+        loss = accelerator.training_loss(model, batch, next_token_loss)
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
@@ -410,3 +448,48 @@ def hsdp_layout() -> dict[str, Any]:
     accelerator.free_memory()
     accelerator.end_training()
     return layout
+
+
+def pipeline_order(schedule: str, microbatches: int, virtual_stages: int) -> dict[str, Any]:
+    """Over 2 pipeline ranks: the blocks each of this rank's stages holds, and the order in which they ran
+    forward (F<stage>) and backward (B<stage>) in a training step (the second: the first also sizes the
+    stages' buffers)."""
+    from runner.hardware.megatron import TensorParallel
+    from runner.models import GPT
+
+    strategy = TensorParallel(
+        device="cpu",
+        tp_size=1,
+        pp_size=2,
+        pp_schedule=schedule,
+        microbatches=microbatches,
+        virtual_stages=virtual_stages,
+    )
+    accelerator = Accelerator(strategy=strategy)
+    torch.manual_seed(0)
+    model = accelerator.prepare(GPT(vocab_size=32, max_seq_len=8, d_model=16, n_layers=4, n_heads=2))
+    events: list[str] = []
+
+    def record(index: int):
+        def hook(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> None:
+            events.append(f"F{index}")
+            if output.requires_grad:
+                output.register_hook(lambda grad: events.append(f"B{index}"))
+
+        return hook
+
+    for index, stage in model.stage_modules.items():
+        stage.register_forward_hook(record(index))
+    tokens = torch.randint(0, 32, (8, 9), generator=torch.Generator().manual_seed(0))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+    def loss_fn(logits: torch.Tensor, part: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), part["targets"].reshape(-1))
+
+    for _ in range(2):
+        events.clear()
+        loss = accelerator.training_loss(model, batch, loss_fn)
+    blocks = {index: list(stage.blocks) for index, stage in model.stage_modules.items()}
+    accelerator.free_memory()
+    accelerator.end_training()
+    return {"events": events, "blocks": blocks, "loss": loss.item()}

@@ -208,6 +208,7 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
         ),
         (["data=table", "data.path=missing.csv", "data.target=y"], "data.path='missing.csv': no such file"),
         (["model._target_=nope.Model"], "model._target_='nope.Model' cannot be imported"),
+        (["task._target_=nope.Task"], "task._target_='nope.Task' cannot be imported"),
         (["model=gpt"], "model.vocab_size is null and the data does not provide it"),
         (["hardware=multi_gpu", "hardware.num_processes=0"], "hardware.num_processes=0: must be >= 1"),
         (["hardware.num_threads=0"], "hardware.num_threads=0: must be >= 1"),

@@ -169,6 +169,7 @@ OTHER_VALUES = {
     "shard_modules": ["Block"],
     "device_map": "sequential",
     "recipe": "rowwise",
+    "pp_schedule": "gpipe",
     "keep": ["blocks.*"],
     "max_memory": {"cpu": "1GB"},
     "no_split_module_classes": ["Block"],

@@ -20,8 +20,11 @@ HARDWARE = [
     "deepspeed_zero3",
     "megatron_tp2",
     "megatron_tp2_sp",
+    "megatron_pp2_gpipe",
+    "megatron_pp2_1f1b",
+    "megatron_pp2_interleaved_1f1b",
 ]
-PROCESSES = {"megatron_tp2_dp2": 4, "fsdp_hsdp2x2": 4}
+PROCESSES = {"megatron_tp2_dp2": 4, "fsdp_hsdp2x2": 4, "megatron_pp2_dp2": 4, "megatron_tp2_pp2": 4}
 TOLERANCE = {"no": 1e-5, "bf16": 2e-2}
 
 
@@ -70,7 +73,7 @@ def test_hsdp_replicates_across_groups_and_shards_within_one():
     [
         (
             ["hardware.dp_replicate=3"],
-            "hardware.dp_replicate=3: the parallel degrees (dp_replicate x dp_shard x tp_size = 3 (dp_shard takes "
+            "hardware.dp_replicate=3: the parallel degrees (pp_size x dp_replicate x dp_shard x tp_size = 3 (dp_shard takes "
             "the rest of the ranks)) must multiply to the world size, 2 ranks",
         ),
         (["hardware.dp_replicate=0"], "hardware.dp_replicate=0: must be >= 1"),
@@ -93,14 +96,23 @@ def test_the_plan_shows_the_mesh_and_each_ranks_coordinates(run_cli):
         "hardware.dp_replicate=2",
     )
     assert proc.returncode == 0, proc.stderr
-    layout = "dp_replicate 2 x dp_shard 2 x tp 1; rank:(dp_replicate,dp_shard,tp) 0:(0,0,0) 1:(0,1,0) 2:(1,0,0) 3:(1,1,0)"
+    layout = (
+        "pp 1 x dp_replicate 2 x dp_shard 2 x tp 1; rank:(pp,dp_replicate,dp_shard,tp) "
+        "0:(0,0,0,0) 1:(0,0,1,0) 2:(0,1,0,0) 3:(0,1,1,0)"
+    )
     assert layout in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize(
     ("written", "resumed"),
-    [(("fsdp", 4), ("fsdp", 2)), (("fsdp", 2), ("megatron_tp2", 2)), (("megatron_tp2_dp2", 4), ("fsdp", 2))],
-    ids=["fsdp4-to-fsdp2", "fsdp2-to-tp2", "tp2xdp2-to-fsdp2"],
+    [
+        (("fsdp", 4), ("fsdp", 2)),
+        (("fsdp", 2), ("megatron_tp2", 2)),
+        (("megatron_tp2_dp2", 4), ("fsdp", 2)),
+        (("fsdp", 2), ("megatron_pp2_1f1b", 2)),
+        (("megatron_tp2_pp2", 4), ("fsdp", 2)),
+    ],
+    ids=["fsdp4-to-fsdp2", "fsdp2-to-tp2", "tp2xdp2-to-fsdp2", "fsdp2-to-pp2", "tp2xpp2-to-fsdp2"],
 )
 def test_a_sharded_checkpoint_resumes_on_another_layout(tmp_path, written, resumed):
     """DCP reshards the model and optimizer state: the next loss is the uninterrupted run's."""

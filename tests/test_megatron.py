@@ -60,7 +60,7 @@ def test_tp_by_dp_checkpoints_with_dcp_resumes_and_saves_full_weights(run_cli):
     [
         (
             ["experiment=gpt_sonnets", "hardware.num_processes=3", "hardware.oversubscribe=true"],
-            "hardware.tp_size=2: the parallel degrees (dp_replicate x dp_shard x tp_size = 2 (dp_shard takes the "
+            "hardware.tp_size=2: the parallel degrees (pp_size x dp_replicate x dp_shard x tp_size = 2 (dp_shard takes the "
             "rest of the ranks)) must multiply to the world size, 3 ranks",
         ),
         (

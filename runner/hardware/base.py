@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from runner.hardware.parallelize import apply_ac, apply_compile, blocks_of, comp
 from runner.ops import on_device, send_to_device
 from runner.precision import Precision
 from runner.state import DistributedType, ProcessState
+from runner.task import model_outputs
 from runner.weights import distinct_tensors, load_weights
 
 
@@ -146,6 +147,10 @@ class Strategy(ABC):
         """How `world_size` ranks share the work, for the plan."""
         return "one process" if world_size == 1 else f"{world_size} ranks, each reading its own batches"
 
+    def describe_stages(self, model: torch.nn.Module) -> str | None:
+        """For `plan=true`: how the model is split into pipeline stages (None: it is not)."""
+        return None
+
     def check_model(self, model: torch.nn.Module, world_size: int) -> None:
         """Before launch, with the model on the meta device: raise ConfigError for what this backend cannot
         do with it on `world_size` ranks."""
@@ -206,6 +211,22 @@ class Strategy(ABC):
             "cannot let ranks run different numbers of steps (DDP can, through torch's Join). Keep "
             "even_batches=True so that every rank gets as many batches."
         )
+
+    def check_training(self, task: Any, batch_size: int) -> None:
+        """Before launch: ConfigError for what this backend cannot train with `task` on batches of
+        `batch_size` rows per data-parallel rank."""
+
+    def training_loss(
+        self,
+        module: torch.nn.Module,
+        batch: Any,
+        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+        scale: float = 1.0,
+        sync_gradients: bool = True,
+    ) -> torch.Tensor:
+        """`loss_fn(outputs, batch)` of the model's outputs for `batch`, to backpropagate next (`scale` and
+        `sync_gradients` are for a backend that runs the backward here: pipeline parallel)."""
+        return loss_fn(model_outputs(module, batch), batch)
 
     def backward(
         self, loss: torch.Tensor, precision: Precision, sync_gradients: bool = True, **kwargs: Any

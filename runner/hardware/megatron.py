@@ -1,10 +1,10 @@
-"""`hardware=megatron`: Megatron-style tensor parallelism on DTensor, data parallel (FSDP2) over the rest
-of the world on a 2-D ("dp_shard", "tp") mesh (`ParallelDims`)."""
+"""`hardware=megatron`: Megatron-style tensor parallelism on DTensor, pipeline parallel, and data parallel
+(FSDP2) over the rest of the world, on one ("pp", "dp_shard", "tp") mesh (`ParallelDims`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -23,8 +23,17 @@ from runner.hardware.parallelize import (
     declared_tp_plan,
     sharding_units,
 )
+from runner.hardware.pipeline import (
+    PipelinedModel,
+    check_microbatches,
+    check_pipeline,
+    describe_stages,
+    split_stages,
+    tied_across_stages,
+)
 from runner.precision import Precision, refuse_fp8, refuse_fp16
 from runner.state import DistributedType, ProcessState
+from runner.task import trains_by_loss
 
 
 class TensorParallel(ShardedState, ParallelStrategy):
@@ -34,7 +43,7 @@ class TensorParallel(ShardedState, ParallelStrategy):
     model over the "dp_shard" dimension of the mesh (`apply_tp`, then `apply_fsdp`). Ranks of one
     tensor-parallel group read the same batches: the data is split over "dp_shard" only, and
     `gather`/`reduce` collect over it.
-    Checkpoints are sharded (DCP), the final `model/` holds the full weights, as with FSDP.
+    Checkpoints are sharded (DCP, any layout reads them), the final `model/` holds the full weights.
 
     Args (beyond `ParallelStrategy`'s):
         tp_size: ranks each layer is split over; must divide the world size and the model's heads and widths.
@@ -42,6 +51,10 @@ class TensorParallel(ShardedState, ParallelStrategy):
             sequence (the plan's `sequence_parallel`).
         shard_modules, reshard_after_forward: FSDP2's, for the data-parallel dimension (`hardware=fsdp`'s:
             None, the model's `_no_split_modules`; [], the root only).
+        pp_size: pipeline stages. Above 1 the model's blocks are split into `pp_size x virtual_stages`
+            stages (`runner.hardware.pipeline`), each then split by tensor parallel and sharded over
+            "dp_shard", and the loss comes from `training_loss`, which runs `pp_schedule` ("gpipe",
+            "1f1b", "interleaved_1f1b") over `microbatches` slices of each batch.
     """
 
     distributed_type = DistributedType.MEGATRON_LM
@@ -52,16 +65,24 @@ class TensorParallel(ShardedState, ParallelStrategy):
         sequence_parallel: bool = False,
         shard_modules: list[str] | None = None,
         reshard_after_forward: bool = True,
+        pp_size: int = 1,
+        pp_schedule: str = "1f1b",
+        microbatches: int = 4,
+        virtual_stages: int = 1,
         **process_group: Any,
     ) -> None:
-        if tp_size < 1:
-            raise ConfigError(f"hardware.tp_size={tp_size}: must be >= 1.")
+        if tp_size < 1 or pp_size < 1:
+            raise ConfigError(f"hardware.tp_size={tp_size}, hardware.pp_size={pp_size}: each must be >= 1.")
         super().__init__(**process_group)
-        self.tp_size = tp_size
+        self.tp_size, self.pp_size = tp_size, pp_size
         self.sequence_parallel = sequence_parallel
         self.shard_modules = None if shard_modules is None else list(shard_modules)
         self.reshard_after_forward = reshard_after_forward
+        self.pp_schedule, self.microbatches, self.virtual_stages = pp_schedule, microbatches, virtual_stages
+        self.dims = ParallelDims(pp=pp_size, tp=tp_size)
         self.mesh: DeviceMesh | None = None
+        self.precision: Precision | None = None
+        self._norm_duplicates: set[int] = set()  # tied weights' second copies (a pipeline's head)
 
     def setup_precision(self, precision: Precision) -> Precision:
         """bf16 by autocast around the forward (parameters stay fp32 on every mesh); fp16 is refused."""
@@ -71,6 +92,7 @@ class TensorParallel(ShardedState, ParallelStrategy):
             "megatron",
             "float8 linears need torchao's float8 tensor-parallel styles, not used here",
         )
+        self.precision = precision  # each pipeline stage runs its forward in it
         return precision
 
     def setup_compute(self, compile: CompileConfig, checkpointing: ActivationCheckpointingConfig) -> None:
@@ -86,14 +108,41 @@ class TensorParallel(ShardedState, ParallelStrategy):
         super().setup_compute(compile, checkpointing)
 
     def data_parallel_size(self, world_size: int) -> int:
-        return ParallelDims(tp=self.tp_size).resolved(world_size).dp
+        return self.dims.resolved(world_size).dp
 
     def layout(self, world_size: int) -> str:
-        return ParallelDims(tp=self.tp_size).resolved(world_size).describe()
+        layout = self.dims.resolved(world_size).describe()
+        if self.pp_size == 1:
+            return layout
+        stages = self.pp_size * self.virtual_stages
+        return (
+            f"{layout}; {stages} pipeline stages ({self.virtual_stages} per pp rank), {self.pp_schedule} over "
+            f"{self.microbatches} microbatches"
+        )
 
     def check_model(self, model: torch.nn.Module, world_size: int) -> None:
-        ParallelDims(tp=self.tp_size).resolved(world_size)
-        self._plan(model)
+        self.dims.resolved(world_size)
+        if self.tp_size > 1:
+            self._plan(model)
+        if self.pp_size > 1:
+            check_pipeline(model, self.pp_size, self.pp_schedule, self.microbatches, self.virtual_stages)
+
+    def describe_stages(self, model: torch.nn.Module) -> str | None:
+        if self.pp_size == 1:
+            return None
+        return describe_stages(model, self.pp_size, self.virtual_stages, self.pp_schedule, self.microbatches)
+
+    def check_training(self, task: Any, batch_size: int) -> None:
+        if self.pp_size == 1:
+            return
+        if not trains_by_loss(task):
+            raise ConfigError(
+                f"hardware.pp_size={self.pp_size}: the task {type(task).__name__} has its own training_step; under "
+                "pipeline parallel the last stage computes the loss per microbatch, so the task must define "
+                "`loss(outputs, batch)` and keep runner.task.Task's training_step (which applies it). Move the "
+                "loss there, or use hardware.pp_size=1."
+            )
+        check_microbatches(batch_size, self.microbatches)
 
     def _plan(self, model: torch.nn.Module) -> dict[str, Any]:
         """The model's own `tp_plan(tp_size, sequence_parallel)`, else the plan it declares the transformers
@@ -119,7 +168,7 @@ class TensorParallel(ShardedState, ParallelStrategy):
 
     def setup_environment(self) -> ProcessState:
         state = super().setup_environment()
-        dims = ParallelDims(tp=self.tp_size).resolved(state.num_processes)
+        dims = self.dims.resolved(state.num_processes)
         self.mesh = dims.build_mesh(self.device.type, always=("dp_shard", "tp"))
         return dataclasses.replace(
             state, data_parallel_index=self.mesh.get_local_rank("dp_shard"), data_parallel_size=dims.dp
@@ -129,27 +178,108 @@ class TensorParallel(ShardedState, ParallelStrategy):
         return sharding_units(module, self.shard_modules)
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Split the model into this rank's pipeline stages (`pp_size` > 1), then apply tensor parallel,
+        the compute options and FSDP to each: torchtitan's order."""
         assert self.mesh is not None, "setup_environment() first"
+        if self.pp_size == 1:
+            return self.replace_parameters(module, lambda: self._parallelize(module))
+        return self.replace_parameters(module, lambda: self._pipeline(module))
+
+    def _pipeline(self, module: torch.nn.Module) -> PipelinedModel:
+        assert self.mesh is not None and self.precision is not None
+        mesh, dp = self.mesh, self.mesh["dp_shard"]
+        plan = self._plan(module) if self.tp_size > 1 else {}  # the model's, whose names the stages keep
+        stages = split_stages(module, mesh.get_local_rank("pp"), self.pp_size, self.virtual_stages)
+        tied = tied_across_stages(module, stages)
+        for stage in stages.values():
+            self._parallelize(stage, plan)
+            self.precision.setup_module(stage)
+
+        def local_shard(shape: torch.Size) -> torch.Size:  # FSDP2's piece of a tied weight on this rank
+            if dp.size() == 1:
+                return shape
+            pieces = torch.empty(shape, device="meta").chunk(dp.size())
+            rank = dp.get_local_rank()
+            return pieces[rank].shape if rank < len(pieces) else torch.Size([0, *shape[1:]])
+
+        pipelined = PipelinedModel(
+            stages,
+            self.pp_size * self.virtual_stages,
+            mesh.get_group("pp"),
+            self.device,
+            self.pp_schedule,
+            self.microbatches,
+            tied,
+            local_shard,
+            order=[name for name, _ in module.named_children()],
+        )
+        held = dict(pipelined.named_parameters(remove_duplicate=False))
+        self._norm_duplicates = {id(held[t.name]) for t in tied if not t.canonical and t.name in held}
+        return pipelined
+
+    def _parallelize(self, module: torch.nn.Module, plan: dict[str, Any] | None = None) -> None:
+        """Tensor parallel over "tp" (by `plan`, else the module's own), the compute options, FSDP2 over
+        "dp_shard": in place."""
+        assert self.mesh is not None
         mesh = self.mesh
 
         from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-        def parallelize() -> None:
-            apply_tp(module, mesh["tp"], self._plan(module))
-            self.apply_compute(module)
-            if mesh["dp_shard"].size() > 1:
-                no_cast, no_offload = MixedPrecisionPolicy(), OffloadPolicy()  # bf16 is autocast's here
-                apply_fsdp(
-                    module,
-                    mesh["dp_shard"],
-                    sharding_units(module, self.shard_modules),
-                    self.reshard_after_forward,
-                    no_cast,
-                    no_offload,
-                )
+        if mesh["tp"].size() > 1:
+            apply_tp(module, mesh["tp"], plan or self._plan(module))
+        self.apply_compute(module)
+        if mesh["dp_shard"].size() > 1:
+            no_cast, no_offload = MixedPrecisionPolicy(), OffloadPolicy()  # bf16 is autocast's here
+            apply_fsdp(
+                module,
+                mesh["dp_shard"],
+                sharding_units(module, self.shard_modules),
+                self.reshard_after_forward,
+                no_cast,
+                no_offload,
+            )
 
-        self.replace_parameters(module, parallelize)
-        return module
+    def training_loss(
+        self,
+        module: torch.nn.Module,
+        batch: Any,
+        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+        scale: float = 1.0,
+        sync_gradients: bool = True,
+    ) -> torch.Tensor:
+        """Under pipeline parallel: the schedule's forward and backward over the microbatches, the tied
+        weights' gradients summed over the stages at a synchronisation step; the mean loss, detached."""
+        if self.pp_size == 1:
+            return super().training_loss(module, batch, loss_fn, scale, sync_gradients)
+        assert isinstance(module, PipelinedModel)
+        loss = module.training_loss(batch, loss_fn, scale)
+        if sync_gradients:
+            module.sync_tied_gradients()
+        return loss
+
+    def backward(
+        self, loss: torch.Tensor, precision: Precision, sync_gradients: bool = True, **kwargs: Any
+    ) -> None:
+        """Under pipeline parallel the schedule ran the backward in `training_loss`: nothing to do."""
+        if self.pp_size == 1:
+            super().backward(loss, precision, sync_gradients, **kwargs)
+
+    def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The full weights on rank 0 (a collective); under pipeline parallel each stage's, gathered from
+        the first rank of its data-parallel and tensor-parallel groups."""
+        if self.pp_size == 1:
+            return super().full_state_dict(module)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.mesh is not None
+        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+        sends = self.mesh["dp_shard"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
+        part = {name: tensor.cpu() for name, tensor in state.items()} if sends else {}
+        parts: list[dict[str, torch.Tensor]] | None = (
+            [{}] * dist.get_world_size() if dist.get_rank() == 0 else None
+        )
+        dist.gather_object(part, parts, dst=0)
+        return {name: tensor for piece in parts or [] for name, tensor in piece.items()}
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
@@ -157,10 +287,24 @@ class TensorParallel(ShardedState, ParallelStrategy):
         """The norm of all gradients, whatever mesh each lives on (tp, dp x tp, or replicated)."""
         from torch.distributed.tensor import DTensor
 
-        grads = [p.grad for p in parameters if p.grad is not None]
-        norms = [g.norm(norm_type) for g in grads]
+        params = [p for p in parameters if p.grad is not None]
+        grads = [p.grad for p in params]
+        norms = [p.grad.norm(norm_type) for p in params if id(p) not in self._norm_duplicates]
         norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        total = (
+            torch.linalg.vector_norm(torch.stack(norms), norm_type)
+            if norms
+            else torch.zeros((), device=self.device)
+        )
+        if self.pp_size > 1:  # each stage holds some of the gradients: combine the norms over the pipeline
+            assert self.mesh is not None
+            group = self.mesh.get_group("pp")
+            if norm_type == float("inf"):
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+            else:
+                total = total**norm_type
+                dist.all_reduce(total, group=group)
+                total = total ** (1.0 / norm_type)
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:
             grad.mul_(scale)

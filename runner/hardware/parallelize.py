@@ -303,7 +303,7 @@ def save_sharded(directory: Path, models: list[torch.nn.Module], optimizers: lis
     for i, optimizer in enumerate(optimizers):
         model = models[min(i, len(models) - 1)]
         dcp.save(
-            {"optimizer": get_optimizer_state_dict(model, optimizer)},
+            {"optimizer": get_optimizer_state_dict(model, optimizer, options=_by_parameter_name())},
             checkpoint_id=directory / f"optimizer_{i}",
         )
 
@@ -324,6 +324,18 @@ def load_sharded(directory: Path, models: list[torch.nn.Module], optimizers: lis
         set_model_state_dict(model, state["model"])
     for i, optimizer in enumerate(optimizers):
         model = models[min(i, len(models) - 1)]
-        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-        dcp.load(state, checkpoint_id=directory / f"optimizer_{i}")
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        path = directory / f"optimizer_{i}"
+        written = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        # Sharded checkpoints written before the state was keyed by parameter name: param groups by index.
+        options = None if "optimizer.param_groups.0.params" in written else _by_parameter_name()
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
+        dcp.load(state, checkpoint_id=path)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+
+
+def _by_parameter_name() -> Any:
+    """Optimizer state and param groups keyed by parameter name (torchtitan's choice): ranks that hold
+    different parameters (pipeline stages) write distinct keys, which any layout reads back."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)

@@ -104,14 +104,15 @@ class GPT(nn.Module):
         self.apply(_init_weights)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        seq = input_ids.shape[1]
-        if seq > self.max_seq_len:
-            raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.max_seq_len}.")
-        positions = torch.arange(seq, device=input_ids.device)
-        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(positions))
+        x = _embed(self, input_ids)
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+    def pipeline_stage(self, blocks: range, first: bool, last: bool) -> GPTStage:
+        """What one pipeline stage runs: the embeddings if `first`, the blocks numbered `blocks`, the final
+        norm and the head if `last`. It holds these modules themselves, under the names they have here."""
+        return GPTStage(self, blocks, first, last)
 
     def tp_plan(self, tp_size: int, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
         """Megatron-style tensor parallelism over `tp_size` ranks: in every block q/k/v and the first MLP
@@ -182,6 +183,37 @@ class GPT(nn.Module):
             next_id = torch.multinomial(F.softmax(logits.float(), dim=-1), 1)
             input_ids = torch.cat([input_ids, next_id], dim=1)
         return input_ids
+
+
+class GPTStage(nn.Module):
+    """A slice of a `GPT` for pipeline parallel: token ids (first stage) or the residual stream in, the
+    residual stream or logits (last stage) out. Its parameters' names are the model's (`blocks.3....`),
+    so that its state dict is the model's, restricted to this stage."""
+
+    def __init__(self, model: GPT, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.max_seq_len, self.first, self.last = model.max_seq_len, first, last
+        if first:
+            self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
+        if last:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = _embed(self, x)
+        for block in self.blocks.values():
+            x = block(x)
+        return self.lm_head(self.ln_f(x)) if self.last else x
+
+
+def _embed(model: GPT | GPTStage, input_ids: torch.Tensor) -> torch.Tensor:
+    """Token plus position embeddings of `input_ids` (batch, seq), after dropout."""
+    seq = input_ids.shape[1]
+    if seq > model.max_seq_len:
+        raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={model.max_seq_len}.")
+    positions = torch.arange(seq, device=input_ids.device)
+    return model.drop(model.tok_emb(input_ids) + model.pos_emb(positions))
 
 
 def _init_weights(module: nn.Module) -> None:
