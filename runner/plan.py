@@ -134,8 +134,9 @@ def _activations(
     checkpointed = ", with activation checkpointing" if checkpointing.mode != CheckpointingMode.none else ""
     if checkpointing.mode == CheckpointingMode.selective and checkpointing.save_matmuls:
         checkpointed += ", plus the matmul outputs it keeps, not counted here"
+    kept_bytes = sum(kept.values()) * strategy.activation_share()
     return (
-        f"about {sum(kept.values()) / MB:.1f} MB per device for one micro-batch (tensors kept for backward"
+        f"about {kept_bytes / MB:.1f} MB per device for one micro-batch (tensors kept for backward"
         f"{checkpointed}); the step computes {flops / 1e9:.3g} GFLOP (forward and backward, recomputation not counted)"
     )
 

@@ -5,6 +5,7 @@ each schedule, pp 2 x dp 2, tp 2 x pp 2) and resharding to and from a pipeline a
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -110,9 +111,16 @@ def test_a_model_without_stages_is_refused_before_launch(run_cli):
     assert "MLP declares no pipeline stages" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def activations_mb(proc) -> float:
+    return float(re.search(r"about ([\d.]+) MB per device", proc.stdout + proc.stderr).group(1))
+
+
 def test_the_plan_shows_the_pipeline(run_cli):
     proc = run_cli(*PIPELINE, "experiment=gpt_sonnets", "plan=true")
     assert proc.returncode == 0, proc.stderr
+    single = run_cli("experiment=gpt_sonnets", "plan=true")
+    # A stage holds 1 of 2 blocks' activations for 2 of 4 microbatches in flight: 2 / 8 of one process's.
+    assert activations_mb(proc) == pytest.approx(activations_mb(single) * 2 / 8, abs=0.1)
     assert "pp 2 x dp_replicate 1 x dp_shard 1 x tp 1" in proc.stdout + proc.stderr
     assert "2 pipeline stages (1 per pp rank), 1f1b over 4 microbatches" in proc.stdout + proc.stderr
     stages = "0 (pp rank 0): tok_emb, pos_emb, drop, blocks 0-0; 1 (pp rank 1): blocks 1-1, ln_f, lm_head"

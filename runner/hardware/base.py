@@ -147,6 +147,11 @@ class Strategy(ABC):
         """How `world_size` ranks share the work, for the plan."""
         return "one process" if world_size == 1 else f"{world_size} ranks, each reading its own batches"
 
+    def activation_share(self) -> float:
+        """For `plan=true`: the share of one process's activations (the whole model on a per-device batch)
+        that a device keeps at once."""
+        return 1.0
+
     def describe_stages(self, model: torch.nn.Module) -> str | None:
         """For `plan=true`: how the model is split into pipeline stages (None: it is not)."""
         return None

@@ -28,6 +28,7 @@ from runner.hardware.pipeline import (
     check_microbatches,
     check_pipeline,
     describe_stages,
+    in_flight,
     split_stages,
     tied_across_stages,
 )
@@ -126,6 +127,15 @@ class TensorParallel(ShardedState, ParallelStrategy):
             self._plan(model)
         if self.pp_size > 1:
             check_pipeline(model, self.pp_size, self.pp_schedule, self.microbatches, self.virtual_stages)
+
+    def activation_share(self) -> float:
+        """Under pipeline parallel: a stage's share of the blocks, times the microbatches in flight on the
+        first stage (`in_flight`) over all of them."""
+        if self.pp_size == 1:
+            return 1.0
+        return in_flight(self.pp_schedule, self.microbatches, self.pp_size * self.virtual_stages) / (
+            self.microbatches * self.pp_size
+        )
 
     def describe_stages(self, model: torch.nn.Module) -> str | None:
         if self.pp_size == 1:

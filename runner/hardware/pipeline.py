@@ -142,7 +142,7 @@ def tied_across_stages(model: nn.Module, stages: dict[int, nn.Module]) -> list[T
 
 def describe_stages(model: nn.Module, pp: int, virtual_stages: int, schedule: str, microbatches: int) -> str:
     """Each stage's rank and modules, and the microbatches whose activations a first-stage rank keeps at
-    once (GPipe: all of them; 1F1B: one per stage after it)."""
+    once (`in_flight`)."""
     num_stages = pp * virtual_stages
     parts = []
     for index, blocks in enumerate(stage_blocks(len(model_blocks(model)), num_stages)):
@@ -152,11 +152,16 @@ def describe_stages(model: nn.Module, pp: int, virtual_stages: int, schedule: st
             for name, _ in stage.named_children()
         ]
         parts.append(f"{index} (pp rank {index % pp}): {', '.join(names)}")
-    in_flight = microbatches if schedule == "gpipe" else min(microbatches, num_stages)
     return (
-        f"{'; '.join(parts)}. Up to {in_flight} of {microbatches} microbatches' activations in flight on the first "
-        f"stage ({schedule})"
+        f"{'; '.join(parts)}. Up to {in_flight(schedule, microbatches, num_stages)} of {microbatches} microbatches' "
+        f"activations in flight on the first stage ({schedule})"
     )
+
+
+def in_flight(schedule: str, microbatches: int, num_stages: int) -> int:
+    """The microbatches whose activations the first stage keeps at once: GPipe all of them, 1F1B one per
+    stage (interleaved: per stage of the whole loop)."""
+    return microbatches if schedule == "gpipe" else min(microbatches, num_stages)
 
 
 class PipelinedModel(nn.Module):
