@@ -247,6 +247,7 @@ class FSDPConfig(ParallelConfig):
     dp_replicate: int = bounded(
         1, ge=1
     )  # HSDP: replica groups, each sharding over world / dp_replicate ranks
+    dp_shard: int = bounded(-1, ge=-1)  # ranks each parameter is sharded over; -1: the rest of the world
 
 
 @dataclass
@@ -256,6 +257,8 @@ class MegatronConfig(ParallelConfig):
     shard_modules: list[str] | None = None  # FSDP2 units for the data-parallel dimension
     reshard_after_forward: bool = True
     pp_size: int = bounded(1, ge=1)  # pipeline stages; tp_size x pp_size must divide the world
+    dp_replicate: int = bounded(1, ge=1)  # HSDP over the data-parallel ranks: replica groups
+    dp_shard: int = bounded(-1, ge=-1)  # data-parallel ranks each parameter is sharded over; -1: the rest
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
     microbatches: int = bounded(4, ge=1)  # pipeline microbatches per batch (a divisor of the per-rank batch)
     virtual_stages: int = bounded(1, ge=1)  # stages per rank (interleaved_1f1b: >= 2)

@@ -295,6 +295,10 @@ def matrix_strategy(hardware: str):
             device="cpu", tp_size=1, pp_size=2, microbatches=2, shard_modules=["Block"]
         ),
         "megatron_tp2_pp2": lambda: TensorParallel(device="cpu", tp_size=2, pp_size=2, microbatches=4),
+        "megatron_tp2_hsdp2x1": lambda: TensorParallel(
+            device="cpu", tp_size=2, dp_replicate=2, shard_modules=["Block"]
+        ),
+        "fsdp_hsdp2x1": lambda: FSDP(device="cpu", shard_modules=["Block"], dp_replicate=2, dp_shard=1),
         "cpu": lambda: SingleDevice("cpu"),
         # A forked process computes on one thread (its parent's OpenMP threads do not survive the fork).
         "cpu_forked": lambda: SingleDevice("cpu", num_threads=1),

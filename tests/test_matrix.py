@@ -23,8 +23,15 @@ HARDWARE = [
     "megatron_pp2_gpipe",
     "megatron_pp2_1f1b",
     "megatron_pp2_interleaved_1f1b",
+    "fsdp_hsdp2x1",
 ]
-PROCESSES = {"megatron_tp2_dp2": 4, "fsdp_hsdp2x2": 4, "megatron_pp2_dp2": 4, "megatron_tp2_pp2": 4}
+PROCESSES = {
+    "megatron_tp2_dp2": 4,
+    "fsdp_hsdp2x2": 4,
+    "megatron_pp2_dp2": 4,
+    "megatron_tp2_pp2": 4,
+    "megatron_tp2_hsdp2x1": 4,
+}
 TOLERANCE = {"no": 1e-5, "bf16": 2e-2}
 
 
@@ -77,6 +84,11 @@ def test_hsdp_replicates_across_groups_and_shards_within_one():
             "the rest of the ranks)) must multiply to the world size, 2 ranks",
         ),
         (["hardware.dp_replicate=0"], "hardware.dp_replicate=0: must be >= 1"),
+        (
+            ["hardware.dp_shard=3"],
+            "hardware.dp_shard=3: the parallel degrees (pp_size x dp_replicate x dp_shard x tp_size = 3) must "
+            "multiply to the world size, 2 ranks",
+        ),
     ],
 )
 def test_a_layout_that_does_not_fit_the_world_is_refused_before_launch(run_cli, overrides, message):

@@ -30,6 +30,8 @@ class FSDP(ShardedState, ParallelStrategy):
         dp_replicate: HSDP: the ranks form this many replica groups, each sharding the model over its
             world_size / dp_replicate ranks (all-gathers stay within a group, e.g. a node; gradients are
             averaged across groups). 1: one group of all ranks (plain FSDP).
+        dp_shard: ranks each parameter is sharded over (-1: world_size / dp_replicate); the degrees must
+            multiply to the world size.
 
     bf16 comes from the precision group as FSDP's MixedPrecisionPolicy (parameters gathered in bf16,
     gradients reduced in fp32, outputs fp32). Checkpoints are sharded (torch.distributed.checkpoint);
@@ -44,6 +46,7 @@ class FSDP(ShardedState, ParallelStrategy):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         dp_replicate: int = 1,
+        dp_shard: int = -1,
         **process_group: Any,
     ) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -53,7 +56,7 @@ class FSDP(ShardedState, ParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
         self.mp_policy = MixedPrecisionPolicy()
-        self.dims = ParallelDims(dp_replicate=dp_replicate)
+        self.dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard)
 
     def setup_precision(self, precision: Precision) -> Precision:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -75,7 +78,10 @@ class FSDP(ShardedState, ParallelStrategy):
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         dims = self.dims.resolved(torch.distributed.get_world_size())
-        mesh = dims.submesh(dims.build_mesh(self.device.type), "dp_replicate", "dp_shard")
+        # dp_shard stays in the mesh at size 1: FSDP over (dp_replicate, 1) replicates, over one dim shards.
+        mesh = dims.submesh(
+            dims.build_mesh(self.device.type, always=("dp_shard",)), "dp_replicate", "dp_shard"
+        )
         self.apply_compute(module)
         self.replace_parameters(
             module,

@@ -52,6 +52,8 @@ class TensorParallel(ShardedState, ParallelStrategy):
             sequence (the plan's `sequence_parallel`).
         shard_modules, reshard_after_forward: FSDP2's, for the data-parallel dimension (`hardware=fsdp`'s:
             None, the model's `_no_split_modules`; [], the root only).
+        dp_replicate, dp_shard: the data-parallel ranks as `hardware=fsdp` has them (HSDP: replica groups
+            that each shard over dp_shard ranks; -1: the rest of the world).
         pp_size: pipeline stages. Above 1 the model's blocks are split into `pp_size x virtual_stages`
             stages (`runner.hardware.pipeline`), each then split by tensor parallel and sharded over
             "dp_shard", and the loss comes from `training_loss`, which runs `pp_schedule` ("gpipe",
@@ -67,6 +69,8 @@ class TensorParallel(ShardedState, ParallelStrategy):
         shard_modules: list[str] | None = None,
         reshard_after_forward: bool = True,
         pp_size: int = 1,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
         pp_schedule: str = "1f1b",
         microbatches: int = 4,
         virtual_stages: int = 1,
@@ -80,8 +84,9 @@ class TensorParallel(ShardedState, ParallelStrategy):
         self.shard_modules = None if shard_modules is None else list(shard_modules)
         self.reshard_after_forward = reshard_after_forward
         self.pp_schedule, self.microbatches, self.virtual_stages = pp_schedule, microbatches, virtual_stages
-        self.dims = ParallelDims(pp=pp_size, tp=tp_size)
+        self.dims = ParallelDims(pp=pp_size, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp_size)
         self.mesh: DeviceMesh | None = None
+        self._data_mesh: DeviceMesh | None = None
         self.precision: Precision | None = None
         self._norm_duplicates: set[int] = set()  # tied weights' second copies (a pipeline's head)
 
@@ -180,9 +185,18 @@ class TensorParallel(ShardedState, ParallelStrategy):
         state = super().setup_environment()
         dims = self.dims.resolved(state.num_processes)
         self.mesh = dims.build_mesh(self.device.type, always=("dp_shard", "tp"))
+        self._data_mesh = self._data_parallel_mesh()
         return dataclasses.replace(
-            state, data_parallel_index=self.mesh.get_local_rank("dp_shard"), data_parallel_size=dims.dp
+            state, data_parallel_index=self._data_mesh.get_local_rank(), data_parallel_size=dims.dp
         )
+
+    def _data_parallel_mesh(self) -> DeviceMesh:
+        """The ranks that read different batches, as one dimension: "dp_shard", flattened with
+        "dp_replicate" under HSDP."""
+        assert self.mesh is not None
+        if "dp_replicate" not in (self.mesh.mesh_dim_names or ()):
+            return self.mesh["dp_shard"]
+        return self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
     def block_classes(self, module: torch.nn.Module) -> list[str]:
         return sharding_units(module, self.shard_modules)
@@ -197,7 +211,7 @@ class TensorParallel(ShardedState, ParallelStrategy):
 
     def _pipeline(self, module: torch.nn.Module) -> PipelinedModel:
         assert self.mesh is not None and self.precision is not None
-        mesh, dp = self.mesh, self.mesh["dp_shard"]
+        mesh, dp = self.mesh, self.mesh["dp_shard"]  # a tied weight is sharded over dp_shard only
         plan = self._plan(module) if self.tp_size > 1 else {}  # the model's, whose names the stages keep
         stages = split_stages(module, mesh.get_local_rank("pp"), self.pp_size, self.virtual_stages)
         tied = tied_across_stages(module, stages)
@@ -238,11 +252,12 @@ class TensorParallel(ShardedState, ParallelStrategy):
         if mesh["tp"].size() > 1:
             apply_tp(module, mesh["tp"], plan or self._plan(module))
         self.apply_compute(module)
-        if mesh["dp_shard"].size() > 1:
+        data = ParallelDims.submesh(mesh, "dp_replicate", "dp_shard")
+        if data is not None and data.size() > 1:
             no_cast, no_offload = MixedPrecisionPolicy(), OffloadPolicy()  # bf16 is autocast's here
             apply_fsdp(
                 module,
-                mesh["dp_shard"],
+                data,
                 sharding_units(module, self.shard_modules),
                 self.reshard_after_forward,
                 no_cast,
@@ -283,7 +298,7 @@ class TensorParallel(ShardedState, ParallelStrategy):
 
         assert self.mesh is not None
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-        sends = self.mesh["dp_shard"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
+        sends = self._data_mesh.get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
         part = {name: tensor.cpu() for name, tensor in state.items()} if sends else {}
         parts: list[dict[str, torch.Tensor]] | None = (
             [{}] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -321,6 +336,7 @@ class TensorParallel(ShardedState, ParallelStrategy):
         return total
 
     def data_group(self) -> dist.ProcessGroup:
-        """The ranks of one tp group hold the same samples: the data collectives run over "dp_shard"."""
+        """The ranks of one tp group or pipeline hold the same samples: the data collectives run over the
+        data-parallel ranks."""
         assert self.mesh is not None, "setup_environment() first"
-        return self.mesh.get_group("dp_shard")
+        return self._data_mesh.get_group()
