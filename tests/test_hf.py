@@ -17,7 +17,7 @@ from runner.big_modeling import init_empty_weights, load_checkpoint_and_dispatch
 from runner.errors import ConfigError
 from runner.hardware.megatron import TensorParallel
 from runner.hardware.parallelize import declared_tp_plan, sharding_units
-from runner.models.hf import causal_lm, sequence_classification
+from runner.models.hf import DecoderStage, causal_lm, is_decoder_lm, sequence_classification
 from runner.task import batch_targets, model_outputs
 from runner.tasks import Classification, LanguageModeling
 
@@ -43,6 +43,12 @@ HARDWARE = {
     "fsdp": ["hardware=fsdp", "hardware.num_processes=2"],  # units: the model's LlamaDecoderLayer
     "deepspeed_zero3": ["hardware=deepspeed", "hardware.num_processes=2", "hardware.zero_stage=3"],
     "megatron_tp2": ["hardware=megatron", "hardware.num_processes=2", "hardware.tp_size=2"],  # its _tp_plan
+    "megatron_pp2": [  # its decoder layers split into 2 stages (DecoderStage)
+        "hardware=megatron",
+        "hardware.num_processes=2",
+        "hardware.tp_size=1",
+        "hardware.pp_size=2",
+    ],
 }
 
 
@@ -130,6 +136,24 @@ def test_training_goes_on_from_a_saved_models_dir(reference, tmp_path):
         "optimizer.lr=1e-5",
     )
     assert metrics["eval/loss"] == pytest.approx(trained, abs=0.05)  # from scratch it would be ~ln(256)
+
+
+def test_a_decoder_lm_splits_into_pipeline_stages_that_compute_its_logits():
+    """Its stages, chained, give the model's logits; a padding mask is refused."""
+    model = causal_lm(config=LLAMA | {"num_hidden_layers": 3}, vocab_size=50).eval()
+    assert is_decoder_lm(model)
+    tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    first, last = DecoderStage(model, range(0, 2), True, False), DecoderStage(model, range(2, 3), False, True)
+    assert sorted(dict(last.named_parameters()))[:2] == [
+        "lm_head.weight",
+        "model.layers.2.input_layernorm.weight",
+    ]
+    with torch.no_grad():
+        torch.testing.assert_close(last(first(tokens)), model(tokens).logits, rtol=0, atol=1e-6)
+        with pytest.raises(ValueError, match="batches with padding"):
+            first(
+                input_ids=tokens, attention_mask=torch.ones_like(tokens).index_fill(1, torch.tensor([0]), 0)
+            )
 
 
 def test_the_model_declares_its_sharding_units_and_tensor_parallel_plan():

@@ -9,6 +9,7 @@ own submodules under their names in the model (runner.models.GPT has it).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from torch import nn
 
 from runner.errors import ConfigError
 from runner.hardware.parallelize import blocks_of, sharding_units
+from runner.models.hf import DecoderStage, is_decoder_lm
 from runner.ops import apply_to_tensors, find_batch_size
 from runner.task import model_inputs
 
@@ -46,11 +48,12 @@ def check_pipeline(model: nn.Module, pp: int, schedule: str, microbatches: int, 
                 "hardware.pp_schedule=interleaved_1f1b."
             )
         )
-    if not callable(getattr(model, "pipeline_stage", None)):
+    if stage_builder(model) is None:
         raise ConfigError(
             f"hardware.pp_size={pp}: {type(model).__name__} declares no pipeline stages (a "
             "`pipeline_stage(blocks, first, last)` method returning the module one stage runs, as "
-            "runner.models.GPT has). Add one, or use hardware.pp_size=1."
+            "runner.models.GPT has; transformers decoder LMs laid out as Llama's are split without one). Add "
+            "one, or use hardware.pp_size=1."
         )
     stages, blocks = pp * virtual_stages, len(model_blocks(model))
     if stages > blocks:
@@ -82,6 +85,16 @@ def check_microbatches(batch_size: int, microbatches: int) -> None:
         )
 
 
+def stage_builder(model: nn.Module) -> Callable[..., nn.Module] | None:
+    """How one stage of `model` is built, `(blocks, first, last) -> module`: the model's own
+    `pipeline_stage`, or `DecoderStage` for a transformers decoder LM; None when it has neither."""
+    if callable(getattr(model, "pipeline_stage", None)):
+        return model.pipeline_stage
+    if is_decoder_lm(model):
+        return functools.partial(DecoderStage, model)
+    return None
+
+
 def model_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks, in order (its `_no_split_modules`), which stages split."""
     return blocks_of(model, sharding_units(model, None))
@@ -105,9 +118,10 @@ def local_stage_indices(pp_rank: int, pp: int, virtual_stages: int) -> list[int]
 def split_stages(model: nn.Module, pp_rank: int, pp: int, virtual_stages: int) -> dict[int, nn.Module]:
     """This rank's stages of `model`: stage index -> the module it runs (`model.pipeline_stage`)."""
     num_stages = pp * virtual_stages
-    ranges = stage_blocks(len(model_blocks(model)), num_stages)
+    ranges, build = stage_blocks(len(model_blocks(model)), num_stages), stage_builder(model)
+    assert build is not None, "check_pipeline() first"
     return {
-        index: model.pipeline_stage(ranges[index], first=index == 0, last=index == num_stages - 1)
+        index: build(ranges[index], first=index == 0, last=index == num_stages - 1)
         for index in local_stage_indices(pp_rank, pp, virtual_stages)
     }
 
@@ -143,19 +157,31 @@ def tied_across_stages(model: nn.Module, stages: dict[int, nn.Module]) -> list[T
 def describe_stages(model: nn.Module, pp: int, virtual_stages: int, schedule: str, microbatches: int) -> str:
     """Each stage's rank and modules, and the microbatches whose activations a first-stage rank keeps at
     once (`in_flight`)."""
-    num_stages = pp * virtual_stages
+    num_stages, build = pp * virtual_stages, stage_builder(model)
+    assert build is not None, "check_pipeline() first"
     parts = []
     for index, blocks in enumerate(stage_blocks(len(model_blocks(model)), num_stages)):
-        stage = model.pipeline_stage(blocks, first=index == 0, last=index == num_stages - 1)
-        names = [
-            f"blocks {blocks.start}-{blocks.stop - 1}" if name == "blocks" else name
-            for name, _ in stage.named_children()
-        ]
-        parts.append(f"{index} (pp rank {index % pp}): {', '.join(names)}")
+        stage = build(blocks, first=index == 0, last=index == num_stages - 1)
+        others = _outside_blocks(stage, {id(block) for block in model_blocks(model)})
+        extra = f" + {', '.join(others)}" if others else ""
+        parts.append(f"{index} (pp rank {index % pp}): blocks {blocks.start}-{blocks.stop - 1}{extra}")
     return (
         f"{'; '.join(parts)}. Up to {in_flight(schedule, microbatches, num_stages)} of {microbatches} microbatches' "
         f"activations in flight on the first stage ({schedule})"
     )
+
+
+def _outside_blocks(module: nn.Module, blocks: set[int], prefix: str = "") -> list[str]:
+    """The names of `module`'s top-most submodules that neither are nor hold one of `blocks` (ids)."""
+    names = []
+    for name, child in module.named_children():
+        if id(child) in blocks:
+            continue
+        if any(id(part) in blocks for part in child.modules()):
+            names += _outside_blocks(child, blocks, f"{prefix}{name}.")
+        else:
+            names.append(f"{prefix}{name}")
+    return names
 
 
 def in_flight(schedule: str, microbatches: int, num_stages: int) -> int:
