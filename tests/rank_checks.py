@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -42,7 +44,17 @@ def run_ranks(fn, *args: Any, num_processes: int = 2) -> dict[int, Any]:
         start_method="forkserver",
         logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp()),
     )
-    return elastic_launch(config, _in_environment)(_SERVER_ENVIRONMENT, dict(os.environ), fn, *args)
+    # A rank that hangs fails its test after LAUNCH_TIMEOUT_S instead of the process group's 30 minutes:
+    # SIGTERM makes the launcher stop the ranks and raise.
+    watchdog = threading.Timer(LAUNCH_TIMEOUT_S, os.kill, (os.getpid(), signal.SIGTERM))
+    watchdog.start()
+    try:
+        return elastic_launch(config, _in_environment)(_SERVER_ENVIRONMENT, dict(os.environ), fn, *args)
+    finally:
+        watchdog.cancel()
+
+
+LAUNCH_TIMEOUT_S = 600
 
 
 _SERVER_ENVIRONMENT: dict[str, str] = {}
