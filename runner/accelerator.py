@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 import runner.collectives as collectives
 from runner.checkpoint import (
+    PendingWrite,
     ProjectConfiguration,
     check_checkpoint_fits,
     check_optimizer_classes,
@@ -63,7 +65,7 @@ from runner.handlers import (
     ProfileKwargs,
 )
 from runner.hardware import Strategy, default_strategy
-from runner.ops import apply_to_tensors, is_tensor_structure
+from runner.ops import apply_to_tensors, host_copy, is_tensor_structure
 from runner.partial_state import ProcessControl, activate, deactivate
 from runner.precision import Precision
 from runner.precision import from_name as precision_from_name
@@ -201,6 +203,8 @@ class Accelerator(ProcessControl):
         self._dataloaders: list[DataLoaderShard] = []
         self._micro_batch_size: int | None = None  # per process, of the first prepared dataloader
         self._custom_objects: list[Any] = []
+        self._pending_checkpoint: PendingWrite | None = None  # save_state(blocking=False)'s write
+        self._async_group: Any = None  # its process group
         self.project_configuration = project_config or ProjectConfiguration(
             project_dir=project_dir, logging_dir=logging_dir
         )
@@ -609,35 +613,77 @@ class Accelerator(ProcessControl):
             )
         self._custom_objects.extend(objects)
 
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True) -> str:
+    def save_state(
+        self, output_dir: str | None = None, safe_serialization: bool = True, blocking: bool = True
+    ) -> str:
         """Write a checkpoint of everything prepared and registered, atomically; return its directory.
 
         Models (safetensors), optimizers, schedulers, the loss scaler, dataloader positions, registered
         objects, the step counter and every process's RNG states. Without `output_dir`, automatic
         naming writes `<project_dir>/checkpoints/checkpoint_<iteration>`, marks it latest and keeps at
         most `total_limit`. A crash during the save leaves the previous checkpoint untouched.
+
+        `blocking=False` (runner's; `trainer.async_checkpoint`): the state is copied into host memory
+        here and written by a background thread (DCP's `async_save` for sharded checkpoints); the
+        checkpoint becomes latest only once complete. The next save, `wait_for_checkpoint` and
+        `end_training` wait for the write.
         """
+        self.wait_for_checkpoint()
+        if not blocking and not self.strategy.async_checkpoints:
+            raise ValueError(
+                f"save_state(blocking=False): {type(self.strategy).__name__} writes its checkpoints itself, "
+                "synchronously. Save with blocking=True."
+            )
         final = self._checkpoint_target(output_dir)
         if self.is_main_process:
             start_staging(final)
         self.wait_for_everyone()
         staging = staging_path(final)
-        try:
-            self._write_checkpoint(staging)
+        latest = self.project_configuration.automatic_checkpoint_naming
+        limit = self.project_configuration.total_limit
+
+        def commit() -> None:
             if self.is_main_process:
                 commit_staging(final)
-        except BaseException:
-            if self.is_main_process:  # no half-written checkpoint is left behind (a full disk, a signal)
+                if latest:
+                    mark_latest(final)
+                    if limit is not None:
+                        prune(final.parent, limit)
+
+        def discard() -> None:  # no half-written checkpoint is left behind (a full disk, a signal)
+            if self.is_main_process:
                 shutil.rmtree(staging, ignore_errors=True)
+
+        try:
+            write = self._checkpoint_writer(staging, blocking)
+            if blocking:
+                write()
+                commit()
+        except BaseException:
+            discard()
             raise
-        if self.is_main_process and self.project_configuration.automatic_checkpoint_naming:
-            mark_latest(final)
-            if self.project_configuration.total_limit is not None:
-                prune(final.parent, self.project_configuration.total_limit)
-        if self.project_configuration.automatic_checkpoint_naming:
+        if not blocking:
+            self._pending_checkpoint = PendingWrite(final, write, commit, discard)
+        if latest:
             self.project_configuration.iteration += 1
-        self.wait_for_everyone()
+        if blocking:
+            self.wait_for_everyone()
         return str(final)
+
+    @property
+    def checkpoint_in_progress(self) -> bool:
+        """Whether a checkpoint of `save_state(blocking=False)` is still being written."""
+        return self._pending_checkpoint is not None and self._pending_checkpoint.running
+
+    def wait_for_checkpoint(self, everyone: bool = True) -> None:
+        """Wait until the checkpoint that `save_state(blocking=False)` is writing is complete (and marked
+        latest: with `everyone`, every process waits for the main process's commit); raise what failed in
+        its writing."""
+        pending, self._pending_checkpoint = self._pending_checkpoint, None
+        if pending is not None:
+            pending.wait()
+            if everyone:
+                self.wait_for_everyone()
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """Call `hook(models, weights, output_dir)` at the start of every `save_state`: `models` the
@@ -690,40 +736,64 @@ class Accelerator(ProcessControl):
             partial_path.replace(path)
         self.wait_for_everyone()
 
-    def _write_checkpoint(self, staging: Path) -> None:
-        """Every process's part of a checkpoint into `staging`; the main process's `meta.json` last."""
+    def _checkpoint_writer(self, staging: Path, blocking: bool) -> Callable[[], None]:
+        """What writes every process's part of a checkpoint into `staging`, then the main process's
+        `meta.json` (once every part is there). Blocking, the weights are written here; else they and
+        the other states are copied into host memory here (`Strategy.stage_checkpoint`), and the writer
+        runs in a background thread, its collectives over a process group of its own."""
         optimizers = [opt.optimizer for opt in self._optimizers]
         models = self._models_to_save(staging)
-        self.strategy.save_checkpoint(staging, models, optimizers, self.is_main_process)
+        if blocking:
+            self.strategy.save_checkpoint(staging, models, optimizers, self.is_main_process)
+            write_weights, copy, barrier = (lambda: None), (lambda state: state), self.wait_for_everyone
+        else:
+            group = self._checkpoint_group()
+            write_weights = self.strategy.stage_checkpoint(
+                staging, models, optimizers, self.is_main_process, group
+            )
+            copy = host_copy
+            barrier = (lambda: dist.barrier(group=group)) if group is not None else (lambda: None)
+        parts = {
+            "scheduler": self._schedulers,
+            "dataloader": self._dataloaders,
+            "custom_checkpoint": self._custom_objects,
+        }
+        files = {f"random_states_{self.process_index}.pt": rng_state()}
         if self.is_main_process:
-            parts = {
-                "scheduler": self._schedulers,
-                "dataloader": self._dataloaders,
-                "custom_checkpoint": self._custom_objects,
-            }
             for prefix, objects in parts.items():
-                for i, obj in enumerate(objects):
-                    save_torch(obj.state_dict(), staging / f"{prefix}_{i}.pt")
-            save_torch(self.precision.state_dict(), staging / "precision.pt")
-        save_torch(rng_state(), staging / f"random_states_{self.process_index}.pt")
-        self.wait_for_everyone()
-        if self.is_main_process:
-            counts = {
+                files |= {f"{prefix}_{i}.pt": copy(obj.state_dict()) for i, obj in enumerate(objects)}
+            files["precision.pt"] = copy(self.precision.state_dict())
+        meta = {
+            "num_processes": self.num_processes,
+            "data_parallel_size": self.state.data_parallel_size,
+            "split_batches": self.split_batches,
+            "checkpoint_format": self.strategy.checkpoint_format,
+            "step": self.step,
+            "counts": {
                 "models": len(models),
                 "optimizers": len(optimizers),
                 **{k: len(v) for k, v in parts.items()},
-            }
-            meta = {
-                "num_processes": self.num_processes,
-                "data_parallel_size": self.state.data_parallel_size,
-                "split_batches": self.split_batches,
-                "checkpoint_format": self.strategy.checkpoint_format,
-                "step": self.step,
-                "counts": counts,
-                "optimizer_classes": [_qualified_name(opt) for opt in optimizers],
-                "files": {name: file_digest(staging / name) for name in checkpoint_files(staging)},
-            }
-            write_meta(staging, meta)
+            },
+            "optimizer_classes": [_qualified_name(opt) for opt in optimizers],
+        }
+
+        def write() -> None:
+            write_weights()
+            for name, state in files.items():
+                save_torch(state, staging / name)
+            barrier()
+            if self.is_main_process:
+                digests = {name: file_digest(staging / name) for name in checkpoint_files(staging)}
+                write_meta(staging, meta | {"files": digests})
+
+        return write
+
+    def _checkpoint_group(self) -> Any:
+        """A gloo process group for the background checkpoint writes (None in a single process): their
+        collectives must not interleave with training's on the default group."""
+        if self._async_group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
 
     def load_state(self, input_dir: str | None = None) -> None:
         """Restore a checkpoint that `save_state` wrote (without `input_dir`: the latest one of the
@@ -874,7 +944,9 @@ class Accelerator(ProcessControl):
     clear = free_memory
 
     def end_training(self) -> None:
-        """Close the trackers' runs, then release the process group and the strategy's other resources."""
+        """Wait for a checkpoint being written, close the trackers' runs, then release the process group
+        and the strategy's other resources."""
+        self.wait_for_checkpoint()
         for tracker in self.trackers:
             tracker.close()
         self.trackers.clear()

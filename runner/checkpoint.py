@@ -15,8 +15,9 @@ import logging
 import os
 import re
 import shutil
+import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,47 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class PendingWrite:
+    """A checkpoint written by a background thread: `write` (into its staging dir), then `commit` (which
+    makes it the checkpoint); if either fails, `discard`, and `wait` raises the failure. A thread that is
+    not a daemon: a process that ends meanwhile finishes the write first."""
+
+    def __init__(
+        self,
+        final: Path,
+        write: Callable[[], None],
+        commit: Callable[[], None],
+        discard: Callable[[], None],
+    ) -> None:
+        self.final = final
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(write, commit, discard), name=f"writing {final.name}"
+        )
+        self._thread.start()
+
+    def _run(
+        self, write: Callable[[], None], commit: Callable[[], None], discard: Callable[[], None]
+    ) -> None:
+        try:
+            write()
+            commit()
+        except BaseException as err:
+            self._error = err
+            discard()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(
+                f"writing the checkpoint {self.final} in the background failed: {self._error}"
+            ) from self._error
 
 
 def mark_latest(checkpoint: Path) -> None:

@@ -194,6 +194,8 @@ class TrainerConfig:
     # at every logging step whose loss is finite, also save the state to checkpoints/last_finite (replacing
     # it): a run that diverges can resume from just before (costs a save every log_every steps)
     checkpoint_last_finite: bool = False
+    # write checkpoints in the background: the loop waits only for the copy into host memory
+    async_checkpoint: bool = False
     resume: str | None = "auto"  # auto: the output dir's latest checkpoint, if any | a checkpoint dir | null
     save_model: bool = True  # write the final weights to <output dir>/model
     objective: str | None = "eval/loss"  # the metric the Hydra main returns to sweepers; null: all metrics

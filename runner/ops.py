@@ -43,6 +43,12 @@ def apply_to_tensors(fn: Callable[[torch.Tensor], Any], data: Any, strict: bool 
     return data
 
 
+def host_copy(data: Any) -> Any:
+    """`data` with every tensor copied into CPU memory (a snapshot that later updates do not change);
+    containers are rebuilt (`apply_to_tensors`)."""
+    return apply_to_tensors(lambda t: t.detach().to("cpu", copy=True), data)
+
+
 def is_tensor_structure(data: Any) -> bool:
     """True when `data` is a tensor or a nested container holding only tensors."""
     try:

@@ -229,7 +229,7 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
                     accelerator.log(evaluated, step=done.step)
                     log.info("step %d/%d: %s", done.step, total_steps, _fmt(metrics))
                 if trainer.checkpoint_every and done.step % trainer.checkpoint_every == 0:
-                    log.info("checkpoint %s", accelerator.save_state())
+                    log.info("checkpoint %s", accelerator.save_state(blocking=not trainer.async_checkpoint))
                 if received:
                     accelerator.set_trigger()
                 # Checked where the loss is read anyway: the check waits for the device and the other ranks.
@@ -347,11 +347,16 @@ def keep_configured_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, configur
 
 @contextmanager
 def closed_on_failure(accelerator: Accelerator) -> Iterator[None]:
-    """Close the trackers' run as KILLED when the loop stops on a signal (the run resumes later) and as
-    FAILED when it raises; a run that ends well is closed FINISHED by `end_training`."""
+    """When the loop stops, first finish a checkpoint being written in the background; close the
+    trackers' run as KILLED when it stopped on a signal (the run resumes later) and as FAILED when it
+    raised; a run that ends well is closed FINISHED by `end_training`."""
     try:
         yield
     except BaseException as err:
+        try:  # a checkpoint being written in the background is finished first (the other ranks may be gone)
+            accelerator.wait_for_checkpoint(everyone=False)
+        except Exception as failed:
+            log.error("%s", failed)
         for tracker in accelerator.trackers:
             tracker.close("KILLED" if isinstance(err, TrainingInterrupted | KeyboardInterrupt) else "FAILED")
         accelerator.trackers.clear()

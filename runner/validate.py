@@ -446,6 +446,11 @@ def _checkpoint_problems(cfg: DictConfig, hardware: Any) -> list[str]:
             "with hardware=cpu, multi_gpu, fsdp or deepspeed; run inference with an inference task "
             "(experiment=gpt_generate)."
         )
+    if cfg.trainer.get("async_checkpoint") and not hardware.async_checkpoints:
+        problems.append(
+            f"trainer.async_checkpoint=true: {cfg.hardware._target_} writes its checkpoints itself, synchronously "
+            "(DeepSpeed's engine). Use trainer.async_checkpoint=false with it."
+        )
     if inference and cfg.checkpoint is None:
         problems.append(
             "checkpoint: an inference task needs the weights to run. Set checkpoint=<a model dir written by "

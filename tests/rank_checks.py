@@ -509,3 +509,23 @@ def pipeline_order(schedule: str, microbatches: int, virtual_stages: int) -> dic
     accelerator.free_memory()
     accelerator.end_training()
     return {"events": events, "blocks": blocks, "loss": loss.item()}
+
+
+def async_checkpoint_round_trip(hardware: str, workdir: str) -> dict[str, float]:
+    """Save the same state blocking and in the background, train on while the background write runs,
+    then load each: the next loss after each load, and the one the run took first."""
+    accelerator, step = matrix_training(hardware, "no", "none", "none")
+    for k in range(3):
+        step(k)
+    accelerator.save_state(f"{workdir}/blocking")
+    accelerator.save_state(f"{workdir}/background", blocking=False)
+    first = step(3)  # changes the weights while the copy is written
+    step(4)
+    accelerator.wait_for_checkpoint()
+    accelerator.load_state(f"{workdir}/background")
+    from_background = step(3)
+    accelerator.load_state(f"{workdir}/blocking")
+    from_blocking = step(3)
+    del step
+    end_matrix_training(accelerator)
+    return {"first": first, "background": from_background, "blocking": from_blocking}

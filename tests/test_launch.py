@@ -184,8 +184,10 @@ def test_a_rank_killed_by_sigkill_fails_the_job_fast(tmp_path):
         victim = int((pids / "rank1").read_text())
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
-        _, stderr = proc.communicate(timeout=30)
-        assert time.monotonic() - killed < 30
+        # Not the collectives' 30-minute timeout: the survivors error out on the dead peer, or at the latest
+        # the launcher kills them after launcher.shutdown_timeout_s (30 s).
+        _, stderr = proc.communicate(timeout=45)
+        assert time.monotonic() - killed < 45
     finally:
         proc.kill()
     assert proc.returncode == 1

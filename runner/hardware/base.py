@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -16,7 +17,7 @@ from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
 from runner.handlers import KwargsHandler
 from runner.hardware.parallelize import apply_ac, apply_compile, blocks_of, compute_settings, sharding_units
-from runner.ops import on_device, send_to_device
+from runner.ops import host_copy, on_device, send_to_device
 from runner.precision import Precision
 from runner.state import DistributedType, ProcessState
 from runner.task import model_outputs
@@ -263,14 +264,29 @@ class Strategy(ABC):
         """Write the models' weights and the optimizers' states into `directory`. Here every process holds
         the whole of each, so the main process writes `model_<i>.safetensors` and `optimizer_<i>.pt`;
         a sharding backend writes its shards from every process instead."""
+        if is_main_process:  # off the device (loading moves the optimizer states back to the params')
+            weights = [distinct_tensors(self.full_state_dict(model)) for model in models]
+            states = [send_to_device(optimizer.state_dict(), torch.device("cpu")) for optimizer in optimizers]
+            _write_full(directory, weights, states)
+
+    async_checkpoints: bool = True  # whether `stage_checkpoint` can stage this backend's checkpoints
+
+    def stage_checkpoint(
+        self,
+        directory: Path,
+        models: list[torch.nn.Module],
+        optimizers: list[Any],
+        is_main_process: bool,
+        group: Any = None,
+    ) -> Callable[[], None]:
+        """`save_checkpoint` in two halves: copy what it writes into host memory now (training may then
+        change the model), and return the function that writes the copy into `directory` (run in a
+        background thread; `group`: a process group of its own for any collective there)."""
         if not is_main_process:
-            return
-        for i, model in enumerate(models):
-            save_file(distinct_tensors(self.full_state_dict(model)), directory / f"model_{i}.safetensors")
-        for i, optimizer in enumerate(optimizers):  # off the device (loading moves it back to the params')
-            torch.save(
-                send_to_device(optimizer.state_dict(), torch.device("cpu")), directory / f"optimizer_{i}.pt"
-            )
+            return _nothing
+        weights = [host_copy(distinct_tensors(self.full_state_dict(model))) for model in models]
+        states = [host_copy(optimizer.state_dict()) for optimizer in optimizers]
+        return functools.partial(_write_full, directory, weights, states)
 
     def device_batches(
         self, batches: Iterator[Any], device: torch.device, non_blocking: bool = False
@@ -287,3 +303,16 @@ class Strategy(ABC):
 
     def teardown(self) -> None:
         """Release what `setup_environment` acquired."""
+
+
+def _write_full(
+    directory: Path, weights: list[dict[str, torch.Tensor]], states: list[dict[str, Any]]
+) -> None:
+    for i, model_weights in enumerate(weights):
+        save_file(model_weights, directory / f"model_{i}.safetensors")
+    for i, state in enumerate(states):
+        torch.save(state, directory / f"optimizer_{i}.pt")
+
+
+def _nothing() -> None:
+    pass

@@ -280,6 +280,8 @@ class DeepSpeed(ParallelStrategy):
             state[name] = full[id(tensor)]
         return state
 
+    async_checkpoints = False  # DeepSpeed's engine writes its own checkpoints, synchronously
+
     def save_checkpoint(
         self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], is_main_process: bool
     ) -> None:

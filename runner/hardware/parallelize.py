@@ -27,6 +27,7 @@ from runner.config import (
 )
 from runner.errors import ConfigError
 from runner.handlers import DDPCommunicationHookType
+from runner.ops import host_copy
 
 # torch.distributed.tensor (under FSDP2, tensor parallel and DCP) takes about 0.5 s to import: only runs
 # that shard import it, when they do.
@@ -280,6 +281,20 @@ class ShardedState:
     ) -> None:
         save_sharded(directory, models, optimizers)
 
+    def stage_checkpoint(
+        self,
+        directory: Path,
+        models: list[torch.nn.Module],
+        optimizers: list[Any],
+        is_main_process: bool,
+        group: Any = None,
+    ) -> Callable[[], None]:
+        """Each rank's shards (DTensors) copied to host memory now; the returned function writes them with
+        DCP, its collectives over `group`. (Not DCP's `async_save`: two of them, model and optimizer, run
+        their collectives at once in two threads, in an order that can differ between ranks.)"""
+        states = [(host_copy(state), path) for state, path in sharded_states(directory, models, optimizers)]
+        return functools.partial(write_sharded, states, group)
+
     def load_checkpoint(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
         load_sharded(directory, models, optimizers)
 
@@ -292,20 +307,37 @@ def gather_full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save_sharded(directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
-    """Every rank writes its shards (torch.distributed.checkpoint): `model_<i>/`, `optimizer_<i>/`. Each
-    optimizer belongs to the model of its index (the last model for any beyond)."""
-    import torch.distributed.checkpoint as dcp
+def save_sharded(
+    directory: Path, models: list[torch.nn.Module], optimizers: list[Any], group: Any = None
+) -> None:
+    """Every rank writes its shards (torch.distributed.checkpoint): `model_<i>/`, `optimizer_<i>/`, their
+    collectives over `group` (None: the default group)."""
+    write_sharded(sharded_states(directory, models, optimizers), group)
+
+
+def sharded_states(
+    directory: Path, models: list[torch.nn.Module], optimizers: list[Any]
+) -> list[tuple[dict[str, Any], Path]]:
+    """What `save_sharded` writes: each model's and optimizer's state dict (this rank's shards) and its
+    DCP directory. Each optimizer belongs to the model of its index (the last model for any beyond)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    for i, model in enumerate(models):
-        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=directory / f"model_{i}")
+    states = [
+        ({"model": get_model_state_dict(model)}, directory / f"model_{i}") for i, model in enumerate(models)
+    ]
     for i, optimizer in enumerate(optimizers):
         model = models[min(i, len(models) - 1)]
-        dcp.save(
-            {"optimizer": get_optimizer_state_dict(model, optimizer, options=_by_parameter_name())},
-            checkpoint_id=directory / f"optimizer_{i}",
-        )
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=_by_parameter_name())}
+        states.append((state, directory / f"optimizer_{i}"))
+    return states
+
+
+def write_sharded(states: list[tuple[dict[str, Any], Path]], group: Any = None) -> None:
+    """DCP-save each state into its directory, one after the other (each save's collectives in order)."""
+    import torch.distributed.checkpoint as dcp
+
+    for state, path in states:
+        dcp.save(state, checkpoint_id=path, process_group=group)
 
 
 def load_sharded(directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
