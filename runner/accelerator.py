@@ -844,7 +844,9 @@ class Accelerator(ProcessControl):
             self.project_configuration.automatic_checkpoint_naming
             and (number := checkpoint_number(directory)) is not None
         ):
-            self.project_configuration.iteration = number + 1
+            # Past a newer one the dir may hold (written by a run killed before it was marked latest).
+            naming = self.project_configuration
+            naming.iteration = max(naming.iteration, number + 1)
 
     def _checkpoint_target(self, output_dir: str | None) -> Path:
         config = self.project_configuration

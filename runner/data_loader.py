@@ -286,8 +286,12 @@ class DataLoaderShard:
         skip_batches: int = 0,
         generators: list[torch.Generator] | None = None,
         place: Callable[[Iterator[Any], torch.device], Iterator[Any]] | None = None,
+        position: DataLoaderShard | None = None,
     ) -> None:
         self.base_dataloader = dataloader
+        # Whose position this loader's passes advance: its own, or (`skip_first_batches`) that of the loader
+        # it skips in, the one registered for checkpoints.
+        self._position = position or self
         self.gradient_state = gradient_state
         self.device = device
         self.place = place
@@ -304,8 +308,9 @@ class DataLoaderShard:
     def __iter__(self) -> Iterator[Any]:
         if self.synchronize_rng is not None:
             self.synchronize_rng()
-        self._pass_start = [g.get_state() for g in self.generators]
-        self.batches_yielded = self.skip_batches
+        position = self._position
+        position._pass_start = [g.get_state() for g in self.generators]
+        position.batches_yielded = self.skip_batches
         self.end_of_dataloader = False
         self.gradient_state.active_dataloaders.append(self)
         try:
@@ -318,14 +323,14 @@ class DataLoaderShard:
             while batch is not _END:
                 upcoming = next(iterator, _END)
                 self.end_of_dataloader = upcoming is _END
-                self.batches_yielded += 1
+                position.batches_yielded += 1
                 yield batch
                 batch = upcoming
-            self.iteration += 1
+            position.iteration += 1
         finally:
             self.gradient_state.active_dataloaders.remove(self)
-            self._pass_start = None
-            self.batches_yielded = 0
+            position._pass_start = None
+            position.batches_yielded = 0
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: passes done, batches handed out in the current pass, and the generator
@@ -392,7 +397,8 @@ class DataLoaderShard:
 
     def skip_first_batches(self, num_batches: int) -> DataLoaderShard:
         """This loader, minus the first `num_batches` batches of each pass (a map-style loader never
-        loads them)."""
+        loads them). Its passes advance this loader's position: a checkpoint saved while it runs records
+        where the pass is (the batches skipped included), so a run resumed twice resumes right."""
         loader = self.base_dataloader
         if loader.batch_sampler is not None:
             loader = loader_like(loader, batch_sampler=SkipBatchSampler(loader.batch_sampler, num_batches))
@@ -405,6 +411,7 @@ class DataLoaderShard:
             num_batches,
             self.generators,
             self.place,
+            position=self._position,
         )
 
     def __getattr__(self, name: str) -> Any:

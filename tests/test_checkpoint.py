@@ -87,6 +87,11 @@ def test_automatic_naming_total_limit_and_latest(tmp_path):
     other, *_ = setup(tmp_path)
     other.load_state(str(checkpoints / "checkpoint_1"))
     assert other.save_iteration == 2  # the next number after the loaded one
+    # The loop numbers after what the dir holds: a newer checkpoint than the one loaded (a run killed
+    # before marking it latest) is not written over.
+    other.project_configuration.iteration = 3
+    other.load_state(str(checkpoints / "checkpoint_1"))
+    assert other.save_iteration == 3
     assert read_meta(checkpoints / "checkpoint_2")["num_processes"] == 1
 
 

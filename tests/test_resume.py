@@ -75,6 +75,32 @@ def test_a_stop_signal_checkpoints_exits_75_and_a_rerun_finishes_identically(
     assert (tmp_path / "model" / "model.safetensors").read_bytes() == uninterrupted[ranks]
 
 
+def test_a_run_resumed_from_a_resumed_runs_checkpoint_finishes_identically(tmp_path):
+    """A resumed run's loader skips the batches done in its first epoch; a checkpoint it writes in that
+    epoch holds the pass's position (the skipped batches included), so a run resumed from it (a job
+    requeued twice) goes on right."""
+    every = [
+        "trainer.max_steps=30",
+        "trainer.checkpoint_every=2",
+        "trainer.keep_checkpoints=null",
+        "model.dropout=0.1",
+    ]
+    first = run(tmp_path / "first", *every)
+    assert first.returncode == 0, first.stderr
+    second = run(
+        tmp_path / "second", *every, f"trainer.resume={tmp_path / 'first' / 'checkpoints' / 'checkpoint_1'}"
+    )
+    assert second.returncode == 0, second.stderr
+    # Written at step 8 by the run that resumed at step 4, in the same epoch.
+    third = run(
+        tmp_path / "third", *every, f"trainer.resume={tmp_path / 'second' / 'checkpoints' / 'checkpoint_3'}"
+    )
+    assert third.returncode == 0, third.stderr
+    assert "at step 8 (epoch 0, batch 8)" in (tmp_path / "third" / "runner.log").read_text()
+    final = (tmp_path / "third" / "model" / "model.safetensors").read_bytes()
+    assert final == (tmp_path / "first" / "model" / "model.safetensors").read_bytes()
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_kill_9_after_a_checkpoint_then_rerun_finishes_identically(tmp_path, uninterrupted, ranks):
     proc = start(tmp_path, *TRAIN, *RANKS[ranks])
