@@ -1,7 +1,7 @@
 """How long the training loop is blocked per checkpoint: `save_state()` against `save_state(blocking=False)`
 (`trainer.async_checkpoint=true`), measured in the same run, with an A/A control (a second blocking save).
 
-An MLP of ~51M parameters (205 MB of fp32 weights; with AdamW's two states a checkpoint of ~615 MB) on one
+An MLP of 64M parameters (245 MB of fp32 weights; with AdamW's two states a checkpoint of ~735 MB) on one
 process, checkpoints to a temporary dir (`--dir`: elsewhere, e.g. the disk a run would use). Each round
 saves once per mode, the modes in turn; before each save any background write is finished, so the time a
 call takes is what it blocks. Reported per mode: the median time the call blocked, its ratio to the blocking
