@@ -624,8 +624,8 @@ class Accelerator(ProcessControl):
         most `total_limit`. A crash during the save leaves the previous checkpoint untouched.
 
         `blocking=False` (runner's; `trainer.async_checkpoint`): the state is copied into host memory
-        here and written by a background thread (DCP's `async_save` for sharded checkpoints); the
-        checkpoint becomes latest only once complete. The next save, `wait_for_checkpoint` and
+        here and written by a background thread (sharded checkpoints by DCP, over a process group of
+        their own); the checkpoint becomes latest only once complete. The next save, `wait_for_checkpoint` and
         `end_training` wait for the write.
         """
         self.wait_for_checkpoint()
