@@ -17,7 +17,8 @@ from runner.big_modeling import init_empty_weights, load_checkpoint_and_dispatch
 from runner.errors import ConfigError
 from runner.hardware.megatron import TensorParallel
 from runner.hardware.parallelize import declared_tp_plan, sharding_units
-from runner.models.hf import DecoderStage, causal_lm, is_decoder_lm, sequence_classification
+from runner.models.decoder_stages import DecoderStage, is_decoder_lm
+from runner.models.hf import causal_lm, sequence_classification
 from runner.task import batch_targets, model_outputs
 from runner.tasks import Classification, LanguageModeling
 

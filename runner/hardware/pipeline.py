@@ -21,7 +21,7 @@ from torch import nn
 
 from runner.errors import ConfigError
 from runner.hardware.parallelize import blocks_of, sharding_units
-from runner.models.hf import DecoderStage, is_decoder_lm
+from runner.models.decoder_stages import DecoderStage, is_decoder_lm
 from runner.ops import apply_to_tensors, find_batch_size
 from runner.task import model_inputs
 
