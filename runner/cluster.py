@@ -20,6 +20,18 @@ class RankEnvironment:
     local_world_size: int
     master_addr: str
     master_port: int
+    # A task of a SLURM job step (srun): the step's hosts in order, and how many tasks each runs.
+    slurm_hosts: tuple[str, ...] = ()
+    slurm_tasks_per_host: tuple[int, ...] = ()
+
+    def expected_host(self, rank: int) -> str | None:
+        """The host SLURM runs `rank` on (block distribution: the first host's tasks, then the next's);
+        None outside a SLURM step."""
+        for host, tasks in zip(self.slurm_hosts, self.slurm_tasks_per_host, strict=False):
+            if rank < tasks:
+                return host
+            rank -= tasks
+        return None
 
     def export(self) -> None:
         """Set the torch variables (`RANK`, `MASTER_ADDR`, ...) that `init_process_group("env://")` reads."""
@@ -37,8 +49,9 @@ def launched_environment() -> RankEnvironment | None:
     """The rank this process is, when a launcher started it; None when it is a plain process.
 
     torch's launchers (torchrun, `elastic_launch`, submitit's export) set `RANK` and `WORLD_SIZE`; `srun`
-    with more than one task sets `SLURM_PROCID` and `SLURM_NTASKS`, and the rendezvous address is then the
-    job's first node.
+    with more than one task sets `SLURM_PROCID` and `SLURM_NTASKS`. The rendezvous is then the step's first
+    host, on a port derived from the job id: `MASTER_ADDR` and `MASTER_PORT` are not read there, since
+    sbatch passes on the submitting shell's environment, where they name the login node or localhost.
     """
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -52,16 +65,18 @@ def launched_environment() -> RankEnvironment | None:
             master_port=int(env.get("MASTER_PORT", 29500)),
         )
     if int(env.get("SLURM_NTASKS", 1)) > 1 and "SLURM_PROCID" in env:
+        hosts = expand_hosts(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1")
+        tasks = task_counts(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1")
+        node = int(env.get("SLURM_NODEID", 0))
         return RankEnvironment(
             rank=int(env["SLURM_PROCID"]),
             world_size=int(env["SLURM_NTASKS"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),
-            local_world_size=_tasks_on_node(
-                env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1")),
-                int(env.get("SLURM_NODEID", 0)),
-            ),
-            master_addr=env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
-            master_port=int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)),
+            local_world_size=tasks[min(node, len(tasks) - 1)],
+            master_addr=hosts[0],
+            master_port=20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000,
+            slurm_hosts=tuple(hosts),
+            slurm_tasks_per_host=tuple((tasks * len(hosts))[: len(hosts)] if len(tasks) == 1 else tasks),
         )
     return None
 
@@ -95,21 +110,34 @@ def rank_variables() -> dict[str, str]:
     return {name: os.environ[name] for name in RANK_VARIABLES if name in os.environ}
 
 
+def expand_hosts(nodelist: str) -> list[str]:
+    """The hosts of a SLURM node list, in its order: `node[03-05,09],gpu1` -> node03 node04 node05 node09
+    gpu1 (what `scontrol show hostnames` prints)."""
+    hosts = []
+    for prefix, ranges, suffix in re.findall(r"([^,\[]*)(?:\[([^\]]*)\])?([^,\[]*),?", nodelist):
+        if not ranges:
+            hosts += [prefix + suffix] if prefix + suffix else []
+            continue
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            for index in range(int(first), int(last or first) + 1):
+                hosts.append(f"{prefix}{index:0{len(first)}d}{suffix}")
+    if not hosts:
+        raise ValueError(f"cannot read a host name from the SLURM node list {nodelist!r}")
+    return hosts
+
+
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: `node[03-05,09],gpu1` -> `node03`."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]\-,]+))?", nodelist)
-    if match is None:
-        raise ValueError(f"cannot read a host name from the SLURM node list {nodelist!r}")
-    prefix, first_index = match.groups()
-    return prefix + (first_index or "")
+    return expand_hosts(nodelist)[0]
 
 
-def _tasks_on_node(tasks_per_node: str, node_index: int) -> int:
+def task_counts(tasks_per_node: str) -> list[int]:
     """Read SLURM's compressed task counts: `2(x3),1` is 2 tasks on each of 3 nodes, then 1."""
     counts = []
     for count, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?", tasks_per_node):
         counts += [int(count)] * int(repeat or 1)
-    return counts[min(node_index, len(counts) - 1)]
+    return counts or [1]
 
 
 def available_cores() -> int:

@@ -119,6 +119,10 @@ class TrainingDiverged(TrainingStopped):
     """A metric became NaN or infinite: the run stops instead of training on, or reporting, garbage."""
 
 
+class RendezvousError(TrainingStopped):
+    """The ranks of a job did not all meet: which did not, and on which hosts."""
+
+
 _WRITE_FAILURES = {
     errno.ENOSPC: "the disk is full",
     errno.EDQUOT: "the disk quota is exceeded",

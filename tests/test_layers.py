@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.ops",
             "runner.state",
             "runner.cluster",
+            "runner.rendezvous",
             "runner.log",
             "runner.config",
             "runner.perf",

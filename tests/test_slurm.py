@@ -172,7 +172,7 @@ def test_a_job_whose_rank_is_killed_is_reported_failed(slurm, tmp_path):
     [
         (
             ["launcher.partition=gpu"],
-            "launcher.partition='gpu': the cluster has no such partition (it has debug",
+            "launcher.partition='gpu': the cluster has no such partition (it has ",
         ),
         (["launcher.nodes=3"], "launcher.nodes=3: partition debug has 1 node(s). Ask for at most 1."),
         (["launcher.cpus_per_task=1000"], "each node would need 2000 CPUs (tasks per node x cpus_per_task)"),

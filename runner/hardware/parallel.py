@@ -16,6 +16,7 @@ from runner.cluster import available_cores, launched_environment
 from runner.errors import ConfigError
 from runner.handlers import InitProcessGroupKwargs, KwargsHandler
 from runner.hardware.base import Strategy, checked_threads
+from runner.rendezvous import rendezvous
 from runner.state import DistributedType, ProcessState
 
 # all_reduce's `op` names ("mean" sums, then divides by the group's size)
@@ -38,7 +39,8 @@ class ParallelStrategy(Strategy):
         num_processes: ranks the launcher starts on this machine; None: one per visible GPU, or 2 on CPU.
         device: "cuda" or "cpu"; None: cuda when available.
         backend: process-group backend; None: nccl on cuda, gloo on cpu.
-        timeout_s: how long a collective waits for the other ranks before failing.
+        timeout_s: how long a collective waits for the other ranks before failing, and how long the ranks of a
+            SLURM job wait for each other to start (the ones that did not are named).
         num_threads: CPU threads per rank; None: `OMP_NUM_THREADS`, else the cores shared out evenly.
         oversubscribe: start more CPU ranks than this machine has cores (refused otherwise: ranks that share
             a core wait on each other at every collective).
@@ -117,6 +119,12 @@ class ParallelStrategy(Strategy):
             if env is None:
                 dist.init_process_group(
                     self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout
+                )
+            elif env.slurm_hosts and self.init_method == "env://":  # srun's tasks: our own rendezvous
+                env.export()
+                store = rendezvous(env, self.timeout)
+                dist.init_process_group(
+                    self.backend, store=store, rank=env.rank, world_size=env.world_size, timeout=self.timeout
                 )
             else:
                 env.export()

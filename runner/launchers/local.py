@@ -83,8 +83,17 @@ class LocalLauncher(Launcher):
     def check(self, cfg: DictConfig, strategy: Strategy) -> None:
         """CPU ranks beyond this machine's cores share cores and wait on each other at every collective
         (64 ranks on 2 cores make no step in minutes): refused unless `hardware.oversubscribe`."""
+        env = launched_environment()
+        # a task of a SLURM sweep's array job: one rank of `hydra.launcher.tasks_per_node` on each node
+        tasks = env.local_world_size if env is not None and env.slurm_hosts else None
+        if tasks is not None and "num_processes" in cfg.hardware and tasks != strategy.num_processes:
+            raise ConfigError(
+                f"hardware.num_processes={strategy.num_processes} ranks per node, but SLURM started {tasks} "
+                f"task(s) on this node ({env.world_size} in all), each one rank. Set "  # type: ignore[union-attr]
+                "hydra.launcher.tasks_per_node to hardware.num_processes."
+            )
         cores = available_cores()
-        ranks = strategy.cpu_ranks() if launched_environment() is None else 0  # none started: already a rank
+        ranks = strategy.cpu_ranks() if env is None else 0  # none started: already a rank
         if ranks > cores and not strategy.oversubscribe:
             raise ConfigError(
                 f"hardware.num_processes={ranks}: this machine has {cores} CPU core(s) for {ranks} CPU ranks; "

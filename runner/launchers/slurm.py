@@ -20,7 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from runner.cluster import launched_environment, slurm_job_id
-from runner.errors import ConfigError, TrainingInterrupted
+from runner.errors import ConfigError, RendezvousError, TrainingInterrupted, TrainingStopped
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher, RankFailedError, run_rank
 
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 SUBMITIT_REQUIREMENT = "submitit>=1.5"
 PREEMPTION_SIGNAL = signal.SIGUSR2  # what submitit asks SLURM to send before the time limit
 REQUEUE_WAIT_S = 120.0  # how long a rank other than 0 waits for the requeue to stop it
+NODE_CHECK_INTERVAL_S = 5.0  # how often a job not running is checked for a lost node
 
 
 class SlurmLauncher(Launcher):
@@ -154,7 +155,7 @@ class SlurmLauncher(Launcher):
         executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=self.max_timeouts)
         tasks_per_node = self.tasks_per_node(job.cfg, job.strategy or instantiate(job.cfg.hardware))
         executor.update_parameters(**self._sbatch_parameters(tasks_per_node))
-        submitted = executor.submit(SlurmTask(job.for_other_processes()))
+        submitted = executor.submit(SlurmTask(job.for_other_processes(), self.nodes, tasks_per_node))
         rank0 = submitted.task(0)
         log.info(
             "submitted SLURM job %s: %d node(s) x %d task(s), partition %s; rank 0's log: %s",
@@ -170,7 +171,7 @@ class SlurmLauncher(Launcher):
             )
             return {}
         try:
-            follow(submitted, rank0.paths.stderr, self.poll_interval_s)
+            follow(submitted, rank0.paths.stderr, self.poll_interval_s, job.output_dir)
             return submitted.results()[0]
         except KeyboardInterrupt:
             raise TrainingInterrupted(
@@ -178,7 +179,10 @@ class SlurmLauncher(Launcher):
             ) from None
         except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
             report = str(err)
-            for error in (ConfigError, TrainingInterrupted):  # what a rank raised, as it would be raised here
+            if failure := node_failure(submitted.job_id, job.output_dir, rank0.paths.stderr):
+                raise failure from None
+            # what a rank raised, as it would be raised here
+            for error in (ConfigError, TrainingInterrupted, RendezvousError, TrainingStopped):
                 name = f"{error.__module__}.{error.__name__}: "
                 if name in report:
                     message = report.rsplit(name, 1)[1].split("\n-----", 1)[0]  # submitit's log paths follow
@@ -214,12 +218,16 @@ class SlurmLauncher(Launcher):
 
 @dataclass
 class SlurmTask:
-    """What each task of the job runs (pickled by submitit). Its `checkpoint` is what submitit calls on
-    the preemption signal: the same task again, which resumes from the job dir's latest checkpoint."""
+    """What each task of the job runs (pickled by submitit): one rank of `nodes` x `tasks_per_node`. Its
+    `checkpoint` is what submitit calls on the preemption signal: the same task again, which resumes
+    from the job dir's latest checkpoint."""
 
     job: Job
+    nodes: int
+    tasks_per_node: int
 
     def __call__(self) -> dict[str, float]:
+        check_world(self.nodes, self.tasks_per_node)
         try:
             return run_rank(self.job)
         except TrainingInterrupted as err:
@@ -230,6 +238,53 @@ class SlurmTask:
         import submitit
 
         return submitit.helpers.DelayedSubmission(self)
+
+
+def check_world(nodes: int, tasks_per_node: int) -> None:
+    """ConfigError unless SLURM started this task as one of `nodes` x `tasks_per_node` ranks (an `srun`
+    option, a site's defaults or a setup line can change the step: the ranks would form another world)."""
+    env = launched_environment()
+    world = env.world_size if env else 1
+    step_nodes = int(os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_JOB_NUM_NODES") or 1)
+    if world != nodes * tasks_per_node or step_nodes != nodes:
+        raise ConfigError(
+            f"launcher.nodes={nodes} x {tasks_per_node} task(s) per node asks for {nodes * tasks_per_node} rank(s) "
+            f"on {nodes} node(s), but SLURM started this task as one of {world} rank(s) on {step_nodes} node(s) "
+            f"(SLURM_NTASKS={os.environ.get('SLURM_NTASKS', 'unset')}, SLURM_STEP_NUM_NODES="
+            f"{os.environ.get('SLURM_STEP_NUM_NODES', 'unset')}). Remove the option that changes the step's tasks "
+            "(launcher.srun_args, launcher.sbatch_args, launcher.setup) or set launcher.nodes and the hardware's "
+            "num_processes to what the job should have."
+        )
+
+
+def lost_nodes(job_id: str) -> list[str]:
+    """The nodes whose failure ended SLURM job `job_id` (its run that ended NODE_FAIL), each with its state
+    and reason now: `rnode2 (down*: Not responding)`."""
+    try:
+        history = subprocess.run(
+            ["sacct", "--duplicates", "--allocations", "--noheader", "--parsable2", "--jobs", job_id,
+             "--format=State,NodeList"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    nodes = [nodelist for state, _, nodelist in (line.partition("|") for line in history.splitlines())
+             if state == "NODE_FAIL"]  # fmt: skip
+    if not nodes:
+        return []
+    try:
+        states = subprocess.run(
+            ["sinfo", "--noheader", "--Node", "--nodes", ",".join(nodes), "--format=%N|%T|%E"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return sorted(set(nodes))
+    lost = {}
+    for line in states.splitlines():
+        name, state, reason = line.split("|", 2)
+        if not state.startswith(("idle", "mixed", "allocated", "completing")) or state.endswith("*"):
+            lost[name] = f"{name} ({state}: {reason})"
+    return list(lost.values()) or sorted(set(nodes))
 
 
 def requeue_if_preempted(err: TrainingInterrupted) -> None:
@@ -369,12 +424,32 @@ def check_request(
         raise ConfigError("\n\n".join(problems))
 
 
-def follow(submitted: Any, log_file: Path, poll_interval_s: float) -> None:
+def node_failure(job_id: str, output_dir: Path, log_file: Path) -> RankFailedError | None:
+    """If SLURM job `job_id` lost a node, the error that names it, once the job is cancelled: SLURM
+    requeues a job that lost a node, and it would start again, unwatched, once it had nodes."""
+    lost = lost_nodes(job_id)
+    if not lost:
+        return None
+    subprocess.run(["scancel", job_id], capture_output=True, check=False)
+    return RankFailedError(
+        f"SLURM job {job_id} lost node(s) {'; '.join(lost)}, and was cancelled (SLURM had requeued it). Run the "
+        f"same command to resume from its latest checkpoint in {output_dir} on healthy nodes. Rank 0's log: "
+        f"{log_file}."
+    )
+
+
+def follow(submitted: Any, log_file: Path, poll_interval_s: float, output_dir: Path) -> None:
     """Copy what rank 0 writes to its log onto this process's stderr until the job ends (a requeued job
-    starts its log again: read it from the start)."""
+    starts its log again: read it from the start). A job that lost a node is cancelled and raised as
+    `node_failure`'s error (it would wait to be started again)."""
     offset = 0
+    checked = time.monotonic()
     while True:
         done = submitted.done()
+        if not done and time.monotonic() - checked > NODE_CHECK_INTERVAL_S and submitted.state != "RUNNING":
+            checked = time.monotonic()
+            if failure := node_failure(submitted.job_id, output_dir, log_file):
+                raise failure
         try:
             size = log_file.stat().st_size
         except FileNotFoundError:
