@@ -20,12 +20,14 @@ import hydra
 import torch
 import yaml
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.plugins import Plugins
 from hydra.errors import HydraException, InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
 from runner.build import is_inference, locate
 from runner.checkpoint import check_checkpoint_fits, check_optimizer_classes, resume_checkpoint
 from runner.cluster import launched_environment
@@ -161,6 +163,7 @@ def run() -> None:
             sys.exit(2)
         return
     register_configs()
+    Plugins.instance().register(ResumableSweeper)  # Hydra's scan misses it in an editable install
     sys.argv[1:] = options_first(sys.argv[1:])
     _importable_cwd()
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra raise instead of printing its own report

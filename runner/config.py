@@ -377,6 +377,23 @@ class TensorBoardTrackerConfig(TrackerConfig):
 
 
 @dataclass
+class SweepConfig:
+    """A multirun (`-m`) in a sweep dir that holds the same sweep: `resume` skips its finished jobs and
+    resumes its interrupted ones; false starts it over (the previous jobs' dirs moved aside)."""
+
+    resume: bool = True
+
+
+@dataclass
+class RunnerSweeperConfig:
+    """`hydra/sweeper=runner` (the default): Hydra's grid sweeper, resumable (`hydra_plugins/runner_sweeper`)."""
+
+    _target_: str = "hydra_plugins.runner_sweeper.resumable_sweeper.ResumableSweeper"
+    max_batch_size: int | None = None
+    params: dict[str, str] | None = None
+
+
+@dataclass
 class RunConfig:
     """The composed config: `model`, `data`, `task`, `optimizer` and `scheduler` are free-form `_target_`
     nodes; the groups the runner reads are typed."""
@@ -392,6 +409,7 @@ class RunConfig:
     launcher: LauncherConfig = MISSING
     tracker: TrackerConfig = MISSING
     plan: bool = False  # print what the run would do, start nothing
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     checkpoint: str | None = (
         None  # model weights (a save_model dir or file): fine-tune from them, or run them
     )
@@ -426,6 +444,7 @@ def register_configs() -> None:
     """Put the schemas in Hydra's ConfigStore (before composing)."""
     store = ConfigStore.instance()
     store.store(name="runner_schema", node=RunConfig)
+    store.store(group="hydra/sweeper", name="runner", node=RunnerSweeperConfig, provider="runner")
     for group, schemas in SCHEMAS.items():
         for name, node in schemas.items():
             store.store(group=f"schema/{group}", name=name, node=node)

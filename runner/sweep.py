@@ -1,6 +1,7 @@
-"""After a multirun (`python -m runner -m ...`): the swept values against each job's final metrics,
-printed and saved in the sweep's dir as `summary.csv` and `summary.png`; the sweep's parent run (one
-per sweep in the tracker) gets both and is closed."""
+"""Multiruns (`python -m runner -m ...`): every job checked before the first runs; after the last, the
+swept values against each job's final metrics, printed and saved in the sweep's dir as `summary.csv` and
+`summary.png`; the sweep's parent run (one per sweep in the tracker) gets both and is closed. The sweeper
+that resumes a sweep is a Hydra plugin: `hydra_plugins/runner_sweeper`."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class SweepCheck(Callback):
     callback's exceptions into warnings: a refusal exits here, with code 2.)"""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
+        if not str(config.hydra.sweeper.get("_target_", "")).endswith(("BasicSweeper", "ResumableSweeper")):
             return  # other sweepers choose their values as they go
         params = config.hydra.sweeper.get("params") or {}
         arguments = [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)

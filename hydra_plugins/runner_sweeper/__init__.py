@@ -1,0 +1,1 @@
+"""runner's Hydra plugins: the resumable grid sweeper."""
