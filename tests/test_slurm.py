@@ -257,3 +257,58 @@ def test_a_configuration_error_found_in_a_rank_is_reported_as_one(slurm, tmp_pat
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]  # after rank 0's streamed log (its traceback included)
     assert last.startswith("Configuration error: data.path=") and "bytes are too few" in last
+
+
+def test_a_slurm_sweep_run_again_resubmits_only_its_cancelled_array_tasks(slurm, tmp_path):
+    sweep = tmp_path / "sweep"
+    overrides = ["trainer.max_steps=20", "optimizer.lr=1e-1,1e-2,1e-3,1e-4"]
+    command = [sys.executable, "-m", "runner", f"hydra.sweep.dir={sweep}", "trainer.progress_bar=false",
+               "hydra/launcher=submitit_slurm", *overrides, "-m"]  # fmt: skip
+    proc = subprocess.Popen(command, env=cli_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tasks := array_tasks(sweep)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the array was not submitted"
+            time.sleep(0.02)
+        array = tasks[0].split("_")[0]
+        # once they run (submitit never learns of array tasks cancelled before they started: it would wait)
+        while running(f"{array}_2", f"{array}_3") < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the array's tasks did not start"
+            time.sleep(0.05)
+        subprocess.run(["scancel", f"{array}_2", f"{array}_3"], check=True)
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0, stderr  # two of its jobs did not finish
+    assert [(sweep / str(n) / "metrics.json").exists() for n in range(4)] == [True, True, False, False]
+    finished = {
+        n: sorted((p.name, p.stat().st_mtime_ns) for p in (sweep / str(n)).rglob("*")) for n in (0, 1)
+    }
+
+    again = sweep_on_slurm(sweep, *overrides)
+    assert again.returncode == 0, again.stderr
+    resubmitted = [task for task in array_tasks(sweep) if not task.startswith(f"{array}_")]
+    assert len(resubmitted) == 2 and len({task.split("_")[0] for task in resubmitted}) == 1  # one array of 2
+    assert {
+        n: sorted((p.name, p.stat().st_mtime_ns) for p in (sweep / str(n)).rglob("*")) for n in (0, 1)
+    } == finished
+    with open(sweep / "summary.csv") as f:
+        assert [row["optimizer.lr"] for row in csv.DictReader(f)] == ["0.1", "0.01", "0.001", "0.0001"]
+
+
+def running(*jobs: str) -> int:
+    """How many of `jobs` SLURM runs now."""
+    states = subprocess.run(
+        ["squeue", "--noheader", "--format=%i %T", "--jobs", ",".join(jobs)], capture_output=True, text=True
+    ).stdout.split("\n")
+    return sum(line.endswith(" RUNNING") for line in states)
+
+
+def array_tasks(sweep: Path) -> list[str]:
+    """The `<array job>_<task>` folders submitit made for the sweep's array tasks."""
+    folder = sweep / ".submitit"
+    return (
+        sorted(p.name for p in folder.iterdir() if re.fullmatch(r"\d+_\d+", p.name))
+        if folder.is_dir()
+        else []
+    )
