@@ -71,8 +71,13 @@ def test_the_wheel_holds_configs_tasks_and_the_starter_project(wheel):
         "runner/starter/conf/experiment/example.yaml",
         "runner/starter/package/model.py",
     } <= names
-    # Nothing at the top level that could shadow (or be shadowed by) a user's `tasks` or `conf`.
-    assert {name.split("/")[0] for name in names} == {"runner", "runner-0.1.0.dist-info"}
+    # Nothing at the top level that could shadow (or be shadowed by) a user's `tasks` or `conf`; the
+    # sweeper is in Hydra's namespace package for plugins, which has no __init__.py of its own.
+    assert {name.split("/")[0] for name in names} == {"runner", "hydra_plugins", "runner-0.1.0.dist-info"}
+    assert (
+        "hydra_plugins/runner_sweeper/resumable_sweeper.py" in names
+        and "hydra_plugins/__init__.py" not in names
+    )
     entry_points = zipfile.ZipFile(wheel).read("runner-0.1.0.dist-info/entry_points.txt").decode()
     assert "runner = runner.cli:run" in entry_points
 
@@ -95,6 +100,24 @@ def test_installed_runner_runs_the_default_experiment_from_an_empty_dir(venv, tm
     assert {k: v for k, v in written.items() if not k.startswith("perf/")} == pytest.approx(metrics, rel=1e-5)
     assert written["perf/tokens_per_s" if "perf/tokens_per_s" in written else "perf/samples_per_s"] > 0
     assert (tmp_path / "outputs" / "mlflow.db").is_file()  # the default tracker's local store, delivered
+
+
+def test_an_installed_runner_resumes_a_sweep_with_its_own_sweeper(venv, tmp_path):
+    env = _user_env(venv, tmp_path)
+    sweep = [
+        "runner",
+        "-m",
+        "hydra.sweep.dir=sweep",
+        "optimizer.lr=1e-3,1e-4",
+        "trainer.max_steps=5",
+        "tracker=none",
+    ]
+    first = _run(sweep, cwd=tmp_path, env=env)
+    assert "Launching 2 jobs locally" in first.stdout
+    (tmp_path / "sweep" / "1" / "metrics.json").unlink()  # as if job 1 had been interrupted
+    again = _run(sweep, cwd=tmp_path, env=env)
+    assert "job(s) 0 finished before and are not run again" in again.stdout
+    assert "Launching 1 jobs locally" in again.stdout and "#1 : " in again.stdout
 
 
 def test_runner_init_writes_a_project_that_trains_on_1_and_2_processes(venv, tmp_path):

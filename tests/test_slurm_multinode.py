@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 NODES = ("rnode1", "rnode2")
 TWO_NODES = ["launcher=slurm", "launcher.partition=multinode", "launcher.nodes=2"]
+ONE_RANK_EACH = [*TWO_NODES, "hardware=multi_gpu", "hardware.num_processes=1"]  # DDP, a rank per node
 RENDEZVOUS = re.compile(r"rendezvous at (\S+):\d+ \((\S+)\): (\d+) rank\(s\) on (\d+) host\(s\): (.*)")
 
 
@@ -86,14 +87,22 @@ def wait_for(condition, what: str, proc: subprocess.Popen, seconds: float = 120)
         time.sleep(0.02)
 
 
+def assert_same_training(
+    slurm: subprocess.CompletedProcess, local: subprocess.CompletedProcess, tmp_path: Path
+) -> None:
+    """The same final metrics and, to the bit, the same final weights (in tmp_path/slurm and /local)."""
+    assert local.returncode == 0, local.stderr
+    assert metrics_of(slurm) == metrics_of(local)
+    weights = [tmp_path / name / "model" / "model.safetensors" for name in ("slurm", "local")]
+    assert weights[0].read_bytes() == weights[1].read_bytes()
+
+
 def test_a_two_node_ddp_job_meets_at_the_first_node_and_trains_exactly_as_two_local_ranks(
     two_nodes, tmp_path
 ):
     proc = run(
         tmp_path / "slurm",
-        *TWO_NODES,
-        "hardware=multi_gpu",
-        "hardware.num_processes=1",
+        *ONE_RANK_EACH,
         "trainer.max_steps=30",
     )
     assert proc.returncode == 0, proc.stderr
@@ -103,10 +112,7 @@ def test_a_two_node_ddp_job_meets_at_the_first_node_and_trains_exactly_as_two_lo
     assert ip == "10.251.77.11"  # the first node's own interface, never 127.0.0.1
     assert hosts_of(tmp_path / "slurm") == {0: "rnode1", 1: "rnode2"}
     local = run(tmp_path / "local", "hardware=multi_gpu", "hardware.num_processes=2", "trainer.max_steps=30")
-    assert local.returncode == 0, local.stderr
-    assert metrics_of(proc) == metrics_of(local)
-    weights = [tmp_path / name / "model" / "model.safetensors" for name in ("slurm", "local")]
-    assert weights[0].read_bytes() == weights[1].read_bytes()
+    assert_same_training(proc, local, tmp_path)
 
 
 def test_a_two_node_fsdp_job_with_two_tasks_each_trains_exactly_as_four_local_ranks(two_nodes, tmp_path):
@@ -116,10 +122,7 @@ def test_a_two_node_fsdp_job_with_two_tasks_each_trains_exactly_as_four_local_ra
     assert RENDEZVOUS.search(proc.stderr).group(5) == "rnode1 [0-1], rnode2 [2-3]"
     assert hosts_of(tmp_path / "slurm") == {0: "rnode1", 1: "rnode1", 2: "rnode2", 3: "rnode2"}
     local = run(tmp_path / "local", *train, "hardware.num_processes=4", "hardware.oversubscribe=true")
-    assert local.returncode == 0, local.stderr
-    assert metrics_of(proc) == metrics_of(local)
-    weights = [tmp_path / name / "model" / "model.safetensors" for name in ("slurm", "local")]
-    assert weights[0].read_bytes() == weights[1].read_bytes()
+    assert_same_training(proc, local, tmp_path)
 
 
 def test_a_preempted_two_node_job_requeues_and_ends_bitwise_equal(two_nodes, tmp_path):
@@ -132,7 +135,7 @@ def test_a_preempted_two_node_job_requeues_and_ends_bitwise_equal(two_nodes, tmp
     reference = run(tmp_path / "reference", "hardware=multi_gpu", "hardware.num_processes=2", *train)
     assert reference.returncode == 0, reference.stderr
     run_dir = tmp_path / "run"
-    proc = start(run_dir, *TWO_NODES, "hardware=multi_gpu", "hardware.num_processes=1", *train)
+    proc = start(run_dir, *ONE_RANK_EACH, *train)
     try:
         wait_for(lambda: list((run_dir / "slurm").glob("*_submitted.pkl")), "the submission", proc)
         job = next((run_dir / "slurm").glob("*_submitted.pkl")).name.split("_")[0]
@@ -153,9 +156,7 @@ def test_a_preempted_two_node_job_requeues_and_ends_bitwise_equal(two_nodes, tmp
 def test_a_job_told_other_tasks_than_it_asked_for_is_refused_naming_both(two_nodes, tmp_path):
     proc = run(
         tmp_path / "run",
-        *TWO_NODES,
-        "hardware=multi_gpu",
-        "hardware.num_processes=1",
+        *ONE_RANK_EACH,
         'launcher.srun_args=["--ntasks=1"]',
     )
     assert proc.returncode == 2, proc.stderr
@@ -167,9 +168,7 @@ def test_a_job_told_other_tasks_than_it_asked_for_is_refused_naming_both(two_nod
 
 def test_a_rank_that_never_joins_fails_the_job_naming_its_host(two_nodes, tmp_path):
     run_dir = tmp_path / "run"
-    proc = start(
-        run_dir, *TWO_NODES, "hardware=multi_gpu", "hardware.num_processes=1", "hardware.timeout_s=15"
-    )
+    proc = start(run_dir, *ONE_RANK_EACH, "hardware.timeout_s=15")
     try:
         # rank 1 hangs before it reaches the rendezvous (as on a node whose filesystem hangs)
         wait_for(lambda: node_processes("rnode2", "submitit.core._submit"), "rank 1's start", proc)
@@ -199,9 +198,7 @@ def restored_nodes(two_nodes):
 
 def test_a_node_that_dies_fails_the_job_within_a_minute_naming_it(restored_nodes, tmp_path):
     run_dir = tmp_path / "run"
-    proc = start(
-        run_dir, *TWO_NODES, "hardware=multi_gpu", "hardware.num_processes=1", "trainer.max_steps=1000000"
-    )
+    proc = start(run_dir, *ONE_RANK_EACH, "trainer.max_steps=1000000")
     try:
         wait_for(lambda: "step " in (run_dir / "runner.log").read_text(errors="replace")
                  if (run_dir / "runner.log").exists() else False, "training", proc)  # fmt: skip
@@ -220,3 +217,23 @@ def test_a_node_that_dies_fails_the_job_within_a_minute_naming_it(restored_nodes
     job = re.search(r"SLURM job (\d+) lost", stderr).group(1)
     queued = subprocess.run(["squeue", "--noheader", "--jobs", job], capture_output=True, text=True).stdout
     assert "requeued it" in stderr and not queued.strip()  # not left to start again once the node is back
+
+
+def test_a_job_waiting_for_a_drained_node_says_why_and_runs_once_it_is_back(restored_nodes, tmp_path):
+    subprocess.run(["scontrol", "update", "nodename=rnode2", "state=drain", "reason=maintenance"], check=True)
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *ONE_RANK_EACH, "trainer.max_steps=10")
+    try:
+        lines: list[str] = []
+        while not any("is pending: " in line for line in lines):
+            line = proc.stderr.readline()
+            assert line, f"the run ended without saying why its job waits: {''.join(lines)}"
+            lines.append(line)
+        subprocess.run(["scontrol", "update", "nodename=rnode2", "state=resume"], check=True)
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, "".join(lines) + stderr
+    pending = next(line for line in lines if "is pending: " in line)
+    assert "DOWN, DRAINED or reserved" in pending or "ReqNodeNotAvail" in pending, pending
+    assert RENDEZVOUS.search(stderr).group(5) == "rnode1 [0], rnode2 [1]"

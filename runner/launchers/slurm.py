@@ -438,18 +438,35 @@ def node_failure(job_id: str, output_dir: Path, log_file: Path) -> RankFailedErr
     )
 
 
+def pending_reason(job_id: str) -> str:
+    """Why SLURM has not started job `job_id` (`Resources`, `Nodes required for job are DOWN, ...`), as
+    squeue says; empty once it runs or is gone."""
+    try:
+        out = subprocess.run(
+            ["squeue", "--noheader", "--states=PENDING", "--format=%r", "--jobs", job_id],
+            capture_output=True, text=True, timeout=30, check=False,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.strip().replace("_", " ")
+
+
 def follow(submitted: Any, log_file: Path, poll_interval_s: float, output_dir: Path) -> None:
     """Copy what rank 0 writes to its log onto this process's stderr until the job ends (a requeued job
     starts its log again: read it from the start). A job that lost a node is cancelled and raised as
     `node_failure`'s error (it would wait to be started again)."""
     offset = 0
     checked = time.monotonic()
+    reason = ""
     while True:
         done = submitted.done()
         if not done and time.monotonic() - checked > NODE_CHECK_INTERVAL_S and submitted.state != "RUNNING":
             checked = time.monotonic()
             if failure := node_failure(submitted.job_id, output_dir, log_file):
                 raise failure
+            if (now := pending_reason(submitted.job_id)) and now != reason:
+                log.info("SLURM job %s is pending: %s", submitted.job_id, now)
+            reason = now
         try:
             size = log_file.stat().st_size
         except FileNotFoundError:
