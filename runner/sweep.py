@@ -71,7 +71,7 @@ class SweepSummary(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if config.tracker.get("_target_") and not config.tracker.get("parent_run_id"):
-            instantiate(config.tracker).parent_for_sweep(Path(config.hydra.sweep.dir))
+            instantiate(config.tracker).start_sweep(Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

@@ -67,7 +67,9 @@ class ResumableSweeper(Sweeper):
         jobs = [list(job) for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
         sweep_dir = Path(self.config.hydra.sweep.dir)
         try:
-            finished = previous_jobs(sweep_dir, jobs, resume=self.config.sweep.resume)
+            finished = previous_jobs(
+                sweep_dir, jobs, resume=OmegaConf.select(self.config, "sweep.resume", default=True)
+            )
         except AnotherSweep as err:  # the sweep's config errors read as runner's (exit 2)
             print(f"Configuration error: {err}", file=sys.stderr)
             sys.exit(2)

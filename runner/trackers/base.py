@@ -79,6 +79,10 @@ class Tracker(ABC):
         or None where this tracker has no such thing."""
         return None
 
+    def start_sweep(self, sweep_dir: Path) -> None:
+        """Before the sweep's jobs start: create its parent run, or reopen the one a previous run of the
+        same sweep closed (a resumed sweep)."""
+
     def end_sweep(self, sweep_dir: Path, artifacts: list[Path]) -> None:
         """Attach the sweep's summary files to its parent run and close it."""
 

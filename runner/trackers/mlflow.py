@@ -177,13 +177,8 @@ class MLflowTracker(Tracker):
     def parent_for_sweep(self, sweep_dir: Path) -> str | None:
         """Created once, before the jobs start (`SweepSummary`); recorded in the sweep's dir for its jobs."""
         record = sweep_dir / JOURNAL_DIR / PARENT
-        if record.exists():  # the sweep resumed: its parent runs again until `end_sweep`
-            parent = json.loads(record.read_text())
-            try:
-                mlflow_client(parent["uri"]).update_run(parent["run_id"], status="RUNNING")
-            except Exception as err:
-                log.warning("MLflow at %s: the sweep's parent run was not reopened (%s).", parent["uri"], err)
-            return parent["run_id"]
+        if record.exists():
+            return json.loads(record.read_text())["run_id"]
         try:
             record.parent.mkdir(parents=True, exist_ok=True)
             client = mlflow_client(self.uri)
@@ -198,6 +193,17 @@ class MLflowTracker(Tracker):
             return None
         record.write_text(json.dumps({"run_id": run_id, "uri": self.uri}))
         return run_id
+
+    def start_sweep(self, sweep_dir: Path) -> None:
+        record = sweep_dir / JOURNAL_DIR / PARENT
+        if not record.exists():
+            self.parent_for_sweep(sweep_dir)
+            return
+        parent = json.loads(record.read_text())  # a resumed sweep: its parent runs again until `end_sweep`
+        try:
+            mlflow_client(parent["uri"]).update_run(parent["run_id"], status="RUNNING")
+        except Exception as err:
+            log.warning("MLflow at %s: the sweep's parent run was not reopened (%s).", parent["uri"], err)
 
     def end_sweep(self, sweep_dir: Path, artifacts: list[Path]) -> None:
         record = sweep_dir / JOURNAL_DIR / PARENT
