@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -223,6 +224,8 @@ def test_a_job_waiting_for_a_drained_node_says_why_and_runs_once_it_is_back(rest
     subprocess.run(["scontrol", "update", "nodename=rnode2", "state=drain", "reason=maintenance"], check=True)
     run_dir = tmp_path / "run"
     proc = start(run_dir, *ONE_RANK_EACH, "trainer.max_steps=10")
+    deadline = threading.Timer(180, proc.kill)  # a launcher that never says so ends the test, not CI
+    deadline.start()
     try:
         lines: list[str] = []
         while not any("is pending: " in line for line in lines):
@@ -232,6 +235,7 @@ def test_a_job_waiting_for_a_drained_node_says_why_and_runs_once_it_is_back(rest
         subprocess.run(["scontrol", "update", "nodename=rnode2", "state=resume"], check=True)
         _, stderr = proc.communicate(timeout=180)
     finally:
+        deadline.cancel()
         proc.kill()
     assert proc.returncode == 0, "".join(lines) + stderr
     pending = next(line for line in lines if "is pending: " in line)
