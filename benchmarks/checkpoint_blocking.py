@@ -23,7 +23,7 @@ import time
 import torch
 
 from runner import Accelerator
-from runner.checkpoint import ProjectConfiguration
+from runner.checkpoint.checkpointer import ProjectConfiguration
 from runner.models import MLP
 
 MODES = ["blocking", "background", "blocking (A/A)"]

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
         load_checkpoint_and_dispatch,
         load_checkpoint_in_model,
     )
-    from runner.checkpoint import ProjectConfiguration
+    from runner.checkpoint.checkpointer import ProjectConfiguration
     from runner.config import ActivationCheckpointingConfig, CompileConfig
     from runner.data_loader import skip_first_batches
     from runner.handlers import (
@@ -61,7 +61,7 @@ EXPORTS = {
     "Accelerator": "runner.accelerator",
     "ActivationCheckpointingConfig": "runner.config",
     "CompileConfig": "runner.config",
-    "ProjectConfiguration": "runner.checkpoint",
+    "ProjectConfiguration": "runner.checkpoint.checkpointer",
     "dispatch_model": "runner.big_modeling",
     "infer_auto_device_map": "runner.big_modeling",
     "init_empty_weights": "runner.big_modeling",

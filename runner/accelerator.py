@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import shutil
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from functools import partial
@@ -17,32 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 import runner.collectives as collectives
-from runner.checkpoint import (
-    PendingWrite,
-    ProjectConfiguration,
-    check_checkpoint_fits,
-    check_optimizer_classes,
-    checkpoint_files,
-    checkpoint_number,
-    commit_staging,
-    damage,
-    damaged_error,
-    file_digest,
-    latest_checkpoint,
-    load_torch,
-    mark_latest,
-    prune,
-    save_torch,
-    staging_path,
-    start_staging,
-    write_meta,
-)
+from runner.checkpoint.checkpointer import Checkpointer, ProjectConfiguration
 from runner.cluster import accelerate_launch_settings
 from runner.collectives import rng_generators
 from runner.config import ActivationCheckpointingConfig, CompileConfig, CompileScope
@@ -53,7 +30,6 @@ from runner.data_loader import (
     sampler_generators,
     shard_dataloader,
 )
-from runner.errors import ConfigError
 from runner.handlers import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -65,15 +41,14 @@ from runner.handlers import (
     ProfileKwargs,
 )
 from runner.hardware import Strategy, default_strategy
-from runner.ops import apply_to_tensors, host_copy, is_tensor_structure
+from runner.ops import apply_to_tensors, is_tensor_structure
 from runner.partial_state import ProcessControl, activate, deactivate
 from runner.precision import Precision
 from runner.precision import from_name as precision_from_name
 from runner.prepared import AcceleratedOptimizer, AcceleratedScheduler
-from runner.rng import rng_state, set_rng_state
 from runner.state import DistributedType, GradientState
 from runner.trackers import BlankTracker, LoggerType, Tracker, trackers_from_name
-from runner.weights import distinct_tensors, save_model_files, set_module_tensor
+from runner.weights import save_model_files, save_object, set_module_tensor
 
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
 
@@ -197,20 +172,14 @@ class Accelerator(ProcessControl):
         )
         self.step = 0
         self._trigger = False
-        self._models: list[torch.nn.Module] = []
-        self._optimizers: list[AcceleratedOptimizer] = []
-        self._schedulers: list[AcceleratedScheduler] = []
-        self._dataloaders: list[DataLoaderShard] = []
         self._micro_batch_size: int | None = None  # per process, of the first prepared dataloader
-        self._custom_objects: list[Any] = []
-        self._pending_checkpoint: PendingWrite | None = None  # save_state(blocking=False)'s write
-        self._async_group: Any = None  # its process group
         self.project_configuration = project_config or ProjectConfiguration(
             project_dir=project_dir, logging_dir=logging_dir
         )
-        # OrderedDicts: a hook's RemovableHandle holds a weak reference to them
-        self._save_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
-        self._load_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        # Owns what is prepared (models, optimizers, schedulers, dataloaders) and registered: save_state.
+        self.checkpointer = Checkpointer(
+            self.strategy, self.precision, self.state, self.project_configuration, self.split_batches
+        )
         entries = log_with if isinstance(log_with, list) else [] if log_with is None else [log_with]
         self.log_with = [
             tracker for e in entries for tracker in (trackers_from_name(e) if isinstance(e, str) else [e])
@@ -278,7 +247,7 @@ class Accelerator(ProcessControl):
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """True when the last optimizer step was skipped (fp16 overflow)."""
-        return any(opt.step_was_skipped for opt in self._optimizers)
+        return any(opt.step_was_skipped for opt in self.checkpointer.optimizers)
 
     # ---------------------------------------------------------------------------------------- prepare
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
@@ -329,7 +298,7 @@ class Accelerator(ProcessControl):
             micro_batch_size=self._micro_batch_size,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
         )
-        self._models.append(model)
+        self.checkpointer.models.append(model)
         return model
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -363,19 +332,19 @@ class Accelerator(ProcessControl):
 
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         wrapped = AcceleratedOptimizer(optimizer, self.strategy, self.precision, self.gradient_state)
-        self._optimizers.append(wrapped)
+        self.checkpointer.optimizers.append(wrapped)
         return wrapped
 
     def prepare_scheduler(self, scheduler: LRScheduler) -> AcceleratedScheduler:
         wrapped = AcceleratedScheduler(
             scheduler,
-            self._optimizers,
+            self.checkpointer.optimizers,
             self.gradient_state,
             num_processes=self.state.data_parallel_size,  # the processes that split the data
             step_with_optimizer=self.step_scheduler_with_optimizer,
             split_batches=self.split_batches,
         )
-        self._schedulers.append(wrapped)
+        self.checkpointer.schedulers.append(wrapped)
         return wrapped
 
     def prepare_data_loader(
@@ -411,7 +380,7 @@ class Accelerator(ProcessControl):
             generators=generators,
             place=partial(self.strategy.device_batches, non_blocking=self.non_blocking),
         )
-        self._dataloaders.append(wrapped)
+        self.checkpointer.dataloaders.append(wrapped)
         return wrapped
 
     def skip_first_batches(self, dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard:
@@ -494,7 +463,7 @@ class Accelerator(ProcessControl):
         dataloaders' inside."""
         with ExitStack() as stack:
             if even_batches is not None:
-                for loader in self._dataloaders:
+                for loader in self.checkpointer.dataloaders:
                     stack.enter_context(loader.even_batches_set_to(even_batches))
             if self.use_distributed:
                 stack.enter_context(self.strategy.join(joinables))
@@ -516,7 +485,7 @@ class Accelerator(ProcessControl):
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Undo fp16 loss scaling on the gradients (called by the clip functions)."""
-        optimizers = [optimizer] if optimizer is not None else self._optimizers
+        optimizers = [optimizer] if optimizer is not None else self.checkpointer.optimizers
         for opt in optimizers:
             self.precision.unscale_(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
 
@@ -603,15 +572,7 @@ class Accelerator(ProcessControl):
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Save and load these objects with `save_state`/`load_state` (each needs `state_dict` and
         `load_state_dict`)."""
-        invalid = [
-            obj for obj in objects if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))
-        ]
-        if invalid:
-            raise ValueError(
-                f"register_for_checkpointing() takes objects with state_dict() and load_state_dict(); "
-                f"these have not: {', '.join(type(obj).__name__ for obj in invalid)}."
-            )
-        self._custom_objects.extend(objects)
+        self.checkpointer.register(*objects)
 
     def save_state(
         self, output_dir: str | None = None, safe_serialization: bool = True, blocking: bool = True
@@ -628,250 +589,44 @@ class Accelerator(ProcessControl):
         their own); the checkpoint becomes latest only once complete. The next save, `wait_for_checkpoint` and
         `end_training` wait for the write.
         """
-        self.wait_for_checkpoint()
-        if not blocking and not self.strategy.async_checkpoints:
-            raise ValueError(
-                f"save_state(blocking=False): {type(self.strategy).__name__} writes its checkpoints itself, "
-                "synchronously. Save with blocking=True."
-            )
-        final = self._checkpoint_target(output_dir)
-        if self.is_main_process:
-            start_staging(final)
-        self.wait_for_everyone()
-        staging = staging_path(final)
-        latest = self.project_configuration.automatic_checkpoint_naming
-        limit = self.project_configuration.total_limit
-
-        def commit() -> None:
-            if self.is_main_process:
-                commit_staging(final)
-                if latest:
-                    mark_latest(final)
-                    if limit is not None:
-                        prune(final.parent, limit)
-
-        def discard() -> None:  # no half-written checkpoint is left behind (a full disk, a signal)
-            if self.is_main_process:
-                shutil.rmtree(staging, ignore_errors=True)
-
-        try:
-            write = self._checkpoint_writer(staging, blocking)
-            if blocking:
-                write()
-                commit()
-        except BaseException:
-            discard()
-            raise
-        if not blocking:
-            self._pending_checkpoint = PendingWrite(final, write, commit, discard)
-        if latest:
-            self.project_configuration.iteration += 1
-        if blocking:
-            self.wait_for_everyone()
-        return str(final)
-
-    @property
-    def checkpoint_in_progress(self) -> bool:
-        """Whether a checkpoint of `save_state(blocking=False)` is still being written."""
-        return self._pending_checkpoint is not None and self._pending_checkpoint.running
-
-    def wait_for_checkpoint(self, everyone: bool = True) -> None:
-        """Wait until the checkpoint that `save_state(blocking=False)` is writing is complete (and marked
-        latest: with `everyone`, every process waits for the main process's commit); raise what failed in
-        its writing."""
-        pending, self._pending_checkpoint = self._pending_checkpoint, None
-        if pending is not None:
-            pending.wait()
-            if everyone:
-                self.wait_for_everyone()
-
-    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """Call `hook(models, weights, output_dir)` at the start of every `save_state`: `models` the
-        unwrapped prepared models, `weights` their state dicts, `output_dir` the checkpoint's directory
-        being written. A model whose state dict the hook removes from `weights` is not saved by
-        `save_state` (the hook saves it its own way: `save_pretrained`)."""
-        handle = RemovableHandle(self._save_state_pre_hooks)
-        self._save_state_pre_hooks[handle.id] = hook
-        return handle
-
-    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """Call `hook(models, input_dir)` at the start of every `load_state`: a model the hook removes
-        from `models` is not loaded by `load_state` (the hook loads it its own way)."""
-        handle = RemovableHandle(self._load_state_pre_hooks)
-        self._load_state_pre_hooks[handle.id] = hook
-        return handle
-
-    def _models_to_save(self, staging: Path) -> list[torch.nn.Module]:
-        """The prepared models that `save_state` writes, after the save hooks took theirs."""
-        if not self._save_state_pre_hooks:
-            return self._models
-        models = [self.unwrap_model(m) for m in self._models]
-        weights = [self.get_state_dict(m) for m in self._models]
-        kept_before = {id(w): i for i, w in enumerate(weights)}
-        for hook in self._save_state_pre_hooks.values():
-            hook(models, weights, str(staging))
-        return [self._models[kept_before[id(w)]] for w in weights if id(w) in kept_before]
-
-    def _models_to_load(self, directory: Path) -> list[torch.nn.Module]:
-        """The prepared models that `load_state` fills, after the load hooks took theirs."""
-        if not self._load_state_pre_hooks:
-            return self._models
-        unwrapped = [self.unwrap_model(m) for m in self._models]
-        models = list(unwrapped)
-        for hook in self._load_state_pre_hooks.values():
-            hook(models, str(directory))
-        left = {id(m) for m in models}
-        return [prepared for prepared, m in zip(self._models, unwrapped, strict=True) if id(m) in left]
-
-    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
-        """Write `obj` to `f` once (from the main process), through a temporary file renamed into place:
-        `torch.save`, or safetensors for a dict of tensors with `safe_serialization`."""
-        if self.is_main_process:
-            path = Path(f)
-            partial_path = path.with_name(f".{path.name}.partial")
-            if safe_serialization:
-                save_file(distinct_tensors(obj), partial_path)
-            else:
-                torch.save(obj, partial_path)
-            partial_path.replace(path)
-        self.wait_for_everyone()
-
-    def _checkpoint_writer(self, staging: Path, blocking: bool) -> Callable[[], None]:
-        """What writes every process's part of a checkpoint into `staging`, then the main process's
-        `meta.json` (once every part is there). Blocking, the weights are written here; else they and
-        the other states are copied into host memory here (`Strategy.stage_checkpoint`), and the writer
-        runs in a background thread, its collectives over a process group of its own."""
-        optimizers = [opt.optimizer for opt in self._optimizers]
-        models = self._models_to_save(staging)
-        if blocking:
-            self.strategy.save_checkpoint(staging, models, optimizers, self.is_main_process)
-            write_weights, copy, barrier = (lambda: None), (lambda state: state), self.wait_for_everyone
-        else:
-            group = self._checkpoint_group()
-            write_weights = self.strategy.stage_checkpoint(
-                staging, models, optimizers, self.is_main_process, group
-            )
-            copy = host_copy
-            barrier = (lambda: dist.barrier(group=group)) if group is not None else (lambda: None)
-        parts = {
-            "scheduler": self._schedulers,
-            "dataloader": self._dataloaders,
-            "custom_checkpoint": self._custom_objects,
-        }
-        files = {f"random_states_{self.process_index}.pt": rng_state()}
-        if self.is_main_process:
-            for prefix, objects in parts.items():
-                files |= {f"{prefix}_{i}.pt": copy(obj.state_dict()) for i, obj in enumerate(objects)}
-            files["precision.pt"] = copy(self.precision.state_dict())
-        meta = {
-            "num_processes": self.num_processes,
-            "data_parallel_size": self.state.data_parallel_size,
-            "split_batches": self.split_batches,
-            "checkpoint_format": self.strategy.checkpoint_format,
-            "step": self.step,
-            "counts": {
-                "models": len(models),
-                "optimizers": len(optimizers),
-                **{k: len(v) for k, v in parts.items()},
-            },
-            "optimizer_classes": [_qualified_name(opt) for opt in optimizers],
-        }
-
-        def write() -> None:
-            write_weights()
-            for name, state in files.items():
-                save_torch(state, staging / name)
-            barrier()
-            if self.is_main_process:
-                digests = {name: file_digest(staging / name) for name in checkpoint_files(staging)}
-                write_meta(staging, meta | {"files": digests})
-
-        return write
-
-    def _checkpoint_group(self) -> Any:
-        """A gloo process group for the background checkpoint writes (None in a single process): their
-        collectives must not interleave with training's on the default group."""
-        if self._async_group is None and dist.is_initialized() and dist.get_world_size() > 1:
-            self._async_group = dist.new_group(backend="gloo")
-        return self._async_group
+        return str(self.checkpointer.save(output_dir, step=self.step, blocking=blocking))
 
     def load_state(self, input_dir: str | None = None) -> None:
         """Restore a checkpoint that `save_state` wrote (without `input_dir`: the latest one of the
         project), into the objects prepared and registered, in the same order. A sharded (DCP) checkpoint
         loads onto another number of ranks or another layout (fsdp 4 -> 2, fsdp -> tensor parallel):
         DCP reshards it."""
-        directory = Path(input_dir) if input_dir is not None else self._latest_project_checkpoint()
-        meta = check_checkpoint_fits(
-            directory,
-            self.num_processes,
-            self.strategy.checkpoint_format,
-            key="load_state input_dir",
-            reshards=self.strategy.reshards_checkpoints,
-            readers=self.state.data_parallel_size if self._dataloaders else None,
-            split_batches=self.split_batches,
-        )
-        # Sizes here; `python -m runner` also checks the contents (CRC-32) before any rank starts.
-        if problems := damage(directory, meta, contents=False):
-            raise damaged_error(directory, problems, key="load_state input_dir")
-        models = self._models_to_load(directory)
-        parts = {
-            "scheduler": self._schedulers,
-            "dataloader": self._dataloaders,
-            "custom_checkpoint": self._custom_objects,
-        }
-        counts = {
-            "models": len(models),
-            "optimizers": len(self._optimizers),
-            **{k: len(v) for k, v in parts.items()},
-        }
-        check_optimizer_classes(directory, meta, [_qualified_name(opt.optimizer) for opt in self._optimizers])
-        if meta["counts"] != counts:
-            raise ConfigError(
-                f"{directory} holds {meta['counts']}, but this Accelerator has {counts} prepared/registered: "
-                "prepare and register the same objects, in the same order, as the run that saved it."
-            )
-        self.strategy.load_checkpoint(directory, models, [opt.optimizer for opt in self._optimizers])
-        for prefix, objects in parts.items():
-            for i, obj in enumerate(objects):
-                obj.load_state_dict(load_torch(directory / f"{prefix}_{i}.pt"))
-        self.precision.load_state_dict(load_torch(directory / "precision.pt"))
-        # On another number of ranks (a resharded checkpoint) a new rank takes the states of rank i % N.
-        set_rng_state(
-            load_torch(directory / f"random_states_{self.process_index % meta['num_processes']}.pt")
-        )
-        self.step = meta["step"]
-        if (
-            self.project_configuration.automatic_checkpoint_naming
-            and (number := checkpoint_number(directory)) is not None
-        ):
-            # Past a newer one the dir may hold (written by a run killed before it was marked latest).
-            naming = self.project_configuration
-            naming.iteration = max(naming.iteration, number + 1)
+        self.step = self.checkpointer.load(input_dir)
 
-    def _checkpoint_target(self, output_dir: str | None) -> Path:
-        config = self.project_configuration
-        if not config.automatic_checkpoint_naming:
-            if output_dir is None:
-                raise ValueError(
-                    "save_state() needs a directory, or Accelerator(project_config=ProjectConfiguration("
-                    "project_dir=..., automatic_checkpoint_naming=True))."
-                )
-            return Path(output_dir)
-        final = config.checkpoints_dir / f"checkpoint_{config.iteration}"
-        if final.exists():
-            raise ValueError(
-                f"{final} already exists: set accelerator.project_configuration.iteration to the next free number."
-            )
-        return final
+    @property
+    def checkpoint_in_progress(self) -> bool:
+        """Whether a checkpoint of `save_state(blocking=False)` is still being written."""
+        return self.checkpointer.in_progress
 
-    def _latest_project_checkpoint(self) -> Path:
-        config = self.project_configuration
-        latest = latest_checkpoint(config.checkpoints_dir) if config.project_dir else None
-        if latest is None:
-            raise ValueError(
-                "load_state() needs a directory: the project has no checkpoint marked latest yet."
-            )
-        return latest
+    def wait_for_checkpoint(self, everyone: bool = True) -> None:
+        """Wait until the checkpoint that `save_state(blocking=False)` is writing is complete (and marked
+        latest: with `everyone`, every process waits for the main process's commit); raise what failed in
+        its writing."""
+        self.checkpointer.wait(everyone)
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call `hook(models, weights, output_dir)` at the start of every `save_state`: `models` the
+        unwrapped prepared models, `weights` their state dicts, `output_dir` the checkpoint's directory
+        being written. A model whose state dict the hook removes from `weights` is not saved by
+        `save_state` (the hook saves it its own way: `save_pretrained`)."""
+        return self.checkpointer.add_save_hook(hook)
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call `hook(models, input_dir)` at the start of every `load_state`: a model the hook removes
+        from `models` is not loaded by `load_state` (the hook loads it its own way)."""
+        return self.checkpointer.add_load_hook(hook)
+
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+        """Write `obj` to `f` once (from the main process), through a temporary file renamed into place:
+        `torch.save`, or safetensors for a dict of tensors with `safe_serialization`."""
+        if self.is_main_process:
+            save_object(obj, Path(f), safe_serialization)
+        self.wait_for_everyone()
 
     def save_model(
         self,
@@ -932,10 +687,7 @@ class Accelerator(ProcessControl):
     # ------------------------------------------------------------------------------------------- misc
     def free_memory(self, *objects: Any) -> list[None]:
         """Drop the references held to prepared objects, collect garbage, empty the device cache."""
-        self._models.clear()
-        self._optimizers.clear()
-        self._schedulers.clear()
-        self._dataloaders.clear()
+        self.checkpointer.clear()
         self._micro_batch_size = None
         self.step = 0
         gc.collect()
@@ -990,7 +742,3 @@ def _one_of_each(handlers: list[KwargsHandler]) -> list[KwargsHandler]:
     if doubled := sorted({n for n in names if names.count(n) > 1}):
         raise ValueError(f"kwargs_handlers: give one {' and one '.join(doubled)}, not several.")
     return handlers
-
-
-def _qualified_name(obj: Any) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"

@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
 from runner.build import is_inference, locate
-from runner.checkpoint import check_checkpoint_fits, check_optimizer_classes, resume_checkpoint
+from runner.checkpoint.resume import check_resume
 from runner.cluster import launched_environment
 from runner.config import CONF_SEARCH_PATH, register_configs
 from runner.errors import (
@@ -77,21 +77,18 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
             launcher: Launcher = built.launcher
             # One process checks the files (and moves a damaged latest aside): rank 0 under torchrun/srun.
             verify = env is None or env.rank == 0
-            checkpoint = resume_checkpoint(cfg.trainer.resume, output_dir, verify=verify)
-            if checkpoint is not None:
-                meta = check_checkpoint_fits(
-                    checkpoint,
-                    world_size,
-                    built.hardware.checkpoint_format,
-                    reshards=built.hardware.reshards_checkpoints,
-                    readers=built.hardware.data_parallel_size(world_size),
-                    split_batches=cfg.trainer.split_batches,
-                )
-                if not is_inference(cfg.task._target_):  # the run's one optimizer, before any rank starts
-                    optimizer = locate(cfg.optimizer._target_)
-                    check_optimizer_classes(
-                        checkpoint, meta, [f"{optimizer.__module__}.{optimizer.__qualname__}"]
-                    )
+            checkpoint = check_resume(
+                cfg.trainer.resume,
+                output_dir,
+                world_size=world_size,
+                checkpoint_format=built.hardware.checkpoint_format,
+                reshards=built.hardware.reshards_checkpoints,
+                readers=built.hardware.data_parallel_size(world_size),
+                split_batches=cfg.trainer.split_batches,
+                # the run's one optimizer; an inference task has none
+                optimizer_class=None if is_inference(cfg.task._target_) else locate(cfg.optimizer._target_),
+                verify=verify,
+            )
         if cfg.plan:
             with _single_threaded():
                 line = launcher.describe(cfg, built.hardware)

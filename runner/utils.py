@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import runner.collectives as collectives
 from runner.big_modeling import load_checkpoint_in_model
-from runner.checkpoint import ProjectConfiguration
+from runner.checkpoint.checkpointer import ProjectConfiguration
 from runner.cluster import patch_environment
 from runner.handlers import (
     AutocastKwargs,

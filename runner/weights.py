@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from runner.checkpoint import atomic_directory, load_torch
+from runner.checkpoint.files import atomic_directory, load_torch
 from runner.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,17 @@ def save_model_files(
     """Write a model's weights to `save_directory` atomically (see `write_weights`)."""
     with atomic_directory(Path(save_directory)) as staging:
         write_weights(state_dict, staging, max_shard_size, safe_serialization)
+
+
+def save_object(obj: Any, path: Path, safe_serialization: bool = False) -> None:
+    """Write `obj` to `path` through a temporary file renamed into place: `torch.save`, or safetensors for
+    a dict of tensors with `safe_serialization` (`Accelerator.save`)."""
+    partial_path = path.with_name(f".{path.name}.partial")
+    if safe_serialization:
+        save_file(distinct_tensors(obj), partial_path)
+    else:
+        torch.save(obj, partial_path)
+    partial_path.replace(path)
 
 
 # safetensors' dtype names

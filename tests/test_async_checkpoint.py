@@ -18,7 +18,7 @@ import pytest
 import rank_checks
 from conftest import cli_env, runner_command, wait_for_checkpoint
 
-from runner.checkpoint import damage, latest_checkpoint, read_meta
+from runner.checkpoint.files import damage, latest_checkpoint, read_meta
 
 pytestmark = pytest.mark.slow
 

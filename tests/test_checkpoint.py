@@ -17,15 +17,8 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from runner import Accelerator, ProjectConfiguration, load_checkpoint_in_model
-from runner.checkpoint import (
-    check_checkpoint_fits,
-    damage,
-    file_digest,
-    latest_checkpoint,
-    load_torch,
-    read_meta,
-    resume_checkpoint,
-)
+from runner.checkpoint.files import damage, file_digest, latest_checkpoint, load_torch, read_meta
+from runner.checkpoint.resume import check_checkpoint_fits, resume_checkpoint
 from runner.errors import ConfigError
 from runner.models import GPT
 from runner.rng import rng_state, set_rng_state, set_seed

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from runner.checkpoint import load_torch
+from runner.checkpoint.formats import load_full, write_full
 from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
 from runner.handlers import KwargsHandler
@@ -21,7 +20,7 @@ from runner.ops import host_copy, on_device, send_to_device
 from runner.precision import Precision
 from runner.state import DistributedType, ProcessState
 from runner.task import model_outputs
-from runner.weights import distinct_tensors, load_weights
+from runner.weights import distinct_tensors
 
 
 def checked_threads(num_threads: int | None) -> int | None:
@@ -267,7 +266,7 @@ class Strategy(ABC):
         if is_main_process:  # off the device (loading moves the optimizer states back to the params')
             weights = [distinct_tensors(self.full_state_dict(model)) for model in models]
             states = [send_to_device(optimizer.state_dict(), torch.device("cpu")) for optimizer in optimizers]
-            _write_full(directory, weights, states)
+            write_full(directory, weights, states)
 
     async_checkpoints: bool = True  # whether `stage_checkpoint` can stage this backend's checkpoints
 
@@ -286,7 +285,7 @@ class Strategy(ABC):
             return _nothing
         weights = [host_copy(distinct_tensors(self.full_state_dict(model))) for model in models]
         states = [host_copy(optimizer.state_dict()) for optimizer in optimizers]
-        return functools.partial(_write_full, directory, weights, states)
+        return functools.partial(write_full, directory, weights, states)
 
     def device_batches(
         self, batches: Iterator[Any], device: torch.device, non_blocking: bool = False
@@ -296,22 +295,10 @@ class Strategy(ABC):
 
     def load_checkpoint(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
         """Load what `save_checkpoint` wrote into the (prepared) models and optimizers."""
-        for i, model in enumerate(models):
-            load_weights(self.unwrap_module(model), directory / f"model_{i}.safetensors")
-        for i, optimizer in enumerate(optimizers):
-            optimizer.load_state_dict(load_torch(directory / f"optimizer_{i}.pt"))
+        load_full(directory, [self.unwrap_module(model) for model in models], optimizers)
 
     def teardown(self) -> None:
         """Release what `setup_environment` acquired."""
-
-
-def _write_full(
-    directory: Path, weights: list[dict[str, torch.Tensor]], states: list[dict[str, Any]]
-) -> None:
-    for i, model_weights in enumerate(weights):
-        save_file(model_weights, directory / f"model_{i}.safetensors")
-    for i, state in enumerate(states):
-        torch.save(state, directory / f"optimizer_{i}.pt")
 
 
 def _nothing() -> None:

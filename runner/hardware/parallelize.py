@@ -1,6 +1,6 @@
 """Parallelisms applied to a module, one small named function each (torchtitan's `apply_*`), and what
 strategies whose models end up as DTensors share afterwards (`ShardedState`: gradient sync switch, full
-weights, DCP checkpoints).
+weights, the "sharded" checkpoint format of `runner.checkpoint.formats`).
 
 Strategies compose them in a fixed order over one mesh: tensor parallel first (`apply_tp`), then the
 compute options per block (`apply_ac`, then `apply_compile`), then data parallel over the rest of the
@@ -19,6 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from runner.checkpoint.formats import load_sharded, sharded_state_dicts, write_sharded
 from runner.config import (
     ActivationCheckpointingConfig,
     CheckpointingMode,
@@ -279,7 +280,7 @@ class ShardedState:
     def save_checkpoint(
         self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], is_main_process: bool
     ) -> None:
-        save_sharded(directory, models, optimizers)
+        write_sharded(sharded_state_dicts(directory, models, optimizers))
 
     def stage_checkpoint(
         self,
@@ -292,7 +293,9 @@ class ShardedState:
         """Each rank's shards (DTensors) copied to host memory now; the returned function writes them with
         DCP, its collectives over `group`. (Not DCP's `async_save`: two of them, model and optimizer, run
         their collectives at once in two threads, in an order that can differ between ranks.)"""
-        states = [(host_copy(state), path) for state, path in sharded_states(directory, models, optimizers)]
+        states = [
+            (host_copy(state), path) for state, path in sharded_state_dicts(directory, models, optimizers)
+        ]
         return functools.partial(write_sharded, states, group)
 
     def load_checkpoint(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
@@ -305,69 +308,3 @@ def gather_full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def save_sharded(
-    directory: Path, models: list[torch.nn.Module], optimizers: list[Any], group: Any = None
-) -> None:
-    """Every rank writes its shards (torch.distributed.checkpoint): `model_<i>/`, `optimizer_<i>/`, their
-    collectives over `group` (None: the default group)."""
-    write_sharded(sharded_states(directory, models, optimizers), group)
-
-
-def sharded_states(
-    directory: Path, models: list[torch.nn.Module], optimizers: list[Any]
-) -> list[tuple[dict[str, Any], Path]]:
-    """What `save_sharded` writes: each model's and optimizer's state dict (this rank's shards) and its
-    DCP directory. Each optimizer belongs to the model of its index (the last model for any beyond)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    states = [
-        ({"model": get_model_state_dict(model)}, directory / f"model_{i}") for i, model in enumerate(models)
-    ]
-    for i, optimizer in enumerate(optimizers):
-        model = models[min(i, len(models) - 1)]
-        state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=_by_parameter_name())}
-        states.append((state, directory / f"optimizer_{i}"))
-    return states
-
-
-def write_sharded(states: list[tuple[dict[str, Any], Path]], group: Any = None) -> None:
-    """DCP-save each state into its directory, one after the other (each save's collectives in order)."""
-    import torch.distributed.checkpoint as dcp
-
-    for state, path in states:
-        dcp.save(state, checkpoint_id=path, process_group=group)
-
-
-def load_sharded(directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
-    """Load what `save_sharded` wrote into the (sharded) models and optimizers."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    for i, model in enumerate(models):
-        state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=directory / f"model_{i}")
-        set_model_state_dict(model, state["model"])
-    for i, optimizer in enumerate(optimizers):
-        model = models[min(i, len(models) - 1)]
-        path = directory / f"optimizer_{i}"
-        written = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        # Sharded checkpoints written before the state was keyed by parameter name: param groups by index.
-        options = None if "optimizer.param_groups.0.params" in written else _by_parameter_name()
-        state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
-        dcp.load(state, checkpoint_id=path)
-        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
-
-
-def _by_parameter_name() -> Any:
-    """Optimizer state and param groups keyed by parameter name (torchtitan's choice): ranks that hold
-    different parameters (pipeline stages) write distinct keys, which any layout reads back."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from runner.checkpoint import LATEST, latest_checkpoint
+from runner.checkpoint.files import LATEST, latest_checkpoint
 from runner.cluster import launched_environment
 from runner.errors import TrainingStopped, write_failure
 from runner.hardware.base import Strategy

@@ -1,4 +1,5 @@
-"""Checkpoints on disk: one atomic writer, the `latest` pointer, numbered names, RNG states.
+"""Checkpoint directories on disk: one atomic writer, the `latest` pointer, numbered names, the metadata
+with every file's size and CRC-32, and the background writer.
 
 A checkpoint is a directory. It is written under a temporary name next to its final one, every file
 fsynced, then renamed into place; only then does `latest` (a small file, itself replaced atomically)
@@ -11,7 +12,6 @@ checkpoint that is whole.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
@@ -19,7 +19,6 @@ import threading
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,38 +26,12 @@ import torch
 
 from runner.errors import ConfigError
 
-log = logging.getLogger(__name__)
-
 LATEST = "latest"
 META = "meta.json"
 FORMAT_VERSION = 1
 DAMAGED = ".damaged"  # the suffix a damaged checkpoint is moved aside with
 _NUMBERED = re.compile(r"checkpoint_(\d+)$")
 _CHUNK = 16 << 20
-
-
-@dataclass
-class ProjectConfiguration:
-    """Where `Accelerator.save_state` puts checkpoints when it is given no directory (Accelerate's).
-
-    Args:
-        project_dir: the project's directory; checkpoints go to `<project_dir>/checkpoints/`.
-        automatic_checkpoint_naming: name checkpoints `checkpoint_<iteration>` and count `iteration` up.
-        total_limit: keep at most this many numbered checkpoints, deleting the oldest.
-        iteration: the number the next automatic checkpoint gets.
-    """
-
-    project_dir: str | None = None
-    logging_dir: str | None = None
-    automatic_checkpoint_naming: bool = False
-    total_limit: int | None = None
-    iteration: int = 0
-
-    @property
-    def checkpoints_dir(self) -> Path:
-        if self.project_dir is None:
-            raise ValueError("ProjectConfiguration.project_dir is not set: save_state() needs a directory.")
-        return Path(self.project_dir) / "checkpoints"
 
 
 def staging_path(final: Path) -> Path:
@@ -260,13 +233,6 @@ def damage(checkpoint: Path, meta: dict[str, Any], contents: bool = True) -> lis
     return problems
 
 
-def damaged_error(checkpoint: Path, problems: list[str], key: str = "trainer.resume") -> ConfigError:
-    return ConfigError(
-        f"{key}: {checkpoint} is damaged: {'; '.join(problems)}. It cannot be resumed. Resume from another "
-        f"checkpoint of the run (trainer.resume=<dir>), or start fresh with trainer.resume=null."
-    )
-
-
 def save_torch(obj: Any, path: Path) -> None:
     torch.save(obj, path)
 
@@ -275,114 +241,3 @@ def load_torch(path: Path, mmap: bool = False) -> Any:
     """Read a file `save_torch` wrote, without unpickling arbitrary objects; with `mmap`, its tensors are
     mapped from the file and read only when used."""
     return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-
-
-def resume_checkpoint(resume: str | None, output_dir: Path, verify: bool = False) -> Path | None:
-    """The checkpoint `trainer.resume` asks for: None (start fresh), "auto" (the output dir's latest, if
-    any: a re-run or requeued job continues), or a checkpoint directory, which must exist.
-
-    With `verify` (the launching process, before any rank starts), its files are checked against its
-    metadata: an explicit checkpoint that is damaged is refused; for "auto", a damaged latest is moved
-    aside (`checkpoint_<n>.damaged`, nothing is deleted) with a warning, and the newest whole checkpoint
-    becomes the latest."""
-    if resume is None:
-        return None
-    if resume != "auto":
-        checkpoint = Path(resume)
-        meta = read_meta(checkpoint)
-        if verify and (problems := damage(checkpoint, meta)):
-            raise damaged_error(checkpoint, problems)
-        return checkpoint
-    checkpoints_dir = output_dir / "checkpoints"
-    latest = latest_checkpoint(checkpoints_dir)
-    if not verify or latest is None:
-        return latest
-    older = [path for path in reversed(numbered_checkpoints(checkpoints_dir)) if path != latest]
-    for candidate in [latest, *older]:
-        try:
-            problems = damage(candidate, read_meta(candidate))
-        except ConfigError as err:
-            problems = [str(err).split(": ", 1)[-1]]
-        if not problems:
-            if candidate != latest:
-                mark_latest(candidate)
-            return candidate
-        aside = candidate.with_name(candidate.name + DAMAGED)
-        if candidate.is_dir():
-            candidate.rename(aside)
-        log.warning(
-            "trainer.resume=auto: %s cannot be resumed (%s); moved it to %s and trying the checkpoint before it.",
-            candidate,
-            "; ".join(problems),
-            aside,
-        )
-    raise ConfigError(
-        f"trainer.resume=auto: no checkpoint in {checkpoints_dir} is whole (the damaged ones were moved aside "
-        f"as checkpoint_<n>{DAMAGED}). Start fresh with trainer.resume=null, or resume from a copy you trust "
-        "(trainer.resume=<dir>)."
-    )
-
-
-def check_checkpoint_fits(
-    checkpoint: Path,
-    world_size: int,
-    checkpoint_format: str,
-    key: str = "trainer.resume",
-    reshards: bool = False,
-    readers: int | None = None,
-    split_batches: bool = False,
-) -> dict[str, Any]:
-    """The checkpoint's metadata, or a ConfigError naming `key` when this hardware cannot read its model
-    state (another `Strategy.checkpoint_format`), or cannot on this many ranks (a format that does not
-    `reshards` onto another layout), or when its data positions mean something else here: `readers`
-    (this run's data-parallel ranks; None: no data position to restore) differ from the writer's, and
-    the batch size is not the global one in both runs (`split_batches`). Checked before any rank starts
-    and again by `Accelerator.load_state`."""
-    meta = read_meta(checkpoint, key=key)
-    check_format(checkpoint, meta, checkpoint_format)
-    written_by = meta["num_processes"]
-    if written_by != world_size and not reshards:
-        raise ConfigError(
-            f"{key}: {checkpoint} was written by {written_by} process(es) and this run has {world_size}; "
-            f"its {checkpoint_format!r} model state does not reshard onto another number of ranks (the sharded "
-            f"checkpoints of hardware=fsdp and megatron do). Resume with {written_by} process(es) "
-            f"(hardware.num_processes={written_by} from the command line), or start fresh (trainer.resume=null)."
-        )
-    written_readers = meta.get("data_parallel_size", written_by)
-    if (
-        readers is not None
-        and written_readers != readers
-        and not (split_batches and meta.get("split_batches"))
-    ):
-        raise ConfigError(
-            f"{key}: {checkpoint} was written by {written_readers} data-parallel rank(s) and this run has "
-            f"{readers}: with a batch size per rank, the global batch and so each rank's data position would "
-            "change. Resharding a run onto another layout needs trainer.split_batches=true (data.batch_size is "
-            f"the global batch) in the run that wrote it and in this one; else resume with {written_readers} "
-            "data-parallel rank(s)."
-        )
-    return meta
-
-
-def check_optimizer_classes(checkpoint: Path, meta: dict[str, Any], classes: list[str]) -> None:
-    """Refuse a checkpoint whose optimizer state another kind of optimizer wrote (`classes`: this run's,
-    as "module.QualName"); checkpoints of earlier versions do not record theirs."""
-    written_with = meta.get("optimizer_classes")
-    if written_with is not None and written_with != classes:
-        raise ConfigError(
-            f"{checkpoint} holds the state of optimizer(s) {', '.join(written_with)} and this run has "
-            f"{', '.join(classes)}: an optimizer's state does not carry over to another kind. Resume with the optimizer "
-            "it was written with, or start fresh (trainer.resume=null)."
-        )
-
-
-def check_format(checkpoint: Path, meta: dict[str, Any], checkpoint_format: str) -> None:
-    """Refuse a checkpoint whose models and optimizers were written in another format than this
-    hardware's (whole-model safetensors, sharded DCP, DeepSpeed partitions)."""
-    written_as = meta.get("checkpoint_format", "full")
-    if written_as != checkpoint_format:
-        raise ConfigError(
-            f"{checkpoint} holds {written_as!r} model state and this run's hardware reads "
-            f"{checkpoint_format!r} checkpoints. Resume it with the hardware group that wrote it (see its run's "
-            "resolved_config.yaml), or start fresh with trainer.resume=null."
-        )

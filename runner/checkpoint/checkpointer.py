@@ -1,0 +1,405 @@
+"""`Checkpointer`: what a checkpoint holds and how it is written and read back.
+
+It keeps the registry of stateful objects (the prepared models, optimizers, schedulers and dataloaders,
+the objects registered with `register_for_checkpointing`), writes them with every process's RNG state
+and the precision's loss scaler into one directory (`save`: blocking, or staged into host memory and
+written in the background), commits it atomically, marks it `latest` and keeps the last k (`files`), and
+loads it back after checking that it fits (`resume`). The strategy answers only for its model and
+optimizer state (`Strategy.save_checkpoint`, `stage_checkpoint`, `load_checkpoint`, in the format of
+`runner.checkpoint.formats` it names). `Accelerator.save_state`/`load_state` and the training loop call it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
+
+from runner.checkpoint.files import (
+    PendingWrite,
+    checkpoint_files,
+    checkpoint_number,
+    commit_staging,
+    damage,
+    file_digest,
+    latest_checkpoint,
+    load_torch,
+    mark_latest,
+    numbered_checkpoints,
+    prune,
+    save_torch,
+    staging_path,
+    start_staging,
+    write_meta,
+)
+from runner.checkpoint.resume import (
+    CANDIDATE,
+    LAST_FINITE,
+    check_checkpoint_fits,
+    check_optimizer_classes,
+    damaged_error,
+    keep_configured_lr,
+    qualified_name,
+)
+from runner.errors import ConfigError
+from runner.hardware import Strategy
+from runner.ops import host_copy
+from runner.precision import Precision
+from runner.rng import rng_state, set_rng_state
+from runner.state import ProcessState
+
+
+@dataclass
+class ProjectConfiguration:
+    """Where `Accelerator.save_state` puts checkpoints when it is given no directory (Accelerate's).
+
+    Args:
+        project_dir: the project's directory; checkpoints go to `<project_dir>/checkpoints/`.
+        automatic_checkpoint_naming: name checkpoints `checkpoint_<iteration>` and count `iteration` up.
+        total_limit: keep at most this many numbered checkpoints, deleting the oldest.
+        iteration: the number the next automatic checkpoint gets.
+    """
+
+    project_dir: str | None = None
+    logging_dir: str | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    iteration: int = 0
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        if self.project_dir is None:
+            raise ValueError("ProjectConfiguration.project_dir is not set: save_state() needs a directory.")
+        return Path(self.project_dir) / "checkpoints"
+
+
+class Checkpointer:
+    """Saves and loads the state of everything registered, on every process of the job.
+
+    Args:
+        strategy: the hardware backend: its process group, its model and optimizer state.
+        precision: the precision plugin, whose state (the fp16 loss scaler) is saved.
+        state: where this process sits in the job.
+        project: where checkpoints without a directory go, how they are numbered and how many are kept.
+        split_batches: whether the dataloaders' batch size is the global one (recorded: a checkpoint
+            reshards onto another data-parallel layout only then).
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        precision: Precision,
+        state: ProcessState,
+        project: ProjectConfiguration,
+        split_batches: bool = False,
+    ) -> None:
+        self.strategy = strategy
+        self.precision = precision
+        self.state = state
+        self.project = project
+        self.split_batches = split_batches
+        # The registry, in the order objects were prepared or registered: a checkpoint loads into the
+        # same objects in the same order. Optimizers are prepared ones (`.optimizer`: the torch one).
+        self.models: list[torch.nn.Module] = []
+        self.optimizers: list[Any] = []
+        self.schedulers: list[Any] = []
+        self.dataloaders: list[Any] = []
+        self.custom_objects: list[Any] = []
+        # OrderedDicts: a hook's RemovableHandle holds a weak reference to them
+        self._save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self._load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self._pending: PendingWrite | None = None  # a background save's write
+        self._group: Any = None  # its process group
+
+    # ------------------------------------------------------------------------------------- registry
+    def register(self, *objects: Any) -> None:
+        """Save and load these objects too (each needs `state_dict` and `load_state_dict`)."""
+        invalid = [
+            obj for obj in objects if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))
+        ]
+        if invalid:
+            raise ValueError(
+                f"register_for_checkpointing() takes objects with state_dict() and load_state_dict(); "
+                f"these have not: {', '.join(type(obj).__name__ for obj in invalid)}."
+            )
+        self.custom_objects.extend(objects)
+
+    def clear(self) -> None:
+        """Forget every prepared object (`Accelerator.free_memory`); registered objects stay."""
+        for objects in (self.models, self.optimizers, self.schedulers, self.dataloaders):
+            objects.clear()
+
+    def add_save_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """`hook(models, weights, output_dir)` at the start of every save (see
+        `Accelerator.register_save_state_pre_hook`)."""
+        handle = RemovableHandle(self._save_hooks)
+        self._save_hooks[handle.id] = hook
+        return handle
+
+    def add_load_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """`hook(models, input_dir)` at the start of every load (see
+        `Accelerator.register_load_state_pre_hook`)."""
+        handle = RemovableHandle(self._load_hooks)
+        self._load_hooks[handle.id] = hook
+        return handle
+
+    def _parts(self) -> dict[str, list[Any]]:
+        """The registered objects other than models and optimizers, by their files' prefix."""
+        return {
+            "scheduler": self.schedulers,
+            "dataloader": self.dataloaders,
+            "custom_checkpoint": self.custom_objects,
+        }
+
+    def _counts(self, models: list[torch.nn.Module]) -> dict[str, int]:
+        return {
+            "models": len(models),
+            "optimizers": len(self.optimizers),
+            **{prefix: len(objects) for prefix, objects in self._parts().items()},
+        }
+
+    # ----------------------------------------------------------------------------------------- save
+    def save(self, output_dir: str | None = None, step: int = 0, blocking: bool = True) -> Path:
+        """Write a checkpoint of everything registered, atomically, and return its directory.
+
+        Without `output_dir`, automatic naming writes `<project_dir>/checkpoints/checkpoint_<iteration>`,
+        marks it latest and keeps at most `total_limit`. A crash during the save leaves the previous
+        checkpoint untouched. `blocking=False`: the state is copied into host memory here and written by
+        a background thread; the checkpoint becomes latest only once complete (`wait`)."""
+        self.wait()
+        if not blocking and not self.strategy.async_checkpoints:
+            raise ValueError(
+                f"save_state(blocking=False): {type(self.strategy).__name__} writes its checkpoints itself, "
+                "synchronously. Save with blocking=True."
+            )
+        final = self._target(output_dir)
+        main = self.state.is_main_process
+        if main:
+            start_staging(final)
+        self.strategy.barrier()
+        staging = staging_path(final)
+        automatic = self.project.automatic_checkpoint_naming
+        limit = self.project.total_limit
+
+        def commit() -> None:
+            if main:
+                commit_staging(final)
+                if automatic:
+                    mark_latest(final)
+                    if limit is not None:
+                        prune(final.parent, limit)
+
+        def discard() -> None:  # no half-written checkpoint is left behind (a full disk, a signal)
+            if main:
+                shutil.rmtree(staging, ignore_errors=True)
+
+        try:
+            write = self._writer(staging, step, blocking)
+            if blocking:
+                write()
+                commit()
+        except BaseException:
+            discard()
+            raise
+        if not blocking:
+            self._pending = PendingWrite(final, write, commit, discard)
+        if automatic:
+            self.project.iteration += 1
+        if blocking:
+            self.strategy.barrier()
+        return final
+
+    def _writer(self, staging: Path, step: int, blocking: bool) -> Callable[[], None]:
+        """What writes every process's part of a checkpoint into `staging`, then the main process's
+        `meta.json` (once every part is there). Blocking, the weights are written here; else they and
+        the other states are copied into host memory here (`Strategy.stage_checkpoint`), and the writer
+        runs in a background thread, its collectives over a process group of its own."""
+        main = self.state.is_main_process
+        optimizers = [opt.optimizer for opt in self.optimizers]
+        models = self._models_to_save(staging)
+        if blocking:
+            self.strategy.save_checkpoint(staging, models, optimizers, main)
+            write_weights, copy, barrier = (lambda: None), (lambda state: state), self.strategy.barrier
+        else:
+            group = self._background_group()
+            write_weights = self.strategy.stage_checkpoint(staging, models, optimizers, main, group)
+            copy = host_copy
+            barrier = (lambda: dist.barrier(group=group)) if group is not None else (lambda: None)
+        files = {f"random_states_{self.state.process_index}.pt": rng_state()}
+        if main:
+            for prefix, objects in self._parts().items():
+                files |= {f"{prefix}_{i}.pt": copy(obj.state_dict()) for i, obj in enumerate(objects)}
+            files["precision.pt"] = copy(self.precision.state_dict())
+        meta = {
+            "num_processes": self.state.num_processes,
+            "data_parallel_size": self.state.data_parallel_size,
+            "split_batches": self.split_batches,
+            "checkpoint_format": self.strategy.checkpoint_format,
+            "step": step,
+            "counts": self._counts(models),
+            "optimizer_classes": [qualified_name(opt) for opt in optimizers],
+        }
+
+        def write() -> None:
+            write_weights()
+            for name, state in files.items():
+                save_torch(state, staging / name)
+            barrier()
+            if main:
+                digests = {name: file_digest(staging / name) for name in checkpoint_files(staging)}
+                write_meta(staging, meta | {"files": digests})
+
+        return write
+
+    def _models_to_save(self, staging: Path) -> list[torch.nn.Module]:
+        """The prepared models that `save` writes, after the save hooks took theirs."""
+        if not self._save_hooks:
+            return self.models
+        models = [self.strategy.unwrap_module(m) for m in self.models]
+        weights = [self.strategy.full_state_dict(m) for m in self.models]
+        kept_before = {id(w): i for i, w in enumerate(weights)}
+        for hook in self._save_hooks.values():
+            hook(models, weights, str(staging))
+        return [self.models[kept_before[id(w)]] for w in weights if id(w) in kept_before]
+
+    def _background_group(self) -> Any:
+        """A gloo process group for the background writes (None in a single process): their collectives
+        must not interleave with training's on the default group."""
+        if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    @property
+    def in_progress(self) -> bool:
+        """Whether a background save is still being written."""
+        return self._pending is not None and self._pending.running
+
+    def wait(self, everyone: bool = True) -> None:
+        """Wait until the background save is complete (and marked latest: with `everyone`, every process
+        waits for the main process's commit); raise what failed in its writing."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+            if everyone:
+                self.strategy.barrier()
+
+    def _target(self, output_dir: str | None) -> Path:
+        if not self.project.automatic_checkpoint_naming:
+            if output_dir is None:
+                raise ValueError(
+                    "save_state() needs a directory, or Accelerator(project_config=ProjectConfiguration("
+                    "project_dir=..., automatic_checkpoint_naming=True))."
+                )
+            return Path(output_dir)
+        final = self.project.checkpoints_dir / f"checkpoint_{self.project.iteration}"
+        if final.exists():
+            raise ValueError(
+                f"{final} already exists: set accelerator.project_configuration.iteration to the next free number."
+            )
+        return final
+
+    def number_after_existing(self) -> None:
+        """Number the next automatic checkpoint after those the project's dir holds (a run started fresh
+        in a dir that has checkpoints)."""
+        existing = numbered_checkpoints(self.project.checkpoints_dir)
+        self.project.iteration = (checkpoint_number(existing[-1]) or 0) + 1 if existing else 0
+
+    def save_last_finite(self, step: int) -> None:
+        """At a logging step whose losses were all finite: the state saved at the previous logging step
+        gave those losses, so it becomes `checkpoints/last_finite`; the state now is saved as the next
+        candidate (its weights may already be ruined by this step's update: only the next window's losses
+        can tell). Neither is one of the numbered checkpoints that `trainer.resume=auto` picks from."""
+        checkpoints = self.project.checkpoints_dir
+        if self.state.is_main_process and (checkpoints / CANDIDATE).is_dir():
+            shutil.rmtree(checkpoints / LAST_FINITE, ignore_errors=True)
+            (checkpoints / CANDIDATE).rename(checkpoints / LAST_FINITE)
+        automatic = self.project.automatic_checkpoint_naming
+        self.project.automatic_checkpoint_naming = False  # written to the given dir (Accelerate's rule)
+        try:
+            self.save(str(checkpoints / CANDIDATE), step=step)
+        finally:
+            self.project.automatic_checkpoint_naming = automatic
+
+    # ----------------------------------------------------------------------------------------- load
+    def load(self, input_dir: str | None = None) -> int:
+        """Restore a checkpoint that `save` wrote (without `input_dir`: the project's latest) into the
+        objects registered, in the same order; return the step it was written at. A sharded (DCP)
+        checkpoint loads onto another number of ranks or another layout: DCP reshards it."""
+        directory = Path(input_dir) if input_dir is not None else self._latest()
+        meta = check_checkpoint_fits(
+            directory,
+            self.state.num_processes,
+            self.strategy.checkpoint_format,
+            key="load_state input_dir",
+            reshards=self.strategy.reshards_checkpoints,
+            readers=self.state.data_parallel_size if self.dataloaders else None,
+            split_batches=self.split_batches,
+        )
+        # Sizes here; `python -m runner` also checks the contents (CRC-32) before any rank starts.
+        if problems := damage(directory, meta, contents=False):
+            raise damaged_error(directory, problems, key="load_state input_dir")
+        models = self._models_to_load(directory)
+        optimizers = [opt.optimizer for opt in self.optimizers]
+        check_optimizer_classes(directory, meta, [qualified_name(opt) for opt in optimizers])
+        if meta["counts"] != (counts := self._counts(models)):
+            raise ConfigError(
+                f"{directory} holds {meta['counts']}, but this Accelerator has {counts} prepared/registered: "
+                "prepare and register the same objects, in the same order, as the run that saved it."
+            )
+        self.strategy.load_checkpoint(directory, models, optimizers)
+        for prefix, objects in self._parts().items():
+            for i, obj in enumerate(objects):
+                obj.load_state_dict(load_torch(directory / f"{prefix}_{i}.pt"))
+        self.precision.load_state_dict(load_torch(directory / "precision.pt"))
+        # On another number of ranks (a resharded checkpoint) a new rank takes the states of rank i % N.
+        set_rng_state(
+            load_torch(directory / f"random_states_{self.state.process_index % meta['num_processes']}.pt")
+        )
+        if self.project.automatic_checkpoint_naming and (number := checkpoint_number(directory)) is not None:
+            # Past a newer one the dir may hold (written by a run killed before it was marked latest).
+            self.project.iteration = max(self.project.iteration, number + 1)
+        return meta["step"]
+
+    def resume(self, checkpoint: Path) -> int:
+        """`load` for `trainer.resume`: a checkpoint that does not fit this run is a ConfigError, and the
+        learning rates stay the configured ones (`keep_configured_lr`); the step it was written at."""
+        configured = [list(s.scheduler.base_lrs) for s in self.schedulers]
+        try:
+            step = self.load(str(checkpoint))
+        except (RuntimeError, KeyError, ValueError) as err:
+            if isinstance(err, ConfigError):
+                raise
+            raise ConfigError(
+                f"trainer.resume: {checkpoint} does not fit this run ({str(err).splitlines()[0][:300]}). Resume "
+                "with the model, optimizer and data settings it was written with, or start fresh with "
+                "trainer.resume=null."
+            ) from err
+        for scheduler, lrs in zip(self.schedulers, configured, strict=True):
+            keep_configured_lr(scheduler.scheduler, lrs)
+        return step
+
+    def _models_to_load(self, directory: Path) -> list[torch.nn.Module]:
+        """The prepared models that `load` fills, after the load hooks took theirs."""
+        if not self._load_hooks:
+            return self.models
+        unwrapped = [self.strategy.unwrap_module(m) for m in self.models]
+        models = list(unwrapped)
+        for hook in self._load_hooks.values():
+            hook(models, str(directory))
+        left = {id(m) for m in models}
+        return [prepared for prepared, m in zip(self.models, unwrapped, strict=True) if id(m) in left]
+
+    def _latest(self) -> Path:
+        latest = latest_checkpoint(self.project.checkpoints_dir) if self.project.project_dir else None
+        if latest is None:
+            raise ValueError(
+                "load_state() needs a directory: the project has no checkpoint marked latest yet."
+            )
+        return latest

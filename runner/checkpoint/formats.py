@@ -1,0 +1,99 @@
+"""How a checkpoint stores models and optimizers, by `Strategy.checkpoint_format`:
+
+- "full": every process holds the whole model, so the main process writes `model_<i>.safetensors` and
+  `optimizer_<i>.pt`;
+- "sharded": every rank writes its own shards with torch.distributed.checkpoint (DCP), `model_<i>/` and
+  `optimizer_<i>/`, keyed by parameter name, so that they load onto any layout of the same model;
+- "deepspeed": DeepSpeed's engine writes its own partitions (in its strategy's hook).
+
+A strategy picks the format and hands over what only it knows (its state dicts); the writing is here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from runner.checkpoint.files import load_torch
+from runner.weights import load_weights
+
+
+def write_full(
+    directory: Path, weights: list[dict[str, torch.Tensor]], optimizer_states: list[dict[str, Any]]
+) -> None:
+    """The "full" format: each model's weights (distinct tensors) and each optimizer's state."""
+    for i, model_weights in enumerate(weights):
+        save_file(model_weights, directory / f"model_{i}.safetensors")
+    for i, state in enumerate(optimizer_states):
+        torch.save(state, directory / f"optimizer_{i}.pt")
+
+
+def load_full(directory: Path, modules: list[torch.nn.Module], optimizers: list[Any]) -> None:
+    """Load what `write_full` wrote into the (unwrapped) models and the optimizers."""
+    for i, module in enumerate(modules):
+        load_weights(module, directory / f"model_{i}.safetensors")
+    for i, optimizer in enumerate(optimizers):
+        optimizer.load_state_dict(load_torch(directory / f"optimizer_{i}.pt"))
+
+
+def sharded_state_dicts(
+    directory: Path, models: list[torch.nn.Module], optimizers: list[Any]
+) -> list[tuple[dict[str, Any], Path]]:
+    """What the "sharded" format writes: each model's and optimizer's state dict (this rank's shards) and
+    its DCP directory. Each optimizer belongs to the model of its index (the last model for any beyond)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    states = [
+        ({"model": get_model_state_dict(model)}, directory / f"model_{i}") for i, model in enumerate(models)
+    ]
+    for i, optimizer in enumerate(optimizers):
+        model = models[min(i, len(models) - 1)]
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=_by_parameter_name())}
+        states.append((state, directory / f"optimizer_{i}"))
+    return states
+
+
+def write_sharded(states: list[tuple[dict[str, Any], Path]], group: Any = None) -> None:
+    """DCP-save each state into its directory, one after the other (each save's collectives in order),
+    over `group` (None: the default group)."""
+    import torch.distributed.checkpoint as dcp
+
+    for state, path in states:
+        dcp.save(state, checkpoint_id=path, process_group=group)
+
+
+def load_sharded(directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
+    """Load what `write_sharded` wrote into the (sharded) models and optimizers: DCP reshards it onto
+    this run's layout."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    for i, model in enumerate(models):
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=directory / f"model_{i}")
+        set_model_state_dict(model, state["model"])
+    for i, optimizer in enumerate(optimizers):
+        model = models[min(i, len(models) - 1)]
+        path = directory / f"optimizer_{i}"
+        written = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        # Sharded checkpoints written before the state was keyed by parameter name: param groups by index.
+        options = None if "optimizer.param_groups.0.params" in written else _by_parameter_name()
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
+        dcp.load(state, checkpoint_id=path)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+
+
+def _by_parameter_name() -> Any:
+    """Optimizer state and param groups keyed by parameter name (torchtitan's choice): ranks that hold
+    different parameters (pipeline stages) write distinct keys, which any layout reads back."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)

@@ -1,0 +1,223 @@
+"""The resume policy: which checkpoint a run continues from (`trainer.resume`: null, auto, a directory),
+whether it fits this run (format, ranks, data layout, optimizer), what a resumed run keeps from its
+config (the learning rate), and what a diverged run is told to resume from (`last_finite`).
+
+Checked once before any rank starts (`check_resume`, from the launching process) and again by every
+rank's `Checkpointer.load`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runner.checkpoint.files import (
+    DAMAGED,
+    damage,
+    latest_checkpoint,
+    mark_latest,
+    numbered_checkpoints,
+    read_meta,
+)
+from runner.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+LAST_FINITE = "last_finite"  # in <output dir>/checkpoints: trainer.checkpoint_last_finite's state
+CANDIDATE = ".last_finite.candidate"  # the newest state, until the next window's losses show it finite
+
+
+def damaged_error(checkpoint: Path, problems: list[str], key: str = "trainer.resume") -> ConfigError:
+    return ConfigError(
+        f"{key}: {checkpoint} is damaged: {'; '.join(problems)}. It cannot be resumed. Resume from another "
+        f"checkpoint of the run (trainer.resume=<dir>), or start fresh with trainer.resume=null."
+    )
+
+
+def resume_checkpoint(resume: str | None, output_dir: Path, verify: bool = False) -> Path | None:
+    """The checkpoint `trainer.resume` asks for: None (start fresh), "auto" (the output dir's latest, if
+    any: a re-run or requeued job continues), or a checkpoint directory, which must exist.
+
+    With `verify` (the launching process, before any rank starts), its files are checked against its
+    metadata: an explicit checkpoint that is damaged is refused; for "auto", a damaged latest is moved
+    aside (`checkpoint_<n>.damaged`, nothing is deleted) with a warning, and the newest whole checkpoint
+    becomes the latest."""
+    if resume is None:
+        return None
+    if resume != "auto":
+        checkpoint = Path(resume)
+        meta = read_meta(checkpoint)
+        if verify and (problems := damage(checkpoint, meta)):
+            raise damaged_error(checkpoint, problems)
+        return checkpoint
+    checkpoints_dir = output_dir / "checkpoints"
+    latest = latest_checkpoint(checkpoints_dir)
+    if not verify or latest is None:
+        return latest
+    older = [path for path in reversed(numbered_checkpoints(checkpoints_dir)) if path != latest]
+    for candidate in [latest, *older]:
+        try:
+            problems = damage(candidate, read_meta(candidate))
+        except ConfigError as err:
+            problems = [str(err).split(": ", 1)[-1]]
+        if not problems:
+            if candidate != latest:
+                mark_latest(candidate)
+            return candidate
+        aside = candidate.with_name(candidate.name + DAMAGED)
+        if candidate.is_dir():
+            candidate.rename(aside)
+        log.warning(
+            "trainer.resume=auto: %s cannot be resumed (%s); moved it to %s and trying the checkpoint before it.",
+            candidate,
+            "; ".join(problems),
+            aside,
+        )
+    raise ConfigError(
+        f"trainer.resume=auto: no checkpoint in {checkpoints_dir} is whole (the damaged ones were moved aside "
+        f"as checkpoint_<n>{DAMAGED}). Start fresh with trainer.resume=null, or resume from a copy you trust "
+        "(trainer.resume=<dir>)."
+    )
+
+
+def check_checkpoint_fits(
+    checkpoint: Path,
+    world_size: int,
+    checkpoint_format: str,
+    key: str = "trainer.resume",
+    reshards: bool = False,
+    readers: int | None = None,
+    split_batches: bool = False,
+) -> dict[str, Any]:
+    """The checkpoint's metadata, or a ConfigError naming `key` when this hardware cannot read its model
+    state (another `Strategy.checkpoint_format`), or cannot on this many ranks (a format that does not
+    `reshards` onto another layout), or when its data positions mean something else here: `readers`
+    (this run's data-parallel ranks; None: no data position to restore) differ from the writer's, and
+    the batch size is not the global one in both runs (`split_batches`). Checked before any rank starts
+    and again by `Accelerator.load_state`."""
+    meta = read_meta(checkpoint, key=key)
+    check_format(checkpoint, meta, checkpoint_format)
+    written_by = meta["num_processes"]
+    if written_by != world_size and not reshards:
+        raise ConfigError(
+            f"{key}: {checkpoint} was written by {written_by} process(es) and this run has {world_size}; "
+            f"its {checkpoint_format!r} model state does not reshard onto another number of ranks (the sharded "
+            f"checkpoints of hardware=fsdp and megatron do). Resume with {written_by} process(es) "
+            f"(hardware.num_processes={written_by} from the command line), or start fresh (trainer.resume=null)."
+        )
+    written_readers = meta.get("data_parallel_size", written_by)
+    if (
+        readers is not None
+        and written_readers != readers
+        and not (split_batches and meta.get("split_batches"))
+    ):
+        raise ConfigError(
+            f"{key}: {checkpoint} was written by {written_readers} data-parallel rank(s) and this run has "
+            f"{readers}: with a batch size per rank, the global batch and so each rank's data position would "
+            "change. Resharding a run onto another layout needs trainer.split_batches=true (data.batch_size is "
+            f"the global batch) in the run that wrote it and in this one; else resume with {written_readers} "
+            "data-parallel rank(s)."
+        )
+    return meta
+
+
+def check_optimizer_classes(checkpoint: Path, meta: dict[str, Any], classes: list[str]) -> None:
+    """Refuse a checkpoint whose optimizer state another kind of optimizer wrote (`classes`: this run's,
+    as "module.QualName"); checkpoints of earlier versions do not record theirs."""
+    written_with = meta.get("optimizer_classes")
+    if written_with is not None and written_with != classes:
+        raise ConfigError(
+            f"{checkpoint} holds the state of optimizer(s) {', '.join(written_with)} and this run has "
+            f"{', '.join(classes)}: an optimizer's state does not carry over to another kind. Resume with the optimizer "
+            "it was written with, or start fresh (trainer.resume=null)."
+        )
+
+
+def check_format(checkpoint: Path, meta: dict[str, Any], checkpoint_format: str) -> None:
+    """Refuse a checkpoint whose models and optimizers were written in another format than this
+    hardware's (whole-model safetensors, sharded DCP, DeepSpeed partitions)."""
+    written_as = meta.get("checkpoint_format", "full")
+    if written_as != checkpoint_format:
+        raise ConfigError(
+            f"{checkpoint} holds {written_as!r} model state and this run's hardware reads "
+            f"{checkpoint_format!r} checkpoints. Resume it with the hardware group that wrote it (see its run's "
+            "resolved_config.yaml), or start fresh with trainer.resume=null."
+        )
+
+
+def qualified_name(obj: Any) -> str:
+    """ "module.QualName" of `obj`'s class (of `obj` itself when it is a class): how a checkpoint records
+    its optimizers."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def check_resume(
+    resume: str | None,
+    output_dir: Path,
+    *,
+    world_size: int,
+    checkpoint_format: str,
+    reshards: bool,
+    readers: int,
+    split_batches: bool,
+    optimizer_class: type | None,
+    verify: bool,
+) -> Path | None:
+    """Before any rank starts: the checkpoint `trainer.resume` names (see `resume_checkpoint`; `verify`
+    reads its files), refused with a ConfigError when it does not fit this run (`check_checkpoint_fits`)
+    or holds another optimizer's state (`optimizer_class`: the run's; None for inference)."""
+    checkpoint = resume_checkpoint(resume, output_dir, verify=verify)
+    if checkpoint is not None:
+        meta = check_checkpoint_fits(
+            checkpoint,
+            world_size,
+            checkpoint_format,
+            reshards=reshards,
+            readers=readers,
+            split_batches=split_batches,
+        )
+        if optimizer_class is not None:
+            check_optimizer_classes(checkpoint, meta, [qualified_name(optimizer_class)])
+    return checkpoint
+
+
+def keep_configured_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, configured: list[float]) -> None:
+    """A resumed run takes its learning rate from its config, not from the checkpoint (a lower one after a
+    divergence): the schedule's base rates become the configured ones and the current rates are scaled
+    alike. With the config unchanged this does nothing (bitwise resume)."""
+    saved = list(scheduler.base_lrs)
+    if saved == configured:
+        return
+    for group, before, after in zip(scheduler.optimizer.param_groups, saved, configured, strict=True):
+        group["lr"] = group["lr"] * after / before if before else after
+        group["initial_lr"] = after
+    scheduler.base_lrs = list(configured)
+    # What get_last_lr() says (and the log reports) until the next step.
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    log.info("learning rate from the config: %s (the checkpoint had %s)", configured, saved)
+
+
+def resume_hint(checkpoints_dir: Path, keeps_last_finite: bool) -> str:
+    """What a run that diverged is told to resume from: `last_finite` (the state of its last logging step
+    whose loss was finite), else its latest checkpoint, else nothing."""
+    latest = latest_checkpoint(checkpoints_dir)
+    last_finite = checkpoints_dir / LAST_FINITE
+    if last_finite.is_dir():
+        hint = (
+            f"The state of its last logging step whose loss was finite is in {last_finite}: resume from it with "
+            f"trainer.resume={last_finite} and the changes above (a resumed run takes optimizer.lr from its config)."
+        )
+    elif latest is not None:
+        hint = (
+            f"Its last checkpoint, {latest}, was written before; resume from an earlier one with "
+            "trainer.resume=<dir> if that one is already bad."
+        )
+    else:
+        hint = "It wrote no checkpoint."
+    if not keeps_last_finite:
+        hint += " trainer.checkpoint_last_finite=true keeps the state of the last logging step whose loss was finite."
+    return hint

@@ -1,0 +1,105 @@
+"""The commands in the README and the docs compose: every `python -m runner ...` line of their shell blocks
+names groups, options and keys that exist, with values of the right type (Hydra's compose API, in this
+process). `mkdocs build --strict` in the test command checks the links."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from runner.config import CONF_DIR, register_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^\s*```(\w*)")
+
+
+def shell_lines(page: Path) -> list[str]:
+    """The lines of `page`'s shell blocks, continuation lines (`\\`) joined."""
+    lines, block, language = [], "", None  # None: outside a fenced block
+    for line in page.read_text().splitlines():
+        if fence := FENCE.match(line):
+            language = fence.group(1) if language is None else None
+            continue
+        if language not in ("bash", "sh"):
+            continue
+        block += line.rstrip().removesuffix("\\") + " " if line.rstrip().endswith("\\") else line
+        if not line.rstrip().endswith("\\"):
+            lines.append(block.strip())
+            block = ""
+    return lines
+
+
+def runner_commands() -> list[tuple[str, list[str]]]:
+    """(where, overrides) of every `python -m runner` / `runner` command that uses the built-in configs."""
+    found = []
+    for page in PAGES:
+        for line in shell_lines(page):
+            for part in re.split(r"&&|;", line):
+                words = shlex.split(part, comments=True)
+                while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # environment variables
+                    words.pop(0)
+                if words[:3] == ["python", "-m", "runner"]:
+                    args = words[3:]
+                elif words[:1] == ["runner"] and words[1:2] != ["init"]:
+                    args = words[1:]
+                else:
+                    continue
+                if "--config-dir" in args or "--help" in args:  # a user's project; Hydra's help
+                    continue
+                found.append((f"{page.name}: {part.strip()[:120]}", args))
+    return found
+
+
+def first_of_each_sweep(args: list[str]) -> list[str]:
+    """The overrides of one job of the command: flags and Hydra's own settings dropped, each sweep's first
+    value taken."""
+    # placeholders the reader fills in (`checkpoint=<dir>`) stand for a path
+    args = [
+        re.sub(r"<[\w ]+>", "placeholder", a) for a in args if a not in ("-m", "--multirun", "--cfg", "job")
+    ]
+    overrides = []
+    for override in OverridesParser.create().parse_overrides(args):
+        key = override.get_key_element()
+        if key.startswith(("hydra", "+hydra")):
+            continue
+        if override.is_sweep_override():
+            if override.is_interval_sweep():  # an Optuna search space: its lower bound
+                value = str(override.value().start)  # type: ignore[union-attr]
+            else:
+                value = next(override.sweep_string_iterator())
+            overrides.append(f"{key}={value}")
+        else:
+            overrides.append(override.input_line)
+    return overrides
+
+
+COMMANDS = runner_commands()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hydra_context():
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        yield
+
+
+def test_the_docs_show_commands():
+    pages = {where.split(":")[0] for where, _ in COMMANDS}
+    assert len(COMMANDS) > 80 and {"README.md", "guide.md", "hardware.md", "checkpoints.md"} <= pages
+
+
+@pytest.mark.parametrize(("where", "args"), COMMANDS, ids=[where for where, _ in COMMANDS])
+def test_a_docs_command_composes(where, args):
+    compose("config", overrides=first_of_each_sweep(args))
+
+
+def test_a_command_with_a_misspelt_key_does_not_compose():
+    """The check above can fail: a key that is not there is refused."""
+    with pytest.raises(Exception, match="max_step"):
+        compose("config", overrides=first_of_each_sweep(["trainer.max_step=5"]))

@@ -1,0 +1,184 @@
+"""Unit tests for logic that the end-to-end runs exercise only as a whole: the mesh's degrees, how blocks
+split into pipeline stages and which pipelines are refused, the background checkpoint writer, and the
+learning rate a resumed run keeps."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.checkpoint.files import PendingWrite
+from runner.checkpoint.resume import keep_configured_lr
+from runner.errors import ConfigError
+from runner.hardware.mesh import ParallelDims
+from runner.hardware.pipeline import check_pipeline, local_stage_indices, stage_blocks
+from runner.models import GPT
+
+
+# ------------------------------------------------------------------------------------------ ParallelDims
+@pytest.mark.parametrize(
+    ("dims", "world", "dp_shard"),
+    [
+        (ParallelDims(), 8, 8),
+        (ParallelDims(tp=2), 8, 4),
+        (ParallelDims(pp=2, tp=2), 8, 2),
+        (ParallelDims(pp=2, dp_replicate=2, tp=2), 8, 1),
+        (ParallelDims(dp_replicate=2, dp_shard=2), 4, 2),
+    ],
+)
+def test_parallel_dims_fill_dp_shard_with_the_rest_of_the_world(dims, world, dp_shard):
+    resolved = dims.resolved(world)
+    assert resolved.dp_shard == dp_shard
+    assert resolved.pp * resolved.dp * resolved.tp == world
+    assert resolved.dp == resolved.dp_replicate * dp_shard
+
+
+@pytest.mark.parametrize(
+    ("dims", "world", "named"),
+    [
+        (ParallelDims(tp=3), 8, "hardware.tp_size=3"),
+        (ParallelDims(dp_shard=2), 8, "hardware.dp_shard=2"),  # fixed degrees must use the whole world
+        (
+            ParallelDims(pp=2, tp=2, dp_shard=3),
+            8,
+            "hardware.pp_size=2, hardware.dp_shard=3, hardware.tp_size=2",
+        ),
+        (ParallelDims(tp=0), 4, "each degree must be >= 1"),
+        (ParallelDims(dp_shard=0), 4, "each degree must be >= 1"),
+        (ParallelDims(dp_shard=-2), 4, "each degree must be >= 1"),
+    ],
+)
+def test_parallel_dims_that_do_not_fit_the_world_name_the_degrees(dims, world, named):
+    with pytest.raises(ConfigError) as err:
+        dims.resolved(world)
+    assert named in str(err.value)
+
+
+def test_parallel_dims_describe_each_ranks_coordinates():
+    text = ParallelDims(pp=2, tp=2).resolved(8).describe(shown_ranks=3)
+    assert text.startswith("pp 2 x dp_replicate 1 x dp_shard 2 x tp 2;")
+    # rank 1 is the second tp rank of the first shard of the first stage; rank 2 the next shard
+    assert "0:(0,0,0,0) 1:(0,0,0,1) 2:(0,0,1,0) ... (8 ranks)" in text
+
+
+# ------------------------------------------------------------------------------------ pipeline stages
+@pytest.mark.parametrize(
+    ("blocks", "stages", "sizes"),
+    [(4, 2, [2, 2]), (5, 2, [3, 2]), (7, 3, [3, 2, 2]), (3, 3, [1, 1, 1]), (6, 4, [2, 2, 1, 1])],
+)
+def test_stage_blocks_split_consecutively_and_evenly(blocks, stages, sizes):
+    ranges = stage_blocks(blocks, stages)
+    assert [len(r) for r in ranges] == sizes
+    assert [i for r in ranges for i in r] == list(range(blocks))  # every block once, in order
+
+
+def test_interleaved_stages_loop_over_the_ranks():
+    assert local_stage_indices(0, pp=2, virtual_stages=2) == [0, 2]
+    assert local_stage_indices(1, pp=2, virtual_stages=3) == [1, 3, 5]
+
+
+def _gpt(layers: int) -> GPT:
+    with torch.device("meta"):
+        return GPT(vocab_size=16, max_seq_len=8, d_model=8, n_layers=layers, n_heads=2)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((2, "zigzag", 2, 1), "hardware.pp_schedule='zigzag': expected one of"),
+        ((2, "gpipe", 0, 1), "both must be >= 1"),
+        ((2, "interleaved_1f1b", 2, 1), "set hardware.virtual_stages >= 2"),
+        ((2, "gpipe", 2, 2), "only interleaved_1f1b runs several stages per rank"),
+        ((4, "gpipe", 4, 1), "4 pipeline stages, but GPT has 2 block(s)"),
+        ((2, "1f1b", 1, 1), "1F1B needs at least as many microbatches as stages (2)"),
+    ],
+)
+def test_check_pipeline_refuses_what_cannot_run(args, message):
+    with pytest.raises(ConfigError) as err:
+        check_pipeline(_gpt(2), *args)
+    assert message in str(err.value)
+
+
+def test_check_pipeline_refuses_a_model_without_stages_and_accepts_one_that_fits():
+    with pytest.raises(ConfigError, match="declares no pipeline stages"):
+        check_pipeline(torch.nn.Linear(2, 2), 2, "gpipe", 2, 1)
+    check_pipeline(_gpt(4), 2, "interleaved_1f1b", 4, 2)  # 4 stages over 4 blocks: fits
+    with pytest.raises(ConfigError, match="must be a multiple of 2"):
+        check_pipeline(_gpt(4), 2, "interleaved_1f1b", 5, 2)
+
+
+# --------------------------------------------------------------------------------- the background write
+def test_pending_write_commits_after_writing(tmp_path: Path):
+    order: list[str] = []
+    release = threading.Event()
+
+    def write() -> None:
+        release.wait(5)
+        order.append("write")
+
+    pending = PendingWrite(
+        tmp_path / "checkpoint_0", write, lambda: order.append("commit"), lambda: order.append("discard")
+    )
+    assert pending.running  # the caller goes on while it writes
+    release.set()
+    pending.wait()
+    assert not pending.running
+    assert order == ["write", "commit"]
+
+
+@pytest.mark.parametrize("fails_in", ["write", "commit"])
+def test_pending_write_discards_and_reraises_a_failure(tmp_path: Path, fails_in: str):
+    order: list[str] = []
+
+    def step(name: str):
+        def run() -> None:
+            order.append(name)
+            if name == fails_in:
+                raise OSError(28, "No space left on device")
+
+        return run
+
+    pending = PendingWrite(
+        tmp_path / "checkpoint_3", step("write"), step("commit"), lambda: order.append("discard")
+    )
+    with pytest.raises(
+        RuntimeError, match=r"writing the checkpoint .*checkpoint_3 in the background failed"
+    ) as err:
+        pending.wait()
+    assert isinstance(err.value.__cause__, OSError)
+    assert order == (["write", "discard"] if fails_in == "write" else ["write", "commit", "discard"])
+
+
+# ------------------------------------------------------------------------------------ keep_configured_lr
+def _scheduler(lr: float, steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.5, total_iters=10)
+    for _ in range(steps):
+        optimizer.step()
+        scheduler.step()
+    return scheduler
+
+
+def test_keep_configured_lr_changes_nothing_when_the_config_did_not_change():
+    scheduler = _scheduler(0.1, 4)
+    before = [group["lr"] for group in scheduler.optimizer.param_groups]
+    keep_configured_lr(scheduler, [0.1])
+    assert [group["lr"] for group in scheduler.optimizer.param_groups] == before  # bitwise
+    assert scheduler.base_lrs == [0.1]
+
+
+def test_keep_configured_lr_rescales_the_schedule_to_the_configured_rate():
+    resumed = _scheduler(0.1, 4)  # the checkpoint's rate: 0.1, 4 steps into the decay
+    keep_configured_lr(resumed, [0.01])  # the resumed run's config: 10x lower
+    fresh = _scheduler(0.01, 4)  # what a run configured so from the start would have now
+    assert resumed.base_lrs == [0.01]
+    assert resumed.get_last_lr() == pytest.approx(fresh.get_last_lr())
+    for _ in range(3):  # and the schedule goes on from there alike
+        resumed.optimizer.step()
+        resumed.step()
+        fresh.optimizer.step()
+        fresh.step()
+    assert resumed.get_last_lr() == pytest.approx(fresh.get_last_lr())
