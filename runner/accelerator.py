@@ -1,35 +1,26 @@
-"""`Accelerator`: Hugging Face Accelerate's public API over a hardware strategy and a precision plugin.
+"""`Accelerator`: Hugging Face Accelerate's public API, adapted onto runner's `Engine`.
 
-Every call is forwarded once to the injected `Strategy` (process group, wrapping, collectives) or
-`Precision` (autocast, loss scaling); nothing here asks which backend or precision is in use.
+The constructor maps Accelerate's arguments (mixed-precision names, plugins, kwargs handlers, what
+`accelerate launch` set in the environment) onto the engine's; the methods here are the Accelerate
+names the engine does not need for runner's own loop. The engine answers the rest.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 import runner.collectives as collectives
-from runner.checkpoint.checkpointer import Checkpointer, ProjectConfiguration
+from runner.checkpoint.checkpointer import ProjectConfiguration
 from runner.cluster import accelerate_launch_settings
-from runner.collectives import rng_generators
 from runner.config import ActivationCheckpointingConfig, CompileConfig, CompileScope
-from runner.data_loader import (
-    DataLoaderShard,
-    last_batch_remainder,
-    per_process_batch_size,
-    sampler_generators,
-    shard_dataloader,
-)
+from runner.engine import Engine
 from runner.handlers import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -41,27 +32,14 @@ from runner.handlers import (
     ProfileKwargs,
 )
 from runner.hardware import Strategy, default_strategy
-from runner.ops import apply_to_tensors, is_tensor_structure
-from runner.partial_state import ProcessControl, activate, deactivate
 from runner.precision import Precision
 from runner.precision import from_name as precision_from_name
-from runner.prepared import AcceleratedOptimizer, AcceleratedScheduler
-from runner.state import DistributedType, GradientState
+from runner.state import DistributedType
 from runner.trackers import BlankTracker, LoggerType, Tracker, trackers_from_name
-from runner.weights import save_model_files, save_object, set_module_tensor
-
-LRScheduler = torch.optim.lr_scheduler.LRScheduler
+from runner.weights import save_object
 
 
-def _is_model(obj: Any) -> bool:
-    return isinstance(obj, torch.nn.Module)
-
-
-def _is_new_optimizer(obj: Any) -> bool:
-    return isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer)
-
-
-class Accelerator(ProcessControl):
+class Accelerator(Engine):
     """Prepares models, optimizers, dataloaders and schedulers, and runs the training step around them.
 
     Args:
@@ -135,69 +113,26 @@ class Accelerator(ProcessControl):
             )
         accumulation = _accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
         handlers = _one_of_each(kwargs_handlers or [])
-        self.strategy = strategy or default_strategy(cpu or launch.cpu)
-        for handler in handlers:
-            if isinstance(handler, (InitProcessGroupKwargs, DistributedDataParallelKwargs)):
-                self.strategy.use_kwargs(handler)
-        self.state = self.strategy.setup_environment()
-        activate(self.strategy, self.state)
-        self.precision = self.strategy.setup_precision(
+        entries = log_with if isinstance(log_with, list) else [] if log_with is None else [log_with]
+        super().__init__(
+            strategy or default_strategy(cpu or launch.cpu),
             mixed_precision
             if isinstance(mixed_precision, Precision)
-            else precision_from_name(mixed_precision or launch.mixed_precision)
+            else precision_from_name(mixed_precision or launch.mixed_precision),
+            gradient_accumulation=accumulation,
+            dataloader_config=dataloader_config
+            or DataLoaderConfiguration(split_batches=split_batches, even_batches=even_batches),
+            project_config=project_config
+            or ProjectConfiguration(project_dir=project_dir, logging_dir=logging_dir),
+            trackers=[t for e in entries for t in (trackers_from_name(e) if isinstance(e, str) else [e])],
+            compile=compile,
+            activation_checkpointing=activation_checkpointing,
+            kwargs_handlers=handlers,
+            device_placement=device_placement,
+            step_scheduler_with_optimizer=step_scheduler_with_optimizer,
+            rng_types=rng_types,
         )
-        for handler in handlers:
-            if isinstance(handler, (AutocastKwargs, GradScalerKwargs)):
-                self.precision.use_kwargs(handler)
         self.profile_handler = next((h for h in handlers if isinstance(h, ProfileKwargs)), None)
-        self.precision.setup(self.state.device)
-        self.strategy.setup_compute(
-            compile or CompileConfig(), activation_checkpointing or ActivationCheckpointingConfig()
-        )
-        self.gradient_state = GradientState(
-            num_steps=accumulation.num_steps,
-            adjust_scheduler=accumulation.adjust_scheduler,
-            sync_with_dataloader=accumulation.sync_with_dataloader,
-            sync_each_batch=accumulation.sync_each_batch,
-        )
-        # id of a parameter -> (it, what device placement replaced it with); the old one is kept alive so
-        # that its id is not reused.
-        self._placed: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
-        self.device_placement = device_placement
-        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.rng_types = ["generator"] if rng_types is None else list(rng_types)
-        rng_generators(self.rng_types, self.device)  # a ValueError for an unknown one, now
-        self.dataloader_config = dataloader_config or DataLoaderConfiguration(
-            split_batches=split_batches, even_batches=even_batches
-        )
-        self.step = 0
-        self._trigger = False
-        self._micro_batch_size: int | None = None  # per process, of the first prepared dataloader
-        self.project_configuration = project_config or ProjectConfiguration(
-            project_dir=project_dir, logging_dir=logging_dir
-        )
-        # Owns what is prepared (models, optimizers, schedulers, dataloaders) and registered: save_state.
-        self.checkpointer = Checkpointer(
-            self.strategy, self.precision, self.state, self.project_configuration, self.split_batches
-        )
-        entries = log_with if isinstance(log_with, list) else [] if log_with is None else [log_with]
-        self.log_with = [
-            tracker for e in entries for tracker in (trackers_from_name(e) if isinstance(e, str) else [e])
-        ]
-        self.trackers: list[Tracker] = []
-
-    # ----------------------------------------------------------------------------------- process info
-    @property
-    def split_batches(self) -> bool:
-        return self.dataloader_config.split_batches
-
-    @property
-    def even_batches(self) -> bool:
-        return self.dataloader_config.even_batches
-
-    @property
-    def non_blocking(self) -> bool:
-        return self.dataloader_config.non_blocking
 
     @property
     def use_seedable_sampler(self) -> bool:
@@ -229,223 +164,14 @@ class Accelerator(ProcessControl):
         return self.is_main_process
 
     @property
-    def logging_dir(self) -> str | None:
-        return self.project_configuration.logging_dir
-
-    @property
-    def mixed_precision(self) -> str:
-        return self.precision.mixed_precision
-
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.gradient_state.num_steps
-
-    @property
-    def sync_gradients(self) -> bool:
-        return self.gradient_state.sync_gradients
-
-    @property
     def optimizer_step_was_skipped(self) -> bool:
         """True when the last optimizer step was skipped (fp16 overflow)."""
         return any(opt.step_was_skipped for opt in self.checkpointer.optimizers)
-
-    # ---------------------------------------------------------------------------------------- prepare
-    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        """Prepare models, optimizers, dataloaders and schedulers, in any order; returned in that order.
-
-        Dataloaders come first (a backend may size its engine by their batches), then the models with the
-        optimizers of the same call (a sharding backend replaces the parameters those optimizers hold; a
-        model and its optimizer may become one engine), schedulers last (they see the prepared
-        optimizers). Other objects pass through.
-        """
-        placements = device_placement or [self.device_placement] * len(args)
-        if len(placements) != len(args):
-            raise ValueError("device_placement needs one entry per object passed to prepare().")
-        result = list(args)
-        for i, (obj, place) in enumerate(zip(args, placements, strict=True)):
-            if isinstance(obj, DataLoader):
-                result[i] = self.prepare_data_loader(obj, device_placement=place)
-        models = [i for i, obj in enumerate(args) if _is_model(obj)]
-        optimizers = [i for i, obj in enumerate(args) if _is_new_optimizer(obj)]
-        for n, i in enumerate(models):
-            paired = optimizers if n == len(models) - 1 else []  # the optimizers go with the last model
-            result[i] = self._prepare_model(args[i], [args[k] for k in paired], placements[i])
-            for k in paired:
-                result[k] = self._wrap_optimizer(args[k])
-        if not models:
-            for k in optimizers:
-                result[k] = self.prepare_optimizer(args[k])
-        for i, obj in enumerate(args):
-            if isinstance(obj, LRScheduler):
-                result[i] = self.prepare_scheduler(obj)
-        return result[0] if len(result) == 1 else tuple(result)
-
-    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
-        place = device_placement if device_placement is not None else self.device_placement
-        return self._prepare_model(model, [], place)
-
-    def _prepare_model(
-        self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], device_placement: bool
-    ) -> torch.nn.Module:
-        if device_placement:
-            model = self._place(model)
-            for optimizer in optimizers:
-                self._follow_placement(optimizer)
-        model = self.precision.setup_module(model)
-        model = self.strategy.setup_module_and_optimizers(
-            model,
-            optimizers,
-            micro_batch_size=self._micro_batch_size,
-            gradient_accumulation_steps=self.gradient_accumulation_steps,
-        )
-        self.checkpointer.models.append(model)
-        return model
-
-    def _place(self, model: torch.nn.Module) -> torch.nn.Module:
-        """`model` on the device. Where that makes new parameter objects (XLA), tied weights are tied again
-        and optimizers prepared later follow the new parameters (`_follow_placement`)."""
-        before = dict(model.named_parameters(remove_duplicate=False))
-        model = model.to(self.device)
-        after = dict(model.named_parameters(remove_duplicate=False))
-        first: dict[int, str] = {}
-        for name, param in before.items():
-            owner = first.setdefault(id(param), name)
-            if after[name] is not after[owner]:  # a tie that the move broke
-                set_module_tensor(model, name, after[owner])
-            if after[owner] is not param:
-                self._placed[id(param)] = (param, after[owner])
-        return model
-
-    def _follow_placement(self, optimizer: torch.optim.Optimizer) -> None:
-        """Point `optimizer` at the parameters that device placement put in place of its own."""
-        for group in optimizer.param_groups:
-            group["params"] = [
-                self._placed[id(p)][1] if id(p) in self._placed else p for p in group["params"]
-            ]
-
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
-        if isinstance(optimizer, AcceleratedOptimizer):
-            return optimizer
-        self._follow_placement(optimizer)
-        self.strategy.setup_optimizer(optimizer)
-        return self._wrap_optimizer(optimizer)
-
-    def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
-        wrapped = AcceleratedOptimizer(optimizer, self.strategy, self.precision, self.gradient_state)
-        self.checkpointer.optimizers.append(wrapped)
-        return wrapped
-
-    def prepare_scheduler(self, scheduler: LRScheduler) -> AcceleratedScheduler:
-        wrapped = AcceleratedScheduler(
-            scheduler,
-            self.checkpointer.optimizers,
-            self.gradient_state,
-            num_processes=self.state.data_parallel_size,  # the processes that split the data
-            step_with_optimizer=self.step_scheduler_with_optimizer,
-            split_batches=self.split_batches,
-        )
-        self.checkpointer.schedulers.append(wrapped)
-        return wrapped
-
-    def prepare_data_loader(
-        self, data_loader: DataLoader, device_placement: bool | None = None
-    ) -> DataLoaderShard:
-        """This process's share of `data_loader`'s batches, placed on the device."""
-        dataloader = data_loader
-        place = device_placement if device_placement is not None else self.device_placement
-        generators = sampler_generators(dataloader)
-        if self.dataloader_config.data_seed is not None:
-            for generator in generators:
-                generator.manual_seed(self.dataloader_config.data_seed)
-        readers, reader = self.state.data_parallel_size, self.state.data_parallel_index
-        shard = shard_dataloader(dataloader, readers, reader, self.split_batches, self.even_batches)
-        remainder = last_batch_remainder(dataloader, readers, self.split_batches)
-        batch_size = dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", None)
-        if self._micro_batch_size is None and batch_size:
-            self._micro_batch_size = per_process_batch_size(batch_size, readers, self.split_batches)
-        wrapped = DataLoaderShard(
-            shard,
-            self.gradient_state,
-            device=self.device if place else None,
-            remainder=remainder,
-            synchronize_rng=(  # process 0's state of the RNGs `rng_types` names, before each pass
-                partial(
-                    collectives.synchronize_rng_states,
-                    self.strategy,
-                    rng_generators(self.rng_types, self.device, generators),
-                )
-                if self.use_distributed
-                else None
-            ),
-            generators=generators,
-            place=partial(self.strategy.device_batches, non_blocking=self.non_blocking),
-        )
-        self.checkpointer.dataloaders.append(wrapped)
-        return wrapped
-
-    def skip_first_batches(self, dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard:
-        """A prepared `dataloader` that skips its first `num_batches` batches (resume mid-epoch); use it
-        for the first epoch only, as in Accelerate."""
-        if not isinstance(dataloader, DataLoaderShard):
-            dataloader = self.prepare_data_loader(dataloader)
-        return dataloader.skip_first_batches(num_batches)
 
     def verify_device_map(self, model: torch.nn.Module) -> bool:
         """Whether `model` (or a module in it) was dispatched over several devices with a device map
         (big model inference: such a model is for inference, not for training with `prepare`)."""
         return any(len(set(getattr(m, "hf_device_map", {}).values())) > 1 for m in model.modules())
-
-    def unwrap_model(
-        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
-    ) -> torch.nn.Module:
-        """The user's model from a prepared one; `keep_fp32_wrapper=False` also removes the autocast
-        forward. Runner compiles in place (`Module.compile`), so there is no compiled wrapper to keep or
-        remove: `keep_torch_compile` is Accelerate's argument, with nothing to do."""
-        model = self.strategy.unwrap_module(model)
-        if not keep_fp32_wrapper and "_original_forward" in model.__dict__:  # precision's autocast forward
-            model.forward = model.__dict__.pop("_original_forward")
-        return model
-
-    # ------------------------------------------------------------------------------- training step
-    def training_loss(
-        self, model: torch.nn.Module, batch: Any, loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]
-    ) -> torch.Tensor:
-        """`loss_fn(outputs, batch)` of the model's outputs on `batch` (`runner.task.model_outputs`), for
-        `backward`. Under pipeline parallel (`hardware=megatron hardware.pp_size=N`) the model trains only
-        so: the schedule runs forward and backward over microbatches here, the last stage computing
-        `loss_fn` on each one's rows, and every rank gets their mean (`backward` has nothing left to do)."""
-        scale = 1.0 / self.gradient_state.num_steps
-        return self.strategy.training_loss(model, batch, loss_fn, scale, self.sync_gradients)
-
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """`loss.backward()`, divided by the accumulation steps and scaled for fp16."""
-        if self.gradient_state.num_steps > 1:
-            loss = loss / self.gradient_state.num_steps
-        self.strategy.backward(loss, self.precision, sync_gradients=self.sync_gradients, **kwargs)
-
-    @contextmanager
-    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
-        """One micro-batch: sets `sync_gradients` and skips gradient sync on the models in between."""
-        self._do_sync()
-        if self.sync_gradients or self.gradient_state.sync_each_batch:
-            yield
-            return
-        with ExitStack() as stack:
-            for model in models:
-                stack.enter_context(self.no_sync(model))
-            yield
-
-    def _do_sync(self) -> None:
-        if self.gradient_state.sync_with_dataloader and self.gradient_state.end_of_dataloader:
-            self.step = 0
-            self.gradient_state.sync_gradients = True
-        else:
-            self.step += 1
-            self.gradient_state.sync_gradients = self.step % self.gradient_state.num_steps == 0
-
-    def no_sync(self, model: torch.nn.Module) -> AbstractContextManager:
-        """Gradients computed inside are not synchronised across processes."""
-        return self.strategy.no_sync(model)
 
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> AbstractContextManager:
         """The precision's autocast context (prepared models already run their forward in it);
@@ -483,54 +209,10 @@ class Accelerator(ProcessControl):
             )
             self.wait_for_everyone()
 
-    def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Undo fp16 loss scaling on the gradients (called by the clip functions)."""
-        optimizers = [optimizer] if optimizer is not None else self.checkpointer.optimizers
-        for opt in optimizers:
-            self.precision.unscale_(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
-
-    def clip_grad_norm_(
-        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
-    ) -> torch.Tensor:
-        """Unscale, then clip the total gradient norm; returns the norm before clipping."""
-        self.unscale_gradients()
-        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         """Unscale, then clamp every gradient element to [-clip_value, clip_value]."""
         self.unscale_gradients()
         self.strategy.clip_grad_value_(parameters, clip_value)
-
-    # ------------------------------------------------------------------------------------ collectives
-    def gather(self, tensor: Any) -> Any:
-        """Concatenate tensors (nested structures too) from all processes along the first dimension."""
-        return collectives.gather(self.strategy, tensor)
-
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """`gather` (or `gather_object` for non-tensor data), minus the samples that even batches
-        duplicated at the end of the dataloader being iterated."""
-        if use_gather_object or not is_tensor_structure(input_data):
-            data = self.gather_object(input_data)
-        else:
-            data = self.gather(input_data)
-        loader = self.gradient_state.active_dataloaders[-1] if self.gradient_state.end_of_dataloader else None
-        remainder = loader.remainder if loader is not None and loader.even_batches else 0
-        if remainder > 0:
-            data = (
-                data[:remainder]
-                if isinstance(data, list)
-                else apply_to_tensors(lambda t: t[:remainder], data)
-            )
-        return data
-
-    def gather_object(self, obj: Any) -> list[Any]:
-        """Every process's picklable `obj`, in process order; lists and tuples are concatenated."""
-        return collectives.gather_object(self.strategy, obj)
-
-    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        """Reduce tensors (nested structures too) across processes: "sum", "mean", "max", "min" ("none"
-        returns them as they are), times `scale`."""
-        return collectives.reduce(self.strategy, tensor, reduction, scale)
 
     def pad_across_processes(
         self, tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False
@@ -542,72 +224,14 @@ class Accelerator(ProcessControl):
         """Overwrite tensors (nested structures too) with process `from_process`'s, in place."""
         return collectives.broadcast(self.strategy, tensor, from_process)
 
-    def broadcast_object_list(self, object_list: list[Any], from_process: int = 0) -> list[Any]:
-        """Replace the picklable objects of `object_list`, in place, by process `from_process`'s."""
-        return collectives.broadcast_object_list(self.strategy, object_list, from_process)
-
-    def set_trigger(self) -> None:
-        """Raise this process's flag; the next `check_trigger` on every process sees it."""
-        self._trigger = True
-
-    def check_trigger(self) -> bool:
-        """True on every process when any process called `set_trigger` since the last check (which then
-        clears it). A collective: call it on all processes."""
-        raised = self._trigger
-        if self.use_distributed:
-            flag = torch.tensor(float(raised), device=self.device)
-            raised = self.strategy.all_reduce(flag).item() > 0
-        self._trigger = False
-        return raised
-
-    # ------------------------------------------------------------------------------------- checkpoints
-    @property
-    def project_dir(self) -> str | None:
-        return self.project_configuration.project_dir
-
     @property
     def save_iteration(self) -> int:
         return self.project_configuration.iteration
-
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Save and load these objects with `save_state`/`load_state` (each needs `state_dict` and
-        `load_state_dict`)."""
-        self.checkpointer.register(*objects)
-
-    def save_state(
-        self, output_dir: str | None = None, safe_serialization: bool = True, blocking: bool = True
-    ) -> str:
-        """Write a checkpoint of everything prepared and registered, atomically; return its directory.
-
-        Models (safetensors), optimizers, schedulers, the loss scaler, dataloader positions, registered
-        objects, the step counter and every process's RNG states. Without `output_dir`, automatic
-        naming writes `<project_dir>/checkpoints/checkpoint_<iteration>`, marks it latest and keeps at
-        most `total_limit`. A crash during the save leaves the previous checkpoint untouched.
-
-        `blocking=False` (runner's; `trainer.async_checkpoint`): the state is copied into host memory
-        here and written by a background thread (sharded checkpoints by DCP, over a process group of
-        their own); the checkpoint becomes latest only once complete. The next save, `wait_for_checkpoint` and
-        `end_training` wait for the write.
-        """
-        return str(self.checkpointer.save(output_dir, step=self.step, blocking=blocking))
-
-    def load_state(self, input_dir: str | None = None) -> None:
-        """Restore a checkpoint that `save_state` wrote (without `input_dir`: the latest one of the
-        project), into the objects prepared and registered, in the same order. A sharded (DCP) checkpoint
-        loads onto another number of ranks or another layout (fsdp 4 -> 2, fsdp -> tensor parallel):
-        DCP reshards it."""
-        self.step = self.checkpointer.load(input_dir)
 
     @property
     def checkpoint_in_progress(self) -> bool:
         """Whether a checkpoint of `save_state(blocking=False)` is still being written."""
         return self.checkpointer.in_progress
-
-    def wait_for_checkpoint(self, everyone: bool = True) -> None:
-        """Wait until the checkpoint that `save_state(blocking=False)` is writing is complete (and marked
-        latest: with `everyone`, every process waits for the main process's commit); raise what failed in
-        its writing."""
-        self.checkpointer.wait(everyone)
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """Call `hook(models, weights, output_dir)` at the start of every `save_state`: `models` the
@@ -628,50 +252,6 @@ class Accelerator(ProcessControl):
             save_object(obj, Path(f), safe_serialization)
         self.wait_for_everyone()
 
-    def save_model(
-        self,
-        model: torch.nn.Module,
-        save_directory: str,
-        max_shard_size: int | str = "10GB",
-        safe_serialization: bool = True,
-    ) -> None:
-        """Write the unwrapped model's weights to `save_directory` (from the main process): safetensors (or
-        torch) files of at most `max_shard_size`, with an index when there are several."""
-        state_dict = self.get_state_dict(model)
-        if self.is_main_process:
-            save_model_files(state_dict, save_directory, max_shard_size, safe_serialization)
-        self.wait_for_everyone()
-
-    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """The model's full state dict (unwrapped by default); with a sharding backend a collective whose
-        result is complete on the main process."""
-        return self.strategy.full_state_dict(model) if unwrap else model.state_dict()
-
-    # --------------------------------------------------------------------------------------- tracking
-    def init_trackers(
-        self,
-        project_name: str,
-        config: dict[str, Any] | None = None,
-        init_kwargs: dict[str, Any] | None = None,
-    ) -> None:
-        """Start the `log_with` trackers on the main process (local files under `project_dir`) and record
-        `config` as the run's parameters; `init_kwargs={"mlflow": {"tags": {...}}}` adds run tags."""
-        for tracker in self.log_with:
-            if tracker.main_process_only and not self.is_main_process:
-                continue
-            logging_dir = self.logging_dir or self.project_dir
-            tracker.open(project_name, logging_dir, (init_kwargs or {}).get(tracker.name, {}))
-            if config is not None:
-                tracker.store_init_configuration(config)
-            self.trackers.append(tracker)
-
-    def log(
-        self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None
-    ) -> None:
-        """Record scalar `values` at `step` with every started tracker (nothing on other processes)."""
-        for tracker in self.trackers:
-            tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
-
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
         """The started tracker called `name` (its client object with `unwrap`); a tracker whose calls do
         nothing on processes that run none."""
@@ -683,29 +263,6 @@ class Accelerator(ProcessControl):
         raise ValueError(
             f"{name!r} is not a tracker of this Accelerator; it has {[t.name for t in self.trackers]}."
         )
-
-    # ------------------------------------------------------------------------------------------- misc
-    def free_memory(self, *objects: Any) -> list[None]:
-        """Drop the references held to prepared objects, collect garbage, empty the device cache."""
-        self.checkpointer.clear()
-        self._micro_batch_size = None
-        self.step = 0
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return [None] * len(objects)
-
-    clear = free_memory
-
-    def end_training(self) -> None:
-        """Wait for a checkpoint being written, close the trackers' runs, then release the process group
-        and the strategy's other resources."""
-        self.wait_for_checkpoint()
-        for tracker in self.trackers:
-            tracker.close()
-        self.trackers.clear()
-        self.strategy.teardown()
-        deactivate(self.strategy)
 
 
 def _accumulation_plugin(steps: int, plugin: GradientAccumulationPlugin | None) -> GradientAccumulationPlugin:

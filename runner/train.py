@@ -1,5 +1,6 @@
-"""The generic train/eval loop (`Trainer`), written against the public `Accelerator` API; the periodic
-parts (logging with the NaN check, evaluation, checkpoints, the stop signal) are its small named methods."""
+"""The generic train/eval loop (`Trainer`), on runner's `Engine` (the Accelerator's API without
+Accelerate's adapters); the periodic parts (logging with the NaN check, evaluation, checkpoints, the stop
+signal) are its small named methods."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from runner.accelerator import Accelerator
 from runner.build import (
     build_data,
     build_model,
@@ -31,7 +31,9 @@ from runner.build import (
 from runner.checkpoint.checkpointer import ProjectConfiguration
 from runner.checkpoint.resume import resume_checkpoint, resume_hint
 from runner.data.base import DataSource
+from runner.engine import Engine
 from runner.errors import TrainingDiverged, TrainingInterrupted
+from runner.handlers import DataLoaderConfiguration, GradientAccumulationPlugin
 from runner.hardware.base import Strategy
 from runner.perf import Throughput, count_flops, memory_snapshot_on_oom, peak_flops, profiled
 from runner.rng import set_seed
@@ -88,15 +90,15 @@ class Trainer:
     def __init__(self, cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -> None:
         self.settings = trainer = cfg.trainer
         tracker = instantiate(cfg.tracker) if cfg.tracker._target_ else None
-        self.accelerator = accelerator = Accelerator(
-            strategy=strategy or instantiate(cfg.hardware),
-            mixed_precision=instantiate(cfg.precision),
-            gradient_accumulation_steps=trainer.gradient_accumulation_steps,
-            split_batches=trainer.split_batches,
+        self.accelerator = accelerator = Engine(
+            strategy or instantiate(cfg.hardware),
+            instantiate(cfg.precision),
+            gradient_accumulation=GradientAccumulationPlugin(num_steps=trainer.gradient_accumulation_steps),
+            dataloader_config=DataLoaderConfiguration(split_batches=trainer.split_batches),
             project_config=ProjectConfiguration(
                 automatic_checkpoint_naming=True, total_limit=trainer.keep_checkpoints
             ),
-            log_with=tracker,
+            trackers=[tracker] if tracker is not None else [],
             compile=OmegaConf.to_object(trainer.compile),
             activation_checkpointing=OmegaConf.to_object(trainer.activation_checkpointing),
         )
@@ -339,7 +341,7 @@ class Trainer:
 PROGRESS_BAR = ("perf/tokens_per_s", "perf/samples_per_s", "perf/mfu")
 
 
-def throughput_meter(cfg: DictConfig, data: DataSource, accelerator: Accelerator) -> Throughput:
+def throughput_meter(cfg: DictConfig, data: DataSource, accelerator: Engine) -> Throughput:
     """What `perf/*` is measured with: the unit (tokens for batches of token ids, else samples), the
     model's training FLOPs per unit, counted once by torch's FLOP counter on a meta-device copy (forward
     and backward of the first batch: the model's FLOPs, without activation recomputation), and one
@@ -371,7 +373,7 @@ def throughput_meter(cfg: DictConfig, data: DataSource, accelerator: Accelerator
     )
 
 
-def read_throughput(accelerator: Accelerator, throughput: Throughput) -> dict[str, float]:
+def read_throughput(accelerator: Engine, throughput: Throughput) -> dict[str, float]:
     """The `perf/*` metrics over the processes: rates averaged, peak memory the largest."""
     local = throughput.read(accelerator.device)
     values = torch.tensor(list(local.values()), device=accelerator.device)
@@ -383,7 +385,7 @@ def read_throughput(accelerator: Accelerator, throughput: Throughput) -> dict[st
 
 
 @contextmanager
-def closed_on_failure(accelerator: Accelerator) -> Iterator[None]:
+def closed_on_failure(accelerator: Engine) -> Iterator[None]:
     """When the loop stops, first finish a checkpoint being written in the background; close the
     trackers' run as KILLED when it stopped on a signal (the run resumes later) and as FAILED when it
     raised; a run that ends well is closed FINISHED by `end_training`."""
@@ -445,7 +447,7 @@ def stop_signals() -> Iterator[list[int]]:
 
 
 @torch.no_grad()
-def evaluate(accelerator: Accelerator, model: torch.nn.Module, task: Task, loader: Any) -> dict[str, float]:
+def evaluate(accelerator: Engine, model: torch.nn.Module, task: Task, loader: Any) -> dict[str, float]:
     """Average the task's per-sample metrics over the whole eval set (all processes)."""
     model.eval()
     sums: dict[str, torch.Tensor] = {}

@@ -51,6 +51,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.prepared",
             "runner.checkpoint",
             "runner.trackers",
+            "runner.engine",
             "runner.accelerator",
             "runner.local_sgd",
         ],
