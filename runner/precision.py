@@ -11,7 +11,7 @@ import fnmatch
 import functools
 import importlib.util
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from enum import Enum
 from typing import Any
@@ -144,8 +144,9 @@ class Float8Precision(MixedPrecision):
 
     Args:
         recipe: "tensorwise" (one scale per tensor: fastest) or "rowwise" (one per row: more accurate).
-        keep: module names (fnmatch patterns, e.g. "lm_head", "blocks.0.*") kept in bf16. Linear layers
-            whose sizes are not multiples of 16 (what float8 matmuls need) are kept too.
+        keep: module names (fnmatch patterns, e.g. "lm_head", "blocks.0.*") kept in bf16 (default: the
+            output head). Linear layers whose sizes are not multiples of 16 (what float8 matmuls need) are
+            kept too.
         fsdp_float8_all_gather: with hardware=fsdp, all-gather the weights in float8 (tensorwise only).
         emulate: compute the float8 casts and scales, but matmuls in high precision (torchao's emulation):
             float8 numerics on any device, without the speed, for tests on the CPU.
@@ -156,7 +157,7 @@ class Float8Precision(MixedPrecision):
     def __init__(
         self,
         recipe: str = "tensorwise",
-        keep: list[str] | None = None,
+        keep: Sequence[str] = ("lm_head",),
         fsdp_float8_all_gather: bool = False,
         emulate: bool = False,
     ) -> None:
@@ -173,7 +174,7 @@ class Float8Precision(MixedPrecision):
         if importlib.util.find_spec("torchao") is None:
             raise ConfigError(f"precision=fp8 needs torchao, which is not installed here: {FP8_REQUIREMENT}.")
         self.recipe = recipe
-        self.keep = list(keep or [])
+        self.keep = list(keep)
         self.fsdp_float8_all_gather = fsdp_float8_all_gather
         self.emulate = emulate
 

@@ -130,14 +130,15 @@ def accepted_parameters(cls: type) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize(
-    "option",
-    sorted(
+def typed_option_files() -> list[str]:
+    return sorted(
         f"{group}/{path.stem}"
         for group in ("hardware", "precision", "launcher", "tracker")
         for path in (CONF_DIR / group).glob("*.yaml")
-    ),
-)
+    )
+
+
+@pytest.mark.parametrize("option", typed_option_files())
 def test_each_option_yaml_schema_and_class_agree(option):
     """A typed option's YAML sets exactly its schema's fields, and its class accepts every one of them
     (it may take more, for use from Python): a setting one of the three lacks would be refused, or never
@@ -158,6 +159,55 @@ def test_each_option_yaml_schema_and_class_agree(option):
     )
     accepted = accepted_parameters(locate(document["_target_"]))
     assert fields <= accepted, f"{document['_target_']} does not accept {sorted(fields - accepted)}"
+
+
+# Where the class's default is written otherwise than the schema's, and means the same (why).
+SAME_DEFAULT = {
+    ("hardware/big_model", "max_memory"): "{'cpu': None}: no limit given, as None",
+}
+
+
+def _default_value(value: object) -> object:
+    """A default as the three places write it: enums by value, sequences as lists, an empty container as
+    the None a constructor takes for it (a mutable default is no Python default)."""
+    value = getattr(value, "value", value)
+    if isinstance(value, (list, tuple, dict)) and not value:
+        return None
+    return list(value) if isinstance(value, tuple) else value
+
+
+@pytest.mark.parametrize("option", typed_option_files())
+def test_each_option_yaml_schema_and_class_agree_in_defaults(option):
+    """A setting's value in the option's YAML is its schema's default, which is its class's default: one
+    value, whether the object is built from YAML or from Python (a YAML that passes on another setting,
+    `${...}`, is the exception)."""
+    group, name = option.split("/")
+    document = yaml.safe_load((CONF_DIR / group / f"{name}.yaml").read_text())
+    if document.get("_target_") is None:
+        return
+    schema = next(e for e in document["defaults"] if isinstance(e, str) and e.startswith("/schema/"))
+    fields = dataclasses.fields(SCHEMAS[group][schema.split("/")[3].split("@")[0]])
+    parameters = {}
+    for klass in locate(document["_target_"]).__mro__:
+        if "__init__" in vars(klass):
+            for parameter in inspect.signature(vars(klass)["__init__"]).parameters.values():
+                parameters.setdefault(parameter.name, parameter)
+    for field in fields:
+        if field.name == "_target_" or (option, field.name) in SAME_DEFAULT:
+            continue
+        schema_default = (
+            field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        )
+        written = document.get(field.name)
+        if not (isinstance(written, str) and written.startswith("${")):
+            assert _default_value(written) == _default_value(schema_default), (
+                f"conf/{option}.yaml: {field.name}={written!r}, its schema's default is {schema_default!r}"
+            )
+        class_default = parameters[field.name].default
+        if class_default is not inspect.Parameter.empty:
+            assert _default_value(class_default) == _default_value(schema_default), (
+                f"{document['_target_']}({field.name}={class_default!r}), its schema's default is {schema_default!r}"
+            )
 
 
 # Another valid value for settings whose type alone does not give one (else: bools flip, numbers grow).
