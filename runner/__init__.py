@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     )
     from runner.launchers.notebook import notebook_launcher
     from runner.memory import find_executable_batch_size
-    from runner.partial_state import PartialState
+    from runner.process_control import PartialState
     from runner.rng import set_seed
     from runner.state import DistributedType
     from runner.utils import synchronize_rng_states
@@ -69,7 +69,7 @@ EXPORTS = {
     "load_checkpoint_and_dispatch": "runner.big_modeling",
     "load_checkpoint_in_model": "runner.big_modeling",
     "notebook_launcher": "runner.launchers.notebook",
-    "PartialState": "runner.partial_state",
+    "PartialState": "runner.process_control",
     "set_seed": "runner.rng",
 }
 

@@ -46,7 +46,7 @@ from runner.inference import infer
 from runner.launchers import Job, Launcher, RankFailedError
 from runner.launchers.base import interrupted
 from runner.launchers.slurm import requeue_if_preempted
-from runner.log import FILE_ONLY, configure_rank_logging
+from runner.logging import FILE_ONLY, configure_rank_logging
 from runner.plan import describe as describe_plan
 from runner.scaffold import main as init_project_command
 from runner.train import train

@@ -41,9 +41,9 @@ from runner.handlers import (
 )
 from runner.hardware import Strategy
 from runner.ops import apply_to_tensors, is_tensor_structure
-from runner.partial_state import ProcessControl, activate, deactivate
 from runner.precision import Precision
 from runner.prepared import AcceleratedOptimizer, AcceleratedScheduler
+from runner.process_control import ProcessControl, activate, deactivate
 from runner.state import GradientState
 from runner.trackers import Tracker
 from runner.weights import save_model_files, set_module_tensor

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.big_modeling import init_empty_weights
 from runner.build import build_data, build_model
-from runner.hardware.big_model import BigModel
+from runner.hardware.device_map import BigModel
 from runner.task import InferenceTask
 
 log = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from runner.handlers import (
 )
 from runner.memory import find_executable_batch_size, release_memory
 from runner.ops import apply_to_tensors, concatenate, find_batch_size, send_to_device
-from runner.partial_state import PartialState, active_strategy
 from runner.precision import PrecisionType
+from runner.process_control import PartialState, active_strategy
 from runner.rng import RNGType, set_seed
 from runner.state import DistributedType
 from runner.trackers import LoggerType

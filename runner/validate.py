@@ -22,7 +22,7 @@ from runner.config import CheckpointingMode, Declared, RunConfig, declared_range
 from runner.data.base import DataSource
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
-from runner.hardware.big_model import BigModel
+from runner.hardware.device_map import BigModel
 from runner.weights import DamagedFileError, checkpoint_tensors
 
 T = TypeVar("T")

@@ -11,7 +11,7 @@ from runner.hardware.ddp import DDP
 from runner.hardware.deepspeed import DeepSpeed
 from runner.hardware.fsdp import FSDP
 from runner.hardware.megatron import TensorParallel
-from runner.hardware.parallel import ParallelStrategy
+from runner.hardware.process_group import ParallelStrategy
 
 __all__ = [
     "DDP",

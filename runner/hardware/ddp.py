@@ -11,8 +11,8 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from runner.handlers import DDPCommunicationHookType, DistributedDataParallelKwargs, KwargsHandler
-from runner.hardware.parallel import ParallelStrategy
 from runner.hardware.parallelize import apply_ddp, register_comm_hook
+from runner.hardware.process_group import ParallelStrategy
 
 
 class DDP(ParallelStrategy):

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.cluster import export_local_rank
 from runner.errors import ConfigError
-from runner.hardware.parallel import ParallelStrategy
+from runner.hardware.process_group import ParallelStrategy
 from runner.precision import Float16MixedPrecision, MixedPrecision, Precision, refuse_fp8
 from runner.state import DistributedType, ProcessState
 

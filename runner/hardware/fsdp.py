@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from runner.hardware.mesh import ParallelDims
-from runner.hardware.parallel import ParallelStrategy
 from runner.hardware.parallelize import ShardedState, apply_fsdp, sharding_units
+from runner.hardware.process_group import ParallelStrategy
 from runner.precision import MixedPrecision, Precision, ShardedMixedPrecision, refuse_fp16
 from runner.state import DistributedType
 

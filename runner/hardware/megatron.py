@@ -14,7 +14,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
 from runner.hardware.mesh import ParallelDims
-from runner.hardware.parallel import ParallelStrategy
 from runner.hardware.parallelize import (
     ShardedState,
     apply_fsdp,
@@ -32,6 +31,7 @@ from runner.hardware.pipeline import (
     split_stages,
     tied_across_stages,
 )
+from runner.hardware.process_group import ParallelStrategy
 from runner.precision import Precision, refuse_fp8, refuse_fp16
 from runner.state import DistributedType, ProcessState
 from runner.task import trains_by_loss

@@ -16,7 +16,7 @@ from runner.checkpoint.files import LATEST, latest_checkpoint
 from runner.cluster import launched_environment
 from runner.errors import TrainingStopped, write_failure
 from runner.hardware.base import Strategy
-from runner.log import configure_rank_logging
+from runner.logging import configure_rank_logging
 
 # What a rank runs: (resolved config, job dir, the strategy when one was built in this process) -> metrics.
 Entry = Callable[[DictConfig, Path, Strategy | None], dict[str, float]]
