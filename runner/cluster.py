@@ -93,6 +93,18 @@ def slurm_job_id() -> str | None:
     return os.environ.get("SLURM_JOB_ID")
 
 
+def slurm_step_nodes() -> tuple[int, str]:
+    """How many nodes this task's SLURM step spans (else its job; 1 outside SLURM), and the variables that
+    say so, as a message quotes them."""
+    env = os.environ
+    nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or 1)
+    said = (
+        f"SLURM_NTASKS={env.get('SLURM_NTASKS', 'unset')}, "
+        f"SLURM_STEP_NUM_NODES={env.get('SLURM_STEP_NUM_NODES', 'unset')}"
+    )
+    return nodes, said
+
+
 # What `python -m runner.env` shows of the variables read here.
 RANK_VARIABLES = (
     "RANK",

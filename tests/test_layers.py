@@ -210,3 +210,13 @@ def test_the_facade_imports_a_module_only_when_one_of_its_names_is_used():
         "from runner import *\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_only_cluster_reads_the_rank_and_slurm_variables():
+    """`runner/cluster.py` is the one place that reads SLURM's variables (and writes torch's rank ones)."""
+    readers = sorted(
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "runner").rglob("*.py")
+        if path.name != "cluster.py" and "SLURM_" in path.read_text()
+    )
+    assert readers == []

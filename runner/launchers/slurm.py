@@ -19,7 +19,7 @@ from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from runner.cluster import launched_environment, slurm_job_id
+from runner.cluster import launched_environment, slurm_job_id, slurm_step_nodes
 from runner.errors import ConfigError, RendezvousError, TrainingInterrupted, TrainingStopped
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher, RankFailedError, run_rank
@@ -245,13 +245,12 @@ def check_world(nodes: int, tasks_per_node: int) -> None:
     option, a site's defaults or a setup line can change the step: the ranks would form another world)."""
     env = launched_environment()
     world = env.world_size if env else 1
-    step_nodes = int(os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_JOB_NUM_NODES") or 1)
+    step_nodes, said = slurm_step_nodes()
     if world != nodes * tasks_per_node or step_nodes != nodes:
         raise ConfigError(
             f"launcher.nodes={nodes} x {tasks_per_node} task(s) per node asks for {nodes * tasks_per_node} rank(s) "
             f"on {nodes} node(s), but SLURM started this task as one of {world} rank(s) on {step_nodes} node(s) "
-            f"(SLURM_NTASKS={os.environ.get('SLURM_NTASKS', 'unset')}, SLURM_STEP_NUM_NODES="
-            f"{os.environ.get('SLURM_STEP_NUM_NODES', 'unset')}). Remove the option that changes the step's tasks "
+            f"({said}). Remove the option that changes the step's tasks "
             "(launcher.srun_args, launcher.sbatch_args, launcher.setup) or set launcher.nodes and the hardware's "
             "num_processes to what the job should have."
         )
