@@ -121,9 +121,6 @@ class Engine(ProcessControl):
             sync_with_dataloader=accumulation.sync_with_dataloader,
             sync_each_batch=accumulation.sync_each_batch,
         )
-        # id of a parameter -> (it, what device placement replaced it with); the old one is kept alive so
-        # that its id is not reused.
-        self._placed: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = ["generator"] if rng_types is None else list(rng_types)
@@ -206,9 +203,9 @@ class Engine(ProcessControl):
         self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], device_placement: bool
     ) -> torch.nn.Module:
         if device_placement:
-            model = self._place(model)
+            model = self.strategy.replace_parameters(model, lambda: self._place(model))
             for optimizer in optimizers:
-                self._follow_placement(optimizer)
+                self.strategy.parameter_map.follow(optimizer)
         model = self.precision.setup_module(model)
         model = self.strategy.setup_module_and_optimizers(
             model,
@@ -220,8 +217,8 @@ class Engine(ProcessControl):
         return model
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
-        """`model` on the device. Where that makes new parameter objects (XLA), tied weights are tied again
-        and optimizers prepared later follow the new parameters (`_follow_placement`)."""
+        """`model` on the device. Where that makes new parameter objects (XLA), tied weights are tied
+        again (the strategy's `parameter_map` records the new ones, for the optimizers)."""
         before = dict(model.named_parameters(remove_duplicate=False))
         model = model.to(self.device)
         after = dict(model.named_parameters(remove_duplicate=False))
@@ -230,21 +227,11 @@ class Engine(ProcessControl):
             owner = first.setdefault(id(param), name)
             if after[name] is not after[owner]:  # a tie that the move broke
                 set_module_tensor(model, name, after[owner])
-            if after[owner] is not param:
-                self._placed[id(param)] = (param, after[owner])
         return model
-
-    def _follow_placement(self, optimizer: torch.optim.Optimizer) -> None:
-        """Point `optimizer` at the parameters that device placement put in place of its own."""
-        for group in optimizer.param_groups:
-            group["params"] = [
-                self._placed[id(p)][1] if id(p) in self._placed else p for p in group["params"]
-            ]
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
-        self._follow_placement(optimizer)
         self.strategy.setup_optimizer(optimizer)
         return self._wrap_optimizer(optimizer)
 

@@ -470,3 +470,18 @@ def test_hydra_options_move_before_the_overrides():
         "-m",
         "trainer.seed=1,2",
     ]
+
+
+def test_every_runner_path_in_conf_resolves():
+    """The dotted paths the YAML names (`_target_`, a logging handler's `class`) import: a module moved
+    without its YAML fails here, not in the first run."""
+    paths = {
+        (yaml_file.relative_to(CONF_DIR), match.group(1))
+        for yaml_file in CONF_DIR.rglob("*.yaml")
+        for match in re.finditer(
+            r"^\s*(?:_target_|class):\s*(runner\.[\w.]+)\s*$", yaml_file.read_text(), re.M
+        )
+    }
+    assert len(paths) > 30
+    for where, path in sorted(paths):
+        assert locate(path) is not None, f"conf/{where}: {path}"

@@ -13,6 +13,7 @@ import torch
 from runner.checkpoint.files import PendingWrite
 from runner.checkpoint.resume import keep_configured_lr
 from runner.errors import ConfigError
+from runner.hardware.base import ParameterMap
 from runner.hardware.mesh import ParallelDims
 from runner.hardware.pipeline import check_pipeline, local_stage_indices, stage_blocks
 from runner.models import GPT
@@ -182,3 +183,33 @@ def test_keep_configured_lr_rescales_the_schedule_to_the_configured_rate():
         fresh.optimizer.step()
         fresh.step()
     assert resumed.get_last_lr() == pytest.approx(fresh.get_last_lr())
+
+
+# ---------------------------------------------------------------------------------------- ParameterMap
+def test_parameter_map_follows_every_replacement_and_drops_what_this_rank_lost():
+    old = torch.nn.Linear(2, 2)
+    placed = {name: torch.nn.Parameter(p.detach().clone()) for name, p in old.named_parameters()}
+    sharded = {
+        "weight": torch.nn.Parameter(placed["weight"].detach().clone()),
+        "bias": None,
+    }  # bias: on another stage
+    optimizer = torch.optim.SGD(old.parameters(), lr=0.1)
+    parameters = ParameterMap()
+    parameters.record(dict(old.named_parameters()), placed)  # e.g. device placement on XLA
+    parameters.record(placed, sharded)  # then sharding, or this rank's pipeline stage
+    parameters.follow(optimizer)
+    assert optimizer.param_groups[0]["params"] == [sharded["weight"]]
+    assert parameters.current(old.weight) is sharded["weight"] and parameters.current(old.bias) is None
+
+
+def test_parameter_map_keeps_a_tied_weight_held_under_either_name():
+    shared = torch.nn.Parameter(torch.zeros(2))
+    kept = torch.nn.Parameter(torch.ones(2))
+    parameters = ParameterMap()
+    # The embedding (first name) is on another stage; the head (second name) holds it here.
+    parameters.record(
+        {"embed.weight": shared, "head.weight": shared}, {"embed.weight": None, "head.weight": kept}
+    )
+    assert parameters.current(shared) is kept
+    parameters.record({"a": kept}, {"a": kept})  # unchanged: nothing to follow
+    assert parameters.current(kept) is kept

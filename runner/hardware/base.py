@@ -40,6 +40,40 @@ def one_process_state(device: torch.device, num_threads: int | None) -> ProcessS
     return ProcessState(device=device)
 
 
+class ParameterMap:
+    """Which parameter object replaced which when a model was prepared (device placement that makes new
+    ones on XLA, sharding, tensor parallel, this rank's pipeline stages), so that optimizers built over
+    the user's parameters follow them: the one remapping path. The replaced parameters are kept alive
+    (their ids are the keys)."""
+
+    def __init__(self) -> None:
+        self._replacements: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter | None]] = {}
+
+    def record(
+        self, before: dict[str, torch.nn.Parameter], after: dict[str, torch.nn.Parameter | None]
+    ) -> None:
+        """Each parameter of `before` is now the one of the same name in `after`; None: this rank no
+        longer holds it. A tied weight becomes whichever of its names is held here."""
+        for name, param in before.items():
+            new = after.get(name)
+            if new is param:
+                continue
+            if new is not None or id(param) not in self._replacements:
+                self._replacements[id(param)] = (param, new)
+
+    def current(self, param: torch.nn.Parameter) -> torch.nn.Parameter | None:
+        """What `param` is now, through every replacement since (None: no longer held here)."""
+        while param is not None and id(param) in self._replacements:
+            param = self._replacements[id(param)][1]
+        return param
+
+    def follow(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point `optimizer` at the current parameters, in place (dropping those no longer held here)."""
+        for group in optimizer.param_groups:
+            params = [self.current(p) for p in group["params"]]
+            group["params"] = [p for p in params if p is not None]
+
+
 class Strategy(ABC):
     """How one process joins its job, places and wraps the model, and talks to its peers.
 
@@ -170,8 +204,25 @@ class Strategy(ABC):
         self.apply_compute(module)
         return module
 
+    @functools.cached_property
+    def parameter_map(self) -> ParameterMap:
+        """The parameters that preparing models replaced (see `ParameterMap`)."""
+        return ParameterMap()
+
+    def replace_parameters(
+        self, module: torch.nn.Module, apply: Callable[[], torch.nn.Module | None]
+    ) -> torch.nn.Module:
+        """Run `apply` (which replaces the module's parameters: placement, sharding, tensor parallel, in
+        place, or returns the module that holds them now: this rank's pipeline stages) and record which
+        parameter became which in `parameter_map`; the module that holds them."""
+        before = dict(module.named_parameters(remove_duplicate=False))
+        result = apply() or module
+        self.parameter_map.record(before, dict(result.named_parameters(remove_duplicate=False)))
+        return result
+
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Point `optimizer` at the parameters `setup_module` left in the model (in place)."""
+        self.parameter_map.follow(optimizer)
 
     def setup_module_and_optimizers(
         self,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import gc
 import os
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -86,9 +85,6 @@ class ParallelStrategy(Strategy):
         # A forked rank starts in milliseconds; CUDA does not survive a fork, so GPU ranks are spawned.
         self.start_method = "spawn" if self.device_type == "cuda" else "fork"
         self.device = torch.device(self.device_type)
-        self._replaced: dict[
-            int, torch.nn.Parameter | None
-        ] = {}  # a user's parameter (id) -> its replacement here
 
     def cpu_ranks(self) -> int:
         return self.num_processes if self.device_type == "cpu" else 0
@@ -138,26 +134,6 @@ class ParallelStrategy(Strategy):
             num_processes=dist.get_world_size(),
             local_process_index=local_rank,
         )
-
-    def replace_parameters(
-        self, module: torch.nn.Module, apply: Callable[[], torch.nn.Module | None]
-    ) -> torch.nn.Module:
-        """Run `apply` (which replaces the module's parameters: sharding, tensor parallel, in place, or
-        returns the module that holds them now: this rank's pipeline stages) and remember which parameter
-        became which, so that `setup_optimizer` points the optimizers at them (and drops those this rank
-        no longer holds)."""
-        before = dict(module.named_parameters(remove_duplicate=False))
-        result = apply() or module
-        after = dict(result.named_parameters(remove_duplicate=False))
-        for name, param in before.items():  # a tied weight: whichever of its names is held here
-            if after.get(name) is not None or id(param) not in self._replaced:
-                self._replaced[id(param)] = after.get(name)
-        return result
-
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        for group in optimizer.param_groups:
-            params = [self._replaced.get(id(p), p) for p in group["params"]]
-            group["params"] = [p for p in params if p is not None]
 
     # The data collectives run over the ranks that hold different samples: all of them here; a strategy
     # whose ranks share batches (tensor parallel) names its data-parallel group. The backend may need
