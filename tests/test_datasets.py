@@ -4,7 +4,9 @@ refuse broken input before launch."""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -129,6 +131,49 @@ def test_hf_language_modeling_blocks_and_classification_samples(files):
     assert len(classes.train_set) == 150 and len(classes.eval_set) == 46  # the saved splits
     assert classes.dims == {"vocab_size": 400, "num_labels": 2}
     assert classes.train_set[0]["labels"].item() in (0, 1)
+
+
+def test_hf_data_is_tokenized_once_per_machine_and_again_when_its_files_change(files, tmp_path, monkeypatch):
+    """The launching process's checks tokenize; the ranks (and the next run) read the cached tensors. A
+    changed data file or another setting is tokenized again; a cache entry cut short is rebuilt, never read
+    as if whole."""
+    monkeypatch.setenv("RUNNER_CACHE_DIR", str(tmp_path / "cache"))
+    data = tmp_path / "lines.parquet"
+    shutil.copy(files / "lines.parquet", data)
+
+    def load(**settings):
+        source = HFDataset(str(data), str(files / "tokenizer"), **{"seq_len": 16, **settings})
+        source.setup()
+        return source
+
+    def entries() -> list[Path]:
+        return sorted((tmp_path / "cache" / "hf_data").glob("*.pt"))
+
+    def tokens(source) -> torch.Tensor:
+        return source.train_set[list(range(len(source.train_set)))]["input_ids"]
+
+    first = load()
+    (entry,) = entries()
+    written = entry.stat().st_mtime_ns
+    again = load()
+    assert entry.stat().st_mtime_ns == written  # read, not written again
+    assert torch.equal(tokens(again), tokens(first)) and again.dims == first.dims
+    load(seq_len=8)  # another setting: an entry of its own
+    assert len(entries()) == 2
+    datasets.Dataset.from_parquet(str(data)).select(range(100)).to_parquet(data)  # the file changed
+    assert len(load().train_set) < len(first.train_set)
+    assert len(entries()) == 3
+
+    shutil.rmtree(tmp_path / "cache")
+    shutil.copy(files / "lines.parquet", data)
+    reference = tokens(load())
+    (entry,) = entries()
+    os.truncate(entry, entry.stat().st_size // 2)
+    assert torch.equal(tokens(load()), reference)  # tokenized again
+    assert torch.equal(
+        torch.load(entry, weights_only=True)["train"]["input_ids"],
+        load().train_set.dataset.tensors["input_ids"],
+    )
 
 
 def test_image_folder_samples_follow_the_transforms(files):

@@ -3,6 +3,10 @@ tokenizer, as Hugging Face batches (`input_ids`, `attention_mask`, `labels`)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +19,14 @@ from runner.errors import ConfigError
 
 try:
     import datasets
+    import transformers
     from transformers import AutoTokenizer
 except ImportError as err:
     raise ImportError(
         f"{err}: data=hf needs the `hf` extra: pip install 'runner[hf]' (transformers, datasets)"
     ) from err
+
+log = logging.getLogger(__name__)
 
 # File suffix -> the `datasets` builder that reads it.
 FORMATS = {
@@ -31,6 +38,37 @@ FORMATS = {
     ".text": "text",
 }
 TASKS = ("language_modeling", "classification")
+CACHE_FORMAT = 1  # the layout of a cached tokenization; another one is not read
+
+
+def cache_dir() -> Path:
+    """Where tokenized data is kept on this machine: `$RUNNER_CACHE_DIR/hf_data`, else
+    `~/.cache/runner/hf_data`."""
+    root = os.environ.get("RUNNER_CACHE_DIR") or Path.home() / ".cache" / "runner"
+    return Path(root) / "hf_data"
+
+
+def _read_cache(path: Path) -> dict[str, Any] | None:
+    """A cached tokenization, or None when there is none or it cannot be read whole (it is rebuilt)."""
+    if not path.is_file():
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a cut or damaged file: tokenize again and replace it
+        log.warning("the tokenized data cached in %s cannot be read (%s): tokenizing again", path, err)
+        return None
+
+
+def _write_cache(path: Path, encoded: dict[str, Any]) -> None:
+    """Keep `encoded` for the next process, written whole or not at all (several may write at once: the
+    last rename wins, with the same content); a cache that cannot be written is only a warning."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        torch.save(encoded, partial)
+        os.replace(partial, path)
+    except OSError as err:
+        log.warning("could not cache the tokenized data in %s (%s): each process tokenizes it", path, err)
 
 
 class HFDataset(DataSource):
@@ -96,16 +134,54 @@ class HFDataset(DataSource):
         self.eval_fraction, self.split_seed = eval_fraction, split_seed
 
     def load(self) -> tuple[Any, Any, dict[str, int]]:
+        """The tokenized samples, from this machine's cache when the same files were tokenized with the
+        same settings before (by the launching process's checks, or another rank): tokenized once per
+        machine, not once per process."""
+        cache = cache_dir() / f"{self._fingerprint()}.pt"
+        encoded = _read_cache(cache)
+        if encoded is None:
+            encoded = self._encode()
+            _write_cache(cache, encoded)
+        train = TensorDictDataset(**encoded["train"])
+        if encoded["eval"] is None:
+            train, eval_ = random_split(train, self.eval_fraction, self.split_seed)
+        else:
+            eval_ = TensorDictDataset(**encoded["eval"])
+        return train, eval_, encoded["dims"]
+
+    def _encode(self) -> dict[str, Any]:
+        """Read and tokenize: the train (and eval split's) tensors and the dims they give the model."""
         tokenizer = AutoTokenizer.from_pretrained(self.tokenizer, local_files_only=True)
         train_rows, eval_rows = self._read()
         encode = self._blocks if self.task == "language_modeling" else self._classified
         train, dims = encode(tokenizer, train_rows, None)
-        if eval_rows is None:
-            train, eval_ = random_split(train, self.eval_fraction, self.split_seed)
-        else:
-            eval_, _ = encode(tokenizer, eval_rows, dims.get("classes"))
+        eval_ = None if eval_rows is None else encode(tokenizer, eval_rows, dims.get("classes"))[0]
         dims.pop("classes", None)
-        return train, eval_, {"vocab_size": len(tokenizer), **dims}
+        return {
+            "train": train.tensors,
+            "eval": None if eval_ is None else eval_.tensors,
+            "dims": {"vocab_size": len(tokenizer), **dims},
+        }
+
+    def _fingerprint(self) -> str:
+        """What the tokenized samples depend on: the data and tokenizer files (names, sizes, times) and
+        the settings that shape the samples."""
+
+        def files(root: Path) -> list[tuple[str, int, int]]:
+            found = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+            return [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in found]
+
+        settings = {
+            "format": CACHE_FORMAT,
+            "data": files(self.path),
+            "tokenizer": files(Path(self.tokenizer).expanduser()),
+            "transformers": transformers.__version__,
+            **{
+                k: getattr(self, k)
+                for k in ("task", "seq_len", "text_column", "label_column", "split", "eval_split")
+            },
+        }
+        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:32]
 
     def _read(self) -> tuple[datasets.Dataset, datasets.Dataset | None]:
         if self.path.is_file():
