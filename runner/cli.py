@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
 from runner.build import is_inference, locate
-from runner.checkpoint.resume import check_resume
+from runner.checkpoint.resume import check_finished_run, check_resume
 from runner.cluster import launched_environment
 from runner.config import CONF_SEARCH_PATH, register_configs
 from runner.errors import (
@@ -89,6 +89,13 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
                 optimizer_class=None if is_inference(cfg.task._target_) else locate(cfg.optimizer._target_),
                 verify=verify,
             )
+            if checkpoint is None and verify:  # it starts over: not over a finished run's results
+                check_finished_run(
+                    output_dir,
+                    OmegaConf.to_container(_resolved(cfg)),  # type: ignore[arg-type]
+                    overwrite=cfg.trainer.overwrite,
+                    dry_run=cfg.plan,
+                )
         if cfg.plan:
             with _single_threaded():
                 line = launcher.describe(cfg, built.hardware)

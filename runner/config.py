@@ -197,6 +197,9 @@ class TrainerConfig:
     # write checkpoints in the background: the loop waits only for the copy into host memory
     async_checkpoint: bool = False
     resume: str | None = "auto"  # auto: the output dir's latest checkpoint, if any | a checkpoint dir | null
+    # a run that would start over in the dir of a finished run with other settings: move that run's files
+    # into replaced-<time>/ first (false: refuse)
+    overwrite: bool = False
     save_model: bool = True  # write the final weights to <output dir>/model
     objective: str | None = "eval/loss"  # the metric the Hydra main returns to sweepers; null: all metrics
     compile: CompileConfig = field(default_factory=CompileConfig)

@@ -3,6 +3,7 @@ does: the final weights are bitwise identical, with 1 and with 2 processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -302,3 +303,36 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks_with_a_global_b
     )
     assert refused.returncode == 2, refused.stderr
     assert "needs trainer.split_batches=true" in refused.stderr and "starting" not in refused.stderr
+
+
+def results_of(metrics_file: Path) -> dict[str, float]:
+    """The final metrics but the `perf/*` measurements (which differ from run to run)."""
+    return {k: v for k, v in json.loads(metrics_file.read_text()).items() if not k.startswith("perf/")}
+
+
+def test_a_finished_runs_results_are_replaced_only_by_a_run_that_continues_it(tmp_path):
+    """Run again into a finished run's dir: the same settings, or one that resumes its checkpoint, go on;
+    other settings that would start over are refused before anything runs (its files untouched), unless
+    trainer.overwrite=true, which moves them into replaced-<time>/ first."""
+    quick = ["tracker=none", "trainer.max_steps=20", "trainer.eval_every=0"]
+    first = run(tmp_path, *quick)
+    assert first.returncode == 0, first.stderr
+    results = {name: (tmp_path / name).read_bytes() for name in ("metrics.json", "model/model.safetensors")}
+    first_metrics = tmp_path.parent / "first_metrics.json"
+    first_metrics.write_bytes(results["metrics.json"])
+    changed = run(tmp_path, *quick, "optimizer.lr=0.01")
+    assert changed.returncode == 2, changed.stderr
+    assert (
+        "holds a finished run" in changed.stderr and "optimizer.lr=0.001 there, 0.01 here" in changed.stderr
+    )
+    assert "trainer.overwrite=true" in changed.stderr and "Traceback" not in changed.stderr
+    assert {name: (tmp_path / name).read_bytes() for name in results} == results
+    same = run(tmp_path, *quick, "trainer.progress_bar=false")  # not a setting of the results
+    assert same.returncode == 0, same.stderr
+    assert results_of(tmp_path / "metrics.json") == results_of(first_metrics)  # deterministic: the same run
+    replaced = run(tmp_path, *quick, "optimizer.lr=0.01", "trainer.overwrite=true")
+    assert replaced.returncode == 0, replaced.stderr
+    (aside,) = tmp_path.glob("replaced-*")
+    assert (aside / "model" / "model.safetensors").read_bytes() == results["model/model.safetensors"]
+    assert results_of(aside / "metrics.json") == results_of(first_metrics)
+    assert results_of(tmp_path / "metrics.json") != results_of(first_metrics)

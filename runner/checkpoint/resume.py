@@ -9,10 +9,12 @@ rank's `Checkpointer.load`.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from runner.checkpoint.files import (
     DAMAGED,
@@ -26,6 +28,23 @@ from runner.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+FINISHED = "metrics.json"  # in a run dir: the run finished (its final metrics)
+RESOLVED = "resolved_config.yaml"  # in a run dir: the settings it ran with
+# Settings that change neither the trained weights nor the final metrics: a finished run re-run with
+# other values of these only is not another run.
+NOT_RESULTS = (
+    "tracker",
+    "launcher",
+    "plan",
+    "sweep",
+    "trainer.resume",
+    "trainer.overwrite",
+    "trainer.progress_bar",
+    "trainer.checkpoint_every",
+    "trainer.keep_checkpoints",
+    "trainer.async_checkpoint",
+)
+LOG_FILE = "runner.log"
 LAST_FINITE = "last_finite"  # in <output dir>/checkpoints: trainer.checkpoint_last_finite's state
 CANDIDATE = ".last_finite.candidate"  # the newest state, until the next window's losses show it finite
 
@@ -183,6 +202,59 @@ def check_resume(
         if optimizer_class is not None:
             check_optimizer_classes(checkpoint, meta, [qualified_name(optimizer_class)])
     return checkpoint
+
+
+def check_finished_run(
+    output_dir: Path, settings: dict[str, Any], overwrite: bool, dry_run: bool = False
+) -> None:
+    """A finished run's results (`metrics.json`, `model/`, its checkpoints) are replaced only by a run that
+    continues it from one of its checkpoints. Called when this run resumes none: in the dir of a finished
+    run with other `settings` (the resolved config), a ConfigError naming the difference; with `overwrite`,
+    the finished run's files are moved into `replaced-<time>/` first (not with `dry_run`: plan=true)."""
+    written = output_dir / RESOLVED
+    if not (output_dir / FINISHED).is_file() or not written.is_file():
+        return
+    before = yaml.safe_load(written.read_text()) or {}
+    changes = _differences(_flat(before), _flat(settings))
+    if not changes:
+        return
+    shown = "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
+    if not overwrite:
+        raise ConfigError(
+            f"{output_dir} holds a finished run ({FINISHED}, its model and checkpoints) with other settings "
+            f"({shown}), and this run would start over in it, replacing its results. Start the new run in "
+            "another dir (leave hydra.run.dir out, or give another one); continue the finished one from its "
+            "checkpoint in a new dir (trainer.resume=<its checkpoints/checkpoint_n> hydra.run.dir=<new dir>); "
+            "or set trainer.overwrite=true to move its files into replaced-<time>/ and start over here."
+        )
+    if dry_run:
+        return
+    aside = output_dir / time.strftime("replaced-%Y%m%d-%H%M%S")
+    aside.mkdir()
+    for entry in output_dir.iterdir():
+        if entry.name != LOG_FILE and not entry.name.startswith("replaced-"):
+            entry.rename(aside / entry.name)
+    log.warning("trainer.overwrite=true: the finished run in %s (%s) moved to %s", output_dir, shown, aside)
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as dotted keys, the settings in NOT_RESULTS left out."""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if name not in NOT_RESULTS:
+            flat |= _flat(value, name) if isinstance(value, dict) and value else {name: value}
+    return flat
+
+
+def _differences(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    return [
+        f"{key}={before.get(key, '<unset>')!s} there, {now.get(key, '<unset>')!s} here"
+        for key in sorted(before.keys() | now.keys())
+        if before.get(key, "<unset>") != now.get(key, "<unset>")
+    ]
 
 
 def keep_configured_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, configured: list[float]) -> None:
