@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import time
+import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from omegaconf import DictConfig
 
 from runner.checkpoint.files import LATEST, latest_checkpoint
 from runner.cluster import launched_environment
-from runner.errors import TrainingStopped, write_failure
+from runner.errors import ConfigError, RendezvousError, TrainingInterrupted, TrainingStopped, write_failure
 from runner.hardware.base import Strategy
 from runner.logging import configure_rank_logging
 
@@ -107,3 +111,56 @@ def run_rank(job: Job) -> dict[str, float]:
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()}
         (job.output_dir / "metrics.json").write_text(json.dumps(finite, indent=2, allow_nan=False))
     return metrics
+
+
+# What a rank raised, written for the launcher (the local launcher's ranks, a SLURM job's tasks): the
+# exceptions raised again as they are, by class name; any other is reported with its traceback.
+REPORTED_AS_IS = {
+    error.__name__: error for error in (ConfigError, TrainingStopped, TrainingInterrupted, RendezvousError)
+}
+LOST_PEER_GRACE_S = 2.0
+
+
+def lost_a_peer(err: BaseException) -> bool:
+    """Whether `err` is a collective failing because another rank went away (a consequence, not a cause)."""
+    return isinstance(err, dist.DistError) or bool(
+        re.search(r"(closed|reset) by peer|remote worker|communicator was aborted", str(err))
+    )
+
+
+def report_failure(error_dir: Path, rank: int, err: BaseException) -> None:
+    """Write what rank `rank` raised into `<error_dir>/rank<rank>.json` (after a moment when its collective
+    merely lost a peer, so that the peer's own failure is seen first)."""
+    lost_peer = lost_a_peer(err)
+    if lost_peer:
+        time.sleep(LOST_PEER_GRACE_S)
+    kind = type(err).__name__
+    report = {
+        "time": time.time(),
+        "lost_peer": lost_peer,
+        "kind": kind if kind in REPORTED_AS_IS else None,
+        "message": str(err),
+        "traceback": traceback.format_exc(),
+    }
+    error_dir.mkdir(parents=True, exist_ok=True)
+    (error_dir / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def reported_failure(error_dir: Path) -> Exception | None:
+    """What to raise for the ranks' reports in `error_dir` (None: none reported): the first rank that raised
+    (ranks that merely lost a peer last), its exception again when it is one of REPORTED_AS_IS, else a
+    RankFailedError with its traceback."""
+    reports = {
+        int(path.stem.removeprefix("rank")): json.loads(path.read_text())
+        for path in error_dir.glob("rank*.json")
+    }
+    if not reports:
+        return None
+    rank = min(reports, key=lambda r: (reports[r]["lost_peer"], reports[r]["time"]))
+    if (kind := reports[rank]["kind"]) is not None:
+        return REPORTED_AS_IS[kind](reports[rank]["message"])
+    others = sorted(set(reports) - {rank})
+    also = f" (rank {', '.join(map(str, others))} failed too)" if others else ""
+    return RankFailedError(
+        f"rank {rank} raised; the other ranks were stopped{also}. Its traceback:\n{reports[rank]['traceback']}"
+    )

@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
-import re
 import signal
 import sys
 import tempfile
 import time
-import traceback
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
@@ -26,9 +22,17 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from runner.cluster import available_cores, launched_environment
-from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingInterrupted, TrainingStopped
+from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingInterrupted
 from runner.hardware.base import Strategy
-from runner.launchers.base import Job, Launcher, RankFailedError, interrupted, run_rank
+from runner.launchers.base import (
+    Job,
+    Launcher,
+    RankFailedError,
+    interrupted,
+    report_failure,
+    reported_failure,
+    run_rank,
+)
 
 log = logging.getLogger(__name__)
 
@@ -155,18 +159,7 @@ def _rank_entry(job: Job, error_dir: str) -> dict[str, float]:
     except TrainingInterrupted:
         sys.exit(EXIT_INTERRUPTED)
     except BaseException as err:
-        lost_peer = lost_a_peer(err)
-        if lost_peer:
-            time.sleep(LOST_PEER_GRACE_S)
-        report = {
-            "time": time.time(),
-            "lost_peer": lost_peer,
-            "config_error": str(err) if isinstance(err, ConfigError) else None,
-            "stopped": str(err) if isinstance(err, TrainingStopped) else None,
-            "traceback": traceback.format_exc(),
-        }
-        rank = launched_environment().rank  # type: ignore[union-attr]  # the elastic launcher set it
-        (Path(error_dir) / f"rank{rank}.json").write_text(json.dumps(report))
+        report_failure(Path(error_dir), launched_environment().rank, err)  # type: ignore[union-attr]
         raise
 
 
@@ -174,16 +167,6 @@ def _die_with_parent() -> None:
     """Linux: have the kernel SIGKILL this process when its parent (the launcher) dies."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-LOST_PEER_GRACE_S = 2.0
-
-
-def lost_a_peer(err: BaseException) -> bool:
-    """Whether `err` is a collective failing because another rank went away (a consequence, not a cause)."""
-    return isinstance(err, dist.DistError) or bool(
-        re.search(r"(closed|reset) by peer|remote worker|communicator was aborted", str(err))
-    )
 
 
 def raise_failure(failures: dict[int, ProcessFailure], error_dir: Path) -> NoReturn:
@@ -204,25 +187,13 @@ def raise_failure(failures: dict[int, ProcessFailure], error_dir: Path) -> NoRet
         raise RankFailedError(
             f"rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}; the other ranks were stopped."
         )
-    reports = {
-        int(path.stem.removeprefix("rank")): json.loads(path.read_text())
-        for path in error_dir.glob("rank*.json")
-    }
-    if not reports:
+    reported = reported_failure(error_dir)
+    if reported is None:
         rank, failure = min(failures.items())
         raise RankFailedError(
             f"rank {rank} (pid {failure.pid}) exited with code {failure.exitcode}; the other ranks were stopped."
         )
-    rank = min(reports, key=lambda r: (reports[r]["lost_peer"], reports[r]["time"]))
-    if reports[rank]["config_error"]:
-        raise ConfigError(reports[rank]["config_error"])
-    if reports[rank]["stopped"]:
-        raise TrainingStopped(reports[rank]["stopped"])
-    others = sorted(set(reports) - {rank})
-    also = f" (rank {', '.join(map(str, others))} failed too)" if others else ""
-    raise RankFailedError(
-        f"rank {rank} raised; the other ranks were stopped{also}. Its traceback:\n{reports[rank]['traceback']}"
-    )
+    raise reported
 
 
 @contextmanager

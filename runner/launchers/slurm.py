@@ -20,9 +20,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from runner.cluster import launched_environment, slurm_job_id, slurm_step_nodes
-from runner.errors import ConfigError, RendezvousError, TrainingInterrupted, TrainingStopped
+from runner.errors import ConfigError, TrainingInterrupted
 from runner.hardware.base import Strategy
-from runner.launchers.base import Job, Launcher, RankFailedError, run_rank
+from runner.launchers.base import Job, Launcher, RankFailedError, report_failure, reported_failure, run_rank
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,9 @@ class SlurmLauncher(Launcher):
         executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=self.max_timeouts)
         tasks_per_node = self.tasks_per_node(job.cfg, job.strategy or instantiate(job.cfg.hardware))
         executor.update_parameters(**self._sbatch_parameters(tasks_per_node))
-        submitted = executor.submit(SlurmTask(job.for_other_processes(), self.nodes, tasks_per_node))
+        errors = folder / "rank_errors"  # what each task raised (`report_failure`), for this launch only
+        shutil.rmtree(errors, ignore_errors=True)
+        submitted = executor.submit(SlurmTask(job.for_other_processes(), self.nodes, tasks_per_node, errors))
         rank0 = submitted.task(0)
         log.info(
             "submitted SLURM job %s: %d node(s) x %d task(s), partition %s; rank 0's log: %s",
@@ -178,18 +180,13 @@ class SlurmLauncher(Launcher):
                 f"stopped waiting; SLURM job {submitted.job_id} goes on (`scancel {submitted.job_id}` stops it)."
             ) from None
         except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
-            report = str(err)
             if failure := node_failure(submitted.job_id, job.output_dir, rank0.paths.stderr):
                 raise failure from None
-            # what a rank raised, as it would be raised here
-            for error in (ConfigError, TrainingInterrupted, RendezvousError, TrainingStopped):
-                name = f"{error.__module__}.{error.__name__}: "
-                if name in report:
-                    message = report.rsplit(name, 1)[1].split("\n-----", 1)[0]  # submitit's log paths follow
-                    raise error(message.strip()) from None
+            if reported := reported_failure(errors):  # what a task raised, as it would be raised here
+                raise reported from None
             raise RankFailedError(
                 f"SLURM job {submitted.job_id} ended {submitted.state} without a result. Rank 0's log: "
-                f"{rank0.paths.stderr}; the others' are next to it.\n{report}"
+                f"{rank0.paths.stderr}; the others' are next to it.\n{err}"
             ) from None
 
     def _sbatch_parameters(self, tasks_per_node: int) -> dict[str, Any]:
@@ -225,13 +222,17 @@ class SlurmTask:
     job: Job
     nodes: int
     tasks_per_node: int
+    errors: Path  # where a task that raises reports it (`report_failure`)
 
     def __call__(self) -> dict[str, float]:
-        check_world(self.nodes, self.tasks_per_node)
         try:
+            check_world(self.nodes, self.tasks_per_node)
             return run_rank(self.job)
-        except TrainingInterrupted as err:
-            requeue_if_preempted(err)
+        except BaseException as err:
+            if isinstance(err, TrainingInterrupted):
+                requeue_if_preempted(err)  # a preempted job is requeued here (and this task ends)
+            env = launched_environment()
+            report_failure(self.errors, env.rank if env else 0, err)
             raise
 
     def checkpoint(self) -> Any:
