@@ -146,15 +146,16 @@ def report_failure(error_dir: Path, rank: int, err: BaseException) -> None:
     (error_dir / f"rank{rank}.json").write_text(json.dumps(report))
 
 
-def reported_failure(error_dir: Path) -> Exception | None:
+def reported_failure(error_dir: Path, causes_only: bool = False) -> Exception | None:
     """What to raise for the ranks' reports in `error_dir` (None: none reported): the first rank that raised
     (ranks that merely lost a peer last), its exception again when it is one of REPORTED_AS_IS, else a
-    RankFailedError with its traceback."""
+    RankFailedError with its traceback. `causes_only`: None too when every report is of a lost peer (the
+    rank that failed first wrote none: it was killed)."""
     reports = {
         int(path.stem.removeprefix("rank")): json.loads(path.read_text())
         for path in error_dir.glob("rank*.json")
     }
-    if not reports:
+    if not reports or (causes_only and all(report["lost_peer"] for report in reports.values())):
         return None
     rank = min(reports, key=lambda r: (reports[r]["lost_peer"], reports[r]["time"]))
     if (kind := reports[rank]["kind"]) is not None:

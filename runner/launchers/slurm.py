@@ -182,7 +182,9 @@ class SlurmLauncher(Launcher):
         except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
             if failure := node_failure(submitted.job_id, job.output_dir, rank0.paths.stderr):
                 raise failure from None
-            if reported := reported_failure(errors):  # what a task raised, as it would be raised here
+            if reported := reported_failure(
+                errors, causes_only=True
+            ):  # what a task raised, as it would be raised here
                 raise reported from None
             raise RankFailedError(
                 f"SLURM job {submitted.job_id} ended {submitted.state} without a result. Rank 0's log: "
