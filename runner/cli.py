@@ -89,7 +89,9 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
                 optimizer_class=None if is_inference(cfg.task._target_) else locate(cfg.optimizer._target_),
                 verify=verify,
             )
-            if checkpoint is None and verify:  # it starts over: not over a finished run's results
+            # A training run that starts over must not replace a finished run's results (an inference
+            # run's are made again from the same weights).
+            if checkpoint is None and verify and not is_inference(cfg.task._target_):
                 check_finished_run(
                     output_dir,
                     OmegaConf.to_container(_resolved(cfg)),  # type: ignore[arg-type]

@@ -54,14 +54,16 @@ def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen) -> None:
 
 @pytest.fixture
 def run_cli(tmp_path):
-    """Run `python -m runner <overrides>` in a fresh process with its run dir under tmp_path."""
+    """Run `python -m runner <overrides>` in a fresh process with its run dir under tmp_path: one dir for
+    every call of a test, so a call may resume the previous one's checkpoints; one that starts over moves
+    the previous call's finished run aside (`trainer.overwrite=true`) instead of being refused."""
 
     def run(
         *overrides: str, timeout: float = 240, pythonpath: Path | None = None
     ) -> subprocess.CompletedProcess:
         run_dir = tmp_path / "run"
         proc = subprocess.run(
-            runner_command(run_dir, *overrides),
+            runner_command(run_dir, "trainer.overwrite=true", *overrides),
             cwd=tmp_path,
             env=cli_env(pythonpath),
             capture_output=True,

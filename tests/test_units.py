@@ -12,10 +12,11 @@ import torch
 
 from runner.checkpoint.files import PendingWrite
 from runner.checkpoint.resume import keep_configured_lr
-from runner.errors import ConfigError
+from runner.errors import ConfigError, TrainingDiverged, TrainingStopped
 from runner.hardware.base import ParameterMap
 from runner.hardware.mesh import ParallelDims
 from runner.hardware.pipeline import check_pipeline, local_stage_indices, stage_blocks
+from runner.launchers.base import RankFailedError, report_failure, reported_failure
 from runner.models import GPT
 
 
@@ -213,3 +214,28 @@ def test_parameter_map_keeps_a_tied_weight_held_under_either_name():
     assert parameters.current(shared) is kept
     parameters.record({"a": kept}, {"a": kept})  # unchanged: nothing to follow
     assert parameters.current(kept) is kept
+
+
+# ------------------------------------------------------------------------------------------ rank reports
+def _reported(error_dir: Path, rank: int, err: BaseException) -> None:
+    try:
+        raise err
+    except BaseException as raised:
+        report_failure(error_dir, rank, raised)
+
+
+def test_a_ranks_error_comes_back_as_its_kind_the_first_cause_first(tmp_path: Path):
+    _reported(tmp_path, 1, TrainingDiverged("train/loss=nan at step 5"))
+    again = reported_failure(tmp_path)
+    assert type(again) is TrainingStopped and str(again) == "train/loss=nan at step 5"  # the CLI's paragraph
+    _reported(tmp_path, 0, RuntimeError("Connection closed by peer"))  # a consequence: reported last
+    assert type(reported_failure(tmp_path)) is TrainingStopped
+    (tmp_path / "rank1.json").unlink()
+    lost = reported_failure(tmp_path)
+    assert (
+        isinstance(lost, RankFailedError) and "rank 0 raised" in str(lost) and "closed by peer" in str(lost)
+    )
+    assert reported_failure(tmp_path, causes_only=True) is None  # the rank that failed first was killed
+    _reported(tmp_path, 2, ConfigError("hardware.tp_size=3: must divide the world"))
+    assert type(reported_failure(tmp_path)) is ConfigError
+    assert reported_failure(tmp_path / "none") is None

@@ -207,9 +207,9 @@ def check_resume(
 def check_finished_run(
     output_dir: Path, settings: dict[str, Any], overwrite: bool, dry_run: bool = False
 ) -> None:
-    """A finished run's results (`metrics.json`, `model/`, its checkpoints) are replaced only by a run that
-    continues it from one of its checkpoints. Called when this run resumes none: in the dir of a finished
-    run with other `settings` (the resolved config), a ConfigError naming the difference; with `overwrite`,
+    """A finished training run's results (`metrics.json`, `model/`, its checkpoints) are replaced only by a
+    run that continues it from one of its checkpoints. Called when a training run resumes none: in the dir
+    of a finished run with other `settings` (the resolved config), a ConfigError naming the difference; with `overwrite`,
     the finished run's files are moved into `replaced-<time>/` first (not with `dry_run`: plan=true)."""
     written = output_dir / RESOLVED
     if not (output_dir / FINISHED).is_file() or not written.is_file():

@@ -115,8 +115,8 @@ def run_rank(job: Job) -> dict[str, float]:
 
 # What a rank raised, written for the launcher (the local launcher's ranks, a SLURM job's tasks): the
 # exceptions raised again as they are, by class name; any other is reported with its traceback.
-REPORTED_AS_IS = {
-    error.__name__: error for error in (ConfigError, TrainingStopped, TrainingInterrupted, RendezvousError)
+REPORTED_AS_IS = {  # the most specific first: a rank's error is reported as the first it is an instance of
+    error.__name__: error for error in (ConfigError, TrainingInterrupted, RendezvousError, TrainingStopped)
 }
 LOST_PEER_GRACE_S = 2.0
 
@@ -134,11 +134,11 @@ def report_failure(error_dir: Path, rank: int, err: BaseException) -> None:
     lost_peer = lost_a_peer(err)
     if lost_peer:
         time.sleep(LOST_PEER_GRACE_S)
-    kind = type(err).__name__
+    kind = next((name for name, error in REPORTED_AS_IS.items() if isinstance(err, error)), None)
     report = {
         "time": time.time(),
         "lost_peer": lost_peer,
-        "kind": kind if kind in REPORTED_AS_IS else None,
+        "kind": kind,
         "message": str(err),
         "traceback": traceback.format_exc(),
     }
