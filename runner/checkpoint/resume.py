@@ -1,6 +1,7 @@
 """The resume policy: which checkpoint a run continues from (`trainer.resume`: null, auto, a directory),
 whether it fits this run (format, ranks, data layout, optimizer), what a resumed run keeps from its
-config (the learning rate), and what a diverged run is told to resume from (`last_finite`).
+config (the learning rate), what a diverged run is told to resume from (`last_finite`), and that a run
+starting over does not replace a finished run's results (`check_finished_run`).
 
 Checked once before any rank starts (`check_resume`, from the launching process) and again by every
 rank's `Checkpointer.load`.
