@@ -1,4 +1,24 @@
-from runner.cli import run
+"""`python -m runner` and the `runner` command. A SIGTERM while the command still imports and composes ends
+it with one line (exit 143), not silently; from the job on, `runner.cli.main` says how far the run got."""
+
+import signal
+import sys
+
+
+def _stopped_while_starting(signum: int, frame: object) -> None:
+    sys.stderr.write(
+        f"Training interrupted: stopped by {signal.Signals(signum).name} while starting, before it ran.\n"
+    )
+    sys.exit(128 + signum)
+
+
+def main() -> None:
+    """The command: the start-up signal handler first, then the CLI (whose import is most of the start)."""
+    signal.signal(signal.SIGTERM, _stopped_while_starting)
+    from runner.cli import run
+
+    run()
+
 
 if __name__ == "__main__":  # spawned ranks import this module again: they must not re-run the CLI
-    run()
+    main()

@@ -8,8 +8,10 @@ import fcntl
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -41,6 +43,7 @@ from runner.errors import (
     describe_compose_error,
     describe_missing_search_path,
     describe_yaml_error,
+    raise_terminated,
 )
 from runner.inference import infer
 from runner.launchers import Job, Launcher, RankFailedError
@@ -55,7 +58,6 @@ from runner.validate import check_job
 log = logging.getLogger("runner")
 
 JOB_CONFIG_DIR = ".hydra"  # in a job's dir
-EXIT_CTRL_C = 130  # the shell's code for a process ended by SIGINT
 
 
 @hydra.main(version_base="1.3", config_path=CONF_SEARCH_PATH, config_name="config")
@@ -69,6 +71,9 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
     if env is not None and env.rank != 0:  # every task of a SLURM sweep job runs this; rank 0 logs
         configure_rank_logging(None, env.rank)
     owned = ExitStack()  # the run dir's lock, for the command's life (ranks a launcher started hold none)
+    if threading.current_thread() is threading.main_thread():
+        # Until the loop records stop signals (and after it), a SIGTERM stops the job where it is, as a Ctrl-C.
+        owned.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, raise_terminated))
     try:
         if env is None:
             owned.enter_context(run_dir_lock(output_dir))
@@ -136,9 +141,13 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
     except TrainingStopped as err:  # diverged, or the disk full
         log.error("Training stopped: %s", err)
         sys.exit(1)
-    except KeyboardInterrupt:  # a Ctrl-C before the loop started, or a second one: no checkpoint now
-        log.warning("Training interrupted: %s", interrupted("Ctrl-C", output_dir, since=started))
-        sys.exit(EXIT_CTRL_C)
+    except (
+        KeyboardInterrupt
+    ) as err:  # a Ctrl-C or SIGTERM before the loop started, a second Ctrl-C: no checkpoint now
+        signum = getattr(err, "signum", signal.SIGINT)
+        cause = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        log.warning("Training interrupted: %s", interrupted(cause, output_dir, since=started))
+        sys.exit(128 + signum)  # as the shell reports a process that the signal ended (130 for Ctrl-C)
     finally:
         owned.close()
     if not metrics:  # queued, not waited for (launcher.wait=false)

@@ -8,6 +8,7 @@ import difflib
 import errno
 import os
 import re
+import signal
 
 import yaml
 from hydra.errors import MissingConfigException
@@ -109,6 +110,20 @@ class TrainingInterrupted(Exception):
     def __init__(self, message: str, signum: int | None = None) -> None:
         super().__init__(message)
         self.signum = signum
+
+
+class Terminated(KeyboardInterrupt):
+    """A stop signal (SIGTERM) that came before the training loop records signals: the run stops where it
+    is, as on a Ctrl-C, with nothing new to resume from (`signum` says which signal; exit 128 + signum)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_terminated(signum: int, frame: object) -> None:
+    """A signal handler: raise Terminated in the main thread."""
+    raise Terminated(signum)
 
 
 class TrainingStopped(RuntimeError):

@@ -79,7 +79,7 @@ def test_the_wheel_holds_configs_tasks_and_the_starter_project(wheel):
         and "hydra_plugins/__init__.py" not in names
     )
     entry_points = zipfile.ZipFile(wheel).read("runner-0.1.0.dist-info/entry_points.txt").decode()
-    assert "runner = runner.cli:run" in entry_points
+    assert "runner = runner.__main__:main" in entry_points
 
 
 def test_installed_runner_runs_the_default_experiment_from_an_empty_dir(venv, tmp_path):

@@ -76,6 +76,25 @@ def test_a_stop_signal_checkpoints_exits_75_and_a_rerun_finishes_identically(
     assert (tmp_path / "model" / "model.safetensors").read_bytes() == uninterrupted[ranks]
 
 
+def test_a_ctrl_c_in_a_terminal_counts_once_in_every_rank(tmp_path):
+    """A terminal's Ctrl-C reaches the launcher and every rank (one process group). Sent here to the ranks
+    first and to the launcher a moment later (the worst case of that race), it still checkpoints: the
+    launcher must not pass on a second SIGINT, which a rank takes as "stop at once"."""
+    proc = start(tmp_path, "trainer.max_steps=1000", "trainer.log_every=100", *RANKS[2])
+    for line in proc.stderr:  # type: ignore[union-attr]
+        if line.startswith("step 100/"):  # the next logging step, where a stop checkpoints, is 100 steps away
+            break
+    for rank in subprocess.check_output(["pgrep", "-P", str(proc.pid)], text=True).split():
+        os.kill(int(rank), signal.SIGINT)
+    time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 75, stderr
+    message = stderr.strip().splitlines()[-1]
+    assert message.startswith("Training interrupted: stopped by Ctrl-C; checkpoint "), stderr
+    assert (tmp_path / "checkpoints" / "checkpoint_0").is_dir()
+
+
 def test_a_run_resumed_from_a_resumed_runs_checkpoint_finishes_identically(tmp_path):
     """A resumed run's loader skips the batches done in its first epoch; a checkpoint it writes in that
     epoch holds the pass's position (the skipped batches included), so a run resumed from it (a job
@@ -206,8 +225,15 @@ def test_damaged_checkpoints_and_weights_are_refused_before_launch(tmp_path):
         shutil.rmtree(run_dir)
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_an_interrupt_before_any_checkpoint_does_not_promise_a_resume(tmp_path, ranks):
+@pytest.mark.parametrize(
+    ("ranks", "stop", "code"),
+    [
+        (1, signal.SIGINT, 130),  # as the shell reports a Ctrl-C; 75 says "resume"
+        (2, signal.SIGINT, 130),
+        (1, signal.SIGTERM, 143),  # not a silent 143: the same message
+    ],
+)
+def test_an_interrupt_before_any_checkpoint_does_not_promise_a_resume(tmp_path, ranks, stop, code):
     marker = tmp_path / "loading"
     env = cli_env(Path(__file__).parent) | {"SLOW_DATA_MARKER": str(marker)}
     command = runner_command(tmp_path / "run", "data._target_=faulty_tasks.SlowToLoad", *RANKS[ranks])
@@ -216,9 +242,9 @@ def test_an_interrupt_before_any_checkpoint_does_not_promise_a_resume(tmp_path, 
     while not marker.exists():
         assert proc.poll() is None and time.monotonic() < deadline, "the data never started loading"
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(stop)
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr  # as the shell reports a Ctrl-C; 75 says "resume"
+    assert proc.returncode == code, stderr
     message = stderr.strip().splitlines()[-1]
     assert message.startswith("Training interrupted: stopped by "), stderr
     assert "before any checkpoint was written: there is nothing to resume from" in message

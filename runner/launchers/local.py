@@ -127,19 +127,40 @@ class LocalLauncher(Launcher):
                 error_dir,
                 monitor_interval=self.monitor_interval_s,
                 shutdown_timeout=int(self.shutdown_timeout_s),
-                signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",  # passed on to the ranks
+                signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",  # passed on to the ranks
             )
-            with _threads_per_rank(num_processes), _quiet_elastic_logs():
+            with _threads_per_rank(num_processes), _quiet_elastic_logs(), _ctrl_c_once() as ctrl_c:
                 try:
                     results = elastic_launch(config, _rank_entry)(job, error_dir)
                 except SignalException as err:  # this process was signalled; the ranks got it too
+                    cause = "Ctrl-C" if ctrl_c else signal.Signals(err.sigval).name
                     raise TrainingInterrupted(
-                        interrupted(signal.Signals(err.sigval).name, job.output_dir, since=started),
-                        signum=err.sigval,
+                        interrupted(cause, job.output_dir, since=started),
+                        signum=signal.SIGINT if ctrl_c else err.sigval,
                     ) from None
                 except ChildFailedError as err:
                     raise_failure(err.failures, Path(error_dir))
         return results[0]
+
+
+@contextmanager
+def _ctrl_c_once() -> Iterator[list[int]]:
+    """While the ranks run, the launcher's SIGINT stops them with one SIGTERM: a Ctrl-C in a terminal
+    reaches the launcher and every rank (one process group), so passing SIGINT on would count as a second
+    Ctrl-C in each rank, which then stops without its checkpoint. A further SIGINT is left to the ranks
+    (they take a second Ctrl-C as "stop at once"). Yields the SIGINTs received."""
+    received: list[int] = []
+
+    def stop_ranks(signum: int, frame: Any) -> None:
+        if not received:
+            received.append(signum)
+            raise SignalException(f"Process {os.getpid()} got signal: SIGINT", sigval=signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGINT, stop_ranks)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @record
