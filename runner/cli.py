@@ -201,12 +201,19 @@ def run() -> None:
         sys.exit(2)
 
 
-VALUE_OPTIONS = ("--config-dir", "-cd", "--config-name", "-cn")  # Hydra's options that take a value
+# Hydra's options that take a value, and --info's optional one.
+VALUE_OPTIONS = (
+    *("--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp"),
+    *("--cfg", "-c", "--package", "-p", "--experimental-rerun"),
+)
+INFO_OPTIONS = ("--info", "-i")
+INFO_VALUES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 
 
 def options_first(arguments: list[str]) -> list[str]:
-    """`arguments` with Hydra's --config-dir / --config-name (and their values) moved before the overrides:
-    Hydra's parser takes them only there, and `runner experiment=mine --config-dir conf` is how users type."""
+    """`arguments` with Hydra's options (`-m`, `--config-dir conf`, ...) moved before the overrides, in
+    their order: Hydra's parser takes them only there, and `runner experiment=mine -m optimizer.lr=1,2` is
+    how users type. An override never starts with `-`."""
     options: list[str] = []
     rest: list[str] = []
     taking_value = False
@@ -214,10 +221,10 @@ def options_first(arguments: list[str]) -> list[str]:
         if taking_value:
             options.append(argument)
             taking_value = False
-        elif argument in VALUE_OPTIONS:
+        elif argument.startswith("-"):
             options.append(argument)
-            taking_value = True
-        elif argument.split("=", 1)[0] in VALUE_OPTIONS:
+            taking_value = argument in VALUE_OPTIONS
+        elif options and options[-1] in INFO_OPTIONS and argument in INFO_VALUES:
             options.append(argument)
         else:
             rest.append(argument)

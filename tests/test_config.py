@@ -6,6 +6,8 @@ import dataclasses
 import inspect
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -462,14 +464,23 @@ def test_fuzzed_untyped_settings_are_refused_by_name_before_launch(group, option
 def test_hydra_options_move_before_the_overrides():
     assert options_first(
         ["experiment=mine", "--config-dir", "conf", "-m", "trainer.seed=1,2", "-cn=other"]
-    ) == [
-        "--config-dir",
-        "conf",
-        "-cn=other",
-        "experiment=mine",
-        "-m",
-        "trainer.seed=1,2",
+    ) == ["--config-dir", "conf", "-m", "-cn=other", "experiment=mine", "trainer.seed=1,2"]
+    assert options_first(["a=1", "--cfg", "job", "b=2", "--info", "searchpath", "c=3", "-i", "d=4"]) == [
+        *("--cfg", "job", "--info", "searchpath", "-i"),
+        *("a=1", "b=2", "c=3", "d=4"),
     ]
+
+
+@pytest.mark.slow
+def test_multirun_flag_after_the_overrides_runs_the_sweep(tmp_path):
+    """`-m` typed after the overrides (argparse alone: "unrecognized arguments") runs the sweep."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", "tracker=none", "trainer.max_steps=2", "trainer.progress_bar=false",
+         f"hydra.sweep.dir={tmp_path}", "-m", "trainer.seed=1,2", "plan=true"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("LocalLauncher: 1 node x 1 process") == 2, proc.stdout
 
 
 def test_every_runner_path_in_conf_resolves():
