@@ -184,6 +184,9 @@ REFUSED = {
     ("experiment=gpt_sonnets", "trainer.memory_snapshot=true"): "records the CUDA allocator's history",
     ("experiment=gpt_sonnets", "trainer.profile.active=200"): "longer than trainer.max_steps=150",
     ("experiment=gpt_sonnets", "trainer.compile.scope=bogus"): "compile.scope",
+    ("trainer.compile.scope=model", "trainer.compile.backend=nosuch"): "trainer.compile.backend=nosuch: not a torch.compile backend",
+    ("trainer.compile.scope=model", "trainer.compile.mode=bogus"): "trainer.compile.mode=bogus: not a mode of the inductor backend",
+    ("trainer.compile.scope=model", "trainer.compile.backend=eager", "trainer.compile.mode=max-autotune"): "modes are the inductor backend's",
     ("experiment=gpt_sonnets", "hardware=megatron", "trainer.compile.scope=regional", "trainer.activation_checkpointing.mode=full"): "under tensor parallel in this torch",
 }  # fmt: skip
 

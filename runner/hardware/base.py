@@ -15,7 +15,14 @@ from runner.checkpoint.formats import load_full, write_full
 from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
 from runner.handlers import KwargsHandler
-from runner.hardware.parallelize import apply_ac, apply_compile, blocks_of, compute_settings, sharding_units
+from runner.hardware.parallelize import (
+    apply_ac,
+    apply_compile,
+    blocks_of,
+    check_compile,
+    compute_settings,
+    sharding_units,
+)
 from runner.ops import host_copy, on_device, send_to_device
 from runner.precision import Precision
 from runner.state import DistributedType, ProcessState
@@ -109,6 +116,7 @@ class Strategy(ABC):
     def setup_compute(self, compile: CompileConfig, checkpointing: ActivationCheckpointingConfig) -> None:
         """Keep the compute options that `setup_module` applies per block; ConfigError for one this
         backend cannot run."""
+        check_compile(compile)
         self.compile_config, self.checkpointing = compile, checkpointing
 
     def block_classes(self, module: torch.nn.Module) -> list[str]:

@@ -185,6 +185,35 @@ def _save_matmuls_context() -> Any:
     return create_selective_checkpoint_contexts(policy)
 
 
+def check_compile(config: CompileConfig) -> None:
+    """ConfigError for a `trainer.compile` that torch.compile would refuse only at the first step: a
+    backend it does not know, a mode inductor does not know, or a mode given to another backend."""
+    if config.scope == CompileScope.none:
+        return
+    import torch._dynamo  # here: the registry of backends is in what compiling imports anyway
+    import torch._inductor
+
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if config.backend not in backends:
+        raise ConfigError(
+            f"trainer.compile.backend={config.backend}: not a torch.compile backend of this torch "
+            f"({torch.__version__}). Use one of {', '.join(backends)} (inductor generates kernels; aot_eager "
+            "traces without them)."
+        )
+    modes = list(torch._inductor.list_mode_options())
+    if config.mode is not None and config.backend == "inductor" and config.mode not in modes:
+        raise ConfigError(
+            f"trainer.compile.mode={config.mode}: not a mode of the inductor backend. Use one of "
+            f"{', '.join(modes)}, or null for the default."
+        )
+    if config.mode not in (None, "default") and config.backend != "inductor":
+        raise ConfigError(
+            f"trainer.compile.mode={config.mode}: modes are the inductor backend's, and "
+            f"trainer.compile.backend={config.backend}. Set trainer.compile.mode=null, or "
+            "trainer.compile.backend=inductor."
+        )
+
+
 def apply_compile(module: torch.nn.Module, blocks: list[torch.nn.Module], config: CompileConfig) -> None:
     """`torch.compile` in place (`Module.compile`: the module stays the user's, its state-dict keys have
     no `_orig_mod.`): the whole `module` (`model`), or each of `blocks` (`regional`: one compilation
