@@ -1,9 +1,11 @@
 """Unit tests for logic that the end-to-end runs exercise only as a whole: the mesh's degrees, how blocks
 split into pipeline stages and which pipelines are refused, the background checkpoint writer, and the
-learning rate a resumed run keeps."""
+learning rate a resumed run keeps, the
+devices a strategy accepts."""
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from runner.checkpoint.files import PendingWrite
 from runner.checkpoint.resume import keep_configured_lr
 from runner.errors import ConfigError, TrainingDiverged, TrainingStopped
 from runner.hardware.base import ParameterMap
+from runner.hardware.cpu import SingleDevice
 from runner.hardware.mesh import ParallelDims
 from runner.hardware.pipeline import check_pipeline, local_stage_indices, stage_blocks
 from runner.launchers.base import RankFailedError, report_failure, reported_failure
@@ -239,3 +242,20 @@ def test_a_ranks_error_comes_back_as_its_kind_the_first_cause_first(tmp_path: Pa
     _reported(tmp_path, 2, ConfigError("hardware.tp_size=3: must divide the world"))
     assert type(reported_failure(tmp_path)) is ConfigError
     assert reported_failure(tmp_path / "none") is None
+
+
+# ----------------------------------------------------------------------------------------- present_device
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("gpu", "hardware.device='gpu': not a torch device"),
+        ("cuda", "hardware.device=cuda: this machine has 0 cuda device(s)"),
+        ("cuda:1", "hardware.device=cuda:1: this machine has 0 cuda device(s)"),
+        ("mps", "hardware.device=mps: this machine has 0 mps device(s)"),
+    ],
+)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="names devices this CPU machine lacks")
+def test_a_device_this_machine_lacks_is_refused_naming_what_it_has(name, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        SingleDevice(name)
+    assert SingleDevice("cpu").device == torch.device("cpu")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from runner.errors import ConfigError
 from runner.handlers import DistributedDataParallelKwargs, InitProcessGroupKwargs, KwargsHandler
 from runner.hardware.base import Strategy, checked_threads, one_process_state
 from runner.state import ProcessState
@@ -21,7 +22,7 @@ class SingleDevice(Strategy):
     def __init__(
         self, device: str = "cpu", num_threads: int | None = None, peak_flops: float | None = None
     ) -> None:
-        self.device = torch.device(device)
+        self.device = present_device(device)
         self.num_threads = checked_threads(num_threads)
         self.peak_flops = peak_flops
 
@@ -33,3 +34,25 @@ class SingleDevice(Strategy):
 
     def setup_environment(self) -> ProcessState:
         return one_process_state(self.device, self.num_threads)
+
+
+def present_device(name: str) -> torch.device:
+    """`hardware.device=name` as a torch device this machine has; a ConfigError naming what it has
+    instead (a device type whose torch module counts its devices: cuda, mps, xpu, mtia)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(
+            f"hardware.device={name!r}: not a torch device. Use cpu, cuda, cuda:<index>, mps or xpu."
+        ) from None
+    backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+    if backend is None or not hasattr(backend, "device_count"):
+        return device
+    count = backend.device_count() if backend.is_available() else 0
+    if (device.index or 0) >= count:
+        raise ConfigError(
+            f"hardware.device={name}: this machine has {count} {device.type} device(s) that torch "
+            f"{torch.__version__} can use. Use hardware.device=cpu, or run where there is one "
+            "(`python -m runner.env` shows the devices torch sees)."
+        )
+    return device
