@@ -1,7 +1,7 @@
 """Unit tests for logic that the end-to-end runs exercise only as a whole: the mesh's degrees, how blocks
 split into pipeline stages and which pipelines are refused, the background checkpoint writer, and the
-learning rate a resumed run keeps, the
-devices a strategy accepts."""
+learning rate a resumed run keeps, the devices
+a strategy accepts."""
 
 from __future__ import annotations
 
