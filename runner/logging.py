@@ -16,13 +16,27 @@ from tqdm.auto import tqdm
 from runner.cluster import launched_environment
 
 FILE_ONLY = {"file_only": True}  # `log.info(..., extra=FILE_ONLY)`: for the log file, not the console
+# Libraries whose info and warnings (a kernel library that cannot load, a deprecation in torch) are for
+# the run's log file: the console shows runner's lines, the user's own, and anyone's errors.
+LIBRARIES = (
+    *("torch", "torchao", "transformers", "datasets", "huggingface_hub", "tokenizers", "safetensors"),
+    *("deepspeed", "accelerate", "mlflow", "urllib3", "filelock", "fsspec", "PIL", "submitit"),
+)
+
+
+def for_console(record: logging.LogRecord) -> bool:
+    """Whether `record` is shown on the console as well as written to the log file."""
+    if getattr(record, "file_only", False):
+        return False
+    return record.levelno >= logging.ERROR or record.name.partition(".")[0] not in LIBRARIES
 
 
 class TqdmHandler(logging.StreamHandler):
-    """Write records with `tqdm.write`, above any active progress bar (not those logged with FILE_ONLY)."""
+    """Write records with `tqdm.write`, above any active progress bar (not those logged with FILE_ONLY,
+    nor the libraries' warnings: see `for_console`)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if getattr(record, "file_only", False):
+        if not for_console(record):
             return
         try:
             tqdm.write(self.format(record), file=self.stream)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -68,8 +69,26 @@ def learned(run_dir: Path) -> dict[str, float]:
 def reference(tmp_path_factory) -> Path:
     """One process: the run the others must match; its saved model dir."""
     run_dir = tmp_path_factory.mktemp("hf") / "cpu"
-    _train(run_dir)
+    proc = run_to_end(run_dir, *TINY)
+    (run_dir.parent / "console.txt").write_text(proc.stderr)
     return run_dir
+
+
+@pytest.mark.slow
+def test_the_console_shows_runners_lines_and_the_log_file_the_libraries_warnings(reference):
+    """transformers imports torchao, which warns about kernels it cannot load, and torch about enums
+    that torchao registers: those lines are the log file's, not the console's."""
+    console = (reference.parent / "console.txt").read_text()
+    library_warnings = re.findall(
+        r"^\[[^]]*\]\[((?:torch|torchao|transformers|datasets)(?:\.[\w.]+)?)\]\[WARNING\] (.*)$",
+        (reference / "runner.log").read_text(),
+        flags=re.MULTILINE,
+    )
+    if not library_warnings:
+        pytest.skip("no library warned in this environment (torchao is not installed or loads its kernels)")
+    shown = [(name, message) for name, message in library_warnings if message[:60] in console]
+    assert not shown, shown
+    assert "training LlamaForCausalLM" in console  # runner's own lines are there
 
 
 @pytest.mark.slow
