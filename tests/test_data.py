@@ -1,12 +1,16 @@
-"""Data sources on their own: the samples they make and the sizes they give the model."""
+"""Data sources on their own: the samples they make, the sizes they give the model, the files and
+columns they refuse; and the shapes a task refuses."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
-from runner.data import RandomTokens
+from runner.data import RandomTokens, TableFile
 from runner.errors import ConfigError
+from runner.tasks import Regression
 
 
 def loaded(**options) -> RandomTokens:
@@ -42,3 +46,32 @@ def test_random_tokens_are_windows_of_their_vocabulary_fixed_by_the_seed():
 def test_random_tokens_refuse_empty_sizes(options, named):
     with pytest.raises(ConfigError, match=named):
         RandomTokens(**options)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("a,b,y\n1,2,x\n3,4,y,5\n5,6,x\n", "line 3 has 4 field(s) and the header 3"),  # not dropped
+        ("a,b,y\n1,2,x\n3,4\n5,6,x\n", "line 3 has 2 field(s) and the header 3"),
+        ("a,b,y\n1,2,x\n3,4,\n5,6,z\n", "1 row(s) have no label, e.g. data row(s) [2]"),
+        (
+            "a,b,y\n1,2,0.5\n3,4,1.25\n5,6,2\n",
+            "holds numbers with fractions (0.5, 1.25, ...: 3 distinct values in 3 rows), which classification "
+            "would take as that many classes. Give class labels (names or integers), or data.task=regression",
+        ),
+    ],
+)
+def test_a_table_refuses_rows_and_labels_it_would_misread(tmp_path, content, message):
+    (tmp_path / "rows.csv").write_text(content)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        TableFile(str(tmp_path / "rows.csv"), target="y").setup()
+
+
+def test_regression_refuses_outputs_and_targets_of_other_shapes():
+    regression = Regression()
+    same = regression.loss(torch.ones(4, 1), {"targets": torch.zeros(4, 1)})
+    assert same.item() == 1.0
+    with pytest.raises(ValueError, match=re.escape("output has shape (4, 1) and the targets (4,)")):
+        regression.loss(torch.ones(4, 1), {"targets": torch.zeros(4)})  # MSE would broadcast to (4, 4)
+    with pytest.raises(ValueError, match=r"targets are class indices .* use task=classification"):
+        regression.loss(torch.ones(4, 3), {"targets": torch.zeros(4, dtype=torch.long)})

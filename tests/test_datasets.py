@@ -4,8 +4,10 @@ refuse broken input before launch."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -215,6 +217,38 @@ def test_broken_datasets_are_refused_naming_the_key(files, tmp_path):
     (tmp_path / "broken" / "b").mkdir()
     (tmp_path / "broken" / "b" / "y.png").write_bytes((files / "images" / "class_0" / "0.png").read_bytes())
     cases.append((lambda: ImageFolder(str(tmp_path / "broken")).setup(), "x.png: not a readable image"))
+    # A whole header and half the pixels: it opens, and fails only when decoded.
+    truncated = tmp_path / "truncated"
+    shutil.copytree(files / "images", truncated)
+    image = truncated / "class_1" / "3.png"
+    image.write_bytes(image.read_bytes()[: len(image.read_bytes()) // 2])
+    cases.append((lambda: ImageFolder(str(truncated)).setup(), "3.png: not a readable image"))
+    # Label columns that are not classes, an empty file, a tokenizer that cannot be loaded.
+    rows = {
+        "null": [{"text": "a b", "label": None if i == 3 else i % 2} for i in range(20)],
+        "fractions": [{"text": "a b", "label": i * 0.37} for i in range(20)],
+    }
+    for name, content in rows.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in content))
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad_tokenizer").mkdir()
+    (tmp_path / "bad_tokenizer" / "tokenizer_config.json").write_text("{")
+    classify = {"task": "classification", "seq_len": 4}
+    cases += [
+        (
+            lambda: HFDataset(str(tmp_path / "null.jsonl"), tokenizer, **classify).setup(),
+            "data.label_column='label' of " + str(tmp_path / "null.jsonl") + ": 1 row(s) have no label",
+        ),
+        (
+            lambda: HFDataset(str(tmp_path / "fractions.jsonl"), tokenizer, **classify).setup(),
+            "holds numbers with fractions (0.37, 0.74, 1.11, ...: 20 distinct values in 20 rows)",
+        ),
+        (lambda: HFDataset(str(tmp_path / "empty.jsonl"), tokenizer).setup(), "the file is empty"),
+        (
+            lambda: HFDataset(str(files / "lines.parquet"), str(tmp_path / "bad_tokenizer")).setup(),
+            "data.tokenizer=" + repr(str(tmp_path / "bad_tokenizer")) + ": the tokenizer cannot be loaded",
+        ),
+    ]
     for build, expected in cases:
-        with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace("(", r"\(")):
+        with pytest.raises(ConfigError, match=re.escape(expected)):
             build()

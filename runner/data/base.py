@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -105,3 +109,20 @@ def random_split(dataset: Dataset, eval_fraction: float, seed: int) -> tuple[Sub
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
     num_eval = max(1, round(len(order) * eval_fraction))
     return Subset(dataset, order[num_eval:]), Subset(dataset, order[:num_eval])
+
+
+def machine_cache(kind: str) -> Path:
+    """Where runner keeps what it prepared from data on this machine, by kind: `$RUNNER_CACHE_DIR/<kind>`,
+    else `~/.cache/runner/<kind>`."""
+    return Path(os.environ.get("RUNNER_CACHE_DIR") or Path.home() / ".cache" / "runner") / kind
+
+
+def file_stats(paths: Iterable[Path]) -> list[tuple[str, int, int]]:
+    """(absolute path, size, modification time in ns) of each file: what a cache entry made from them
+    depends on."""
+    return [(str(p.resolve()), (stat := p.stat()).st_size, stat.st_mtime_ns) for p in paths]
+
+
+def fingerprint(content: object) -> str:
+    """A short digest of JSON-able `content` (file stats, settings): a cache entry's name."""
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]

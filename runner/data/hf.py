@@ -3,8 +3,6 @@ tokenizer, as Hugging Face batches (`input_ids`, `attention_mask`, `labels`)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 from pathlib import Path
@@ -13,8 +11,15 @@ from typing import Any
 import torch
 
 from runner.config import Fraction, PositiveInt, Seed
-from runner.data.base import DataSource, TensorDictDataset, random_split
-from runner.data.table import label_order
+from runner.data.base import (
+    DataSource,
+    TensorDictDataset,
+    file_stats,
+    fingerprint,
+    machine_cache,
+    random_split,
+)
+from runner.data.table import check_class_labels, label_order
 from runner.errors import ConfigError
 
 try:
@@ -38,14 +43,9 @@ FORMATS = {
     ".text": "text",
 }
 TASKS = ("language_modeling", "classification")
-CACHE_FORMAT = 1  # the layout of a cached tokenization; another one is not read
-
-
-def cache_dir() -> Path:
-    """Where tokenized data is kept on this machine: `$RUNNER_CACHE_DIR/hf_data`, else
-    `~/.cache/runner/hf_data`."""
-    root = os.environ.get("RUNNER_CACHE_DIR") or Path.home() / ".cache" / "runner"
-    return Path(root) / "hf_data"
+CACHE_FORMAT = (
+    2  # a cached tokenization of another format (layout, or checks made when it was written) is not read
+)
 
 
 def _read_cache(path: Path) -> dict[str, Any] | None:
@@ -137,7 +137,7 @@ class HFDataset(DataSource):
         """The tokenized samples, from this machine's cache when the same files were tokenized with the
         same settings before (by the launching process's checks, or another rank): tokenized once per
         machine, not once per process."""
-        cache = cache_dir() / f"{self._fingerprint()}.pt"
+        cache = machine_cache("hf_data") / f"{self._fingerprint()}.pt"
         encoded = _read_cache(cache)
         if encoded is None:
             encoded = self._encode()
@@ -151,7 +151,14 @@ class HFDataset(DataSource):
 
     def _encode(self) -> dict[str, Any]:
         """Read and tokenize: the train (and eval split's) tensors and the dims they give the model."""
-        tokenizer = AutoTokenizer.from_pretrained(self.tokenizer, local_files_only=True)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer, local_files_only=True)
+        except Exception as err:  # a damaged tokenizer.json, a config naming a class that is not there
+            raise ConfigError(
+                f"data.tokenizer={self.tokenizer!r}: the tokenizer cannot be loaded ({type(err).__name__}: "
+                f"{str(err).splitlines()[0][:200] if str(err) else 'no message'}). Give a directory written "
+                "whole by a tokenizer's save_pretrained."
+            ) from err
         train_rows, eval_rows = self._read()
         encode = self._blocks if self.task == "language_modeling" else self._classified
         train, dims = encode(tokenizer, train_rows, None)
@@ -168,8 +175,7 @@ class HFDataset(DataSource):
         the settings that shape the samples."""
 
         def files(root: Path) -> list[tuple[str, int, int]]:
-            found = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-            return [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in found]
+            return file_stats([root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()))
 
         settings = {
             "format": CACHE_FORMAT,
@@ -181,13 +187,22 @@ class HFDataset(DataSource):
                 for k in ("task", "seq_len", "text_column", "label_column", "split", "eval_split")
             },
         }
-        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:32]
+        return fingerprint(settings)
 
     def _read(self) -> tuple[datasets.Dataset, datasets.Dataset | None]:
         if self.path.is_file():
-            loaded = datasets.load_dataset(
-                FORMATS[self.path.suffix], data_files=str(self.path), split="train", keep_in_memory=True
-            )
+            if self.path.stat().st_size == 0:
+                raise ConfigError(f"data.path={str(self.path)!r}: the file is empty.")
+            try:
+                loaded = datasets.load_dataset(
+                    FORMATS[self.path.suffix], data_files=str(self.path), split="train", keep_in_memory=True
+                )
+            except Exception as err:  # datasets' builders raise whatever their parser raised
+                raise ConfigError(
+                    f"data.path={str(self.path)!r}: cannot be read as {FORMATS[self.path.suffix]} "
+                    f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else 'no message'}). "
+                    "Check that the file is whole and in the format its suffix says."
+                ) from err
             return self._columns(loaded), None
         loaded = datasets.load_from_disk(str(self.path), keep_in_memory=True)
         if isinstance(loaded, datasets.Dataset):
@@ -244,6 +259,7 @@ class HFDataset(DataSource):
             return_tensors="pt",
         )
         labels = list(rows[self.label_column])
+        check_class_labels(labels, f"data.label_column={self.label_column!r} of {self.path}")
         classes = classes or sorted(set(labels), key=label_order)
         if len(classes) < 2:
             raise ConfigError(

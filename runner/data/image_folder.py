@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -10,7 +11,7 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from runner.config import Fraction, PositiveFloat, PositiveInt, Range, Seed
-from runner.data.base import DataSource, random_split
+from runner.data.base import DataSource, file_stats, fingerprint, machine_cache, random_split
 from runner.errors import ConfigError
 
 # torchvision's IMG_EXTENSIONS
@@ -74,17 +75,18 @@ class ImageFiles(Dataset):
 
 class ImageFolder(DataSource):
     """`path/<class>/<image>` files: the classes are the sub-folder names, sorted (torchvision's
-    `ImageFolder` order). Every file's header is read at setup, so a broken image is refused before launch.
+        `ImageFolder` order). Every image is decoded whole before launch (once per machine while the files are
+    unchanged: `decode_once`), so a broken or truncated one is refused naming the file.
 
-    Args:
-        path: the root folder.
-        eval_path: a folder of the same classes for evaluation; None: `eval_fraction` of `path`.
-        image_size: the square side images are resized and cropped to.
-        grayscale: one channel instead of RGB.
-        mean, std: per-channel normalisation (one value each for grayscale).
-        random_flip: flip training images horizontally at random (eval images never).
-        flatten: give the model `C*H*W` vectors (an MLP) instead of `C x H x W` tensors (a CNN).
-        eval_fraction, split_seed: the held-out share of `path` (without `eval_path`), and its seed.
+        Args:
+            path: the root folder.
+            eval_path: a folder of the same classes for evaluation; None: `eval_fraction` of `path`.
+            image_size: the square side images are resized and cropped to.
+            grayscale: one channel instead of RGB.
+            mean, std: per-channel normalisation (one value each for grayscale).
+            random_flip: flip training images horizontally at random (eval images never).
+            flatten: give the model `C*H*W` vectors (an MLP) instead of `C x H x W` tensors (a CNN).
+            eval_fraction, split_seed: the held-out share of `path` (without `eval_path`), and its seed.
     """
 
     def __init__(
@@ -164,15 +166,8 @@ class ImageFolder(DataSource):
             files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in EXTENSIONS)
             if not files:
                 raise ConfigError(f"{folder}: no images ({', '.join(EXTENSIONS)}) in this class folder.")
-            for file in files:
-                try:
-                    with Image.open(file):
-                        pass
-                except (UnidentifiedImageError, OSError) as err:
-                    raise ConfigError(
-                        f"{file}: not a readable image ({err}). Remove or replace it."
-                    ) from None
-                samples.append((file, index))
+            samples += [(file, index) for file in files]
+        decode_once(file for file, _ in samples)
         return samples
 
 
@@ -184,3 +179,24 @@ def _folder(path: str, key: str) -> Path:
             "images per class; relative paths are taken from the directory you run in."
         )
     return folder
+
+
+def decode_once(files: Iterable[Path]) -> None:
+    """Decode every image in full (a truncated file has a whole header and fails only when its pixels are
+    read, mid-training); ConfigError naming the first that fails. Done once per machine for the same
+    files (names, sizes, times): a marker in `machine_cache("images")` records that they decoded."""
+    files = list(files)
+    marker = machine_cache("images") / f"{fingerprint(file_stats(files))}.decoded"
+    if marker.is_file():
+        return
+    for file in files:
+        try:
+            with Image.open(file) as image:
+                image.load()
+        except (UnidentifiedImageError, OSError, SyntaxError) as err:  # SyntaxError: PIL's broken chunk
+            raise ConfigError(f"{file}: not a readable image ({err}). Remove or replace it.") from None
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:  # no cache: the next process decodes them again
+        pass

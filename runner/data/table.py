@@ -23,7 +23,17 @@ def _open(path: Path) -> IO[str]:
 
 def _read_csv(path: Path) -> Iterator[dict[str, Any]]:
     with _open(path) as f:
-        yield from csv.DictReader(f)
+        reader = csv.DictReader(f)
+        for row in reader:
+            if None in row or None in row.values():  # more fields than the header names, or fewer
+                fields = (
+                    len(row) - 1 + len(row[None]) if None in row else sum(v is not None for v in row.values())
+                )
+                raise ConfigError(
+                    f"data.path={str(path)!r}: line {reader.line_num} has {fields} field(s) and the header "
+                    f"{len(reader.fieldnames or [])}. Fix that line (a value holding a comma must be quoted)."
+                )
+            yield row
 
 
 def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
@@ -95,6 +105,11 @@ class TableFile(DataSource):
         inputs = torch.tensor([[_number(row, c, i) for c in features] for i, row in enumerate(rows)])
         labels = [row[self.target] for row in rows]
         if self.task == "classification":
+            check_class_labels(
+                labels,
+                f"data.target={self.target!r} of {self.path}",
+                ", or data.task=regression to predict the number",
+            )
             classes = sorted(set(labels), key=label_order)
             if len(classes) < 2:
                 raise ConfigError(
@@ -140,3 +155,30 @@ def label_order(label: Any) -> tuple[int, Any]:
         return (0, float(label))
     except (TypeError, ValueError):
         return (1, str(label))
+
+
+def check_class_labels(labels: list[Any], where: str, instead: str = "") -> None:
+    """ConfigError for a label column that is not classes: a row without a label (null, or an empty CSV
+    field), or numbers with fractions (a regression target), which would make each distinct value a class."""
+    missing = [row + 1 for row, label in enumerate(labels) if label is None or label == ""]
+    if missing:
+        raise ConfigError(
+            f"{where}: {len(missing)} row(s) have no label, e.g. data row(s) {missing[:5]}. Fill or drop them: a "
+            "missing label is not a class."
+        )
+    fractions = sorted(
+        {value for value in map(_as_number, labels) if value is not None and not value.is_integer()}
+    )
+    if fractions:
+        raise ConfigError(
+            f"{where}: holds numbers with fractions ({', '.join(f'{v:g}' for v in fractions[:3])}, ...: "
+            f"{len(set(map(str, labels)))} distinct values in {len(labels)} rows), which classification would take "
+            f"as that many classes. Give class labels (names or integers){instead}."
+        )
+
+
+def _as_number(label: Any) -> float | None:
+    try:
+        return float(label) if not isinstance(label, bool) else None
+    except (TypeError, ValueError):
+        return None
