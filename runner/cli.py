@@ -22,6 +22,8 @@ import hydra
 import torch
 import yaml
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import IntervalSweep
 from hydra.core.plugins import Plugins
 from hydra.errors import HydraException, InstantiationException
 from hydra.types import RunMode
@@ -180,6 +182,11 @@ def run() -> None:
     register_configs()
     Plugins.instance().register(ResumableSweeper)  # Hydra's scan misses it in an editable install
     sys.argv[1:] = options_first(sys.argv[1:])
+    try:
+        check_intervals(sys.argv[1:])
+    except ConfigError as err:
+        print(f"Configuration error: {err}", file=sys.stderr)
+        sys.exit(2)
     _importable_cwd()
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra raise instead of printing its own report
     env = launched_environment()
@@ -229,6 +236,25 @@ def options_first(arguments: list[str]) -> list[str]:
         else:
             rest.append(argument)
     return options + rest
+
+
+def check_intervals(arguments: list[str]) -> None:
+    """ConfigError for a sweep's `interval(low, high)` written backwards (Optuna's sampler would raise a
+    ValueError once the sweep started). Arguments that do not parse are left to Hydra to report."""
+    parser = OverridesParser.create()
+    for argument in arguments:
+        if argument.startswith("-") or "interval(" not in argument:
+            continue
+        try:
+            override = parser.parse_override(argument)
+        except HydraException:
+            continue
+        value = override.value()
+        if isinstance(value, IntervalSweep) and value.start > value.end:
+            raise ConfigError(
+                f"{argument}: the interval is written backwards ({value.start:g} > {value.end:g}). Write "
+                f"{override.key_or_group}=interval({value.end:g},{value.start:g})."
+            )
 
 
 def _importable_cwd() -> None:

@@ -21,7 +21,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from safetensors.torch import save_file
 
 from runner.build import locate
-from runner.cli import options_first
+from runner.cli import check_intervals, options_first
 from runner.config import CONF_DIR, SCHEMAS, Range, TrainerConfig, declared_ranges, register_configs
 from runner.errors import ConfigError, describe_compose_error
 from runner.validate import validate
@@ -469,6 +469,12 @@ def test_hydra_options_move_before_the_overrides():
         *("--cfg", "job", "--info", "searchpath", "-i"),
         *("a=1", "b=2", "c=3", "d=4"),
     ]
+
+
+def test_a_sweep_interval_written_backwards_is_refused_before_the_sweep():
+    check_intervals(["-m", "optimizer.lr=interval(1e-5,1e-2)", "trainer.seed=1,2", "broken=interval("])
+    with pytest.raises(ConfigError, match=re.escape("Write optimizer.lr=interval(1e-05,0.01).")):
+        check_intervals(["optimizer.lr=interval(1e-2,1e-5)"])
 
 
 @pytest.mark.slow

@@ -126,6 +126,14 @@ def test_another_sweep_in_the_dir_is_refused_naming_the_difference_and_resume_fa
         and "job 0 had trainer.max_steps=5 where this one has trainer.max_steps=6" in steps.stderr
     )
 
+    record = (sweep / "sweep.json").read_text()
+    (sweep / "sweep.json").write_text(record[: len(record) // 2])  # cut short
+    cut = multirun(sweep, "trainer.max_steps=5", "tracker=none", "optimizer.lr=1e-3,1e-4")
+    assert cut.returncode == 2 and "Traceback" not in cut.stderr, cut.stderr
+    assert cut.stderr.strip().startswith(
+        f"Configuration error: hydra.sweep.dir={sweep}: its sweep.json cannot be read (JSONDecodeError: "
+    )
+
     over = multirun(
         sweep, "trainer.max_steps=5", "tracker=none", "optimizer.lr=1e-3,3e-4,1e-5", "sweep.resume=false"
     )

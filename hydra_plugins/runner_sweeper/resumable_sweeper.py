@@ -122,7 +122,14 @@ def previous_jobs(sweep_dir: Path, jobs: list[list[str]], *, resume: bool) -> se
                 "another hydra.sweep.dir, or add sweep.resume=false to start over (those dirs are moved aside)."
             )
         return set()
-    before = json.loads(record.read_text())["jobs"]
+    try:
+        before = json.loads(record.read_text())["jobs"]
+    except (ValueError, KeyError, TypeError) as err:  # cut short, or edited by hand
+        raise AnotherSweep(
+            f"hydra.sweep.dir={sweep_dir}: its {SWEEP_RECORD} cannot be read ({type(err).__name__}: {err}), so "
+            "which jobs finished cannot be told. Add sweep.resume=false to start over (the previous jobs' dirs "
+            "are moved aside), or give this sweep another hydra.sweep.dir."
+        ) from None
     now = [job_identity(job) for job in jobs]
     if before != now:
         raise AnotherSweep(
