@@ -67,6 +67,32 @@ def test_a_table_refuses_rows_and_labels_it_would_misread(tmp_path, content, mes
         TableFile(str(tmp_path / "rows.csv"), target="y").setup()
 
 
+@pytest.mark.parametrize(
+    ("column", "message"),
+    [
+        ("a", "column 'a' holds '1e+39' on data row 2, beyond float32's range"),
+        ("y", "data.target='y': values reach 1e+20, whose squared error overflows float32"),
+        (
+            "b",
+            "column 'b' holds '1e+30' on data row 2, 7.29e+29 standard deviations from the training rows' mean",
+        ),
+    ],
+)
+def test_a_table_refuses_values_that_overflow_float32_instead_of_diverging(tmp_path, column, message):
+    """Without these checks each trains to an inf loss, reported as divergence (lower the lr...)."""
+    rows = [{"a": i % 7, "b": i % 5, "y": i % 3} for i in range(40)]
+    rows[1][column] = {"a": 1e39, "y": 1e20, "b": 1e30}[column]
+    (tmp_path / "rows.csv").write_text("a,b,y\n" + "".join(f"{r['a']},{r['b']},{r['y']}\n" for r in rows))
+    data = TableFile(str(tmp_path / "rows.csv"), target="y", task="regression", eval_fraction=0.5)
+    data.split_seed = next(  # row 2 in the eval half: standardised by the training half's mean and std
+        seed
+        for seed in range(100)
+        if 1 in torch.randperm(40, generator=torch.Generator().manual_seed(seed))[:20]
+    )
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        data.setup()
+
+
 def test_regression_refuses_outputs_and_targets_of_other_shapes():
     regression = Regression()
     same = regression.loss(torch.ones(4, 1), {"targets": torch.zeros(4, 1)})

@@ -45,6 +45,8 @@ def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
 
 _READERS: dict[str, Callable[[Path], Iterator[dict[str, Any]]]] = {".csv": _read_csv, ".jsonl": _read_jsonl}
 _TASKS = ("classification", "regression")
+FLOAT32_MAX = torch.finfo(torch.float32).max  # the samples are float32
+OUTLIER_STDS = 1e6  # a standardised feature this far out overflows any loss computed from it
 
 
 class TableFile(DataSource):
@@ -121,15 +123,32 @@ class TableFile(DataSource):
             out_features = len(classes)
         else:
             targets = torch.tensor([[_number(row, self.target, i)] for i, row in enumerate(rows)])
+            peak = targets.abs().max().item()
+            if peak**2 > FLOAT32_MAX:
+                raise ConfigError(
+                    f"data.target={self.target!r}: values reach {peak:.3g}, whose squared error overflows float32 "
+                    f"(the largest is {FLOAT32_MAX:.3g}): the loss would be inf at once. Scale the target (e.g. "
+                    "divide the column by its largest value) or predict its logarithm."
+                )
             out_features = 1
         train, eval_ = random_split(
             TensorDictDataset(inputs=inputs, targets=targets), self.eval_fraction, self.split_seed
         )
         if self.normalize:
-            train_inputs = inputs[train.indices]
+            train_inputs = inputs[train.indices].double()  # float32's variance of large values overflows
             mean, std = train_inputs.mean(0), train_inputs.std(0)
             std[std < 1e-6] = 1.0  # constant columns (e.g. always-blank pixels) are only centred
-            inputs.sub_(mean).div_(std)  # the subsets index this tensor, so both splits see the change
+            standardized = (inputs.double() - mean) / std
+            beyond = (standardized.abs() > OUTLIER_STDS).nonzero()
+            if len(beyond):
+                row, column = beyond[0].tolist()
+                raise ConfigError(
+                    f"data: column {features[column]!r} holds {rows[row][features[column]]!r} on data row {row + 1}, "
+                    f"{standardized[row, column].abs().item():.3g} standard deviations from the training rows' mean "
+                    f"({mean[column]:.3g}, std {std[column]:.3g}): a model's output and loss on it overflow float32. "
+                    "Remove or clip the outlier, or scale the column."
+                )
+            inputs.copy_(standardized)  # the subsets index this tensor: both splits change
         return train, eval_, {"in_features": len(features), "out_features": out_features}
 
 
@@ -141,6 +160,11 @@ def _number(row: dict[str, Any], column: str, index: int) -> float:
             f"data: column {column!r} holds the non-numeric value {row[column]!r} on data row {index + 1}; "
             "feature columns (and a regression target) must be numbers: choose them with data.features."
         ) from None
+    if math.isfinite(value) and abs(value) > FLOAT32_MAX:
+        raise ConfigError(
+            f"data: column {column!r} holds {row[column]!r} on data row {index + 1}, beyond float32's range "
+            f"(+-{FLOAT32_MAX:.3g}), where it would be inf. Scale the column, or leave it out with data.features."
+        )
     if not math.isfinite(value):
         raise ConfigError(
             f"data: column {column!r} holds {row[column]!r} on data row {index + 1}; a NaN or infinite value makes "
