@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from runner.checkpoint.files import atomic_directory, load_torch
+from runner.checkpoint.files import atomic_directory, load_torch, save_torch
 from runner.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def write_weights(
         if safe_serialization:
             save_file(shard, directory / name, metadata={"format": "pt"})
         else:
-            torch.save(shard, directory / name)
+            save_torch(shard, directory / name)
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
@@ -106,7 +106,7 @@ def save_object(obj: Any, path: Path, safe_serialization: bool = False) -> None:
     if safe_serialization:
         save_file(distinct_tensors(obj), partial_path)
     else:
-        torch.save(obj, partial_path)
+        save_torch(obj, partial_path)
     partial_path.replace(path)
 
 

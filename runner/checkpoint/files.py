@@ -11,6 +11,7 @@ checkpoint that is whole.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -32,6 +33,7 @@ FORMAT_VERSION = 1
 DAMAGED = ".damaged"  # the suffix a damaged checkpoint is moved aside with
 _NUMBERED = re.compile(r"checkpoint_(\d+)$")
 _CHUNK = 16 << 20
+FULL_BELOW_BYTES = 1 << 20  # a file system with less free space than this after a failed write is full
 
 
 def staging_path(final: Path) -> Path:
@@ -234,7 +236,14 @@ def damage(checkpoint: Path, meta: dict[str, Any], contents: bool = True) -> lis
 
 
 def save_torch(obj: Any, path: Path) -> None:
-    torch.save(obj, path)
+    """`torch.save(obj, path)`; a write that failed for want of space is an OSError(ENOSPC) naming `path`
+    (torch's writer reports it as "unexpected pos", without the OS error)."""
+    try:
+        torch.save(obj, path)
+    except RuntimeError as err:
+        if shutil.disk_usage(path.parent).free >= FULL_BELOW_BYTES:
+            raise
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from err
 
 
 def load_torch(path: Path, mmap: bool = False) -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from runner.checkpoint.files import load_torch
+from runner.checkpoint.files import load_torch, save_torch
 from runner.weights import load_weights
 
 
@@ -28,7 +28,7 @@ def write_full(
     for i, model_weights in enumerate(weights):
         save_file(model_weights, directory / f"model_{i}.safetensors")
     for i, state in enumerate(optimizer_states):
-        torch.save(state, directory / f"optimizer_{i}.pt")
+        save_torch(state, directory / f"optimizer_{i}.pt")
 
 
 def load_full(directory: Path, modules: list[torch.nn.Module], optimizers: list[Any]) -> None:
