@@ -46,6 +46,7 @@ from runner.errors import (
     describe_missing_search_path,
     describe_yaml_error,
     raise_terminated,
+    write_failure,
 )
 from runner.inference import infer
 from runner.launchers import Job, Launcher, RankFailedError
@@ -142,6 +143,16 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
         sys.exit(EXIT_INTERRUPTED)
     except TrainingStopped as err:  # diverged, or the disk full
         log.error("Training stopped: %s", err)
+        sys.exit(1)
+    except OSError as err:  # the job's own files (its config, metrics) on a full or read-only disk
+        if (reason := write_failure(err)) is None:
+            raise
+        log.error(
+            "Training stopped: the run could not write to %s: %s. Free space or fix the permissions there, or give "
+            "the run another dir (hydra.run.dir=...).",
+            output_dir,
+            reason,
+        )
         sys.exit(1)
     except (
         KeyboardInterrupt

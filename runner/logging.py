@@ -8,6 +8,7 @@ import functools
 import logging
 import logging.config
 import os
+import sys
 from typing import Any
 
 import torch.distributed as dist
@@ -42,6 +43,24 @@ class TqdmHandler(logging.StreamHandler):
             tqdm.write(self.format(record), file=self.stream)
         except Exception:
             self.handleError(record)
+
+
+class RunLogHandler(logging.FileHandler):
+    """The run's log file. A record that cannot be written (the disk full, the dir read-only) is said once
+    on stderr in one line, instead of a traceback per record; the run goes on and reports the write
+    failure where it matters (a checkpoint)."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError):
+            super().handleError(record)
+        elif not self.failed:
+            self.failed = True
+            sys.stderr.write(
+                f"runner: the log file {self.baseFilename} cannot be written ({err.strerror}).\n"
+            )
 
 
 class RankPrefix(logging.Filter):
