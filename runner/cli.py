@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import errno
 import fcntl
 import logging
 import os
@@ -216,6 +217,15 @@ def run() -> None:
         sys.exit(2)
     except yaml.YAMLError as err:  # a config file of the search path (the user's --config-dir) is not YAML
         print(f"Configuration error: {describe_yaml_error(err)}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as err:  # Hydra making the job's dir: a file in its place, a read-only or full disk
+        if err.errno not in (errno.EEXIST, errno.ENOTDIR, errno.EACCES, errno.EROFS, errno.ENOSPC):
+            raise
+        print(
+            f"Configuration error: the run's dir cannot be made at {err.filename} ({err.strerror}). Give "
+            "hydra.run.dir (hydra.sweep.dir with -m) a directory you can write, or a new one.",
+            file=sys.stderr,
+        )
         sys.exit(2)
 
 

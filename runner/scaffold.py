@@ -82,7 +82,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("directory", type=Path, help="a new or empty directory")
     parser.add_argument("--package", help="the Python package of your code (default: the directory's name)")
     args = parser.parse_args(argv)
-    package = init_project(args.directory, args.package)
+    try:
+        package = init_project(args.directory, args.package)
+    except OSError as err:  # a read-only file system, a file where a directory goes, no permission
+        raise ConfigError(
+            f"runner init {args.directory}: cannot write {err.filename or args.directory} ({err.strerror}). Give a "
+            "new or empty directory where you can write."
+        ) from None
     print(
         f"Wrote a runner project in {args.directory} (your code: {package.name}/). Run it:\n"
         f"  cd {args.directory} && runner --config-dir conf experiment=example"

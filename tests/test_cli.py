@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
 from pathlib import Path
 
 import probes
@@ -479,3 +480,26 @@ def test_a_users_config_dir_adds_options_and_its_yaml_errors_are_one_paragraph(r
     message = bad.stderr.strip()
     assert message.startswith(f"Configuration error: {tmp_path / 'conf' / 'model' / 'broken.yaml'}, line ")
     assert "not valid YAML" in message and "\n" not in message
+
+
+def test_a_file_where_a_directory_goes_is_refused_in_one_paragraph(tmp_path):
+    """The run dir, a sweep dir, a tracker's logging dir or `runner init`'s dir being a file."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    train = ["trainer.max_steps=2", "trainer.progress_bar=false"]
+    cases = {
+        ("tracker=none", f"hydra.run.dir={blocker}", *train): f"the run's dir cannot be made at {blocker} (File exists)",
+        ("tracker=none", f"hydra.run.dir={blocker / 'sub'}", *train): f"cannot be made at {blocker / 'sub'} (Not a directory)",
+        ("tracker=none", f"hydra.sweep.dir={blocker}", "-m", "trainer.seed=1,2", *train): f"cannot be made at {blocker}",
+        ("tracker=tensorboard", f"tracker.logging_dir={blocker}", *train): f"{blocker} is a file, not a directory",
+        ("init", str(blocker / "project")): f"cannot write {blocker / 'project'} (Not a directory)",
+    }  # fmt: skip
+    for arguments, expected in cases.items():
+        proc = subprocess.run(
+            [sys.executable, "-m", "runner", *arguments], cwd=tmp_path, env=cli_env(), capture_output=True,
+            text=True, timeout=240,
+        )  # fmt: skip
+        message = proc.stderr.strip()
+        assert proc.returncode == 2, proc.stderr
+        assert message.startswith("Configuration error: ") and expected in message, message
+        assert "Traceback" not in proc.stderr and "\n" not in message

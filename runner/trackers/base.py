@@ -8,6 +8,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from runner.errors import ConfigError
+
 
 class LoggerType(str, Enum):
     """Accelerate's tracker names for `log_with`; runner has MLFLOW and TENSORBOARD (ALL: those of them
@@ -32,6 +34,21 @@ def flatten(values: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, 
             yield from flatten(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", value
+
+
+def directory_setting(path: str | None, key: str) -> str | None:
+    """`path` (a directory a tracker writes under, made when missing) unless it, or a directory it would
+    be made in, is a file: then a ConfigError naming `key`, before any run starts."""
+    if path is None:
+        return None
+    for part in (Path(path).expanduser().absolute(), *Path(path).expanduser().absolute().parents):
+        if part.exists():
+            if not part.is_dir():
+                raise ConfigError(
+                    f"{key}={path}: {part} is a file, not a directory. Give a directory (it is made if missing)."
+                )
+            break
+    return path
 
 
 class Tracker(ABC):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.cluster import slurm_job_id
-from runner.trackers.base import Tracker, flatten
+from runner.trackers.base import Tracker, directory_setting, flatten
 from runner.trackers.journal import Journal
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class MLflowTracker(Tracker):
         self.tags = {key: str(value) for key, value in (tags or {}).items()}
         self.parent_run_id = parent_run_id
         self.log_model = log_model
-        self.logging_dir = logging_dir
+        self.logging_dir = directory_setting(logging_dir, "tracker.logging_dir")
         self.detach = detach
         self.finish_timeout_s = finish_timeout_s
         self.journal: Journal | None = None

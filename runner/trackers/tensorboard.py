@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runner.trackers.base import Tracker, flatten
+from runner.trackers.base import Tracker, directory_setting, flatten
 
 
 class TensorBoardTracker(Tracker):
@@ -28,7 +28,7 @@ class TensorBoardTracker(Tracker):
         self, experiment_name: str = "runner", logging_dir: str | None = None, **writer_kwargs: Any
     ) -> None:
         self.experiment_name = experiment_name
-        self.logging_dir = logging_dir
+        self.logging_dir = directory_setting(logging_dir, "tracker.logging_dir")
         self.writer_kwargs = writer_kwargs
         self.writer: Any = None
 
