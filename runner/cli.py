@@ -86,6 +86,8 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
             launcher: Launcher = built.launcher
             # One process checks the files (and moves a damaged latest aside): rank 0 under torchrun/srun.
             verify = env is None or env.rank == 0
+            training = not is_inference(cfg.task._target_)
+            settings = OmegaConf.to_container(_resolved(cfg))
             checkpoint = check_resume(
                 cfg.trainer.resume,
                 output_dir,
@@ -95,15 +97,16 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
                 readers=built.hardware.data_parallel_size(world_size),
                 split_batches=cfg.trainer.split_batches,
                 # the run's one optimizer; an inference task has none
-                optimizer_class=None if is_inference(cfg.task._target_) else locate(cfg.optimizer._target_),
+                optimizer_class=locate(cfg.optimizer._target_) if training else None,
                 verify=verify,
+                settings=settings if verify and training else None,  # type: ignore[arg-type]
             )
             # A training run that starts over must not replace a finished run's results (an inference
             # run's are made again from the same weights).
-            if checkpoint is None and verify and not is_inference(cfg.task._target_):
+            if checkpoint is None and verify and training:
                 check_finished_run(
                     output_dir,
-                    OmegaConf.to_container(_resolved(cfg)),  # type: ignore[arg-type]
+                    settings,  # type: ignore[arg-type]
                     overwrite=cfg.trainer.overwrite,
                     dry_run=cfg.plan,
                 )

@@ -32,7 +32,7 @@ from runner.checkpoint.checkpointer import ProjectConfiguration
 from runner.checkpoint.resume import resume_checkpoint, resume_hint
 from runner.data.base import DataSource
 from runner.engine import Engine
-from runner.errors import TrainingDiverged, TrainingInterrupted
+from runner.errors import ConfigError, TrainingDiverged, TrainingInterrupted
 from runner.handlers import DataLoaderConfiguration, GradientAccumulationPlugin
 from runner.hardware.base import Strategy
 from runner.perf import Throughput, count_flops, memory_snapshot_on_oom, peak_flops, profiled
@@ -176,6 +176,13 @@ class Trainer:
         if resumed:
             self.accelerator.step = self.checkpointer.resume(Path(resumed))
             done = self.done
+            if done.step > self.total_steps:
+                raise ConfigError(
+                    f"trainer.max_steps={self.total_steps}: {resumed} was written at step {done.step}, past it, so "
+                    f"this run would train nothing and report that step's results as its own. Set "
+                    f"trainer.max_steps>={done.step} to continue it, or start a new run (another hydra.run.dir, or "
+                    "trainer.resume=null)."
+                )
             log.info(
                 "resumed from %s at step %d (epoch %d, batch %d)",
                 resumed,

@@ -153,6 +153,9 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_training(tmp_path):
             "optimizer=sgd",
         ): "holds the state of optimizer(s) torch.optim.adamw.AdamW and this run has torch.optim.sgd.SGD",
         (f"trainer.resume={tmp_path / 'model'}",): "not a checkpoint",
+        ("data.batch_size=32",): "read other data (data.batch_size=64 there, 32 here)",
+        ("data.num_samples=1000",): "read other data (data.num_samples=4096 there, 1000 here)",
+        ("trainer.max_steps=15",): "trainer.max_steps=15: " + str(checkpoint) + " was written at step 20, past it",
     }
     for overrides, expected in cases.items():
         proc = run(tmp_path, "trainer.max_steps=30", "model.hidden_size=64", *overrides)

@@ -186,11 +186,15 @@ def check_resume(
     split_batches: bool,
     optimizer_class: type | None,
     verify: bool,
+    settings: dict[str, Any] | None = None,
 ) -> Path | None:
     """Before any rank starts: the checkpoint `trainer.resume` names (see `resume_checkpoint`; `verify`
-    reads its files), refused with a ConfigError when it does not fit this run (`check_checkpoint_fits`)
-    or holds another optimizer's state (`optimizer_class`: the run's; None for inference)."""
+    reads its files), refused with a ConfigError when it does not fit this run (`check_checkpoint_fits`),
+    holds another optimizer's state (`optimizer_class`: the run's; None for inference), or was written
+    by a run with other data (`settings`: this run's resolved config; see `check_same_data`)."""
     checkpoint = resume_checkpoint(resume, output_dir, verify=verify)
+    if checkpoint is not None and settings is not None:
+        check_same_data(checkpoint, settings)
     if checkpoint is not None:
         meta = check_checkpoint_fits(
             checkpoint,
@@ -203,6 +207,34 @@ def check_resume(
         if optimizer_class is not None:
             check_optimizer_classes(checkpoint, meta, [qualified_name(optimizer_class)])
     return checkpoint
+
+
+# Data settings that change neither the samples nor their order: a resumed run may change them.
+NOT_ORDER = ("data.num_workers", "data.eval_batch_size")
+
+
+def check_same_data(checkpoint: Path, settings: dict[str, Any]) -> None:
+    """ConfigError when the run that wrote `checkpoint` (its run dir's resolved config) read other data
+    than `settings` say: another file or batch size would give the saved loader position other samples,
+    and the run would go on silently on a different stream. Checkpoints outside a run dir pass."""
+    written = checkpoint.parent.parent / RESOLVED
+    if not written.is_file():
+        return
+    before = yaml.safe_load(written.read_text()) or {}
+    changes = [
+        change
+        for change in _differences(
+            _flat(before.get("data") or {}, "data"), _flat(settings.get("data") or {}, "data")
+        )
+        if change.split("=", 1)[0] not in NOT_ORDER
+    ]
+    if changes:
+        raise ConfigError(
+            f"trainer.resume: {checkpoint} was written by a run that read other data ({'; '.join(changes[:5])}): "
+            "its position in the data would pick other samples here. Resume with its data settings, or start a new "
+            "run (another hydra.run.dir, or trainer.resume=null); continue from its weights with "
+            "checkpoint=<a model dir> if that is what you want."
+        )
 
 
 def check_finished_run(
