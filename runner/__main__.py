@@ -6,17 +6,17 @@ import sys
 
 
 def _stopped_while_starting(signum: int, frame: object) -> None:
-    sys.stderr.write(
-        f"Training interrupted: stopped by {signal.Signals(signum).name} while starting, before it ran.\n"
-    )
+    sys.stderr.write(f"Training interrupted: stopped by {signal.Signals(signum).name} while starting, before it ran.\n")
     sys.exit(128 + signum)
 
 
-def main() -> None:
-    """The command: the start-up signal handler first, then the CLI (whose import is most of the start)."""
-    signal.signal(signal.SIGTERM, _stopped_while_starting)
-    from runner.cli import run
+signal.signal(signal.SIGTERM, _stopped_while_starting)  # before the imports, which are most of the start
 
+from runner.cli import run  # noqa: E402
+
+
+def main() -> None:
+    """The command."""
     run()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -232,3 +233,28 @@ def test_transformers_batches_and_outputs_reach_the_tasks():
 def test_transformers_settings_that_would_be_ignored_or_fail_are_refused(settings, expected):
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(")):
         causal_lm(vocab_size=50, **settings)
+
+
+def test_pretrained_weights_that_are_missing_or_cut_short_are_refused_in_the_checks_on_meta(tmp_path):
+    """The launch builds the model on meta: the weights' files are checked there (headers and sizes), so a
+    missing or truncated file is named before any rank starts, not when a rank loads it."""
+    whole = tmp_path / "whole"
+    config = {key: value for key, value in LLAMA.items() if key != "model_type"} | {"num_hidden_layers": 1}
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=50, **config)).save_pretrained(
+        whole
+    )
+    cut, bare = tmp_path / "cut", tmp_path / "bare"
+    shutil.copytree(whole, cut)
+    weights = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    bare.mkdir()
+    shutil.copy(whole / "config.json", bare)
+    with torch.device("meta"):
+        causal_lm(pretrained=str(whole), vocab_size=50)
+        with pytest.raises(
+            ConfigError, match=re.escape(f"{cut / 'model.safetensors'} is not a whole safetensors file")
+        ):
+            causal_lm(pretrained=str(cut), vocab_size=50)
+        with pytest.raises(ConfigError, match=re.escape(f"{bare} holds no model.safetensors")):
+            causal_lm(pretrained=str(bare), vocab_size=50)
+        causal_lm(pretrained=str(bare), load_weights=False, vocab_size=50)  # the architecture only

@@ -12,6 +12,7 @@ import torch
 
 from runner.config import PositiveInt
 from runner.errors import ConfigError
+from runner.weights import DamagedFileError, checkpoint_tensors
 
 try:
     import transformers
@@ -84,10 +85,10 @@ def _build(
         _check_vocab(stored, overrides)
         _check_settings(stored, overrides, "model")
         stored.update(overrides)
-        if (
-            load_weights and torch.get_default_device().type != "meta"
-        ):  # on meta (runner's checks): the shapes
-            return auto_class.from_pretrained(directory, config=stored, local_files_only=True)
+        if load_weights:
+            check_weight_files(directory, f"model.pretrained={pretrained!r}")
+            if torch.get_default_device().type != "meta":  # on meta (runner's checks): the shapes only
+                return auto_class.from_pretrained(directory, config=stored, local_files_only=True)
         return auto_class.from_config(stored)
     settings = dict(config or {})
     model_type = settings.pop("model_type", None)
@@ -129,3 +130,17 @@ def _check_vocab(config: Any, settings: dict[str, Any]) -> None:
             f"model.vocab_size: the data has {data_vocab} token ids, the pretrained model {config.vocab_size}: "
             "tokenize the data with the model's own tokenizer."
         )
+
+
+def check_weight_files(directory: Path, key: str) -> None:
+    """ConfigError naming the file when `directory`'s weights are missing, or cut short or damaged
+    (from the safetensors headers and file sizes, the torch files' zip directories: nothing is read)."""
+    try:
+        checkpoint_tensors(directory)
+    except DamagedFileError as err:
+        raise ConfigError(f"{key}: {err}") from None
+    except FileNotFoundError as err:
+        raise ConfigError(
+            f"{key}: {err} Give a model directory with its weights (save_pretrained's), or "
+            "model.load_weights=false to build its architecture only."
+        ) from None
