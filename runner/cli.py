@@ -6,6 +6,7 @@ import atexit
 import copy
 import errno
 import fcntl
+import json
 import logging
 import os
 import shutil
@@ -18,6 +19,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 import torch
@@ -41,6 +43,7 @@ from runner.errors import (
     EXIT_INTERRUPTED,
     SEARCH_PATH_MISSING,
     ConfigError,
+    JobFailed,
     TrainingInterrupted,
     TrainingStopped,
     describe_compose_error,
@@ -62,6 +65,7 @@ from runner.validate import check_job
 log = logging.getLogger("runner")
 
 JOB_CONFIG_DIR = ".hydra"  # in a job's dir
+FAILED = "failed.json"  # in a sweep job's dir: why its training failed
 
 
 @hydra.main(version_base="1.3", config_path=CONF_SEARCH_PATH, config_name="config")
@@ -121,6 +125,7 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
             return {}
         if env is None or env.rank == 0:
             _save_job_config(cfg, hydra_cfg, output_dir)
+            (output_dir / FAILED).unlink(missing_ok=True)  # a sweep job run again: its last failure is past
         if hydra_cfg.mode == RunMode.MULTIRUN and cfg.tracker._target_ and not cfg.tracker.parent_run_id:
             # One parent run per sweep; each job's run is its child.
             cfg.tracker.parent_run_id = instantiate(cfg.tracker).parent_for_sweep(Path(hydra_cfg.sweep.dir))
@@ -140,14 +145,14 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
         sys.exit(2)
     except RankFailedError as err:
         log.error("Training failed: %s", err)
-        sys.exit(1)
+        _failed(hydra_cfg, output_dir, f"Training failed: {err}")
     except TrainingInterrupted as err:
         requeue_if_preempted(err)  # a job of a SLURM sweep (hydra/launcher=submitit_slurm)
         log.warning("Training interrupted: %s", err)
         sys.exit(EXIT_INTERRUPTED)
     except TrainingStopped as err:  # diverged, or the disk full
         log.error("Training stopped: %s", err)
-        sys.exit(1)
+        _failed(hydra_cfg, output_dir, f"Training stopped: {err}")
     except OSError as err:  # the job's own files (its config, metrics) on a full or read-only disk
         if (reason := write_failure(err)) is None:
             raise
@@ -182,6 +187,15 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
         )
         sys.exit(2)
     return metrics[objective]
+
+
+def _failed(hydra_cfg: DictConfig, output_dir: Path, message: str) -> NoReturn:
+    """End a job whose training failed: exit 1; a job of a sweep records why in its dir (`failed.json`,
+    for the sweep's summary) and raises JobFailed instead, so that the sweep goes on to its next job."""
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        sys.exit(1)
+    (output_dir / FAILED).write_text(json.dumps({"message": message}))
+    raise JobFailed(message)
 
 
 def run() -> None:

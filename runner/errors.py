@@ -100,6 +100,11 @@ def _unknown_key(cause: OmegaConfBaseException) -> str:
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after checkpointing; run the same command again
 
 
+class JobFailed(Exception):
+    """A job of a sweep whose training failed (diverged, a rank failed): its dir records why
+    (`failed.json`), Hydra records the job as failed, and the sweep goes on to its next job."""
+
+
 class TrainingInterrupted(Exception):
     """Training stopped on SIGTERM, SIGUSR1 or SIGUSR2 after writing a checkpoint it can resume from.
 

@@ -23,7 +23,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.cli import JOB_CONFIG_DIR
+from runner.checkpoint.resume import FINISHED
+from runner.cli import FAILED, JOB_CONFIG_DIR
 from runner.errors import ConfigError, describe_compose_error
 from runner.validate import check_job
 
@@ -35,6 +36,7 @@ class JobResult:
     name: str  # its dir in the sweep
     overrides: dict[str, str]
     metrics: dict[str, float]
+    failure: str | None = None  # why its training failed (its dir's failed.json), else None: it finished
 
 
 class SweepCheck(Callback):
@@ -80,32 +82,51 @@ class SweepSummary(Callback):
             return
         swept = swept_keys(jobs)
         metrics = sorted({name for job in jobs for name in job.metrics})
+        failed = [job for job in jobs if job.failure is not None]
+        status = ["status"] if failed else []  # a column only when a job failed
         rows = [
-            [job.name, *(job.overrides.get(k, "") for k in swept), *(job.metrics.get(m) for m in metrics)]
+            [
+                job.name,
+                *(job.overrides.get(k, "") for k in swept),
+                *(["failed" if job.failure else "finished"] if failed else []),
+                *(job.metrics.get(m) for m in metrics),
+            ]
             for job in jobs
         ]
-        header = ["job", *swept, *metrics]
+        header = ["job", *swept, *status, *metrics]
         with open(sweep_dir / "summary.csv", "w", newline="") as f:
             csv.writer(f).writerows([header, *rows])
-        plot(jobs, swept, metrics, sweep_dir / "summary.png")
+        if metrics:  # not when every job failed
+            plot(jobs, swept, metrics, sweep_dir / "summary.png")
         log.info("sweep summary (%s):\n%s", sweep_dir, format_table(header, rows))
         if config.tracker.get("_target_"):
-            instantiate(config.tracker).end_sweep(
-                sweep_dir, [sweep_dir / "summary.csv", sweep_dir / "summary.png"]
+            summaries = [sweep_dir / "summary.csv", sweep_dir / "summary.png"]
+            instantiate(config.tracker).end_sweep(sweep_dir, [path for path in summaries if path.is_file()])
+        if failed:  # the sweep ran its other jobs; the command says which failed, and fails
+            log.error(
+                "%d of %d job(s) failed: %s",
+                len(failed),
+                len(jobs),
+                "; ".join(f"job {job.name} ({job.failure[:300]})" for job in failed),  # type: ignore[index]
             )
+            sys.exit(1)
 
 
 def read_jobs(sweep_dir: Path) -> list[JobResult]:
-    """The jobs of the sweep that finished (their dir holds `metrics.json`), in job order."""
+    """The jobs of the sweep that finished (their dir holds `metrics.json`) or whose training failed
+    (`failed.json`), in job order."""
     jobs = []
-    for metrics_file in sweep_dir.glob("*/metrics.json"):
-        job_dir = metrics_file.parent
+    for job_dir in sorted(
+        {record.parent for name in (FINISHED, FAILED) for record in sweep_dir.glob(f"*/{name}")}
+    ):
         overrides = OmegaConf.load(job_dir / JOB_CONFIG_DIR / "overrides.yaml")
+        finished = job_dir / FINISHED
         jobs.append(
             JobResult(
                 name=job_dir.name,
                 overrides=dict(str(o).split("=", 1) for o in overrides if "=" in str(o)),
-                metrics=json.loads(metrics_file.read_text()),
+                metrics=json.loads(finished.read_text()) if finished.is_file() else {},
+                failure=None if finished.is_file() else json.loads((job_dir / FAILED).read_text())["message"],
             )
         )
     return sorted(

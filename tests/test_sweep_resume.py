@@ -143,3 +143,29 @@ def test_another_sweep_in_the_dir_is_refused_naming_the_difference_and_resume_fa
     assert snapshot(replaced[0] / "0") == job0  # kept, moved aside
     assert [row["optimizer.lr"] for row in summary_rows(sweep)] == ["0.001", "0.0003", "1e-05"]
     assert "resumed from" not in (sweep / "0" / "runner.log").read_text()  # a fresh job in a fresh dir
+
+
+def test_a_diverging_job_is_recorded_and_the_sweep_goes_on_and_fails_at_the_end(tmp_path):
+    """Job 1's learning rate makes its loss NaN: it stops (as a run would), jobs 0 and 2 still run, the
+    summary has a row for each with its status, its MLflow run is FAILED, and the command exits 1 naming it."""
+    sweep = tmp_path / "sweep"
+    proc = multirun(sweep, "trainer.max_steps=20", "optimizer.lr=1e-3,1e6,1e-4")
+    assert proc.returncode == 1, proc.stderr
+    assert (
+        "1 of 3 job(s) failed: job 1 (Training stopped: train/loss=nan at step 10"
+        in proc.stdout + proc.stderr
+    )
+    rows = summary_rows(sweep)
+    assert [(row["job"], row["status"]) for row in rows] == [
+        ("0", "finished"),
+        ("1", "failed"),
+        ("2", "finished"),
+    ]
+    assert rows[0]["train/loss"] and rows[2]["train/loss"] and not rows[1]["train/loss"]
+    parent = json.loads((sweep / "tracking" / "parent.json").read_text())
+    client = MlflowClient(parent["uri"])
+    children = client.search_runs(
+        [client.get_run(parent["run_id"]).info.experiment_id],
+        f"tags.mlflow.parentRunId = '{parent['run_id']}'",
+    )
+    assert sorted(run.info.status for run in children) == ["FAILED", "FINISHED", "FINISHED"]

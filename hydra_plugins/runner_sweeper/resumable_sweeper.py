@@ -14,7 +14,7 @@ from pathlib import Path
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
-from hydra.core.utils import JobReturn
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
@@ -24,6 +24,7 @@ log = logging.getLogger("runner")
 
 SWEEP_RECORD = "sweep.json"  # in the sweep's dir: every job's overrides, in job order
 FINISHED = "metrics.json"  # in a job's dir: the job ran to its end
+FAILED = "failed.json"  # in a job's dir: its training failed (runner.cli writes why)
 RESUME_OVERRIDE = "sweep.resume"  # not part of what a job is
 
 
@@ -89,9 +90,18 @@ class ResumableSweeper(Sweeper):
             self.validate_batch_is_legal(batch)  # composes each job's config: bad values fail before any runs
             results = self.launcher.launch(batch, initial_job_idx=start)
             for result in results:
-                _ = result.return_value  # raises what a job raised
+                if not recorded_failure(result):
+                    _ = result.return_value  # raises what a job raised
             returns.append(results)
         return returns
+
+
+def recorded_failure(result: JobReturn) -> bool:
+    """Whether `result` is a job whose training failed and that recorded why in its dir (`failed.json`):
+    the sweep goes on, and its summary names it. Any other failure ends the sweep."""
+    if result.status != JobStatus.FAILED or result.hydra_cfg is None:
+        return False
+    return (Path(result.hydra_cfg.hydra.runtime.output_dir) / FAILED).is_file()
 
 
 def job_identity(overrides: Sequence[str]) -> list[str]:
