@@ -169,3 +169,40 @@ def test_a_diverging_job_is_recorded_and_the_sweep_goes_on_and_fails_at_the_end(
         f"tags.mlflow.parentRunId = '{parent['run_id']}'",
     )
     assert sorted(run.info.status for run in children) == ["FAILED", "FINISHED", "FINISHED"]
+
+
+def test_a_sweep_whose_yaml_changed_is_refused_and_one_with_its_own_subdirs_resumes(tmp_path):
+    """The overrides alone do not say what a job ran: an edited experiment YAML composes other jobs under
+    the same command, refused naming the setting. Jobs in dirs named by a pattern of the user's
+    (`hydra.sweep.subdir`) are found finished there, not retrained."""
+    conf = tmp_path / "conf" / "experiment"
+    conf.mkdir(parents=True)
+    (conf / "mine.yaml").write_text("# @package _global_\noptimizer:\n  weight_decay: 0.01\n")
+    sweep = tmp_path / "sweep"
+    command = [
+        *("--config-dir", str(tmp_path / "conf"), "experiment=mine", "tracker=none", "trainer.max_steps=5"),
+        "hydra.sweep.subdir=${hydra.job.override_dirname}",
+        "trainer.seed=1,2",
+    ]
+    first = multirun(sweep, *command)
+    assert first.returncode == 0, first.stderr
+    job_dirs = sorted(path.parent for path in sweep.glob("*/metrics.json"))
+    assert len(job_dirs) == 2 and all("trainer.seed=" in path.name for path in job_dirs)
+    before = {path: snapshot(path) for path in job_dirs}
+
+    again = multirun(sweep, *command)
+    assert again.returncode == 0, again.stderr
+    assert "job(s) 0, 1 finished before and are not run again" in again.stdout
+    assert {path: snapshot(path) for path in job_dirs} == before  # not retrained
+
+    (conf / "mine.yaml").write_text("# @package _global_\noptimizer:\n  weight_decay: 0.1\n")
+    edited = multirun(sweep, *command)
+    assert edited.returncode == 2, edited.stderr
+    message = edited.stderr.strip()
+    assert message.startswith(
+        f"Configuration error: hydra.sweep.dir={sweep} holds this sweep's jobs composed with"
+    )
+    assert (
+        "job 0: optimizer.weight_decay=0.01 there, 0.1 here" in message and "Traceback" not in edited.stderr
+    )
+    assert {path: snapshot(path) for path in job_dirs} == before

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -18,7 +19,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 log = logging.getLogger("runner")
 
@@ -67,9 +68,15 @@ class ResumableSweeper(Sweeper):
         overrides = parser.parse_overrides([*params, *arguments])
         jobs = [list(job) for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
         sweep_dir = Path(self.config.hydra.sweep.dir)
+        composed = [self.compose(number, job) for number, job in enumerate(jobs)]
+        settings, dirs = [job_settings(cfg) for cfg in composed], [job_dir(cfg) for cfg in composed]
         try:
             finished = previous_jobs(
-                sweep_dir, jobs, resume=OmegaConf.select(self.config, "sweep.resume", default=True)
+                sweep_dir,
+                jobs,
+                settings,
+                dirs,
+                resume=OmegaConf.select(self.config, "sweep.resume", default=True),
             )
         except AnotherSweep as err:  # the sweep's config errors read as runner's (exit 2)
             print(f"Configuration error: {err}", file=sys.stderr)
@@ -77,7 +84,7 @@ class ResumableSweeper(Sweeper):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         (sweep_dir / SWEEP_RECORD).write_text(
-            json.dumps({"jobs": [job_identity(job) for job in jobs]}, indent=1)
+            json.dumps({"jobs": [job_identity(job) for job in jobs], "settings": settings}, indent=1)
         )
         if finished:
             log.info(
@@ -95,6 +102,41 @@ class ResumableSweeper(Sweeper):
             returns.append(results)
         return returns
 
+    def compose(self, number: int, overrides: list[str]) -> DictConfig:
+        """Job `number`'s config, as the launcher will compose it (its number set, for its dir's name)."""
+        assert self.config is not None and self.hydra_context is not None
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, job_identity(overrides))
+        with open_dict(cfg):
+            cfg.hydra.job.num = cfg.hydra.job.id = number
+        return cfg
+
+
+def job_settings(cfg: DictConfig) -> dict[str, Any]:
+    """A job's composed config as dotted keys (Hydra's own node and `sweep` left out, interpolations as
+    written): what an edited YAML changes even where the overrides stay the same."""
+    container = OmegaConf.to_container(cfg, resolve=False)
+    return {
+        key: value
+        for key, value in flat(container).items()  # type: ignore[arg-type]
+        if key.split(".")[0] not in ("hydra", "sweep")
+    }
+
+
+def job_dir(cfg: DictConfig) -> Path:
+    """Where a job writes: the sweep dir and its `hydra.sweep.subdir` (the job's number by default, or a
+    pattern of the user's such as `${hydra.job.override_dirname}`)."""
+    return Path(cfg.hydra.sweep.dir) / str(cfg.hydra.sweep.subdir)
+
+
+def flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as dotted keys."""
+    if not isinstance(node, dict) or not node:
+        return {prefix: node}
+    found: dict[str, Any] = {}
+    for key, value in node.items():
+        found |= flat(value, f"{prefix}.{key}" if prefix else str(key))
+    return found
+
 
 def recorded_failure(result: JobReturn) -> bool:
     """Whether `result` is a job whose training failed and that recorded why in its dir (`failed.json`):
@@ -109,12 +151,22 @@ def job_identity(overrides: Sequence[str]) -> list[str]:
     return [o for o in overrides if not o.startswith(f"{RESUME_OVERRIDE}=")]
 
 
-def previous_jobs(sweep_dir: Path, jobs: list[list[str]], *, resume: bool) -> set[int]:
-    """The jobs of this sweep that finished in `sweep_dir` before. AnotherSweep when the dir holds another
-    sweep (unless `resume` is false: then the previous jobs' dirs are moved aside and none finished)."""
+def previous_jobs(
+    sweep_dir: Path,
+    jobs: list[list[str]],
+    settings: list[dict[str, Any]],
+    dirs: list[Path],
+    *,
+    resume: bool,
+) -> set[int]:
+    """The jobs of this sweep that finished before (their `dirs` hold metrics.json). AnotherSweep when
+    `sweep_dir` holds another sweep: other jobs, or the same jobs composed to other `settings` (an edited
+    YAML); unless `resume` is false: then the previous jobs' dirs are moved aside and none finished."""
     record = sweep_dir / SWEEP_RECORD
-    job_dirs = (
-        [d for d in sweep_dir.iterdir() if d.is_dir() and d.name.isdigit()] if sweep_dir.is_dir() else []
+    job_dirs = (  # a job's dir holds its .hydra/ (under any subdir pattern)
+        [d for d in sweep_dir.iterdir() if d.is_dir() and (d.name.isdigit() or (d / ".hydra").is_dir())]
+        if sweep_dir.is_dir()
+        else []
     )
     if not resume:
         if job_dirs:
@@ -133,7 +185,8 @@ def previous_jobs(sweep_dir: Path, jobs: list[list[str]], *, resume: bool) -> se
             )
         return set()
     try:
-        before = json.loads(record.read_text())["jobs"]
+        recorded = json.loads(record.read_text())
+        before = recorded["jobs"]
     except (ValueError, KeyError, TypeError) as err:  # cut short, or edited by hand
         raise AnotherSweep(
             f"hydra.sweep.dir={sweep_dir}: its {SWEEP_RECORD} cannot be read ({type(err).__name__}: {err}), so "
@@ -147,7 +200,32 @@ def previous_jobs(sweep_dir: Path, jobs: list[list[str]], *, resume: bool) -> se
             "its own values to resume it, give this sweep another hydra.sweep.dir, or add sweep.resume=false to "
             "start over (the previous jobs' dirs are moved aside)."
         )
-    return {number for number in range(len(jobs)) if (sweep_dir / str(number) / FINISHED).exists()}
+    changed = [
+        f"job {number}: {changes}"
+        for number, (was, now_settings) in enumerate(
+            zip(recorded.get("settings") or [], settings, strict=False)
+        )
+        if (changes := describe_changes(was, now_settings))
+    ]
+    if changed:
+        raise AnotherSweep(
+            f"hydra.sweep.dir={sweep_dir} holds this sweep's jobs composed with other settings (a config file "
+            f"changed since): {'; '.join(changed[:3])}{'; ...' if len(changed) > 3 else ''}. Restore them to resume "
+            "it, give this sweep another hydra.sweep.dir, or add sweep.resume=false to start over (the previous "
+            "jobs' dirs are moved aside)."
+        )
+    return {number for number, directory in enumerate(dirs) if (directory / FINISHED).exists()}
+
+
+def describe_changes(before: dict[str, Any], now: dict[str, Any]) -> str:
+    """The settings that differ, as `key=old there, new here`, at most three."""
+    keys = [
+        key
+        for key in sorted(before.keys() | now.keys())
+        if before.get(key, "<unset>") != now.get(key, "<unset>")
+    ]
+    shown = [f"{key}={before.get(key, '<unset>')} there, {now.get(key, '<unset>')} here" for key in keys[:3]]
+    return ", ".join(shown) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
 def describe_difference(before: list[list[str]], now: list[list[str]]) -> str:
