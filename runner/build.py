@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -59,7 +61,25 @@ def meta_training_step(
     backward here: the autograd engine sizes its device queues on its first backward, and one before an
     XLA device exists breaks the backward of a rank that runs in this process."""
     batch = send_to_device(first_batch(data, per_device), torch.device("meta"))
-    return instantiate(cfg.task).training_step(model.train(), batch)
+    with value_free_attention(model):
+        return instantiate(cfg.task).training_step(model.train(), batch)
+
+
+@contextmanager
+def value_free_attention(model: torch.nn.Module) -> Iterator[None]:
+    """A transformers model's attention in its eager implementation while inside: the SDPA path asks
+    whether the padding mask is all ones (`.item()`), which a meta tensor cannot answer; the eager one
+    computes the same shapes without asking."""
+    config = getattr(model, "config", None)
+    previous = getattr(config, "_attn_implementation", None)
+    if previous in (None, "eager"):
+        yield
+        return
+    config._attn_implementation = "eager"  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous  # type: ignore[union-attr]
 
 
 def load_start_weights(model: torch.nn.Module, checkpoint: str) -> None:

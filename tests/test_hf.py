@@ -16,6 +16,7 @@ from conftest import run_to_end
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from runner.big_modeling import init_empty_weights, load_checkpoint_and_dispatch
+from runner.build import value_free_attention
 from runner.errors import ConfigError
 from runner.hardware.megatron import TensorParallel
 from runner.hardware.parallelize import declared_tp_plan, sharding_units
@@ -258,3 +259,21 @@ def test_pretrained_weights_that_are_missing_or_cut_short_are_refused_in_the_che
         with pytest.raises(ConfigError, match=re.escape(f"{bare} holds no model.safetensors")):
             causal_lm(pretrained=str(bare), vocab_size=50)
         causal_lm(pretrained=str(bare), load_weights=False, vocab_size=50)  # the architecture only
+
+
+def test_a_transformers_step_runs_on_meta_so_layout_mistakes_are_found_before_launch():
+    """transformers' SDPA attention asks whether the padding mask is all ones, which meta tensors cannot
+    answer: the step on meta (the launch's check and the FLOP count) runs the eager attention instead."""
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    mask, labels = torch.ones_like(ids), torch.zeros(2, dtype=torch.long, device="meta")
+    with torch.device("meta"):
+        model = sequence_classification(vocab_size=50, num_labels=2, config=LLAMA | {"pad_token_id": 0})
+        wrong = causal_lm(vocab_size=50, config=LLAMA | {"num_key_value_heads": 3})  # 4 heads
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    with pytest.raises(RuntimeError, match="meta"):
+        Classification().training_step(model, batch)
+    with value_free_attention(model):
+        assert Classification().training_step(model, batch).shape == ()
+    assert model.config._attn_implementation == "sdpa"  # restored
+    with value_free_attention(wrong), pytest.raises(RuntimeError, match="must match the size"):
+        LanguageModeling().training_step(wrong, {"input_ids": ids, "attention_mask": mask})
