@@ -161,6 +161,14 @@ class Engine(ProcessControl):
     def gradient_accumulation_steps(self) -> int:
         return self.gradient_state.num_steps
 
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        """Micro-batches per optimizer step from now on (a script that picks it from the batch size it
+        found, as Accelerate allows)."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {steps!r}.")
+        self.gradient_state.num_steps = steps
+
     @property
     def sync_gradients(self) -> bool:
         return self.gradient_state.sync_gradients

@@ -69,6 +69,16 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if self.gradient_state.sync_gradients:
             self.step_was_skipped = not self.strategy.optimizer_step(self.optimizer, self.precision, closure)
 
+    def train(self) -> None:
+        """Put an optimizer that has modes (schedule-free ones) in training mode; others have none."""
+        if callable(getattr(self.optimizer, "train", None)):
+            self.optimizer.train()
+
+    def eval(self) -> None:
+        """Put an optimizer that has modes (schedule-free ones: their evaluation weights) in eval mode."""
+        if callable(getattr(self.optimizer, "eval", None)):
+            self.optimizer.eval()
+
     def __repr__(self) -> str:
         return f"AcceleratedOptimizer({self.optimizer!r})"
 

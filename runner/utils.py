@@ -62,6 +62,7 @@ __all__ = [
     "is_datasets_available",
     "is_deepspeed_available",
     "is_mlflow_available",
+    "is_schedulefree_available",
     "is_tensorboard_available",
     "is_torch_xla_available",
     "is_torchao_available",
@@ -215,5 +216,6 @@ is_torch_xla_available = _installed("torch_xla")
 is_transformers_available = _installed("transformers")
 is_datasets_available = _installed("datasets")
 is_mlflow_available = _installed("mlflow")
+is_schedulefree_available = _installed("schedulefree")
 is_torchao_available = _installed("torchao")
 is_tensorboard_available = _installed("tensorboard")

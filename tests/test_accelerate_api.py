@@ -30,6 +30,7 @@ from runner.utils import (
     InitProcessGroupKwargs,
     ProfileKwargs,
     gather,
+    is_schedulefree_available,
     patch_environment,
     reduce,
     wait_for_everyone,
@@ -360,3 +361,52 @@ def test_write_basic_config_writes_what_accelerate_reads(tmp_path):
     assert write_basic_config(save_location=str(path)) is False  # an existing file is kept
     with pytest.raises(ValueError):
         write_basic_config("fp12", save_location=str(tmp_path / "other.yaml"))
+
+
+# -------------------------------------------------------------------- names a ported script sets or calls
+def test_gradient_accumulation_steps_can_be_set_after_construction(accelerator_made):
+    """Scripts pick the accumulation from the batch size they found and set it (Accelerate's setter)."""
+    accelerator = accelerator_made(cpu=True)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, data = accelerator.prepare(model, optimizer, loader(samples=16, batch_size=2))
+    accelerator.gradient_accumulation_steps = 4
+    synced = []
+    for (batch,) in data:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(batch).sum())
+            optimizer.step()
+            optimizer.zero_grad()
+            synced.append(accelerator.sync_gradients)
+    assert accelerator.gradient_accumulation_steps == 4
+    assert synced == [False, False, False, True] * 2  # 8 micro-batches, an optimizer step every 4th
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="an integer >= 1"):
+            accelerator.gradient_accumulation_steps = bad
+
+
+def test_a_schedule_free_optimizer_switches_modes_through_the_prepared_one(accelerator_made):
+    """`optimizer.train()` / `.eval()` reach a schedule-free optimizer (its eval weights differ from the
+    training ones); the prepared run matches the plain one bitwise."""
+    schedulefree = pytest.importorskip("schedulefree")
+    assert is_schedulefree_available()
+
+    def trained(prepare: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        optimizer = schedulefree.AdamWScheduleFree(model.parameters(), lr=0.1, warmup_steps=2)
+        if prepare:
+            model, optimizer = accelerator_made(cpu=True).prepare(model, optimizer)
+        optimizer.train()
+        for step in range(5):
+            loss = (model(torch.full((4, 3), float(step))) - 1).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        training = model.weight.detach().clone()
+        optimizer.eval()
+        return training, model.weight.detach().clone()
+
+    plain, prepared = trained(prepare=False), trained(prepare=True)
+    assert not torch.equal(plain[0], plain[1])  # eval() moved the weights to their averaged sequence
+    assert torch.equal(prepared[0], plain[0]) and torch.equal(prepared[1], plain[1])
