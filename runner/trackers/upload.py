@@ -15,7 +15,6 @@ import os
 import queue
 import sys
 import threading
-import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +80,14 @@ class Followed:
     delivery: Delivery
     lock: IO | None = None
     failed: bool = False
+    contacted: bool = False  # something was sent
+
+    def may_warn(self) -> bool:
+        """Whether this run's one console warning (its server cannot be reached) may still come: its
+        store is remote and nothing was sent to it yet, nor did sending fail. A local store (SQLite, files)
+        is only ever this machine's disk: its problems go to the sender's log."""
+        remote = self.delivery.uri.split(":", 1)[0] in ("http", "https", "databricks")
+        return remote and not self.failed and not self.contacted
 
     def step(self, writer_gone: bool) -> bool:
         """Send what is new; True once done with the journal: its run ended (or `writer_gone`) and all was
@@ -90,9 +97,12 @@ class Followed:
         self.lock = lock if self.lock is None else self.lock
         journal = self.journal.refresh()
         ended = writer_gone or (bool(journal.events) and journal.events[-1]["op"] == "end")
-        if journal.pending and (ended or not self.failed) and not self.delivery.send_pending():
-            self.failed = True
-            journal.mark_failed(self.delivery.error)
+        if journal.pending and (ended or not self.failed):
+            if self.delivery.send_pending():
+                self.contacted = True
+            else:
+                self.failed = True
+                journal.mark_failed(self.delivery.error)
         if not ended:
             return False
         if journal.events and journal.events[-1]["op"] != "end" and not journal.pending:
@@ -106,9 +116,9 @@ def serve(requests: IO[bytes], console: IO[str] | None) -> int:
     """Follow the journals named on `requests` (one JSON line each: `journal`, `uri`), delivering each
     until its run ends; return when `requests` is closed (the writing process exited or died) and every
     journal is done. Runs at the lowest CPU priority: the training process comes first."""
-    _log_to(console)
+    console_handler = _log_to(console)
     os.nice(19)
-    named: queue.Queue[dict | None] = queue.Queue()
+    named = Requests()
     threading.Thread(target=_read_requests, args=(requests, named), daemon=True).start()
     followed: list[Followed] = []
     writer_gone = False
@@ -138,27 +148,48 @@ def serve(requests: IO[bytes], console: IO[str] | None) -> int:
             if done:
                 failed |= item.failed
                 followed.remove(item)
+        if writer_gone and console_handler is not None and not any(item.may_warn() for item in followed):
+            # The console may be a pipe (`| tee`, a CI log) that its reader waits on until every holder has
+            # closed it: let go once the writer is gone and no run can still warn there.
+            logging.getLogger("runner").removeHandler(console_handler)
+            console_handler.close()
+            console.close()  # type: ignore[union-attr]
+            console_handler = None
         if not writer_gone or followed:
-            time.sleep(POLL_S)
-    if console is not None:
-        console.close()
+            named.wake.wait(POLL_S)  # at once when the writer exits
+            named.wake.clear()
+    if console_handler is not None:
+        console_handler.close()
+        console.close()  # type: ignore[union-attr]
     return 1 if failed else 0
 
 
-def _read_requests(requests: IO[bytes], named: queue.Queue) -> None:
+class Requests(queue.Queue):
+    """The journals named on the sender's stdin, in order; None once the writing process is gone, which
+    also sets `wake`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wake = threading.Event()
+
+
+def _read_requests(requests: IO[bytes], named: Requests) -> None:
     for line in requests:
         named.put(json.loads(line))
     named.put(None)  # end of file: the writing process is gone
+    named.wake.set()
 
 
-def _log_to(console: IO[str] | None) -> None:
+def _log_to(console: IO[str] | None) -> logging.Handler | None:
     """Everything (MLflow's own lines too) to this process's stderr, the sender's log file; the runner's
-    warnings also to the console of the process that started it."""
+    warnings also to the console of the process that started it, while that process runs (the handler)."""
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] %(message)s")
-    if console is not None:
-        handler = logging.StreamHandler(console)
-        handler.setLevel(logging.WARNING)
-        logging.getLogger("runner").addHandler(handler)
+    if console is None:
+        return None
+    handler = logging.StreamHandler(console)
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("runner").addHandler(handler)
+    return handler
 
 
 if __name__ == "__main__":
