@@ -90,7 +90,7 @@ class Trainer:
     def __init__(self, cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -> None:
         self.settings = trainer = cfg.trainer
         tracker = instantiate(cfg.tracker) if cfg.tracker._target_ else None
-        self.accelerator = accelerator = Engine(
+        self.engine = engine = Engine(
             strategy or instantiate(cfg.hardware),
             instantiate(cfg.precision),
             gradient_accumulation=GradientAccumulationPlugin(num_steps=trainer.gradient_accumulation_steps),
@@ -102,19 +102,19 @@ class Trainer:
             compile=OmegaConf.to_object(trainer.compile),
             activation_checkpointing=OmegaConf.to_object(trainer.activation_checkpointing),
         )
-        self.checkpointer = accelerator.checkpointer
+        self.checkpointer = engine.checkpointer
         # Under torchrun or srun each rank ran Hydra itself: the job's dir is rank 0's.
-        self.output_dir = output_dir = Path(accelerator.broadcast_object_list([str(output_dir)])[0])
-        accelerator.project_configuration.project_dir = str(output_dir)
+        self.output_dir = output_dir = Path(engine.broadcast_object_list([str(output_dir)])[0])
+        engine.project_configuration.project_dir = str(output_dir)
         self.checkpointer.number_after_existing()
         set_seed(trainer.seed)
 
-        with accelerator.main_process_first():
+        with engine.main_process_first():
             data = build_data(cfg)
-        self.train_loader, self.eval_loader = accelerator.prepare(
+        self.train_loader, self.eval_loader = engine.prepare(
             data.train_dataloader(seed=trainer.seed), data.eval_dataloader()
         )
-        self.throughput = throughput_meter(cfg, data, accelerator)
+        self.throughput = throughput_meter(cfg, data, engine)
         model = build_model(cfg, data)
         if cfg.checkpoint is not None:  # fine-tune from these weights
             load_start_weights(model, cfg.checkpoint)
@@ -123,41 +123,41 @@ class Trainer:
         self.total_steps = num_training_steps(trainer, len(self.train_loader))  # this rank's share
         # A prepared scheduler advances once per data-parallel process on each optimizer step (Accelerate's
         # convention; tensor-parallel ranks share their data), once only with split batches.
-        advances = 1 if trainer.split_batches else accelerator.state.data_parallel_size
+        advances = 1 if trainer.split_batches else engine.state.data_parallel_size
         scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=self.total_steps * advances)
         num_parameters = sum(p.numel() for p in model.parameters())  # before a backend partitions them
-        self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)
+        self.model, self.optimizer, self.scheduler = engine.prepare(model, optimizer, scheduler)
         # The loss of a batch, for `backward`: by the task's `loss` the strategy computes it (pipeline
         # parallel runs its schedule there), else by the task's own `training_step`.
         self.loss_of = (
-            partial(accelerator.training_loss, self.model, loss_fn=self.task.loss)
+            partial(engine.training_loss, self.model, loss_fn=self.task.loss)
             if trains_by_loss(self.task)
             else partial(self.task.training_step, self.model)
         )
-        self.done = Progress(window_loss=torch.zeros((), device=accelerator.device))
-        accelerator.register_for_checkpointing(self.done)
+        self.done = Progress(window_loss=torch.zeros((), device=engine.device))
+        engine.register_for_checkpointing(self.done)
         self.resume()
-        if accelerator.is_main_process:
+        if engine.is_main_process:
             (output_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         if tracker is not None:
             run_tags = {
-                "hardware": type(accelerator.strategy).__name__,
-                "precision": accelerator.mixed_precision,
-                "world_size": accelerator.num_processes,
+                "hardware": type(engine.strategy).__name__,
+                "precision": engine.mixed_precision,
+                "world_size": engine.num_processes,
             }
-            accelerator.init_trackers(
+            engine.init_trackers(
                 cfg.tracker.experiment_name,
                 config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
                 init_kwargs={tracker.name: {"tags": run_tags}},
             )
         log.info(
             "training %s (%.2fM parameters) for %d steps on %s, %d process(es), precision %s",
-            type(accelerator.unwrap_model(self.model)).__name__,
+            type(engine.unwrap_model(self.model)).__name__,
             num_parameters / 1e6,
             self.total_steps,
-            accelerator.device,
-            accelerator.num_processes,
-            accelerator.mixed_precision,
+            engine.device,
+            engine.num_processes,
+            engine.mixed_precision,
         )
         self.metrics: dict[str, float] = {}
         self.progress = tqdm(
@@ -165,16 +165,16 @@ class Trainer:
             initial=self.done.step,
             desc="train",
             dynamic_ncols=True,
-            disable=not (trainer.progress_bar and accelerator.is_local_main_process),
+            disable=not (trainer.progress_bar and engine.is_local_main_process),
         )
 
     def resume(self) -> None:
         """Continue from the checkpoint `trainer.resume` names (rank 0's choice, checked before launch by
         `check_resume`, for every rank), with the configured learning rate."""
         chosen = resume_checkpoint(self.settings.resume, self.output_dir)
-        resumed = self.accelerator.broadcast_object_list([str(chosen or "")])[0]
+        resumed = self.engine.broadcast_object_list([str(chosen or "")])[0]
         if resumed:
-            self.accelerator.step = self.checkpointer.resume(Path(resumed))
+            self.engine.step = self.checkpointer.resume(Path(resumed))
             done = self.done
             if done.step > self.total_steps:
                 raise ConfigError(
@@ -193,7 +193,7 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         """Train to `total_steps`, logging, evaluating and checkpointing on the way; then `finish`."""
-        accelerator, trainer, done = self.accelerator, self.settings, self.done
+        engine, trainer, done = self.engine, self.settings, self.done
         self.model.train()
         with self.running() as (received, profiler):
             self.throughput.restart()
@@ -201,7 +201,7 @@ class Trainer:
                 self.train_loader.set_epoch(done.epoch)
                 for batch in self.batches_left_in_epoch():
                     self.train_step(batch)
-                    if not accelerator.sync_gradients:
+                    if not engine.sync_gradients:
                         continue  # a micro-batch of an accumulation
                     done.step += 1
                     self.throughput.step()
@@ -214,9 +214,7 @@ class Trainer:
                     if last or self.due(trainer.eval_every):
                         self.evaluate()
                     if self.due(trainer.checkpoint_every):
-                        log.info(
-                            "checkpoint %s", accelerator.save_state(blocking=not trainer.async_checkpoint)
-                        )
+                        log.info("checkpoint %s", engine.save_state(blocking=not trainer.async_checkpoint))
                     self.stop_if_signalled(received)
                     if last:
                         break
@@ -227,16 +225,16 @@ class Trainer:
     def batches_left_in_epoch(self) -> Any:
         """The train loader, past the batches of this epoch a resumed run consumed already."""
         skip = self.done.batches
-        return self.accelerator.skip_first_batches(self.train_loader, skip) if skip else self.train_loader
+        return self.engine.skip_first_batches(self.train_loader, skip) if skip else self.train_loader
 
     def train_step(self, batch: Any) -> None:
         """Forward and backward of one micro-batch; at a synchronisation step, clip and step."""
-        accelerator = self.accelerator
-        with accelerator.accumulate(self.model):
+        engine = self.engine
+        with engine.accumulate(self.model):
             loss = self.loss_of(batch)
-            accelerator.backward(loss)
-            if self.settings.max_grad_norm is not None and accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
+            engine.backward(loss)
+            if self.settings.max_grad_norm is not None and engine.sync_gradients:
+                engine.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad()
@@ -250,30 +248,30 @@ class Trainer:
     def log_window(self) -> None:
         """The mean loss over the steps since the last log line, the learning rate and the `perf/*`
         metrics: checked finite, logged, and (`trainer.checkpoint_last_finite`) the state kept."""
-        accelerator, done = self.accelerator, self.done
-        window_loss = accelerator.reduce(done.window_loss / done.window_batches, "mean").item()
+        engine, done = self.engine, self.done
+        window_loss = engine.reduce(done.window_loss / done.window_batches, "mean").item()
         # After the .item(), which waited for the device: the window's time is its work.
-        perf = read_throughput(accelerator, self.throughput)
+        perf = read_throughput(engine, self.throughput)
         logged = {"train/loss": window_loss, "train/lr": self.scheduler.get_last_lr()[0], **perf}
         self.metrics.update(logged)
         done.window_loss.zero_()
         done.window_batches = 0
         self.check_finite()
         if self.settings.checkpoint_last_finite:
-            self.checkpointer.save_last_finite(accelerator.step)
+            self.checkpointer.save_last_finite(engine.step)
         self.progress.set_postfix(
             {"loss": f"{logged['train/loss']:.4f}"}
             | {name.removeprefix("perf/"): f"{logged[name]:.3g}" for name in PROGRESS_BAR if name in logged}
         )
-        accelerator.log(logged, step=done.step)
+        engine.log(logged, step=done.step)
         log.info("step %d/%d: %s", done.step, self.total_steps, _fmt(logged))
 
     def evaluate(self) -> None:
         """The task's metrics over the whole eval set, checked finite and logged."""
-        evaluated = evaluate(self.accelerator, self.model, self.task, self.eval_loader)
+        evaluated = evaluate(self.engine, self.model, self.task, self.eval_loader)
         self.metrics.update(evaluated)
         self.check_finite()
-        self.accelerator.log(evaluated, step=self.done.step)
+        self.engine.log(evaluated, step=self.done.step)
         log.info("step %d/%d: %s", self.done.step, self.total_steps, _fmt(self.metrics))
 
     def check_finite(self) -> None:
@@ -281,18 +279,18 @@ class Trainer:
             self.metrics,
             self.done.step,
             self.settings,
-            self.accelerator.mixed_precision,
+            self.engine.mixed_precision,
             self.checkpointer.project.checkpoints_dir,
         )
 
     def stop_if_signalled(self, received: list[int]) -> None:
         """After a stop signal on any rank: checkpoint at the next logging step (where the loss is read
         anyway: the check waits for the device and the other ranks) and raise `TrainingInterrupted`."""
-        accelerator, step = self.accelerator, self.done.step
+        engine, step = self.engine, self.done.step
         if received:
-            accelerator.set_trigger()
-        if step % self.settings.log_every == 0 and accelerator.check_trigger():
-            path = accelerator.save_state()
+            engine.set_trigger()
+        if step % self.settings.log_every == 0 and engine.check_trigger():
+            path = engine.save_state()
             raise TrainingInterrupted(
                 f"stopped by a signal at step {step}/{self.total_steps}; checkpoint {path}. Run the same "
                 f"command with the same output dir ({self.output_dir}) to resume.",
@@ -303,35 +301,35 @@ class Trainer:
     def running(self) -> Iterator[tuple[list[int], Any]]:
         """What surrounds the loop: the stop signals it records, the trackers' runs closed on failure, the
         memory snapshot on an out-of-memory error, the profiler (None unless `trainer.profile`)."""
-        accelerator, trainer, rank = self.accelerator, self.settings, self.accelerator.process_index
+        engine, trainer, rank = self.engine, self.settings, self.engine.process_index
         with (
             stop_signals() as received,
-            closed_on_failure(accelerator),
+            closed_on_failure(engine),
             memory_snapshot_on_oom(
                 trainer.memory_snapshot,
-                accelerator.device,
+                engine.device,
                 self.output_dir / f"memory_snapshot_rank{rank}.pickle",
             ),
-            profiled(trainer.profile, self.output_dir / "profile", rank, accelerator.device) as profiler,
+            profiled(trainer.profile, self.output_dir / "profile", rank, engine.device) as profiler,
         ):
             yield received, profiler
 
     def finish(self) -> dict[str, float]:
         """Evaluate a run that had nothing left to train, save the model, log the artifacts, and release
         everything; the final metrics."""
-        accelerator, output_dir = self.accelerator, self.output_dir
+        engine, output_dir = self.engine, self.output_dir
         self.progress.close()
         if not self.metrics:  # resumed from a checkpoint of the last step: nothing left to train
             log.info("the checkpoint was written at the last step (%d): evaluating only", self.done.step)
-            self.metrics.update(evaluate(accelerator, self.model, self.task, self.eval_loader))
-            accelerator.log(self.metrics, step=self.done.step)
+            self.metrics.update(evaluate(engine, self.model, self.task, self.eval_loader))
+            engine.log(self.metrics, step=self.done.step)
         if self.settings.save_model:
-            accelerator.save_model(self.model, str(output_dir / "model"))
+            engine.save_model(self.model, str(output_dir / "model"))
             # A transformers model's config next to its weights: from_pretrained loads the dir.
-            model_config = getattr(accelerator.unwrap_model(self.model), "config", None)
-            if accelerator.is_main_process and hasattr(model_config, "save_pretrained"):
+            model_config = getattr(engine.unwrap_model(self.model), "config", None)
+            if engine.is_main_process and hasattr(model_config, "save_pretrained"):
                 model_config.save_pretrained(output_dir / "model")
-        for run_tracker in accelerator.trackers:  # the main process's
+        for run_tracker in engine.trackers:  # the main process's
             for artifact in (output_dir / "resolved_config.yaml", *output_dir.glob("*.log")):  # and Hydra's
                 run_tracker.log_artifact(str(artifact))
             if run_tracker.log_model and self.settings.save_model:
@@ -339,8 +337,8 @@ class Trainer:
         # Free the prepared model while the process group lives: a DDP reducer collected after the group is
         # gone joins its gloo threads forever (a rank hung at exit).
         del self.model, self.optimizer, self.scheduler, self.loss_of
-        accelerator.free_memory()
-        accelerator.end_training()
+        engine.free_memory()
+        engine.end_training()
         return self.metrics
 
 
@@ -348,12 +346,12 @@ class Trainer:
 PROGRESS_BAR = ("perf/tokens_per_s", "perf/samples_per_s", "perf/mfu")
 
 
-def throughput_meter(cfg: DictConfig, data: DataSource, accelerator: Engine) -> Throughput:
+def throughput_meter(cfg: DictConfig, data: DataSource, engine: Engine) -> Throughput:
     """What `perf/*` is measured with: the unit (tokens for batches of token ids, else samples), the
     model's training FLOPs per unit, counted once by torch's FLOP counter on a meta-device copy (forward
     and backward of the first batch: the model's FLOPs, without activation recomputation), and one
     device's peak FLOP/s (`hardware.peak_flops`, else `runner.perf`'s table)."""
-    data_parallel = accelerator.state.data_parallel_size
+    data_parallel = engine.state.data_parallel_size
     per_device = data_parallel if cfg.trainer.split_batches else 1
     unit, units = batch_units(first_batch(data, per_device))
     flops_per_unit = None
@@ -368,23 +366,21 @@ def throughput_meter(cfg: DictConfig, data: DataSource, accelerator: Engine) -> 
             "perf/mfu is not reported: the training step could not run on the meta device to count its FLOPs (%s)",
             str(err).splitlines()[0][:200] if str(err) else type(err).__name__,
         )
-    strategy = accelerator.strategy
-    peak = strategy.peak_flops or peak_flops(strategy.device_name(), accelerator.mixed_precision)
+    strategy = engine.strategy
+    peak = strategy.peak_flops or peak_flops(strategy.device_name(), engine.mixed_precision)
     if peak is None:
         log.info(
             "perf/mfu is not reported: no peak FLOP/s is known for %s; set hardware.peak_flops",
             strategy.device_name(),
         )
-    return Throughput(
-        unit, flops_per_unit, peak, devices_per_batch=accelerator.num_processes // data_parallel
-    )
+    return Throughput(unit, flops_per_unit, peak, devices_per_batch=engine.num_processes // data_parallel)
 
 
-def read_throughput(accelerator: Engine, throughput: Throughput) -> dict[str, float]:
+def read_throughput(engine: Engine, throughput: Throughput) -> dict[str, float]:
     """The `perf/*` metrics over the processes: rates averaged, peak memory the largest."""
-    local = throughput.read(accelerator.device)
-    values = torch.tensor(list(local.values()), device=accelerator.device)
-    every = accelerator.gather(values[None]).view(-1, len(local))
+    local = throughput.read(engine.device)
+    values = torch.tensor(list(local.values()), device=engine.device)
+    every = engine.gather(values[None]).view(-1, len(local))
     return {
         name: (every[:, i].max() if "memory" in name else every[:, i].mean()).item()
         for i, name in enumerate(local)
@@ -392,7 +388,7 @@ def read_throughput(accelerator: Engine, throughput: Throughput) -> dict[str, fl
 
 
 @contextmanager
-def closed_on_failure(accelerator: Engine) -> Iterator[None]:
+def closed_on_failure(engine: Engine) -> Iterator[None]:
     """When the loop stops, first finish a checkpoint being written in the background; close the
     trackers' run as KILLED when it stopped on a signal (the run resumes later) and as FAILED when it
     raised; a run that ends well is closed FINISHED by `end_training`."""
@@ -400,12 +396,12 @@ def closed_on_failure(accelerator: Engine) -> Iterator[None]:
         yield
     except BaseException as err:
         try:  # a checkpoint being written in the background is finished first (the other ranks may be gone)
-            accelerator.wait_for_checkpoint(everyone=False)
+            engine.wait_for_checkpoint(everyone=False)
         except Exception as failed:
             log.error("%s", failed)
-        for tracker in accelerator.trackers:
+        for tracker in engine.trackers:
             tracker.close("KILLED" if isinstance(err, TrainingInterrupted | KeyboardInterrupt) else "FAILED")
-        accelerator.trackers.clear()
+        engine.trackers.clear()
         raise
 
 
@@ -454,13 +450,13 @@ def stop_signals() -> Iterator[list[int]]:
 
 
 @torch.no_grad()
-def evaluate(accelerator: Engine, model: torch.nn.Module, task: Task, loader: Any) -> dict[str, float]:
+def evaluate(engine: Engine, model: torch.nn.Module, task: Task, loader: Any) -> dict[str, float]:
     """Average the task's per-sample metrics over the whole eval set (all processes)."""
     model.eval()
     sums: dict[str, torch.Tensor] = {}
     count = 0
     for batch in loader:
-        values = accelerator.gather_for_metrics(task.evaluation_step(model, batch))
+        values = engine.gather_for_metrics(task.evaluation_step(model, batch))
         for name, value in values.items():
             sums[name] = sums.get(name, 0) + value.double().sum()
         count += len(next(iter(values.values())))
