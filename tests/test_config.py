@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 from hydra import compose, initialize_config_dir
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, HydraException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -24,7 +24,7 @@ from runner.build import locate
 from runner.cli import check_intervals, options_first
 from runner.config import CONF_DIR, SCHEMAS, Range, TrainerConfig, declared_ranges, register_configs
 from runner.errors import ConfigError, describe_compose_error
-from runner.validate import validate
+from runner.validate import check_job, validate
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
@@ -469,6 +469,129 @@ def test_hydra_options_move_before_the_overrides():
         *("--cfg", "job", "--info", "searchpath", "-i"),
         *("a=1", "b=2", "c=3", "d=4"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["trainer.max_step=5"],
+            "trainer.max_step: there is no key 'max_step' in 'trainer'. Did you mean trainer.max_steps?",
+        ),
+        (
+            ["trainer.max_steps=abc"],
+            "trainer.max_steps: Value 'abc' of type 'str' could not be converted to Integer",
+        ),
+        (
+            ["hardware=gpu9"],
+            "hardware=gpu9: there is no option 'gpu9' in the config group 'hardware'. Available: big_model, cpu, deepspeed, fsdp, megatron, multi_gpu, tpu.",
+        ),
+        (["data=table", "data.path=missing.csv", "data.target=y"], "data.path='missing.csv': no such file"),
+        (["model._target_=nope.Model"], "model._target_='nope.Model' cannot be imported"),
+        (["task._target_=nope.Task"], "task._target_='nope.Task' cannot be imported"),
+        (["model=gpt"], "model.vocab_size is null and the data does not provide it"),
+        (["hardware=multi_gpu", "hardware.num_processes=0"], "hardware.num_processes=0: must be >= 1"),
+        (["hardware.num_threads=0"], "hardware.num_threads=0: must be >= 1"),
+        (["+max_steps=5"], "max_steps: not a setting of the top level (its settings are model, data,"),
+        (["optimizer.lr=-1"], "optimizer.lr=-1: must be > 0."),
+        (["optimizer.betas=[0.9]"], "optimizer: torch.optim.AdamW refuses its settings (ConfigIndexError"),
+        (["scheduler.warmup_ratio=2"], "scheduler.warmup_ratio=2: must be >= 0 and < 1."),
+        (["scheduler.warmup_ratio=-0.5"], "scheduler.warmup_ratio=-0.5: must be >= 0 and < 1."),
+        (["model.hidden_size=0"], "model.hidden_size=0: must be >= 1."),
+        (["model.dropout=1.5"], "model.dropout=1.5: must be >= 0 and < 1."),
+        (["experiment=gpt_sonnets", "model.n_layers=0"], "model.n_layers=0: must be >= 1."),
+        (["data.batch_size=5000"], "data.batch_size=5000: the training set has 3686 sample(s)"),
+        (["+data.eval_batch_size=0"], "data.eval_batch_size=0: must be >= 1."),
+        (["+data.num_workers=-1"], "data.num_workers=-1: must be >= 0"),
+        (["hardware=fsdp", "hardware.num_threads=-1"], "hardware.num_threads=-1: must be >= 1"),
+        (
+            [
+                "hardware=multi_gpu",
+                "hardware.num_processes=2",
+                "trainer.split_batches=true",
+                "data.batch_size=33",
+            ],
+            "data.batch_size=33 is the global batch and must split evenly over the 2 processes",
+        ),
+        (
+            [
+                "hardware=multi_gpu",
+                "hardware.num_processes=2",
+                "data.num_samples=20",
+                "data.eval_fraction=0.05",
+                "data.batch_size=4",
+            ],
+            "the eval set has 1 sample(s), fewer than the 2 processes",
+        ),
+        (["hardware=multi_gpu", "hardware.device=tpu"], "hardware.device='tpu': expected 'cuda', 'cpu'"),
+        (["hardware=multi_gpu", "hardware.device=cuda"], "this machine has 0 visible GPU(s)"),
+        (["launcher.start_method=thread"], "launcher.start_method='thread': expected one of"),
+        (["hardware=fsdp", "precision=fp16"], "precision=fp16 with hardware=fsdp"),
+        (["hardware=deepspeed", "precision=fp16"], "precision=fp16 with hardware=deepspeed on the CPU"),
+        (["hardware=deepspeed", "hardware.zero_stage=4"], "hardware.zero_stage=4: must be >= 1 and <= 3"),
+        (["hardware=deepspeed", "hardware.offload_params=true"], "needs hardware.zero_stage=3"),
+        (["hardware=deepspeed", "hardware.config=missing.json"], "not a readable DeepSpeed JSON file"),
+        (
+            ["hardware=deepspeed", "+hardware.config.gradient_clipping=1.0"],
+            "hardware.config.gradient_clipping=1.0 contradicts",
+        ),
+        (
+            ["hardware=deepspeed", "precision=bf16", "+hardware.config.bf16.enabled=false"],
+            "hardware.config.bf16.enabled=False contradicts the run's value True (from the precision group)",
+        ),
+    ],
+)
+def test_bad_input_is_refused_in_one_paragraph_before_launch(overrides, expected):
+    """What `python -m runner` refuses before any rank starts, one paragraph each (the command's own
+    handling of them, its exit code and that it writes nothing: tests/test_cli.py)."""
+    try:
+        check_job(compose("config", overrides=[*overrides, "tracker=none"]))
+    except ConfigError as err:
+        message = str(err)
+    except (HydraException, OmegaConfBaseException) as err:  # composing: the command says the same
+        message = describe_compose_error(err)
+    else:
+        raise AssertionError(f"{overrides} was accepted")
+    assert expected in message and "\n" not in message, message
+
+
+def test_broken_data_files_and_a_model_that_does_not_fit_are_refused_before_launch(tmp_path, monkeypatch):
+    """The launch reads the data and runs a step on meta as the ranks will: what fails there is refused."""
+    monkeypatch.chdir(tmp_path)  # the files are given as relative paths, as users type them
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "cut.jsonl").write_text('{"x": 1, "y": 2}\n{"x": ')
+    (tmp_path / "table.csv.gz").write_bytes(b"not gzip at all")
+    (tmp_path / "nan.csv").write_text("x,y\n" + "".join(f"{i},{i % 2}\n" for i in range(30)) + "nan,1\n")
+    (tmp_path / "one_class.csv").write_text("x,y\n" + "".join(f"{i},cat\n" for i in range(30)))
+    cases = {
+        (
+            "data=text",
+            "data.path=empty.txt",
+            "model=gpt",
+        ): "data: runner.data.TextFile failed to read its data from data.path=empty.txt",
+        ("data=table", "data.path=cut.jsonl", "data.target=y"): "from data.path=cut.jsonl (JSONDecodeError",
+        ("data=table", "data.path=table.csv.gz", "data.target=y"): "from data.path=table.csv.gz (BadGzipFile",
+        ("data=table", "data.path=nan.csv", "data.target=y"): "column 'x' holds 'nan' on data row 31",
+        (
+            "data=table",
+            "data.path=one_class.csv",
+            "data.target=y",
+        ): "every row of one_class.csv has the class 'cat'",
+        (
+            "experiment=gpt_sonnets",
+            "model.max_seq_len=16",
+        ): "one training step of runner.models.GPT on the first batch",
+        (
+            "experiment=gpt_sonnets",
+            "model.max_seq_len=16",
+            "hardware=multi_gpu",
+            "hardware.num_processes=2",
+        ): ("sequence length 64 exceeds model.max_seq_len=16"),
+    }
+    for overrides, expected in cases.items():
+        with pytest.raises(ConfigError) as refused:
+            check_job(compose("config", overrides=[*overrides, "tracker=none"]))
+        assert expected in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
 
 
 def test_a_sweep_interval_written_backwards_is_refused_before_the_sweep():
