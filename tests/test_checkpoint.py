@@ -206,6 +206,9 @@ def _save_forever(project_dir: str, ready) -> None:
         accelerator.save_state()
 
 
+TRIALS = 8  # half killed while a save's files are written, half at a random moment (seeded) of one
+
+
 @pytest.mark.slow
 def test_kill_9_at_any_moment_of_a_save_leaves_a_loadable_latest_checkpoint(tmp_path):
     # Children fork from a fresh server process: forking this one, whose OpenMP threads already ran, could hang.
@@ -213,7 +216,7 @@ def test_kill_9_at_any_moment_of_a_save_leaves_a_loadable_latest_checkpoint(tmp_
     context.set_forkserver_preload(["torch", "runner", "test_checkpoint"])
     rng = random.Random(0)
     interrupted_saves = 0
-    for trial in range(20):
+    for trial in range(TRIALS):
         project = tmp_path / str(trial)
         ready = context.Event()
         child = context.Process(target=_save_forever, args=(str(project), ready))
@@ -238,7 +241,9 @@ def test_kill_9_at_any_moment_of_a_save_leaves_a_loadable_latest_checkpoint(tmp_
         accelerator.load_state(str(latest))
         number = int(latest.name.removeprefix("checkpoint_"))
         assert torch.all(model.weight == number), trial  # complete, and the one `latest` names
-    assert interrupted_saves >= 10  # kills did land inside a save's writing (its staging dir was left behind)
+    assert (
+        interrupted_saves >= TRIALS // 2
+    )  # kills did land inside a save's writing (its staging dir was left)
 
 
 def test_set_seed_has_accelerates_signature(monkeypatch):

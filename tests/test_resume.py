@@ -155,7 +155,9 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_training(tmp_path):
         (f"trainer.resume={tmp_path / 'model'}",): "not a checkpoint",
         ("data.batch_size=32",): "read other data (data.batch_size=64 there, 32 here)",
         ("data.num_samples=1000",): "read other data (data.num_samples=4096 there, 1000 here)",
-        ("trainer.max_steps=15",): "trainer.max_steps=15: " + str(checkpoint) + " was written at step 20, past it",
+        ("trainer.max_steps=15",): "trainer.max_steps=15: "
+        + str(checkpoint)
+        + " was written at step 20, past it",
     }
     for overrides, expected in cases.items():
         proc = run(tmp_path, "trainer.max_steps=30", "model.hidden_size=64", *overrides)
@@ -268,7 +270,8 @@ def test_a_second_run_into_a_busy_dir_is_refused_and_a_dead_runs_dir_is_free(tmp
     ).read_text() == recorded  # nothing of the first was touched
     first.kill()  # kill -9: no cleanup ran, yet nothing stale is left behind
     first.communicate(timeout=60)
-    third = run(tmp_path, "trainer.max_steps=20")
+    # its checkpoints are past 20 steps: a run of 20 starts over (resuming them would train nothing)
+    third = run(tmp_path, "trainer.max_steps=20", "trainer.resume=null")
     assert third.returncode == 0, third.stderr
 
 
