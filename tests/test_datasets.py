@@ -234,6 +234,20 @@ def test_broken_datasets_are_refused_naming_the_key(files, tmp_path):
     (tmp_path / "bad_tokenizer").mkdir()
     (tmp_path / "bad_tokenizer" / "tokenizer_config.json").write_text("{")
     classify = {"task": "classification", "seq_len": 4}
+    datasets.DatasetDict(  # a class in the eval split that the training split lacks
+        {
+            "train": datasets.Dataset.from_dict({"text": ["a b"] * 4, "label": ["x", "y"] * 2}),
+            "test": datasets.Dataset.from_dict({"text": ["a b"] * 3, "label": ["x", "y", "z"]}),
+        }
+    ).save_to_disk(tmp_path / "unseen_class")
+    cases.append(
+        (
+            lambda: HFDataset(
+                str(tmp_path / "unseen_class"), tokenizer, eval_split="test", **classify
+            ).setup(),
+            "data.eval_split='test': classes ['z'] are not in the training split ['x', 'y']",
+        )
+    )
     cases += [
         (
             lambda: HFDataset(str(tmp_path / "null.jsonl"), tokenizer, **classify).setup(),

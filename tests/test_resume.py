@@ -306,6 +306,25 @@ def test_a_full_disk_stops_the_run_in_one_paragraph_and_leaves_no_partial_checkp
     assert proc.stdout.strip() == ""  # checkpoints/ holds nothing: the partial one was removed
 
 
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="a read-only bind mount in a mount namespace needs root",
+)
+def test_a_read_only_run_dir_is_refused_in_one_paragraph(tmp_path):
+    """Root ignores file permissions: a read-only file system is what stops it writing."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    command = shlex.join(runner_command(locked / "run", "trainer.max_steps=5"))
+    script = f"mount --bind -o ro {locked} {locked} && {command}"
+    proc = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", script], env=cli_env(), capture_output=True, text=True, timeout=300
+    )
+    message = proc.stderr.strip()
+    assert proc.returncode == 2, proc.stderr
+    assert message.startswith(f"Configuration error: the run's dir cannot be made at {locked / 'run'}")
+    assert "Read-only file system" in message and "Traceback" not in proc.stderr
+
+
 def test_evaluating_more_often_does_not_change_training(tmp_path):
     """Starting an evaluation draws nothing from torch's global RNG: dropout masks stay the same."""
     weights = []
