@@ -69,7 +69,8 @@ class ResumableSweeper(Sweeper):
         jobs = [list(job) for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
         sweep_dir = Path(self.config.hydra.sweep.dir)
         composed = [self.compose(number, job) for number, job in enumerate(jobs)]
-        settings, dirs = [job_settings(cfg) for cfg in composed], [job_dir(cfg) for cfg in composed]
+        settings = [job_settings(cfg) for cfg in composed]
+        dirs = [sweep_dir / job_subdir(cfg) for cfg in composed]
         try:
             finished = previous_jobs(
                 sweep_dir,
@@ -122,10 +123,11 @@ def job_settings(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def job_dir(cfg: DictConfig) -> Path:
-    """Where a job writes: the sweep dir and its `hydra.sweep.subdir` (the job's number by default, or a
-    pattern of the user's such as `${hydra.job.override_dirname}`)."""
-    return Path(cfg.hydra.sweep.dir) / str(cfg.hydra.sweep.subdir)
+def job_subdir(cfg: DictConfig) -> str:
+    """A job's dir in the sweep dir: `hydra.sweep.subdir` (the job's number by default, or a pattern of
+    the user's such as `${hydra.job.override_dirname}`). The sweep dir is the sweeper's own: a job's
+    config resolves a `${now:...}` in it afresh."""
+    return str(cfg.hydra.sweep.subdir)
 
 
 def flat(node: Any, prefix: str = "") -> dict[str, Any]:
