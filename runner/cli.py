@@ -163,9 +163,8 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
             reason,
         )
         sys.exit(1)
-    except (
-        KeyboardInterrupt
-    ) as err:  # a Ctrl-C or SIGTERM before the loop started, a second Ctrl-C: no checkpoint now
+    except KeyboardInterrupt as err:
+        # A Ctrl-C or SIGTERM before the loop started, or a second Ctrl-C: no checkpoint now.
         signum = getattr(err, "signum", signal.SIGINT)
         cause = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         log.warning("Training interrupted: %s", interrupted(cause, output_dir, since=started))
