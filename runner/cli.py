@@ -50,6 +50,7 @@ from runner.errors import (
     describe_missing_search_path,
     describe_yaml_error,
     raise_terminated,
+    signal_name,
     write_failure,
 )
 from runner.inference import infer
@@ -166,8 +167,7 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
     except KeyboardInterrupt as err:
         # A Ctrl-C or SIGTERM before the loop started, or a second Ctrl-C: no checkpoint now.
         signum = getattr(err, "signum", signal.SIGINT)
-        cause = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        log.warning("Training interrupted: %s", interrupted(cause, output_dir, since=started))
+        log.warning("Training interrupted: %s", interrupted(signal_name(signum), output_dir, since=started))
         sys.exit(128 + signum)  # as the shell reports a process that the signal ended (130 for Ctrl-C)
     finally:
         owned.close()

@@ -100,6 +100,13 @@ def _unknown_key(cause: OmegaConfBaseException) -> str:
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after checkpointing; run the same command again
 
 
+def signal_name(signum: int | None) -> str:
+    """How a stop signal is named to the user: "Ctrl-C" for SIGINT, else its name ("a signal": unknown)."""
+    if signum is None:
+        return "a signal"
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
 class JobFailed(Exception):
     """A job of a sweep whose training failed (diverged, a rank failed): its dir records why
     (`failed.json`), Hydra records the job as failed, and the sweep goes on to its next job."""

@@ -32,7 +32,7 @@ from runner.checkpoint.checkpointer import ProjectConfiguration
 from runner.checkpoint.resume import resume_checkpoint, resume_hint
 from runner.data.base import DataSource
 from runner.engine import Engine
-from runner.errors import ConfigError, TrainingDiverged, TrainingInterrupted
+from runner.errors import ConfigError, TrainingDiverged, TrainingInterrupted, signal_name
 from runner.handlers import DataLoaderConfiguration, GradientAccumulationPlugin
 from runner.hardware.base import Strategy
 from runner.perf import Throughput, count_flops, memory_snapshot_on_oom, peak_flops, profiled
@@ -291,10 +291,11 @@ class Trainer:
             engine.set_trigger()
         if step % self.settings.log_every == 0 and engine.check_trigger():
             path = engine.save_state()
+            signum = received[0] if received else None  # None: another rank was signalled
             raise TrainingInterrupted(
-                f"stopped by a signal at step {step}/{self.total_steps}; checkpoint {path}. Run the same "
+                f"stopped by {signal_name(signum)} at step {step}/{self.total_steps}; checkpoint {path}. Run the same "
                 f"command with the same output dir ({self.output_dir}) to resume.",
-                signum=received[0] if received else None,
+                signum=signum,
             )
 
     @contextmanager

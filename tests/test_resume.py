@@ -17,11 +17,11 @@ from conftest import cli_env, metrics_of, runner_command, wait_for_checkpoint
 
 pytestmark = pytest.mark.slow
 
-# A dropout MLP for ~1000 steps: long enough to interrupt, with every RNG in play.
+# A dropout MLP for 300 steps: long enough to interrupt after a checkpoint or two, with every RNG in play.
 TRAIN = [
-    "trainer.max_steps=1000",
-    "trainer.eval_every=250",
-    "trainer.checkpoint_every=50",
+    "trainer.max_steps=300",
+    "trainer.eval_every=100",
+    "trainer.checkpoint_every=25",
     "model.dropout=0.1",
 ]
 RANKS = {1: [], 2: ["hardware=multi_gpu", "hardware.num_processes=2"]}
@@ -91,7 +91,8 @@ def test_a_ctrl_c_in_a_terminal_counts_once_in_every_rank(tmp_path):
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 75, stderr
     message = stderr.strip().splitlines()[-1]
-    assert message.startswith("Training interrupted: stopped by Ctrl-C; checkpoint "), stderr
+    # The launcher's words or, when the ranks stopped before its SIGINT came, theirs: Ctrl-C either way.
+    assert message.startswith("Training interrupted: stopped by Ctrl-C") and "; checkpoint " in message, stderr
     assert (tmp_path / "checkpoints" / "checkpoint_0").is_dir()
 
 

@@ -140,6 +140,7 @@ def report_failure(error_dir: Path, rank: int, err: BaseException) -> None:
         "lost_peer": lost_peer,
         "kind": kind,
         "message": str(err),
+        "signum": getattr(err, "signum", None),  # TrainingInterrupted's: the signal that stopped the rank
         "traceback": traceback.format_exc(),
     }
     error_dir.mkdir(parents=True, exist_ok=True)
@@ -159,7 +160,10 @@ def reported_failure(error_dir: Path, causes_only: bool = False) -> Exception | 
         return None
     rank = min(reports, key=lambda r: (reports[r]["lost_peer"], reports[r]["time"]))
     if (kind := reports[rank]["kind"]) is not None:
-        return REPORTED_AS_IS[kind](reports[rank]["message"])
+        error = REPORTED_AS_IS[kind](reports[rank]["message"])
+        if kind == TrainingInterrupted.__name__:
+            error.signum = reports[rank].get("signum")
+        return error
     others = sorted(set(reports) - {rank})
     also = f" (rank {', '.join(map(str, others))} failed too)" if others else ""
     return RankFailedError(

@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from runner.cluster import available_cores, launched_environment
-from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingInterrupted
+from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingInterrupted, signal_name
 from runner.hardware.base import Strategy
 from runner.launchers.base import (
     Job,
@@ -133,7 +133,7 @@ class LocalLauncher(Launcher):
                 try:
                     results = elastic_launch(config, _rank_entry)(job, error_dir)
                 except SignalException as err:  # this process was signalled; the ranks got it too
-                    cause = "Ctrl-C" if ctrl_c else signal.Signals(err.sigval).name
+                    cause = signal_name(signal.SIGINT if ctrl_c else err.sigval)
                     raise TrainingInterrupted(
                         interrupted(cause, job.output_dir, since=started),
                         signum=signal.SIGINT if ctrl_c else err.sigval,
@@ -148,7 +148,11 @@ def _ctrl_c_once() -> Iterator[list[int]]:
     """While the ranks run, the launcher's SIGINT stops them with one SIGTERM: a Ctrl-C in a terminal
     reaches the launcher and every rank (one process group), so passing SIGINT on would count as a second
     Ctrl-C in each rank, which then stops without its checkpoint. A further SIGINT is left to the ranks
-    (they take a second Ctrl-C as "stop at once"). Yields the SIGINTs received."""
+    (they take a second Ctrl-C as "stop at once"). Yields the SIGINTs received.
+
+    Once the ranks have stopped on a signal, a SIGINT that reaches this process later is ignored: it is
+    the terminal's same Ctrl-C arriving after the ranks' (or one more while the run is already stopping),
+    and must not turn the checkpointed stop (exit 75) into a KeyboardInterrupt."""
     received: list[int] = []
 
     def stop_ranks(signum: int, frame: Any) -> None:
@@ -159,6 +163,9 @@ def _ctrl_c_once() -> Iterator[list[int]]:
     previous = signal.signal(signal.SIGINT, stop_ranks)
     try:
         yield received
+    except TrainingInterrupted:
+        previous = signal.SIG_IGN
+        raise
     finally:
         signal.signal(signal.SIGINT, previous)
 
@@ -175,12 +182,14 @@ def _rank_entry(job: Job, error_dir: str) -> dict[str, float]:
     """
     _die_with_parent()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    rank = launched_environment().rank  # type: ignore[union-attr]
     try:
         return run_rank(job)
-    except TrainingInterrupted:
+    except TrainingInterrupted as err:  # where it stopped and its checkpoint, for the launcher to say
+        report_failure(Path(error_dir), rank, err)
         sys.exit(EXIT_INTERRUPTED)
     except BaseException as err:
-        report_failure(Path(error_dir), launched_environment().rank, err)  # type: ignore[union-attr]
+        report_failure(Path(error_dir), rank, err)
         raise
 
 
@@ -199,6 +208,8 @@ def raise_failure(failures: dict[int, ProcessFailure], error_dir: Path) -> NoRet
     rank that raised first, ranks that merely lost a peer last.
     """
     if all(f.exitcode == EXIT_INTERRUPTED for f in failures.values()):
+        if isinstance(reported := reported_failure(error_dir), TrainingInterrupted):
+            raise reported  # the rank's own words: the signal, the step, the checkpoint
         raise TrainingInterrupted(
             "the ranks stopped on a signal after checkpointing; run the same command to resume."
         )
