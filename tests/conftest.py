@@ -14,6 +14,18 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Under pytest-xdist (the README's `-n 2 --dist loadgroup`) a test file runs whole in one worker, so its
+# module fixtures (the shared reference runs) are built once; the files that submit to the one SLURM
+# cluster share a group, so their jobs never wait behind each other's.
+GROUPS = {"test_slurm": "slurm", "test_slurm_multinode": "slurm"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.stem
+        item.add_marker(pytest.mark.xdist_group(GROUPS.get(module, module)))
+
 
 def runner_command(run_dir: Path, *overrides: str) -> list[str]:
     """`python -m runner` with its run dir at `run_dir`, no progress bar, and `overrides`."""

@@ -11,6 +11,9 @@ import time
 from typing import Any
 
 import torch
+
+# Preloaded in the forkserver with this module: each rank's first optimizer would import it (1-2 s a rank).
+import torch._dynamo
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.utils.data import DataLoader, IterableDataset
@@ -193,7 +196,8 @@ def ddp_training(accumulation: int) -> dict[str, Any]:
             optimizer.zero_grad()
     params = torch.cat([p.detach().flatten() for p in accelerator.unwrap_model(model).parameters()])
     gathered = accelerator.gather(params[None])
-    accelerator.end_training()
+    del model, optimizer, loader  # the DDP model goes before its process group (end_matrix_training)
+    end_matrix_training(accelerator)
     return {"params": params, "all_params": gathered, "grads": grads_after_micro_step}
 
 
