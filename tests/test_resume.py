@@ -300,6 +300,7 @@ def test_a_full_disk_stops_the_run_in_one_paragraph_and_leaves_no_partial_checkp
     )
     assert proc.returncode == 1, proc.stderr
     stopped = [line for line in proc.stderr.splitlines() if line.startswith("Training stopped: ")]
+    assert stopped, proc.stderr
     assert stopped[0].startswith(
         f"Training stopped: the run could not write to {mount / 'run'}: the disk is full"
     )

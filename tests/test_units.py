@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.checkpoint.files import PendingWrite
+from runner.checkpoint.files import CheckpointDiscarded, PendingWrite, save_torch
 from runner.checkpoint.resume import keep_configured_lr
 from runner.errors import ConfigError, TrainingDiverged, TrainingStopped
 from runner.hardware.base import ParameterMap
 from runner.hardware.cpu import SingleDevice
 from runner.hardware.mesh import ParallelDims
 from runner.hardware.pipeline import check_pipeline, local_stage_indices, stage_blocks
-from runner.launchers.base import RankFailedError, report_failure, reported_failure
+from runner.launchers.base import RankFailedError, lost_a_peer, report_failure, reported_failure
 from runner.models import GPT
 
 
@@ -259,3 +259,16 @@ def test_a_device_this_machine_lacks_is_refused_naming_what_it_has(name, message
     with pytest.raises(ConfigError, match=re.escape(message)):
         SingleDevice(name)
     assert SingleDevice("cpu").device == torch.device("cpu")
+
+
+def test_a_part_written_into_a_discarded_checkpoint_is_reported_after_the_cause(tmp_path, monkeypatch):
+    """Rank 1 writes its part while rank 0, whose own write failed (a full disk), removes the staging dir:
+    rank 1's error is a consequence, so rank 0's report is the one raised."""
+    monkeypatch.setattr("runner.launchers.base.LOST_PEER_GRACE_S", 0.0)
+    with pytest.raises(CheckpointDiscarded) as discarded:
+        save_torch({"x": torch.ones(1)}, tmp_path / "gone" / "random_states_1.pt")
+    assert lost_a_peer(discarded.value)
+    errors = tmp_path / "errors"
+    report_failure(errors, 1, discarded.value)  # the consequence, reported first
+    report_failure(errors, 0, TrainingStopped("the disk is full"))
+    assert str(reported_failure(errors)) == "the disk is full"

@@ -235,12 +235,20 @@ def damage(checkpoint: Path, meta: dict[str, Any], contents: bool = True) -> lis
     return problems
 
 
+class CheckpointDiscarded(Exception):
+    """The checkpoint this rank was writing its part into was discarded meanwhile: the main process's own
+    write failed (a full disk, a signal). A consequence, reported after that cause."""
+
+
 def save_torch(obj: Any, path: Path) -> None:
     """`torch.save(obj, path)`; a write that failed for want of space is an OSError(ENOSPC) naming `path`
-    (torch's writer reports it as "unexpected pos", without the OS error)."""
+    (torch's writer reports it as "unexpected pos", without the OS error), one whose directory another
+    process removed meanwhile is CheckpointDiscarded."""
     try:
         torch.save(obj, path)
     except RuntimeError as err:
+        if not path.parent.is_dir():
+            raise CheckpointDiscarded(f"{path.parent} was discarded while this rank wrote {path.name}") from err
         if shutil.disk_usage(path.parent).free >= FULL_BELOW_BYTES:
             raise
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from err

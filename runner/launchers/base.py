@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from runner.checkpoint.files import LATEST, latest_checkpoint
+from runner.checkpoint.files import LATEST, CheckpointDiscarded, latest_checkpoint
 from runner.cluster import launched_environment
 from runner.errors import ConfigError, RendezvousError, TrainingInterrupted, TrainingStopped, write_failure
 from runner.hardware.base import Strategy
@@ -122,8 +122,9 @@ LOST_PEER_GRACE_S = 2.0
 
 
 def lost_a_peer(err: BaseException) -> bool:
-    """Whether `err` is a collective failing because another rank went away (a consequence, not a cause)."""
-    return isinstance(err, dist.DistError) or bool(
+    """Whether `err` is a consequence of another rank's failure, not a cause: a collective failing because
+    that rank went away, or the checkpoint being written discarded by it."""
+    return isinstance(err, (dist.DistError, CheckpointDiscarded)) or bool(
         re.search(r"(closed|reset) by peer|remote worker|communicator was aborted", str(err))
     )
 
