@@ -6,6 +6,7 @@ a strategy accepts."""
 from __future__ import annotations
 
 import re
+import signal
 import threading
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 
 from runner.checkpoint.files import CheckpointDiscarded, PendingWrite, save_torch
 from runner.checkpoint.resume import keep_configured_lr
-from runner.errors import ConfigError, TrainingDiverged, TrainingStopped
+from runner.errors import ConfigError, TrainingDiverged, TrainingInterrupted, TrainingStopped
 from runner.hardware.base import ParameterMap
 from runner.hardware.cpu import SingleDevice
 from runner.hardware.mesh import ParallelDims
@@ -272,3 +273,14 @@ def test_a_part_written_into_a_discarded_checkpoint_is_reported_after_the_cause(
     report_failure(errors, 1, discarded.value)  # the consequence, reported first
     report_failure(errors, 0, TrainingStopped("the disk is full"))
     assert str(reported_failure(errors)) == "the disk is full"
+
+
+def test_ranks_that_stopped_on_a_signal_are_reported_in_their_own_words(tmp_path):
+    """The launcher repeats what the ranks said (the signal, the step, the checkpoint) and keeps the
+    signal, which a SLURM job's requeue reads."""
+    said = "stopped by SIGUSR1 at step 720/1000; checkpoint ckpt/checkpoint_0. Run the same command to resume."
+    for rank in (0, 1):
+        report_failure(tmp_path, rank, TrainingInterrupted(said, signum=signal.SIGUSR1))
+    reported = reported_failure(tmp_path)
+    assert type(reported) is TrainingInterrupted and str(reported) == said
+    assert reported.signum == signal.SIGUSR1
