@@ -89,7 +89,7 @@ def rng_generators(
     (the default CPU one), "cuda" (this process's device's, on CUDA), "generator" (`samplers`)."""
     named = {
         "torch": [torch.default_generator],
-        "cuda": [torch.cuda.default_generators[device.index or 0]] if device.type == "cuda" else [],
+        "cuda": [_cuda_generator(device)] if device.type == "cuda" else [],
         "generator": list(samplers),
     }
     rng_types = [str(getattr(t, "value", t)) for t in rng_types]
@@ -97,6 +97,12 @@ def rng_generators(
     if unknown:
         raise ValueError(f"rng_types: unknown {unknown}; use 'torch', 'cuda' or 'generator'.")
     return [g for rng_type in rng_types for g in named[rng_type]]
+
+
+def _cuda_generator(device: torch.device) -> torch.Generator:
+    """`device`'s default CUDA generator; torch fills `default_generators` when CUDA is initialised."""
+    torch.cuda.init()
+    return torch.cuda.default_generators[torch.cuda.current_device() if device.index is None else device.index]
 
 
 @contextmanager

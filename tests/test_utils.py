@@ -116,6 +116,29 @@ def test_extract_model_from_parallel_unwraps_compile_and_the_autocast_forward():
     assert "_original_forward" not in model.__dict__ and model.forward.__func__ is torch.nn.Linear.forward
 
 
+def test_a_model_compiled_by_the_user_prepares_and_trains_like_the_eager_one():
+    """`prepare(torch.compile(model), optimizer)`, as Accelerate's examples write it (the compiled wrapper
+    has no truth value: preparing it raised a TypeError)."""
+    losses = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        accelerator = Accelerator(strategy=SingleDevice("cpu"))
+        wrapped = torch.compile(model, backend="eager") if compiled else model
+        prepared, optimizer = accelerator.prepare(wrapped, optimizer)
+        assert prepared is wrapped
+        inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+        losses[compiled] = []
+        for _ in range(3):
+            loss = prepared(inputs).pow(2).mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[compiled].append(loss.item())
+    assert losses[True] == losses[False] and losses[True][0] > losses[True][-1]
+
+
 def test_each_strategy_reports_its_distributed_type():
     assert Accelerator(strategy=SingleDevice("cpu")).distributed_type == DistributedType.NO == "NO"
     types = {

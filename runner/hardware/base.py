@@ -224,7 +224,8 @@ class Strategy(ABC):
         place, or returns the module that holds them now: this rank's pipeline stages) and record which
         parameter became which in `parameter_map`; the module that holds them."""
         before = dict(module.named_parameters(remove_duplicate=False))
-        result = apply() or module
+        result = apply()
+        result = module if result is None else result  # not `or`: a compiled module has no truth value
         self.parameter_map.record(before, dict(result.named_parameters(remove_duplicate=False)))
         return result
 

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU checks in one call, for a lent machine with one CUDA GPU and the packages that torch's CUDA image
+# holds: the CUDA tests (tests/gpu), then the compiled throughput rows of benchmarks/gpu_throughput.py.
+# Each part has a time limit, so that one lease gives both; logs go to $OUT (else ./gpu-out).
+# Packages the image lacks travel as wheels in .whl/ (hydra-core, omegaconf, antlr4, deepspeed, torchao ...).
+#
+#   bash .ci/gpu.sh [TEST_SECONDS] [BENCHMARK_SECONDS] [BENCHMARK_MODES] [ROUNDS]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
+python3 -c "import torch, torchao, deepspeed; print('torch', torch.__version__, 'torchao', torchao.__version__, 'deepspeed', deepspeed.__version__)" 2>&1 | tail -1 | tee -a "$out/device.txt"
+start=$(date +%s)
+timeout "${1:-200}" python3 -m pytest -m cuda tests/gpu -n 4 --dist load -p no:cacheprovider -q 2>&1 | tee "$out/tests.log" | tail -40
+echo "tests/gpu took $(( $(date +%s) - start )) s"
+modes=${3:-plain,plain-compiled,plain-compiled-aa,runner-compiled,cli-compiled,cli-regional,cli-fp8}
+start=$(date +%s)
+timeout "${2:-300}" python3 benchmarks/gpu_throughput.py --modes "$modes" --rounds "${4:-2}" --steps 100 --warmup 20 \
+    2>&1 | tee "$out/throughput.log"
+echo "gpu_throughput took $(( $(date +%s) - start )) s"
