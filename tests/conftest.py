@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import os
 import shutil
 import subprocess
@@ -124,3 +125,21 @@ def shared_mlflow_store() -> str:
     )
     subprocess.run([sys.executable, "-c", create], check=True, capture_output=True)
     return uri
+
+
+def wait_for_delivery(run_dir: Path, timeout_s: float = 120) -> dict:
+    """The MLflow journal's delivery state in `run_dir` once the sender is done with it: a run returns
+    before its records reach the store (the sender delivers them)."""
+    state_file, events = run_dir / "tracking" / "delivered.json", run_dir / "tracking" / "events.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = json.loads(state_file.read_text()) if state_file.exists() else {}
+        if state.get("closed", -1) >= len(events.read_text().splitlines()):
+            return state
+        assert time.monotonic() < deadline, f"the sender did not finish: {state}"
+        time.sleep(0.1)
+
+
+def run_id_of(run_dir: Path) -> str:
+    """The MLflow run of `run_dir`'s journal, once delivered."""
+    return wait_for_delivery(run_dir)["run_id"]

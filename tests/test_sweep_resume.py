@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_env
+from conftest import cli_env, wait_for_delivery
 from mlflow import MlflowClient
 
 pytestmark = pytest.mark.slow
@@ -87,6 +87,8 @@ def test_a_sweep_interrupted_in_its_fourth_job_resumes_it_and_runs_only_what_is_
 
     # one MLflow parent run for the sweep, over both commands: a child run per job, and closed at the end
     parent = json.loads((sweep / "tracking" / "parent.json").read_text())
+    for job in sorted(path.parent.parent for path in sweep.glob("*/tracking/events.jsonl")):
+        wait_for_delivery(job)
     client = MlflowClient(parent["uri"])
     children = client.search_runs(
         [client.get_run(parent["run_id"]).info.experiment_id],
@@ -163,6 +165,8 @@ def test_a_diverging_job_is_recorded_and_the_sweep_goes_on_and_fails_at_the_end(
     ]
     assert rows[0]["train/loss"] and rows[2]["train/loss"] and not rows[1]["train/loss"]
     parent = json.loads((sweep / "tracking" / "parent.json").read_text())
+    for job in sorted(path.parent.parent for path in sweep.glob("*/tracking/events.jsonl")):
+        wait_for_delivery(job)
     client = MlflowClient(parent["uri"])
     children = client.search_runs(
         [client.get_run(parent["run_id"]).info.experiment_id],

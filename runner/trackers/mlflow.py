@@ -230,10 +230,11 @@ class MLflowTracker(Tracker):
         if self._sent:
             return
         directory = self.journal.directory
+        remote = remote_store(self.uri)
         try:
-            Sender.shared(directory / SENDER_LOG).follow(directory, self.uri)
+            Sender.shared(directory / SENDER_LOG, remote).follow(directory, self.uri)
         except BrokenPipeError:  # it had just exited: a new one
-            Sender.shared(directory / SENDER_LOG).follow(directory, self.uri)
+            Sender.shared(directory / SENDER_LOG, remote).follow(directory, self.uri)
         self._sent = True
 
     def _wait_for(self, condition: Callable[[dict[str, Any]], bool]) -> bool:
@@ -253,13 +254,15 @@ class Sender:
     process: a sweep's jobs share it, and MLflow and its store are set up once.
 
     It runs in a session of its own (a Ctrl-C of the run does not stop it), writes its output (MLflow's
-    own log lines included) to `SENDER_LOG` in the first journal's dir, and gets a copy of this process's
-    stderr for its one warning per run."""
+    own log lines included) to `SENDER_LOG` in the first journal's dir, and, where the first run's store is
+    remote (a server can be unreachable), gets a copy of this process's stderr for its one warning per run.
+    A local store's problems go to the log alone: the sender holds no console open, which a reader of a
+    pipe (`| tee`, a CI log) would wait on."""
 
     _shared: Sender | None = None
 
-    def __init__(self, log_file: Path) -> None:
-        console = os.dup(sys.stderr.fileno()) if _has_fileno(sys.stderr) else None
+    def __init__(self, log_file: Path, warn_on_console: bool) -> None:
+        console = os.dup(sys.stderr.fileno()) if warn_on_console and _has_fileno(sys.stderr) else None
         command = [sys.executable, "-m", "runner.trackers.upload", "--serve"]
         if console is not None:
             command += ["--console-fd", str(console)]
@@ -278,12 +281,13 @@ class Sender:
                 os.close(console)
 
     @classmethod
-    def shared(cls, log_file: Path | None = None) -> Sender | None:
-        """This process's sender; where none is running, one started with output to `log_file`, if given."""
+    def shared(cls, log_file: Path | None = None, warn_on_console: bool = False) -> Sender | None:
+        """This process's sender; where none is running, one started with output to `log_file`, if given
+        (and a copy of stderr where `warn_on_console`)."""
         if cls._shared is not None and cls._shared.process.poll() is not None:
             cls._shared = None
         if cls._shared is None and log_file is not None:
-            cls._shared = cls(log_file)
+            cls._shared = cls(log_file, warn_on_console)
         return cls._shared
 
     def follow(self, directory: Path, uri: str) -> None:
@@ -291,6 +295,12 @@ class Sender:
         assert self.process.stdin is not None
         self.process.stdin.write((json.dumps({"journal": str(directory), "uri": uri}) + "\n").encode())
         self.process.stdin.flush()
+
+
+def remote_store(uri: str) -> bool:
+    """Whether the tracking `uri` is a store across the network (a server that can be unreachable), not
+    this machine's disk (SQLite, files)."""
+    return uri.split(":", 1)[0] in ("http", "https", "databricks")
 
 
 def _has_fileno(stream: Any) -> bool:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO
 
 from runner.trackers.journal import Journal
-from runner.trackers.mlflow import JOURNAL_DIR, SENDER_LOG, UPLOAD, Delivery
+from runner.trackers.mlflow import JOURNAL_DIR, SENDER_LOG, UPLOAD, Delivery, remote_store
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,7 @@ class Followed:
         """Whether this run's one console warning (its server cannot be reached) may still come: its
         store is remote and nothing was sent to it yet, nor did sending fail. A local store (SQLite, files)
         is only ever this machine's disk: its problems go to the sender's log."""
-        remote = self.delivery.uri.split(":", 1)[0] in ("http", "https", "databricks")
-        return remote and not self.failed and not self.contacted
+        return remote_store(self.delivery.uri) and not self.failed and not self.contacted
 
     def step(self, writer_gone: bool) -> bool:
         """Send what is new; True once done with the journal: its run ended (or `writer_gone`) and all was
@@ -131,6 +130,14 @@ def serve(requests: IO[bytes], console: IO[str] | None) -> int:
                 continue
             journal = Journal(Path(request["journal"]))
             followed.append(Followed(journal, Delivery(journal, request["uri"])))
+        if writer_gone and console_handler is not None and not any(item.may_warn() for item in followed):
+            # The console may be a pipe (`| tee`, a CI log) that its reader waits on until every holder has
+            # closed it: let go once the writer is gone and no run can still warn there (before sending:
+            # a first delivery to a local store alone takes a second or more, MLflow's import and its tables).
+            logging.getLogger("runner").removeHandler(console_handler)
+            console_handler.close()
+            console.close()  # type: ignore[union-attr]
+            console_handler = None
         for item in list(followed):
             try:
                 done = item.step(writer_gone)
@@ -148,13 +155,6 @@ def serve(requests: IO[bytes], console: IO[str] | None) -> int:
             if done:
                 failed |= item.failed
                 followed.remove(item)
-        if writer_gone and console_handler is not None and not any(item.may_warn() for item in followed):
-            # The console may be a pipe (`| tee`, a CI log) that its reader waits on until every holder has
-            # closed it: let go once the writer is gone and no run can still warn there.
-            logging.getLogger("runner").removeHandler(console_handler)
-            console_handler.close()
-            console.close()  # type: ignore[union-attr]
-            console_handler = None
         if not writer_gone or followed:
             named.wake.wait(POLL_S)  # at once when the writer exits
             named.wake.clear()
