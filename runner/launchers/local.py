@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -17,8 +18,12 @@ from typing import Any, NoReturn
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig
+from torch.distributed.elastic.agent.server.api import WorkerGroup
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, record
+from torch.distributed.launcher import api as launcher_api
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from runner.cluster import available_cores, launched_environment
@@ -51,8 +56,9 @@ class LocalLauncher(Launcher):
         start_method: how ranks start: "fork", "spawn", "forkserver"; None: the hardware's choice (fork on
             CPU, where it starts a rank in milliseconds; spawn where CUDA must be initialised in the rank).
         monitor_interval_s: how often the launcher checks that every rank is alive.
-        shutdown_timeout_s: after a failure or a stop signal, how long the ranks get to exit (and
-            checkpoint) before SIGKILL.
+        shutdown_timeout_s: after a stop signal, how long the ranks get to exit (and checkpoint) before
+            SIGKILL; after a rank failed, how long the others get (half to exit on their own, having lost
+            a peer, half after SIGTERM).
     """
 
     def __init__(
@@ -129,7 +135,12 @@ class LocalLauncher(Launcher):
                 shutdown_timeout=int(self.shutdown_timeout_s),
                 signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",  # passed on to the ranks
             )
-            with _threads_per_rank(num_processes), _quiet_elastic_logs(), _ctrl_c_once() as ctrl_c:
+            with (
+                _threads_per_rank(num_processes),
+                _quiet_elastic_logs(),
+                _stopping_within_shutdown_timeout(),
+                _ctrl_c_once() as ctrl_c,
+            ):
                 try:
                     results = elastic_launch(config, _rank_entry)(job, error_dir)
                 except SignalException as err:  # this process was signalled; the ranks got it too
@@ -141,6 +152,35 @@ class LocalLauncher(Launcher):
                 except ChildFailedError as err:
                     raise_failure(err.failures, Path(error_dir))
         return results[0]
+
+
+class _Agent(LocalElasticAgent):
+    """torch's agent, but once a rank failed, the others get `shutdown_timeout` to exit before SIGKILL.
+    torch honours it only after a signal: after a failure its process context waits a fixed 30 s for the
+    other ranks (`ProcessContext.join` without a grace period), and its agent 30 s more (`_stop_workers`),
+    so a rank stuck in a collective held the job that long whatever `launcher.shutdown_timeout_s` said."""
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        pids = super()._start_workers(worker_group)
+        if isinstance(self._pcontext, MultiprocessContext):  # fork, spawn, forkserver
+            # Half the time to exit on their own (they may have lost the failed peer), half after SIGTERM.
+            ranks = self._pcontext._pc
+            ranks.join = functools.partial(ranks.join, grace_period=self._shutdown_timeout / 2)
+        return pids
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._shutdown(timeout=self._shutdown_timeout)
+
+
+@contextmanager
+def _stopping_within_shutdown_timeout() -> Iterator[None]:
+    """`elastic_launch` builds torch's `LocalElasticAgent` by its module name: `_Agent` meanwhile."""
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = _Agent  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original  # type: ignore[misc]
 
 
 @contextmanager
