@@ -6,8 +6,9 @@
    optimizer stamps it) and to its exit. The plain script trains the default experiment as `python -m
    runner` does (the synthetic regression, the 4 x 256 MLP, AdamW with warm-up and cosine decay, 200 steps,
    evaluation at steps 100 and 200, the weights and metrics saved); it runs twice per round, the second
-   time as an A/A control. Output goes to files, not pipes, and after each runner command the bench waits
-   for its MLflow sender to finish, so no command runs next to an earlier one's sender.
+   time as an A/A control. Output goes to files, but for the two `piped` rows, whose output is read from a
+   pipe to its end (as `| tee` or a CI log reads it); after each runner command the bench waits for its
+   MLflow sender to finish, so no command runs next to an earlier one's sender.
 2. A 10-job local sweep (`python -m runner -m trainer.seed=range(10)`, default tracker) against ten
    plain scripts run one after another.
 3. The answers that start nothing: `python -m runner.env` and `python -m runner plan=true` against
@@ -127,16 +128,25 @@ def wait_for_senders(timeout_s: float = 120) -> None:
         time.sleep(0.05)
 
 
-def timed(command: list[str], workdir: Path, stamp: bool = True) -> tuple[float, float]:
-    """(seconds to the first optimizer step, seconds to exit) of `command` started in `workdir`."""
+def timed(command: list[str], workdir: Path, stamp: bool = True, piped: bool = False) -> tuple[float, float]:
+    """(seconds to the first optimizer step, seconds to exit) of `command` started in `workdir`; `piped`:
+    its output goes to a pipe, read to its end (as `| tee` or a CI log does: exit is then the end of the
+    output, which waits for every process that holds the pipe)."""
     stamp_file = workdir / "stamp"
     stamp_file.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MLFLOW_TRACKING_URI")}
     env |= {STAMP_ENV: str(stamp_file), "PYTHONPATH": str(HERE)}
     with open(workdir / "output.txt", "w") as output:
         start = time.time()
-        code = subprocess.run(command, env=env, cwd=workdir, stdout=output, stderr=output).returncode
+        if piped:
+            proc = subprocess.run(
+                command, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
+            output.write(proc.stdout.decode(errors="replace"))
+        else:
+            proc = subprocess.run(command, env=env, cwd=workdir, stdout=output, stderr=output)
         end = time.time()
+        code = proc.returncode
     if code != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{(workdir / 'output.txt').read_text()[-3000:]}")
     wait_for_senders()
@@ -179,6 +189,8 @@ def main() -> None:
         "plain PyTorch script again (A/A)": plain,
         "python -m runner tracker=none": [*runner, "tracker=none"],
         "python -m runner (MLflow, local store)": runner,
+        "python -m runner tracker=none, piped": [*runner, "tracker=none"],
+        "python -m runner (MLflow), piped": runner,
         "python -m runner, 2 processes": [*runner, "hardware=multi_gpu", "hardware.num_processes=2"],
         "plain torchrun DDP, 2 processes": [
             *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"),
@@ -209,7 +221,7 @@ def main() -> None:
         answered: dict[str, list[tuple[float, float]]] = {name: [] for name in answers}
         for _ in range(args.rounds):
             for name, command in commands.items():
-                commanded[name].append(timed(command + extra(name), workdir))
+                commanded[name].append(timed(command + extra(name), workdir, piped=name.endswith("piped")))
             for name, command in answers.items():
                 answered[name].append(timed(command, workdir, stamp=False)[1:])
         swept: dict[str, list[tuple[float]]] = {
