@@ -15,13 +15,14 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from runner.ops import send_to_device
 from runner.weights import (
@@ -78,10 +79,35 @@ def init_on_device(device: torch.device | str, include_buffers: bool = False) ->
     if include_buffers:
         nn.Module.register_buffer = buffer_on_device  # type: ignore[method-assign]
     try:
-        yield
+        with _MetaValuesSkipped() if device.type == "meta" else nullcontext():
+            yield
     finally:
         nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
         nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
+
+
+class _MetaValuesSkipped(TorchFunctionMode):
+    """Inside, what a module's initialisation writes values with (`torch.nn.init`'s functions, and the
+    tensors' own in-place fills and arithmetic) returns a meta tensor as it is: it has no values to write. Run, the
+    Python meta kernels of some (`normal_`, `clamp_`, `erfinv_` ...) import `torch._dynamo`: about 75 MB of
+    memory and a second, paid by every model built empty (most of what loading a 1 GB checkpoint held
+    above its size)."""
+
+    VALUE_OPS = frozenset(
+        getattr(torch.Tensor, name)
+        for name in (
+            "normal_", "uniform_", "exponential_", "log_normal_", "cauchy_", "geometric_", "random_",
+            "bernoulli_", "fill_", "zero_", "erfinv_", "clamp_", "mul_", "add_", "div_", "sub_", "copy_",
+        )
+    )  # fmt: skip
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes it by name
+        value_op = func in self.VALUE_OPS or getattr(func, "__module__", None) == "torch.nn.init"
+        if value_op and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- device maps

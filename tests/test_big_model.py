@@ -74,6 +74,33 @@ def test_init_empty_weights_puts_parameters_on_meta_and_keeps_ties_and_buffers()
         assert WithBuffer().linear.weight.device.type == "cpu"
 
 
+def test_building_empty_skips_the_initialisation_of_meta_tensors_only():
+    """A model built empty runs no init kernel on its meta weights (some import torch._dynamo: 75 MB and a
+    second, most of what loading held above the model's size); tensors that stay real keep their values."""
+
+    class RandomBuffer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            nn.init.trunc_normal_(self.linear.weight)
+            self.register_buffer("noise", torch.empty(4).normal_())
+
+    torch.manual_seed(0)
+    with init_empty_weights():
+        kept = RandomBuffer()
+    torch.manual_seed(0)  # the meta weights drew nothing: the buffer got the first numbers
+    assert kept.linear.weight.is_meta and torch.equal(kept.noise, torch.empty(4).normal_())
+    build = (
+        "import sys; from runner import init_empty_weights; from runner.models import GPT\n"
+        "with init_empty_weights():\n"
+        "    model = GPT(vocab_size=64, max_seq_len=16, d_model=32, n_layers=2, n_heads=2)\n"
+        "assert all(p.is_meta for p in model.parameters())\n"
+        "print('torch._dynamo' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "False", proc.stdout + proc.stderr
+
+
 def test_auto_map_fills_memory_in_order_keeps_no_split_modules_whole_and_leaves_room_to_run():
     model = empty_gpt()
     sizes = compute_module_sizes(model)
@@ -322,7 +349,7 @@ def test_loading_peaks_at_the_model_size_and_disk_offload_at_a_third_of_it():
     peak = {method: float(row[1].rstrip("x")) for method, row in rows.items()}
     assert all(row[-1] == "identical" for row in rows.values()), proc.stdout
     assert peak["plain"] > 1.8, proc.stdout  # construct, then a second copy to load from
-    assert peak["runner_auto"] <= 1.1, proc.stdout
+    assert peak["runner_auto"] <= 1.05, proc.stdout  # 1.02x measured: the weights and one forward
     assert peak["runner_disk75"] <= 0.5 and int(rows["runner_disk75"][-2]) > 0, proc.stdout
 
 
