@@ -2,7 +2,13 @@
 # The GPU checks in one call, for a lent machine with one CUDA GPU and the packages that torch's CUDA image
 # holds: the CUDA tests (tests/gpu), then the compiled throughput rows of benchmarks/gpu_throughput.py.
 # Each part has a time limit, so that one lease gives both; logs go to $OUT (else ./gpu-out).
-# Packages the image lacks travel as wheels in .whl/ (hydra-core, omegaconf, antlr4, deepspeed, torchao ...).
+# Packages the image lacks travel as wheels in .whl/ (ignored by git), made on the development machine:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl hydra-core==1.3.2 \
+#       omegaconf==2.3.0 pydantic==2.13.4 pydantic_core==2.46.4 typing-inspection==0.4.2 \
+#       annotated-types==0.7.0 hjson==3.1.0 torchao==0.18.0
+#   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3
+#   DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation -w .whl deepspeed==0.19.8
 #
 #   bash .ci/gpu.sh [TEST_SECONDS] [BENCHMARK_SECONDS] [BENCHMARK_MODES] [ROUNDS]
 set -uo pipefail

@@ -120,7 +120,13 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
                 line = launcher.describe(cfg, built.hardware)
                 print(
                     describe_plan(
-                        cfg, built.hardware, world_size, line, str(checkpoint) if checkpoint else None
+                        cfg,
+                        built.hardware,
+                        world_size,
+                        line,
+                        str(checkpoint) if checkpoint else None,
+                        built.data,
+                        built.model,
                     )
                 )
             return {}

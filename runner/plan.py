@@ -18,13 +18,19 @@ MB = 1024**2
 
 
 def describe(
-    cfg: DictConfig, strategy: Strategy, world_size: int, launcher: str, resume_from: str | None
+    cfg: DictConfig,
+    strategy: Strategy,
+    world_size: int,
+    launcher: str,
+    resume_from: str | None,
+    data: DataSource | None = None,
+    model: torch.nn.Module | None = None,
 ) -> str:
     """The plan of one job, one line per aspect: `strategy` is the validated hardware, `launcher` the
-    launcher's own line."""
+    launcher's own line; `data` and `model` (on meta) those the checks built, else built here."""
     precision = strategy.setup_precision(instantiate(cfg.precision)).mixed_precision
-    data = build_data(cfg)
-    model = build_on_meta(cfg, data)
+    data = build_data(cfg) if data is None else data
+    model = build_on_meta(cfg, data) if model is None else model
     parameters = sum(p.numel() for p in model.parameters())  # tied weights once
     trainer = cfg.trainer
     batch = cfg.data.get("batch_size")

@@ -55,6 +55,8 @@ class Built:
 
     hardware: Strategy
     launcher: Any  # a runner.launchers.Launcher (a layer above this one)
+    data: DataSource | None = None  # the training checks' data and model on meta (None: not built)
+    model: torch.nn.Module | None = None
 
 
 def validate(cfg: DictConfig) -> Built:
@@ -284,31 +286,36 @@ def check_job(cfg: DictConfig) -> tuple[Built, int]:
     ranks the launcher will start. What was built, and that number."""
     built, problems = _validate(cfg)
     details = []
+    checked: tuple[DataSource | None, torch.nn.Module | None] = (None, None)
     if "hardware" in built and "launcher" in built:
         hardware, launcher = built["hardware"], built["launcher"]
         world_size = launcher.world_size(cfg, hardware)
         skip = named_nodes(problems)
-        for check in (
-            lambda: launcher.check(cfg, hardware),
-            lambda: validate_for_world(cfg, world_size, hardware, skip),
-        ):
-            try:
-                check()
-            except ConfigError as err:
-                problems.append(str(err))
-                details += [err.details] if err.details else []
+        try:
+            launcher.check(cfg, hardware)
+        except ConfigError as err:
+            problems.append(str(err))
+            details += [err.details] if err.details else []
+        try:
+            checked = validate_for_world(cfg, world_size, hardware, skip)
+        except ConfigError as err:
+            problems.append(str(err))
+            details += [err.details] if err.details else []
     if problems:
         raise ConfigError("\n\n".join(problems), details="\n".join(details) or None)
-    return Built(hardware=built["hardware"], launcher=built["launcher"]), world_size
+    data, model = checked
+    return Built(hardware=built["hardware"], launcher=built["launcher"], data=data, model=model), world_size
 
 
 def validate_for_world(
     cfg: DictConfig, world_size: int, hardware: Strategy, skip: set[str] = frozenset()
-) -> None:
+) -> tuple[DataSource | None, torch.nn.Module | None]:
     """The checks that need the number of ranks the launcher will start (ConfigError listing all): the
     data read, the model built on meta, one training step on meta, the optimizer and schedule built; not
-    when a node they build is in `skip` (its settings are known to be wrong)."""
+    when a node they build is in `skip` (its settings are known to be wrong). The data and the meta model
+    they built (None where none was: an inference task, or settings known to be wrong)."""
     problems = []
+    data, model = None, None
     batch_size = cfg.data.get("batch_size")
     if cfg.trainer.split_batches and batch_size and batch_size % world_size:
         problems.append(
@@ -347,6 +354,7 @@ def validate_for_world(
             )
     if problems:
         raise ConfigError("\n\n".join(problems))
+    return data, model
 
 
 def _check_training(cfg: DictConfig, hardware: Strategy, world_size: int) -> None:
