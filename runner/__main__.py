@@ -1,6 +1,7 @@
 """`python -m runner` and the `runner` command. A SIGTERM while the command still imports and composes ends
 it with one line (exit 143), not silently; from the job on, `runner.cli.main` says how far the run got."""
 
+import atexit
 import signal
 import sys
 
@@ -12,11 +13,12 @@ def _stopped_while_starting(signum: int, frame: object) -> None:
 
 signal.signal(signal.SIGTERM, _stopped_while_starting)  # before the imports, which are most of the start
 
-from runner.cli import run  # noqa: E402
+from runner.cli import leave_the_heap, run  # noqa: E402
 
 
 def main() -> None:
     """The command."""
+    atexit.register(leave_the_heap)  # registered first: runs last
     run()
 
 

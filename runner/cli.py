@@ -6,6 +6,7 @@ import atexit
 import copy
 import errno
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -201,6 +202,14 @@ def _failed(hydra_cfg: DictConfig, output_dir: Path, message: str) -> NoReturn:
         sys.exit(1)
     (output_dir / FAILED).write_text(json.dumps({"message": message}))
     raise JobFailed(message)
+
+
+def leave_the_heap() -> None:
+    """The command's last exit handler: finalise what the run left as cyclic garbage (a writer closing its
+    file, say), then exempt the rest from the collections of the interpreter's shutdown, which would walk
+    the whole heap (torch, its compiler, Hydra) again: about 0.5 s of every command's exit."""
+    gc.collect()
+    gc.freeze()
 
 
 def run() -> None:

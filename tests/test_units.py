@@ -5,6 +5,7 @@ a strategy accepts."""
 
 from __future__ import annotations
 
+import gc
 import re
 import signal
 import threading
@@ -15,6 +16,7 @@ import torch
 
 from runner.checkpoint.files import CheckpointDiscarded, PendingWrite, save_torch
 from runner.checkpoint.resume import keep_configured_lr
+from runner.cli import leave_the_heap
 from runner.errors import ConfigError, TrainingDiverged, TrainingInterrupted, TrainingStopped
 from runner.hardware.base import ParameterMap
 from runner.hardware.cpu import SingleDevice
@@ -284,3 +286,23 @@ def test_ranks_that_stopped_on_a_signal_are_reported_in_their_own_words(tmp_path
     reported = reported_failure(tmp_path)
     assert type(reported) is TrainingInterrupted and str(reported) == said
     assert reported.signum == signal.SIGUSR1
+
+
+def test_the_command_leaves_the_heap_to_exit_after_finalising_its_garbage(tmp_path):
+    """At exit the command exempts the heap from the shutdown's collections (0.5 s of every exit), but
+    first collects what the run left in reference cycles: their finalisers run (a writer closing its
+    file, say), as the shutdown's collections would have run them."""
+
+    class Writer:
+        def __del__(self) -> None:
+            (tmp_path / "closed").write_text("finalised")
+
+    writer = Writer()
+    writer.self = writer  # a reference cycle: only the garbage collector frees it
+    del writer
+    try:
+        leave_the_heap()
+        assert gc.get_freeze_count() > 0
+        assert (tmp_path / "closed").read_text() == "finalised"
+    finally:
+        gc.unfreeze()
