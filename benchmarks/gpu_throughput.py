@@ -1,5 +1,5 @@
 """Training throughput on one GPU: a GPT of ~125M parameters, plain PyTorch against runner's Accelerator,
-`python -m runner` and Hugging Face Accelerate (where installed), eager and compiled, all measured in this run.
+`python -m runner` and Hugging Face Accelerate (where installed), eager and compiled, measured in one run.
 
     python benchmarks/gpu_throughput.py [--modes plain,plain-compiled,...] [--steps 100] [--rounds 3]
 

@@ -88,10 +88,10 @@ def init_on_device(device: torch.device | str, include_buffers: bool = False) ->
 
 class _MetaValuesSkipped(TorchFunctionMode):
     """Inside, what a module's initialisation writes values with (`torch.nn.init`'s functions, and the
-    tensors' own in-place fills and arithmetic) returns a meta tensor as it is: it has no values to write. Run, the
-    Python meta kernels of some (`normal_`, `clamp_`, `erfinv_` ...) import `torch._dynamo`: about 75 MB of
-    memory and a second, paid by every model built empty (most of what loading a 1 GB checkpoint held
-    above its size)."""
+    tensors' own in-place fills and arithmetic) returns a meta tensor as it is: it has no values to write.
+    Run, the Python meta kernels of some (`normal_`, `clamp_`, `erfinv_` ...) import `torch._dynamo`:
+    about 75 MB of memory and a second, paid by every model built empty (most of what loading a 1 GB
+    checkpoint held above its size)."""
 
     VALUE_OPS = frozenset(
         getattr(torch.Tensor, name)

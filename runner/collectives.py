@@ -102,7 +102,8 @@ def rng_generators(
 def _cuda_generator(device: torch.device) -> torch.Generator:
     """`device`'s default CUDA generator; torch fills `default_generators` when CUDA is initialised."""
     torch.cuda.init()
-    return torch.cuda.default_generators[torch.cuda.current_device() if device.index is None else device.index]
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch.cuda.default_generators[index]
 
 
 @contextmanager
