@@ -38,7 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
 from runner.build import is_inference, locate
 from runner.checkpoint.resume import check_finished_run, check_resume
-from runner.cluster import launched_environment
+from runner.cluster import RankEnvironment, launched_environment
 from runner.config import CONF_SEARCH_PATH, register_configs
 from runner.errors import (
     EXIT_INTERRUPTED,
@@ -55,14 +55,14 @@ from runner.errors import (
     write_failure,
 )
 from runner.inference import infer
-from runner.launchers import Job, Launcher, RankFailedError
+from runner.launchers import Job, RankFailedError
 from runner.launchers.base import interrupted
 from runner.launchers.slurm import requeue_if_preempted
 from runner.logging import FILE_ONLY, configure_rank_logging
 from runner.plan import describe as describe_plan
 from runner.scaffold import main as init_project_command
 from runner.train import train
-from runner.validate import check_job
+from runner.validate import Built, check_job
 
 log = logging.getLogger("runner")
 
@@ -87,64 +87,11 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
     try:
         if env is None:
             owned.enter_context(run_dir_lock(output_dir))
-        with _single_threaded():
-            built, world_size = check_job(cfg)
-            launcher: Launcher = built.launcher
-            # One process checks the files (and moves a damaged latest aside): rank 0 under torchrun/srun.
-            verify = env is None or env.rank == 0
-            training = not is_inference(cfg.task._target_)
-            settings = OmegaConf.to_container(_resolved(cfg))
-            checkpoint = check_resume(
-                cfg.trainer.resume,
-                output_dir,
-                world_size=world_size,
-                checkpoint_format=built.hardware.checkpoint_format,
-                reshards=built.hardware.reshards_checkpoints,
-                readers=built.hardware.data_parallel_size(world_size),
-                split_batches=cfg.trainer.split_batches,
-                # the run's one optimizer; an inference task has none
-                optimizer_class=locate(cfg.optimizer._target_) if training else None,
-                verify=verify,
-                settings=settings if verify and training else None,  # type: ignore[arg-type]
-            )
-            # A training run that starts over must not replace a finished run's results (an inference
-            # run's are made again from the same weights).
-            if checkpoint is None and verify and training:
-                check_finished_run(
-                    output_dir,
-                    settings,  # type: ignore[arg-type]
-                    overwrite=cfg.trainer.overwrite,
-                    dry_run=cfg.plan,
-                )
+        built, world_size, checkpoint = _checked(cfg, output_dir, env)
         if cfg.plan:
-            with _single_threaded():
-                line = launcher.describe(cfg, built.hardware)
-                print(
-                    describe_plan(
-                        cfg,
-                        built.hardware,
-                        world_size,
-                        line,
-                        str(checkpoint) if checkpoint else None,
-                        built.data,
-                        built.model,
-                    )
-                )
+            _print_plan(cfg, built, world_size, checkpoint)
             return {}
-        if env is None or env.rank == 0:
-            _save_job_config(cfg, hydra_cfg, output_dir)
-            (output_dir / FAILED).unlink(missing_ok=True)  # a sweep job run again: its last failure is past
-        if hydra_cfg.mode == RunMode.MULTIRUN and cfg.tracker._target_ and not cfg.tracker.parent_run_id:
-            # One parent run per sweep; each job's run is its child.
-            cfg.tracker.parent_run_id = instantiate(cfg.tracker).parent_for_sweep(Path(hydra_cfg.sweep.dir))
-        job = Job(
-            cfg=_resolved(cfg),
-            output_dir=output_dir,
-            entry=infer if is_inference(cfg.task._target_) else train,
-            logging_config=OmegaConf.to_container(hydra_cfg.job_logging, resolve=True),  # type: ignore[arg-type]
-            strategy=built.hardware,
-        )
-        metrics = launcher.launch(job)
+        metrics = built.launcher.launch(_job(cfg, hydra_cfg, output_dir, env, built))
     except (ConfigError, InstantiationException) as err:
         cause = err.__cause__ if isinstance(err.__cause__, ConfigError) else err
         log.error("Configuration error: %s", cause)
@@ -181,6 +128,74 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
     if not metrics:  # queued, not waited for (launcher.wait=false)
         return metrics
     log.info("final metrics (output dir %s):\n%s", output_dir, _table(metrics))
+    return _objective(cfg, metrics)
+
+
+def _checked(
+    cfg: DictConfig, output_dir: Path, env: RankEnvironment | None
+) -> tuple[Built, int, Path | None]:
+    """Every check before launch (the config, the hardware and the launcher built; the checkpoint to
+    resume from; a finished run not replaced): what was built, the number of ranks, the checkpoint."""
+    with _single_threaded():
+        built, world_size = check_job(cfg)
+        # One process checks the files (and moves a damaged latest aside): rank 0 under torchrun/srun.
+        verify = env is None or env.rank == 0
+        training = not is_inference(cfg.task._target_)
+        settings = OmegaConf.to_container(_resolved(cfg))
+        checkpoint = check_resume(
+            cfg.trainer.resume,
+            output_dir,
+            world_size=world_size,
+            checkpoint_format=built.hardware.checkpoint_format,
+            reshards=built.hardware.reshards_checkpoints,
+            readers=built.hardware.data_parallel_size(world_size),
+            split_batches=cfg.trainer.split_batches,
+            # the run's one optimizer; an inference task has none
+            optimizer_class=locate(cfg.optimizer._target_) if training else None,
+            verify=verify,
+            settings=settings if verify and training else None,  # type: ignore[arg-type]
+        )
+        # A training run that starts over must not replace a finished run's results (an inference
+        # run's are made again from the same weights).
+        if checkpoint is None and verify and training:
+            check_finished_run(
+                output_dir,
+                settings,  # type: ignore[arg-type]
+                overwrite=cfg.trainer.overwrite,
+                dry_run=cfg.plan,
+            )
+    return built, world_size, checkpoint
+
+
+def _print_plan(cfg: DictConfig, built: Built, world_size: int, checkpoint: Path | None) -> None:
+    """`plan=true`: what the run would do, from what the checks built."""
+    with _single_threaded():
+        line = built.launcher.describe(cfg, built.hardware)
+        resume_from = str(checkpoint) if checkpoint else None
+        print(describe_plan(cfg, built.hardware, world_size, line, resume_from, built.data, built.model))
+
+
+def _job(
+    cfg: DictConfig, hydra_cfg: DictConfig, output_dir: Path, env: RankEnvironment | None, built: Built
+) -> Job:
+    """The job the launcher runs; its config saved in its dir (by rank 0), and a sweep's parent run made."""
+    if env is None or env.rank == 0:
+        _save_job_config(cfg, hydra_cfg, output_dir)
+        (output_dir / FAILED).unlink(missing_ok=True)  # a sweep job run again: its last failure is past
+    if hydra_cfg.mode == RunMode.MULTIRUN and cfg.tracker._target_ and not cfg.tracker.parent_run_id:
+        # One parent run per sweep; each job's run is its child.
+        cfg.tracker.parent_run_id = instantiate(cfg.tracker).parent_for_sweep(Path(hydra_cfg.sweep.dir))
+    return Job(
+        cfg=_resolved(cfg),
+        output_dir=output_dir,
+        entry=infer if is_inference(cfg.task._target_) else train,
+        logging_config=OmegaConf.to_container(hydra_cfg.job_logging, resolve=True),  # type: ignore[arg-type]
+        strategy=built.hardware,
+    )
+
+
+def _objective(cfg: DictConfig, metrics: dict[str, float]) -> float | dict[str, float]:
+    """What Hydra's sweepers get: `trainer.objective` among the final metrics, or all of them (null)."""
     objective = cfg.trainer.objective
     if objective is None:
         return metrics
