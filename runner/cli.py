@@ -35,6 +35,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hydra_plugins.runner_launcher.launcher import RunnerLauncher
 from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
 from runner.build import is_inference, locate
 from runner.checkpoint.resume import check_finished_run, check_resume
@@ -57,7 +58,6 @@ from runner.errors import (
 from runner.inference import infer
 from runner.launchers import Job, RankFailedError
 from runner.launchers.base import interrupted
-from runner.launchers.slurm import requeue_if_preempted
 from runner.logging import FILE_ONLY, configure_rank_logging
 from runner.plan import describe as describe_plan
 from runner.scaffold import main as init_project_command
@@ -102,7 +102,6 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
         log.error("Training failed: %s", err)
         _failed(hydra_cfg, output_dir, f"Training failed: {err}")
     except TrainingInterrupted as err:
-        requeue_if_preempted(err)  # a job of a SLURM sweep (hydra/launcher=submitit_slurm)
         log.warning("Training interrupted: %s", err)
         sys.exit(EXIT_INTERRUPTED)
     except TrainingStopped as err:  # diverged, or the disk full
@@ -238,7 +237,8 @@ def run() -> None:
             sys.exit(2)
         return
     register_configs()
-    Plugins.instance().register(ResumableSweeper)  # Hydra's scan misses it in an editable install
+    for plugin in (ResumableSweeper, RunnerLauncher):
+        Plugins.instance().register(plugin)  # Hydra's scan misses them in an editable install
     sys.argv[1:] = options_first(sys.argv[1:])
     try:
         check_intervals(sys.argv[1:])
@@ -258,6 +258,17 @@ def run() -> None:
     except UserWarning as err:
         print(f"Configuration error: {describe_missing_search_path(str(err))}", file=sys.stderr)
         sys.exit(2)
+    # What a sweep's launcher raises (`runner.launchers.slurm.launch_sweep`): its jobs refused before any is
+    # queued, a job whose tasks died on SLURM, or the wait for them stopped.
+    except ConfigError as err:
+        print(f"Configuration error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except (RankFailedError, TrainingStopped) as err:
+        print(f"Training failed: {err}", file=sys.stderr)
+        sys.exit(1)
+    except TrainingInterrupted as err:
+        print(f"Training interrupted: {err}", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
     except (HydraException, OmegaConfBaseException) as err:
         print(f"Configuration error: {describe_compose_error(err)}", file=sys.stderr)
         sys.exit(2)

@@ -397,6 +397,14 @@ class RunnerSweeperConfig:
 
 
 @dataclass
+class RunnerLauncherConfig:
+    """`hydra/launcher=runner` (the default): a sweep's jobs where their `launcher` says: SLURM arrays for
+    `launcher=slurm`, else one after another here (`hydra_plugins/runner_launcher`)."""
+
+    _target_: str = "hydra_plugins.runner_launcher.launcher.RunnerLauncher"
+
+
+@dataclass
 class RunConfig:
     """The composed config: `model`, `data`, `task`, `optimizer` and `scheduler` are free-form `_target_`
     nodes; the groups the runner reads are typed."""
@@ -448,6 +456,7 @@ def register_configs() -> None:
     store = ConfigStore.instance()
     store.store(name="runner_schema", node=RunConfig)
     store.store(group="hydra/sweeper", name="runner", node=RunnerSweeperConfig, provider="runner")
+    store.store(group="hydra/launcher", name="runner", node=RunnerLauncherConfig, provider="runner")
     for group, schemas in SCHEMAS.items():
         for name, node in schemas.items():
             store.store(group=f"schema/{group}", name=name, node=node)

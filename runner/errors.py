@@ -26,11 +26,23 @@ class ConfigError(ValueError):
 
 
 # Config group options that Hydra plugins provide: the package that brings each.
-HYDRA_PLUGINS = {
-    "submitit_slurm": "hydra-submitit-launcher>=1.2",
-    "submitit_local": "hydra-submitit-launcher>=1.2",
-    "optuna": "hydra-optuna-sweeper>=1.2",
+HYDRA_PLUGINS = {"optuna": "hydra-optuna-sweeper>=1.2"}
+
+# Hydra plugins' options that runner does its own way, installed or not: what to use instead.
+REPLACED_OPTIONS = {
+    "hydra/launcher=submitit_slurm": (
+        "hydra/launcher=submitit_slurm: runner runs a sweep on SLURM with its own launcher and the same keys as one "
+        "run: add launcher=slurm to the sweep (`python -m runner -m launcher=slurm launcher.partition=... "
+        "optimizer.lr=1e-3,1e-4`); its jobs are queued as SLURM arrays, one task per rank. The plugin's keys map "
+        "to launcher.*: partition, nodes, gpus_per_node, cpus_per_task, mem_gb, timeout_min -> time_min, "
+        "account, qos, constraint, setup, additional_parameters -> sbatch_args, srun_args, max_num_timeout -> "
+        "max_timeouts, submitit_folder -> folder, name; tasks_per_node is hardware.num_processes."
+    ),
 }
+REPLACED_OPTIONS["hydra/launcher=submitit_local"] = (
+    "hydra/launcher=submitit_local: runner runs a sweep's jobs here one after another with the default launcher, "
+    "each starting its own ranks: leave hydra/launcher out."
+)
 
 
 def describe_compose_error(err: Exception) -> str:
@@ -45,6 +57,8 @@ def describe_compose_error(err: Exception) -> str:
         )
     if isinstance(err, MissingConfigException) and err.options is not None:
         group, _, option = (err.missing_cfg_file or "").rpartition("/")
+        if f"{group}={option}" in REPLACED_OPTIONS:
+            return REPLACED_OPTIONS[f"{group}={option}"]
         if option in HYDRA_PLUGINS:
             return (
                 f"{group}={option}: that option comes from a Hydra plugin that is not installed. Install it with "

@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.checkpoint.resume import FINISHED
 from runner.cli import FAILED, JOB_CONFIG_DIR
-from runner.errors import ConfigError, describe_compose_error
+from runner.errors import REPLACED_OPTIONS, ConfigError, describe_compose_error
 from runner.validate import check_job
 
 log = logging.getLogger("runner")
@@ -46,6 +46,11 @@ class SweepCheck(Callback):
     callback's exceptions into warnings: a refusal exits here, with code 2.)"""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        launcher = str(config.hydra.launcher.get("_target_", ""))
+        if launcher.startswith("hydra_plugins.hydra_submitit_launcher."):  # installed, yet not runner's way
+            option = "submitit_slurm" if launcher.endswith(".SlurmLauncher") else "submitit_local"
+            print(f"Configuration error: {REPLACED_OPTIONS[f'hydra/launcher={option}']}", file=sys.stderr)
+            sys.exit(2)
         if not str(config.hydra.sweeper.get("_target_", "")).endswith(("BasicSweeper", "ResumableSweeper")):
             return  # other sweepers choose their values as they go
         params = config.hydra.sweeper.get("params") or {}

@@ -1,10 +1,9 @@
-"""`launcher=slurm` and `hydra/launcher=submitit_slurm` on a real SLURM cluster on this machine (slurmctld,
+"""`launcher=slurm` (one run, and a sweep's jobs as arrays) on a real SLURM cluster on this machine (slurmctld,
 slurmd, slurmdbd; `bash .ci/slurm.sh up` starts it, as CI does). Without one these tests skip, saying so."""
 
 from __future__ import annotations
 
 import csv
-import re
 import shutil
 import subprocess
 import sys
@@ -79,10 +78,10 @@ def test_wait_false_returns_once_queued_and_the_job_writes_its_metrics(slurm, tm
 def sweep_on_slurm(
     sweep: Path, *overrides: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """`python -m runner -m hydra/launcher=submitit_slurm <overrides>` with its sweep dir at `sweep`."""
+    """`python -m runner -m launcher=slurm <overrides>` with its sweep dir at `sweep`."""
     return subprocess.run(
         [sys.executable, "-m", "runner", f"hydra.sweep.dir={sweep}", "trainer.progress_bar=false",
-         "hydra/launcher=submitit_slurm", *overrides, "-m"],
+         "launcher=slurm", *overrides, "-m"],
         env=env or cli_env(), cwd=sweep.parent, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 
@@ -90,12 +89,16 @@ def sweep_on_slurm(
 def test_a_sweep_runs_as_a_slurm_array_with_one_dir_per_job(slurm, tmp_path):
     sweep = tmp_path / "sweep"
     proc = sweep_on_slurm(
-        sweep, "trainer.max_steps=20", "hardware=multi_gpu", "hardware.num_processes=2",
-        "hydra.launcher.tasks_per_node=2", "optimizer.lr=1e-3,1e-4",
-    )  # fmt: skip
+        sweep, "trainer.max_steps=20", "hardware=multi_gpu", "hardware.num_processes=2", "optimizer.lr=1e-3,1e-4"
+    )
     assert proc.returncode == 0, proc.stderr
-    array_tasks = sorted(p.name for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name))
-    assert len(array_tasks) == 2 and array_tasks[0].endswith("_0") and array_tasks[1].endswith("_1")
+    tasks = array_tasks(sweep)
+    assert len(tasks) == 2 and tasks[0].endswith("_0") and tasks[1].endswith("_1")
+    assert tasks[0].split("_")[0] == tasks[1].split("_")[0]  # one array
+    array = tasks[0].split("_")[0]
+    assert f"submitted SLURM array {array}: job(s) 0, 1 of the sweep, each 1 node(s) x 2 task(s)" in proc.stdout
+    logs = sorted(p.name.split("_")[1:3] for p in (sweep / "slurm").glob("*_log.err"))  # <array>_<job>_<task>
+    assert logs == [["0", "0"], ["0", "1"], ["1", "0"], ["1", "1"]]  # one task per rank
     with open(sweep / "summary.csv") as f:
         rows = list(csv.DictReader(f))
     assert [row["optimizer.lr"] for row in rows] == ["0.001", "0.0001"]
@@ -103,6 +106,23 @@ def test_a_sweep_runs_as_a_slurm_array_with_one_dir_per_job(slurm, tmp_path):
         assert (sweep / job / "metrics.json").exists() and (sweep / job / "model").is_dir()
         log = (sweep / job / "runner.log").read_text()
         assert "2 process(es)" in log and "already rank 1" not in log  # rank 1 logs warnings only
+
+
+def test_sweep_jobs_that_ask_for_other_tasks_are_arrays_of_their_own(slurm, tmp_path):
+    """A swept `hardware.num_processes` changes what a job asks of SLURM: each run of jobs that ask the same
+    is one array, each job with one task per rank."""
+    sweep = tmp_path / "sweep"
+    proc = sweep_on_slurm(
+        sweep, "trainer.max_steps=5", "tracker=none", "hardware=multi_gpu", "hardware.num_processes=1,2,2"
+    )
+    assert proc.returncode == 0, proc.stderr
+    tasks = array_tasks(sweep)
+    arrays = {task.split("_")[0] for task in tasks}
+    assert len(tasks) == 3 and len(arrays) == 2
+    assert "job(s) 0 of the sweep, each 1 node(s) x 1 task(s)" in proc.stdout
+    assert "job(s) 1, 2 of the sweep, each 1 node(s) x 2 task(s)" in proc.stdout
+    for job, ranks in enumerate((1, 2, 2)):
+        assert f"{ranks} process(es)" in (sweep / str(job) / "runner.log").read_text()
 
 
 def test_a_preempted_job_requeues_itself_and_ends_bitwise_equal_to_an_uninterrupted_run(slurm, tmp_path):
@@ -196,10 +216,14 @@ def test_what_the_cluster_cannot_give_is_refused_before_anything_is_queued(
 
 def test_a_bad_sweep_is_refused_before_its_array_is_queued(slurm, tmp_path):
     sweep = tmp_path / "sweep"
-    proc = sweep_on_slurm(sweep, "hydra.launcher.partition=nope", "optimizer.lr=1e-3,1e-4")
+    proc = sweep_on_slurm(sweep, "launcher.partition=nope", "optimizer.lr=1e-3,1e-4")
     assert proc.returncode == 2, proc.stderr
-    assert "hydra.launcher.partition='nope': the cluster has no such partition" in proc.stderr
-    assert not (sweep / ".submitit").exists()
+    assert "launcher.partition='nope': the cluster has no such partition" in proc.stderr
+    assert not (sweep / "slurm").exists()
+    proc = sweep_on_slurm(sweep, "launcher.wait=false", "optimizer.lr=1e-3,1e-4")
+    assert proc.returncode == 2, proc.stderr
+    assert "Configuration error: launcher.wait=false in a sweep: the sweep waits for its jobs" in proc.stderr
+    assert not (sweep / "slurm").exists()
 
 
 def test_without_sbatch_launcher_slurm_says_so_before_anything_starts(tmp_path):
@@ -228,19 +252,27 @@ def test_slurm_time_limits_and_gres_are_read_as_sinfo_prints_them():
     assert [_gpus(g) for g in ("(null)", "gpu:8", "gpu:a100:4(S:0-1)", "gpu:2,gpu:v100:4")] == [0, 8, 4, 4]
 
 
-def test_without_the_hydra_plugin_a_slurm_sweep_names_the_pip_install(tmp_path):
+@pytest.mark.parametrize("plugin", ["installed", "not installed"])
+def test_hydras_submitit_launcher_is_refused_naming_launcher_slurm_and_its_keys(tmp_path, plugin):
+    """One SLURM path: the Hydra plugin's sweep launcher, installed or not, is refused before anything runs,
+    naming runner's way and where each of the plugin's keys went."""
     hidden = tmp_path / "no_plugin"
     hidden.mkdir()
-    (hidden / "sitecustomize.py").write_text(
-        "import sys\nsys.modules['hydra_plugins.hydra_submitit_launcher'] = None  # not installed\n"
-    )
-    proc = sweep_on_slurm(tmp_path / "sweep", "optimizer.lr=1e-3,1e-4", env=cli_env(hidden))
+    if plugin == "not installed":
+        (hidden / "sitecustomize.py").write_text(
+            "import sys\nsys.modules['hydra_plugins.hydra_submitit_launcher'] = None  # not installed\n"
+        )
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", f"hydra.sweep.dir={sweep}", "hydra/launcher=submitit_slurm",
+         "optimizer.lr=1e-3,1e-4", "-m"],
+        env=cli_env(hidden), cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
-    assert (
-        "hydra/launcher=submitit_slurm: that option comes from a Hydra plugin that is not installed"
-        in proc.stderr
-    )
-    assert "pip install 'hydra-submitit-launcher>=1.2'" in proc.stderr
+    refusal = proc.stderr.strip().splitlines()[-1]
+    assert refusal.startswith("Configuration error: hydra/launcher=submitit_slurm: runner runs a sweep on SLURM")
+    assert "add launcher=slurm to the sweep" in refusal and "timeout_min -> time_min" in refusal
+    assert not (sweep / "0").exists()
 
 
 def test_a_configuration_error_found_in_a_rank_is_reported_as_one(slurm, tmp_path):
@@ -263,7 +295,7 @@ def test_a_slurm_sweep_run_again_resubmits_only_its_cancelled_array_tasks(slurm,
     sweep = tmp_path / "sweep"
     overrides = ["trainer.max_steps=20", "optimizer.lr=1e-1,1e-2,1e-3,1e-4"]
     command = [sys.executable, "-m", "runner", f"hydra.sweep.dir={sweep}", "trainer.progress_bar=false",
-               "hydra/launcher=submitit_slurm", *overrides, "-m"]  # fmt: skip
+               "launcher=slurm", *overrides, "-m"]  # fmt: skip
     proc = subprocess.Popen(command, env=cli_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -305,10 +337,5 @@ def running(*jobs: str) -> int:
 
 
 def array_tasks(sweep: Path) -> list[str]:
-    """The `<array job>_<task>` folders submitit made for the sweep's array tasks."""
-    folder = sweep / ".submitit"
-    return (
-        sorted(p.name for p in folder.iterdir() if re.fullmatch(r"\d+_\d+", p.name))
-        if folder.is_dir()
-        else []
-    )
+    """The `<array job>_<task>` of each array task submitit queued for the sweep (its `_submitted.pkl`)."""
+    return sorted(p.name.removesuffix("_submitted.pkl") for p in (sweep / "slurm").glob("*_submitted.pkl"))

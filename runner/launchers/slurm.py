@@ -1,5 +1,6 @@
-"""`launcher=slurm`: the job on a SLURM cluster through submitit, one task per rank; and what a job running
-under SLURM does on the preemption or time-limit signal (checkpoint, requeue, resume)."""
+"""`launcher=slurm`: the job on a SLURM cluster through submitit, one task per rank; a sweep's jobs as SLURM
+arrays with the same keys (`launch_sweep`); and what a job running under SLURM does on the preemption or
+time-limit signal (checkpoint, requeue, resume)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hydra.experimental.callback import Callback
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
+from hydra.types import HydraContext, TaskFunction
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from runner.cluster import launched_environment, slurm_job_id, slurm_step_nodes
 from runner.errors import ConfigError, TrainingInterrupted
@@ -30,6 +34,9 @@ SUBMITIT_REQUIREMENT = "submitit>=1.5"
 PREEMPTION_SIGNAL = signal.SIGUSR2  # what submitit asks SLURM to send before the time limit
 REQUEUE_WAIT_S = 120.0  # how long a rank other than 0 waits for the requeue to stop it
 NODE_CHECK_INTERVAL_S = 5.0  # how often a job not running is checked for a lost node
+RANK_ERRORS = "rank_errors"  # in submitit's folder (a sweep job's: its dir's slurm/): what each task raised
+
+_in_array_task = False  # this process is a task of a sweep's SLURM array (`SweepTask`): one of its job's ranks
 
 
 class SlurmLauncher(Launcher):
@@ -110,7 +117,8 @@ class SlurmLauncher(Launcher):
         self.folder = folder
         self.poll_interval_s = poll_interval_s
         self.name = name
-        require_slurm("launcher=slurm")
+        if not _in_array_task:  # a task of a sweep's array was checked before it was queued
+            require_slurm("launcher=slurm")
 
     def world_size(self, cfg: DictConfig, strategy: Strategy) -> int:
         return self.nodes * self.tasks_per_node(cfg, strategy)
@@ -131,6 +139,8 @@ class SlurmLauncher(Launcher):
 
     def check(self, cfg: DictConfig, strategy: Strategy) -> None:
         """What the cluster would refuse, or queue forever, refused here before anything is queued."""
+        if _in_array_task:
+            return
         check_request(
             self.partition,
             nodes=self.nodes,
@@ -151,11 +161,13 @@ class SlurmLauncher(Launcher):
     def launch(self, job: Job) -> dict[str, float]:
         import submitit
 
+        tasks_per_node = self.tasks_per_node(job.cfg, job.strategy or instantiate(job.cfg.hardware))
+        if _in_array_task:  # a job of a sweep, queued by `launch_sweep`: this task is one of its ranks
+            return SlurmTask(job, self.nodes, tasks_per_node, job.output_dir / "slurm" / RANK_ERRORS)()
         folder = Path(self.folder) if self.folder else job.output_dir / "slurm"
         executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=self.max_timeouts)
-        tasks_per_node = self.tasks_per_node(job.cfg, job.strategy or instantiate(job.cfg.hardware))
-        executor.update_parameters(**self._sbatch_parameters(tasks_per_node))
-        errors = folder / "rank_errors"  # what each task raised (`report_failure`), for this launch only
+        executor.update_parameters(**self.sbatch_parameters(tasks_per_node))
+        errors = folder / RANK_ERRORS  # what each task raised (`report_failure`), for this launch only
         shutil.rmtree(errors, ignore_errors=True)
         submitted = executor.submit(SlurmTask(job.for_other_processes(), self.nodes, tasks_per_node, errors))
         rank0 = submitted.task(0)
@@ -191,7 +203,8 @@ class SlurmLauncher(Launcher):
                 f"{rank0.paths.stderr}; the others' are next to it.\n{err}"
             ) from None
 
-    def _sbatch_parameters(self, tasks_per_node: int) -> dict[str, Any]:
+    def sbatch_parameters(self, tasks_per_node: int) -> dict[str, Any]:
+        """What submitit's SlurmExecutor is given for a job of `tasks_per_node` tasks on each node."""
         optional = {
             "partition": self.partition,
             "cpus_per_task": self.cpus_per_task,
@@ -487,29 +500,118 @@ def follow(submitted: Any, log_file: Path, poll_interval_s: float, output_dir: P
         time.sleep(poll_interval_s)
 
 
-class SlurmSweepCheck(Callback):
-    """Hydra callback: before `hydra/launcher=submitit_slurm` queues a sweep's jobs, check what they ask
-    of the cluster, so that bad input fails here and not in every array task. (Hydra turns a callback's
-    exceptions into warnings: a refusal exits here, with code 2.)"""
+def launch_sweep(
+    hydra_context: HydraContext,
+    task_function: TaskFunction,
+    config: DictConfig,
+    job_overrides: Sequence[Sequence[str]],
+    initial_job_idx: int,
+) -> list[JobReturn]:
+    """A sweep's jobs on SLURM (`python -m runner -m launcher=slurm ...`, through runner's Hydra launcher):
+    each run of consecutive jobs that ask the same of the cluster is one array, one array task per job with
+    `launcher.nodes` x tasks per node SLURM tasks (one per rank), queued together, then waited for. Every
+    job was checked before (`runner.sweep.SweepCheck`, the cluster's limits included). The jobs' results,
+    in order; a job whose tasks died without one is FAILED with what its ranks reported."""
+    import submitit
 
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        launcher = config.hydra.launcher
-        if not str(launcher.get("_target_", "")).endswith("submitit_launcher.SlurmLauncher"):
-            return
-        try:
-            require_slurm("hydra/launcher=submitit_slurm")
-            check_request(
-                launcher.partition,
-                nodes=launcher.nodes,
-                cpus_per_node=launcher.tasks_per_node * (launcher.cpus_per_task or 1),
-                gpus_per_node=launcher.gpus_per_node or 0,
-                mem_gb=launcher.mem_gb,
-                time_min=launcher.timeout_min,
-                key="hydra.launcher",
+    arrays: list[tuple[tuple[dict[str, Any], Path, int], list[tuple[list[str], int, Path]]]] = []
+    for number, overrides in enumerate(job_overrides, start=initial_job_idx):
+        cfg = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+        with open_dict(cfg):
+            cfg.hydra.job.num = cfg.hydra.job.id = number
+        launcher = instantiate(cfg.launcher)
+        if not isinstance(launcher, SlurmLauncher):
+            raise ConfigError(
+                f"job {number} ({' '.join(overrides)}) runs with launcher={cfg.launcher._target_}, the sweep with "
+                "launcher=slurm: a sweep runs all its jobs on SLURM or all here. Do not sweep over launcher."
             )
-        except ConfigError as err:
-            print(f"Configuration error: {err}", file=sys.stderr)
-            sys.exit(2)
+        if not launcher.wait:
+            raise ConfigError(
+                "launcher.wait=false in a sweep: the sweep waits for its jobs to record which finished (a sweep "
+                "run again resumes from that). Leave launcher.wait=true, and run the sweep where it may wait "
+                "(tmux, nohup, or a small SLURM job of its own)."
+            )
+        parameters = launcher.sbatch_parameters(launcher.tasks_per_node(cfg, instantiate(cfg.hardware)))
+        folder = Path(launcher.folder) if launcher.folder else Path(config.hydra.sweep.dir) / "slurm"
+        asks = (parameters, folder, launcher.max_timeouts)
+        job = (list(overrides), number, Path(config.hydra.sweep.dir) / str(cfg.hydra.sweep.subdir))
+        if arrays and arrays[-1][0] == asks:
+            arrays[-1][1].append(job)
+        else:
+            arrays.append((asks, [job]))
+    task = SweepTask(hydra_context, task_function, config)
+    queued = []
+    for (parameters, folder, max_timeouts), jobs in arrays:
+        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_timeouts)
+        executor.update_parameters(**parameters)
+        overrides, numbers, dirs = zip(*jobs, strict=True)
+        for job_dir in dirs:  # what a job's tasks raised, for this launch only
+            shutil.rmtree(job_dir / "slurm" / RANK_ERRORS, ignore_errors=True)
+        submitted = executor.map_array(task, overrides, numbers, [Singleton.get_state()] * len(jobs))
+        log.info(
+            "submitted SLURM array %s: job(s) %s of the sweep, each %d node(s) x %d task(s); logs in %s",
+            submitted[0].job_id.partition("_")[0],
+            ", ".join(map(str, numbers)),
+            parameters["nodes"],
+            parameters["ntasks_per_node"],
+            folder,
+        )
+        queued += zip(jobs, submitted, strict=True)
+    try:
+        return [_sweep_result(*job, submitted) for job, submitted in queued]
+    except KeyboardInterrupt:
+        ids = " ".join(sorted({submitted.job_id.partition("_")[0] for _, submitted in queued}))
+        raise TrainingInterrupted(
+            f"stopped waiting; the sweep's SLURM arrays go on (`scancel {ids}` stops them). The same command "
+            "resumes the sweep: it skips the jobs that finished."
+        ) from None
+
+
+def _sweep_result(overrides: list[str], number: int, job_dir: Path, submitted: Any) -> JobReturn:
+    """Job `number`'s result (its rank 0's), or, where its tasks died without one, a FAILED result with what
+    its ranks reported (else the log to read)."""
+    import submitit
+
+    try:
+        return submitted.results()[0]
+    except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
+        failure = reported_failure(job_dir / "slurm" / RANK_ERRORS, causes_only=True) or RankFailedError(
+            f"job {number} of the sweep (SLURM job {submitted.job_id}) ended {submitted.state} without a result. "
+            f"Rank 0's log: {submitted.paths.stderr}; the others' are next to it.\n{err}"
+        )
+        return JobReturn(overrides=overrides, status=JobStatus.FAILED, _return_value=failure)
+
+
+@dataclass
+class SweepTask:
+    """What each task of a sweep's array runs (pickled by submitit): its job composed as Hydra's launchers
+    compose it, then run by the task function, in which `SlurmLauncher.launch` runs this task's rank. Its
+    `checkpoint` is what submitit calls on the preemption signal: the same job again, which resumes."""
+
+    hydra_context: HydraContext
+    task_function: TaskFunction
+    config: DictConfig
+
+    def __call__(self, overrides: list[str], number: int, singleton_state: dict[Any, Any]) -> JobReturn:
+        global _in_array_task
+        Singleton.set_state(singleton_state)
+        setup_globals()
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        with open_dict(cfg):
+            cfg.hydra.job.num = cfg.hydra.job.id = number
+        _in_array_task = True
+        return run_job(
+            hydra_context=self.hydra_context,
+            task_function=self.task_function,
+            config=cfg,
+            job_dir_key="hydra.sweep.dir",
+            job_subdir_key="hydra.sweep.subdir",
+        )
+
+    def checkpoint(self, *args: Any) -> Any:
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, *args)
 
 
 def _number(value: str) -> int:

@@ -1,0 +1,1 @@
+"""runner's Hydra launcher: a sweep's jobs where their `launcher` says (SLURM arrays for `launcher=slurm`)."""
