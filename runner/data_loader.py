@@ -217,24 +217,25 @@ def shard_dataloader(
     return loader_like(dataloader, batch_sampler=shard)
 
 
-def sampler_generators(dataloader: DataLoader) -> list[torch.Generator]:
-    """The generators that decide `dataloader`'s order.
+def order_generators(dataloader: DataLoader, seeded_sampler: bool) -> tuple[list[torch.Generator], bool]:
+    """The RNGs that decide `dataloader`'s order, left as Accelerate (and PyTorch) leave them, so that a
+    script draws the same numbers under either: a shuffling RandomSampler without a generator draws its
+    seed from torch's global RNG at the start of every pass, unless `seeded_sampler` (several processes
+    read the data, or a data seed is set): then it gets a generator, seeded once from the global RNG,
+    that the processes synchronise. The loader draws its base seed (its workers') from its own generator,
+    else from the global RNG, at the start of every pass.
 
-    A shuffling RandomSampler without one gets one (seeded from torch's RNG): processes can then agree on
-    it, and a checkpoint can restore it. The loader itself draws a seed at the start of every pass; it is
-    given the sampler's generator to draw from, so that a pass never touches torch's global RNG (a
-    resumed run would otherwise replay that draw out of order). A loader in order gets a generator of its
-    own for that draw, which decides nothing (not returned): how often a run evaluates then does not change
-    its training's randomness.
-    """
+    Returns the generators of its own (the sampler's, the loader's) and whether a pass also draws from
+    torch's global RNG (a resumed pass then replays those draws: `DataLoaderShard`)."""
     sampler = dataloader.sampler
-    if isinstance(sampler, RandomSampler) and sampler.generator is None:
+    shuffles_globally = isinstance(sampler, RandomSampler) and sampler.generator is None
+    if shuffles_globally and seeded_sampler:
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
         sampler.generator = torch.Generator().manual_seed(seed)
+        shuffles_globally = False
     found = [getattr(sampler, "generator", None), dataloader.generator]
-    if dataloader.generator is None:
-        dataloader.generator = getattr(sampler, "generator", None) or torch.Generator().manual_seed(0)
-    return list({id(g): g for g in found if g is not None}.values())
+    own = list({id(g): g for g in found if g is not None}.values())
+    return own, shuffles_globally or dataloader.generator is None
 
 
 def loader_like(dataloader: DataLoader, **changes: Any) -> DataLoader:
@@ -272,7 +273,8 @@ class DataLoaderShard:
             of it while batches are even.
         synchronize_rng: called before each pass over the data.
         skip_batches: batches skipped at the start of every pass (`Accelerator.skip_first_batches`).
-        generators: the RNGs that decide the order (`sampler_generators`).
+        generators: the RNGs of its own that decide the order (`order_generators`).
+        global_rng: whether a pass also draws from torch's global RNG (its shuffle's or base seed).
         place: how batches go to `device` (`Strategy.device_batches`); None: `on_device`.
     """
 
@@ -287,6 +289,7 @@ class DataLoaderShard:
         generators: list[torch.Generator] | None = None,
         place: Callable[[Iterator[Any], torch.device], Iterator[Any]] | None = None,
         position: DataLoaderShard | None = None,
+        global_rng: bool = False,
     ) -> None:
         self.base_dataloader = dataloader
         # Whose position this loader's passes advance: its own, or (`skip_first_batches`) that of the loader
@@ -299,27 +302,33 @@ class DataLoaderShard:
         self.synchronize_rng = synchronize_rng
         self.skip_batches = skip_batches
         self.generators = generators or []
+        self.global_rng = global_rng
         self.end_of_dataloader = False
         self.iteration = 0
         self.batches_yielded = 0  # in the current pass
         self._pass_start: list[torch.Tensor] | None = None  # the generators' states when it began
+        self._pass_start_global: torch.Tensor | None = None  # and the global RNG's, where it draws from it
+        self._replay_global: torch.Tensor | None = None  # a loaded pass's global RNG state at its start
         self.resume_batches = 0  # batches the loaded position had handed out (`load_state_dict`)
 
     def __iter__(self) -> Iterator[Any]:
         if self.synchronize_rng is not None:
             self.synchronize_rng()
         position = self._position
+        replay, position._replay_global = position._replay_global, None
         position._pass_start = [g.get_state() for g in self.generators]
+        position._pass_start_global = replay if replay is not None else self._global_state()
         position.batches_yielded = self.skip_batches
         self.end_of_dataloader = False
         self.gradient_state.active_dataloaders.append(self)
         try:
-            iterator = iter(self.base_dataloader)
-            if self.skip_batches and not isinstance(self.base_dataloader.batch_sampler, SkipBatchSampler):
-                iterator = itertools.islice(iterator, self.skip_batches, None)
-            if self.device is not None:
-                iterator = (self.place or on_device)(iterator, self.device)
-            batch = next(iterator, _END)
+            with _global_rng_at(replay):  # a resumed pass draws what the saved pass drew at its start
+                iterator = iter(self.base_dataloader)
+                if self.skip_batches and not isinstance(self.base_dataloader.batch_sampler, SkipBatchSampler):
+                    iterator = itertools.islice(iterator, self.skip_batches, None)
+                if self.device is not None:
+                    iterator = (self.place or on_device)(iterator, self.device)
+                batch = next(iterator, _END)
             while batch is not _END:
                 upcoming = next(iterator, _END)
                 self.end_of_dataloader = upcoming is _END
@@ -329,22 +338,30 @@ class DataLoaderShard:
             position.iteration += 1
         finally:
             self.gradient_state.active_dataloaders.remove(self)
-            position._pass_start = None
+            position._pass_start = position._pass_start_global = None
             position.batches_yielded = 0
+
+    def _global_state(self) -> torch.Tensor | None:
+        """torch's global RNG state, where this loader's passes draw from it (else None)."""
+        return torch.get_rng_state() if self.global_rng else None
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: passes done, batches handed out in the current pass, and the generator
-        states that pass started from (the current ones between passes)."""
+        states that pass started from (the current ones between passes); in a pass that drew from torch's
+        global RNG, that RNG's state at its start too (between passes the next pass draws from the global
+        RNG as the checkpoint restores it)."""
         in_pass = self._pass_start is not None
         states = self._pass_start if in_pass else [g.get_state() for g in self.generators]
         return {
             "iteration": self.iteration,
             "batches_yielded": self.batches_yielded,
             "generator_states": states,
+            "global_rng_state": self._pass_start_global if in_pass else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a position: the next pass draws the order the saved pass drew. Skipping the batches
+        """Restore a position: the next pass draws the order the saved pass drew (from torch's global RNG
+        too, as it was at that pass's start, and back to the restored state after). Skipping the batches
         it had handed out is the caller's, with `skip_first_batches(loader, state["batches_yielded"])`."""
         if len(state["generator_states"]) != len(self.generators):
             raise ValueError(
@@ -355,6 +372,7 @@ class DataLoaderShard:
         self.resume_batches = state["batches_yielded"]
         for generator, saved in zip(self.generators, state["generator_states"], strict=True):
             generator.set_state(saved)
+        self._replay_global = state.get("global_rng_state")
 
     def __len__(self) -> int:
         skipped = 0 if isinstance(self.base_dataloader.batch_sampler, SkipBatchSampler) else self.skip_batches
@@ -412,12 +430,27 @@ class DataLoaderShard:
             self.generators,
             self.place,
             position=self._position,
+            global_rng=self.global_rng,
         )
 
     def __getattr__(self, name: str) -> Any:
         if name == "base_dataloader":  # not yet set (unpickling): avoid infinite recursion
             raise AttributeError(name)
         return getattr(self.base_dataloader, name)
+
+
+@contextmanager
+def _global_rng_at(state: torch.Tensor | None) -> Iterator[None]:
+    """Inside: torch's global RNG at `state` (None: as it is); after: as it was before."""
+    if state is None:
+        yield
+        return
+    before = torch.get_rng_state()
+    torch.set_rng_state(state)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(before)
 
 
 def skip_first_batches(dataloader: DataLoader | DataLoaderShard, num_batches: int = 0) -> Any:

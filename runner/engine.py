@@ -26,8 +26,8 @@ from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.data_loader import (
     DataLoaderShard,
     last_batch_remainder,
+    order_generators,
     per_process_batch_size,
-    sampler_generators,
     shard_dataloader,
 )
 from runner.handlers import (
@@ -266,11 +266,13 @@ class Engine(ProcessControl):
         """This process's share of `data_loader`'s batches, placed on the device."""
         dataloader = data_loader
         place = device_placement if device_placement is not None else self.device_placement
-        generators = sampler_generators(dataloader)
-        if self.dataloader_config.data_seed is not None:
-            for generator in generators:
-                generator.manual_seed(self.dataloader_config.data_seed)
         readers, reader = self.state.data_parallel_size, self.state.data_parallel_index
+        config = self.dataloader_config
+        seeded = readers > 1 or config.data_seed is not None or config.use_seedable_sampler
+        generators, global_rng = order_generators(dataloader, seeded_sampler=seeded)
+        if config.data_seed is not None:
+            for generator in generators:
+                generator.manual_seed(config.data_seed)
         shard = shard_dataloader(dataloader, readers, reader, self.split_batches, self.even_batches)
         remainder = last_batch_remainder(dataloader, readers, self.split_batches)
         batch_size = dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", None)
@@ -292,6 +294,7 @@ class Engine(ProcessControl):
             ),
             generators=generators,
             place=partial(self.strategy.device_batches, non_blocking=self.non_blocking),
+            global_rng=global_rng,
         )
         self.checkpointer.dataloaders.append(wrapped)
         return wrapped

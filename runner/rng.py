@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from typing import Any
 
@@ -53,6 +55,16 @@ def rng_state() -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+@contextmanager
+def rng_kept() -> Iterator[None]:
+    """Inside: draw from every RNG (python, numpy, torch, CUDA) freely; after: each as it was before."""
+    before = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(before)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

@@ -36,7 +36,7 @@ from runner.errors import ConfigError, TrainingDiverged, TrainingInterrupted, si
 from runner.handlers import DataLoaderConfiguration, GradientAccumulationPlugin
 from runner.hardware.base import Strategy
 from runner.perf import Throughput, count_flops, memory_snapshot_on_oom, peak_flops, profiled
-from runner.rng import set_seed
+from runner.rng import rng_kept, set_seed
 from runner.task import Task, batch_units, trains_by_loss
 
 log = logging.getLogger(__name__)
@@ -267,8 +267,10 @@ class Trainer:
         log.info("step %d/%d: %s", done.step, self.total_steps, _fmt(logged))
 
     def evaluate(self) -> None:
-        """The task's metrics over the whole eval set, checked finite and logged."""
-        evaluated = evaluate(self.engine, self.model, self.task, self.eval_loader)
+        """The task's metrics over the whole eval set, checked finite and logged. What it draws from the
+        RNGs (the eval loader's seed, say) is not training's: how often a run evaluates does not change it."""
+        with rng_kept():
+            evaluated = evaluate(self.engine, self.model, self.task, self.eval_loader)
         self.metrics.update(evaluated)
         self.check_finite()
         self.engine.log(evaluated, step=self.done.step)

@@ -1,7 +1,8 @@
 """A script written for Accelerate ports to runner by renaming the module on its import lines: the same
 script (tests/accelerate_scripts/classifier.py) runs with `accelerate` and ported to `runner`, alone and
 under `torchrun --nproc-per-node 2`; every rank's results must agree (loss curves within 1e-6, fp32) and
-each feature must have done what it is for."""
+each feature must have done what it is for. A script whose every draw comes from torch's global RNG
+(tests/accelerate_scripts/shuffled.py) gives bitwise Accelerate's numbers."""
 
 from __future__ import annotations
 
@@ -25,27 +26,49 @@ LAUNCHES = {
 }
 
 
-def ported(directory: Path) -> Path:
+SHUFFLED = Path(__file__).parent / "accelerate_scripts" / "shuffled.py"
+
+
+def ported(directory: Path, script: Path = SCRIPT) -> Path:
     """The script with `accelerate` replaced by `runner` on its import lines, and nowhere else."""
-    text = SCRIPT.read_text()
+    text = script.read_text()
     port = IMPORT_LINE.sub(r"\1 runner", text)
     changed = [old for old, new in zip(text.splitlines(), port.splitlines(), strict=True) if old != new]
     assert changed and all(line.startswith(("from accelerate", "import accelerate")) for line in changed)
-    path = directory / "classifier_runner.py"
+    path = directory / f"{script.stem}_runner.py"
     path.write_text(port)
     return path
 
 
-def run(launch: list[str], script: Path, out: Path) -> list[dict]:
-    out.mkdir()
+def run(launch: list[str], script: Path, out: Path, *args: str, results: str = "results") -> list[dict]:
+    out.mkdir(exist_ok=True)
     # Accelerate runs CPU ranks started by torchrun as a group only when told to use the CPU (else each
     # rank trains alone); runner's Accelerator honours the same variable.
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [*launch, str(script), str(out)], capture_output=True, text=True, timeout=300, env=env
+        [*launch, str(script), str(out), *args], capture_output=True, text=True, timeout=300, env=env
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.loads(path.read_text()) for path in sorted(out.glob("results_*.json"))]
+    return [json.loads(path.read_text()) for path in sorted(out.glob(f"{results}_*.json"))]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=list(LAUNCHES))
+def test_a_ported_script_draws_bitwise_the_numbers_it_draws_under_accelerate(tmp_path, launch):
+    """A shuffling loader without a generator, dropout, accumulation, an eval pass per epoch: every draw
+    from torch's global RNG (shuffle seed, loader base seed, dropout masks) comes in Accelerate's order,
+    so that losses, eval losses and weights are bitwise Accelerate's on every rank. Resumed from its
+    mid-epoch checkpoint, the ported script then ends bitwise as its uninterrupted run (Accelerate's own
+    does not: it draws a new shuffle for the resumed epoch)."""
+    reference = run(LAUNCHES[launch], SHUFFLED, tmp_path / "with_accelerate")
+    script = ported(tmp_path, SHUFFLED)
+    results = run(LAUNCHES[launch], script, tmp_path / "with_runner")
+    assert len(results) == len(reference) == (2 if launch == "torchrun x2" else 1)
+    assert results == reference  # losses, eval losses and the weights' digest, bitwise
+    assert len({result["weights"] for result in results}) == 1  # the ranks' replicas agree
+    resumed = run(LAUNCHES[launch], script, tmp_path / "with_runner", "resume", results="resumed")
+    for whole, rest in zip(results, resumed, strict=True):
+        assert rest["losses"] == whole["losses"][-len(rest["losses"]) :] and len(rest["losses"]) > 10
+        assert rest["evals"] == whole["evals"][1:] and rest["weights"] == whole["weights"]
 
 
 @pytest.mark.parametrize("launch", LAUNCHES, ids=list(LAUNCHES))

@@ -150,6 +150,19 @@ def test_a_parallel_backend_in_one_process_trains_like_the_cpu_group(run_cli, ha
     assert metrics_of(proc) == pytest.approx(metrics_of(reference), rel=1e-5)
 
 
+def test_how_often_a_run_evaluates_does_not_change_its_training(run_cli):
+    """The eval loader draws its seed from torch's global RNG (as Accelerate leaves it), which the dropout
+    masks come from too: the Trainer keeps evaluation's draws out of training's."""
+    steps = ("experiment=gpt_sonnets", "model.dropout=0.2", "trainer.max_steps=6", "trainer.log_every=2")
+    weights = []
+    for every in (0, 2):
+        proc = run_cli(*steps, f"trainer.eval_every={every}", "tracker=none")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr.count("eval/loss=") == (1 if every == 0 else 3)  # at the end; every 2 steps
+        weights.append((proc.run_dir / "model" / "model.safetensors").read_bytes())  # the next run moves it
+    assert weights[0] == weights[1]
+
+
 def test_random_tokens_feed_a_gpt_of_their_vocabulary(run_cli):
     proc = run_cli(
         "experiment=gpt_sonnets",

@@ -12,7 +12,7 @@ from runner.data_loader import (
     IterableDatasetShard,
     SkipBatchSampler,
     last_batch_remainder,
-    sampler_generators,
+    order_generators,
     shard_dataloader,
 )
 
@@ -98,16 +98,25 @@ def test_shard_dataloader_keeps_settings():
     assert shard_dataloader(loader, 1, 0) is loader
 
 
-def test_a_shuffling_sampler_gets_a_generator_that_decides_its_order():
+def test_a_shuffling_sampler_gets_a_generator_only_where_processes_must_agree_on_it():
+    """As Accelerate: one process leaves a shuffling loader drawing from torch's global RNG; several give
+    its sampler a generator (seeded from the global RNG) that then decides the order alone."""
     loader = DataLoader(list(range(20)), batch_size=4, shuffle=True)
-    assert loader.sampler.generator is None
-    (generator,) = sampler_generators(loader)
-    assert loader.sampler.generator is generator
+    assert order_generators(loader, seeded_sampler=False) == ([], True) and loader.sampler.generator is None
+    torch.manual_seed(3)
+    first = [b.tolist() for b in loader]
+    torch.manual_seed(3)
+    assert [b.tolist() for b in loader] == first
+
+    (generator,), global_rng = order_generators(loader, seeded_sampler=True)
+    assert loader.sampler.generator is generator and global_rng  # the base seed still comes from it
     state = generator.get_state()
     first = [b.tolist() for b in loader]
     generator.set_state(state)
+    torch.manual_seed(4)  # the global RNG no longer decides the order
     assert [b.tolist() for b in loader] == first
-    assert sampler_generators(DataLoader(list(range(4)))) == []
+    own = torch.Generator()
+    assert order_generators(DataLoader(list(range(4)), generator=own), seeded_sampler=True) == ([own], False)
 
 
 def test_skip_batch_sampler():
