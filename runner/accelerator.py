@@ -18,20 +18,22 @@ from torch.utils.hooks import RemovableHandle
 
 import runner.collectives as collectives
 from runner.checkpoint.checkpointer import ProjectConfiguration
-from runner.cluster import accelerate_launch_settings
-from runner.config import ActivationCheckpointingConfig, CompileConfig, CompileScope
+from runner.cluster import accelerate_launch_settings, launched_environment
+from runner.config import ActivationCheckpointingConfig, CheckpointingMode, CompileConfig, CompileScope
 from runner.engine import Engine
 from runner.handlers import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
+    FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    ParallelismConfig,
     ProfileKwargs,
 )
-from runner.hardware import Strategy, default_strategy
+from runner.hardware import DDP, FSDP, Strategy, TensorParallel, default_strategy
 from runner.precision import Precision
 from runner.precision import from_name as precision_from_name
 from runner.state import DistributedType
@@ -48,7 +50,8 @@ class Accelerator(Engine):
 
         What `accelerate launch` sets is applied where the script leaves the default: ACCELERATE_USE_CPU,
         _MIXED_PRECISION, _GRADIENT_ACCUMULATION_STEPS, _DYNAMO_BACKEND (with _MODE, _USE_FULLGRAPH,
-        _USE_DYNAMIC, _USE_REGIONAL_COMPILATION). ACCELERATE_USE_FSDP, _USE_DEEPSPEED, _USE_MEGATRON_LM,
+        _USE_DYNAMIC, _USE_REGIONAL_COMPILATION), ACCELERATE_USE_FSDP with the FSDP_* variables (an
+        `FullyShardedDataParallelPlugin`). ACCELERATE_USE_DEEPSPEED, _USE_MEGATRON_LM,
         _DEBUG_MODE are refused (ValueError) rather than run as plain data parallel.
         gradient_accumulation_steps: micro-batches per optimizer step, driven by `accumulate()`.
         device_placement: move prepared models and batches to `device`.
@@ -67,6 +70,11 @@ class Accelerator(Engine):
             what it configures (the strategy, the precision, `profile()`); one of each kind.
         strategy: the hardware backend (what `conf/hardware` builds); default DDP when a launcher started
             several ranks (torchrun, srun), else one process on CUDA when available, else the CPU.
+        fsdp_plugin: Accelerate's `FullyShardedDataParallelPlugin`: runner's `FSDP` strategy with its
+            settings (`runner.handlers.FullyShardedDataParallelPlugin` says how each maps).
+        parallelism_config: Accelerate's `ParallelismConfig`: replicas, shards and tensor-parallel ranks,
+            whose product is the world size; DDP, FSDP/HSDP or `TensorParallel` over that mesh
+            (`torch_device_mesh` once a model is prepared).
         project_dir: shorthand for `ProjectConfiguration(project_dir=...)`.
         project_config: where `save_state()` without a directory writes, and how it names checkpoints.
         log_with: trackers that `init_trackers` starts and `log` writes to, on the main process (unless
@@ -99,8 +107,19 @@ class Accelerator(Engine):
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         kwargs_handlers: list[KwargsHandler] | None = None,
         logging_dir: str | None = None,
+        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        parallelism_config: ParallelismConfig | None = None,
     ) -> None:
         launch = accelerate_launch_settings()  # what `accelerate launch` set, where the script did not
+        if strategy is not None and (fsdp_plugin or parallelism_config):
+            raise ValueError(
+                "Give the backend once: strategy=..., or Accelerate's fsdp_plugin / parallelism_config, not both."
+            )
+        if fsdp_plugin is None and strategy is None and launch.fsdp is not None:
+            fsdp_plugin = FullyShardedDataParallelPlugin.from_launch(launch.fsdp)
+        strategy = strategy or _plugin_strategy(fsdp_plugin, parallelism_config, cpu or launch.cpu)
+        if activation_checkpointing is None and fsdp_plugin and fsdp_plugin.settings().activation_checkpointing:
+            activation_checkpointing = ActivationCheckpointingConfig(mode=CheckpointingMode.full)
         if gradient_accumulation_plugin is None and gradient_accumulation_steps == 1:
             gradient_accumulation_steps = launch.gradient_accumulation_steps or 1
         if compile is None and launch.dynamo_backend is not None:
@@ -152,6 +171,24 @@ class Accelerator(Engine):
     def data_parallel_rank(self) -> int:
         """Which share of the data this process reads (ranks of one tensor-parallel group share one)."""
         return self.state.data_parallel_index
+
+    @property
+    def torch_device_mesh(self) -> Any:
+        """The strategy's DeviceMesh over the ranks (dims named "pp", "dp_replicate", "dp_shard", "tp"),
+        built when the first model is prepared; None before, and for strategies without one (DDP)."""
+        return getattr(self.strategy, "mesh", None)
+
+    @property
+    def parallelism_config(self) -> ParallelismConfig | None:
+        """The layout as Accelerate's `ParallelismConfig`, for strategies with a mesh (None: DDP, one
+        process)."""
+        dims = getattr(self.strategy, "dims", None)
+        if dims is None:
+            return None
+        resolved = dims.resolved(self.num_processes)
+        return ParallelismConfig(
+            dp_replicate_size=resolved.dp_replicate, dp_shard_size=resolved.dp_shard, tp_size=resolved.tp
+        )
 
     @property
     def is_fsdp2(self) -> bool:
@@ -263,6 +300,52 @@ class Accelerator(Engine):
         raise ValueError(
             f"{name!r} is not a tracker of this Accelerator; it has {[t.name for t in self.trackers]}."
         )
+
+
+def _plugin_strategy(
+    fsdp: FullyShardedDataParallelPlugin | None, layout: ParallelismConfig | None, cpu: bool
+) -> Strategy | None:
+    """The strategy that Accelerate's FSDP plugin and `ParallelismConfig` describe (None: neither given):
+    tensor parallel when `tp_size` > 1 (FSDP over the data-parallel ranks), FSDP/HSDP with a plugin or
+    `dp_shard_size` > 1, else DDP over the replicas."""
+    if fsdp is None and layout is None:
+        return None
+    env = launched_environment()
+    world, local = (env.world_size, env.local_world_size) if env is not None else (1, 1)
+    settings = (fsdp or FullyShardedDataParallelPlugin()).settings()
+    if layout is not None:
+        if layout.total_size != world:
+            raise ValueError(
+                f"ParallelismConfig(dp_replicate_size={layout.dp_replicate_size}, dp_shard_size={layout.dp_shard_size}, "
+                f"tp_size={layout.tp_size}) lays out {layout.total_size} process(es), but this job has {world}. Make "
+                f"their product {world}."
+            )
+        replicate, shard, tp = layout.dp_replicate_size or 1, layout.dp_shard_size or 1, layout.tp_size or 1
+    else:
+        tp = 1
+        replicate, shard = {"shard": (1, world), "replicate": (world, 1), "hybrid": (world // local, local)}[
+            settings.layout
+        ]
+    common: dict[str, Any] = {"num_processes": local, "device": "cpu" if cpu else None}
+    if tp > 1:
+        return TensorParallel(
+            tp_size=tp,
+            shard_modules=settings.shard_modules,
+            reshard_after_forward=settings.reshard_after_forward,
+            dp_replicate=replicate,
+            dp_shard=shard,
+            **common,
+        )
+    if fsdp is None and shard == 1:
+        return DDP(**common)
+    return FSDP(
+        shard_modules=settings.shard_modules,
+        reshard_after_forward=settings.reshard_after_forward,
+        cpu_offload=settings.cpu_offload,
+        dp_replicate=replicate,
+        dp_shard=shard,
+        **common,
+    )
 
 
 def _accumulation_plugin(steps: int, plugin: GradientAccumulationPlugin | None) -> GradientAccumulationPlugin:

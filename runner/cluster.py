@@ -174,7 +174,6 @@ def patch_environment(**kwargs: Any) -> Iterator[None]:
 
 # `accelerate launch` (and an Accelerate config) pass settings to the script in these variables.
 _ACCELERATE_REFUSED = {
-    "ACCELERATE_USE_FSDP": "FSDP: pass strategy=runner.hardware.FSDP(...) to Accelerator, or run `python -m runner hardware=fsdp`",
     "ACCELERATE_USE_DEEPSPEED": "DeepSpeed: pass strategy=runner.hardware.DeepSpeed(...), or run `python -m runner hardware=deepspeed`",
     "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM: pass strategy=runner.hardware.TensorParallel(...), or run `python -m runner hardware=megatron`",
     "ACCELERATE_USE_SAGEMAKER": "SageMaker data parallel, which runner does not have",
@@ -199,6 +198,8 @@ class AccelerateLaunchSettings:
     dynamo_fullgraph: bool = False
     dynamo_dynamic: bool | None = None
     dynamo_regional: bool = False
+    # ACCELERATE_USE_FSDP: the FSDP_* variables of the launch config, named without the prefix, lowercase
+    fsdp: dict[str, str] | None = None
 
 
 def accelerate_launch_settings() -> AccelerateLaunchSettings:
@@ -224,4 +225,7 @@ def accelerate_launch_settings() -> AccelerateLaunchSettings:
         dynamo_fullgraph=_flag("ACCELERATE_DYNAMO_USE_FULLGRAPH"),
         dynamo_dynamic=None if dynamic is None else _flag("ACCELERATE_DYNAMO_USE_DYNAMIC"),
         dynamo_regional=_flag("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"),
+        fsdp={name.removeprefix("FSDP_").lower(): value for name, value in os.environ.items() if name.startswith("FSDP_")}
+        if _flag("ACCELERATE_USE_FSDP")
+        else None,
     )

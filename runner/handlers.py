@@ -1,5 +1,6 @@
 """Accelerate's configuration objects for `Accelerator(...)`: the kwargs handlers (`kwargs_handlers=[...]`),
-`DataLoaderConfiguration` and `GradientAccumulationPlugin`, with Accelerate's names, fields and defaults.
+`DataLoaderConfiguration`, `GradientAccumulationPlugin`, `FullyShardedDataParallelPlugin` and
+`ParallelismConfig`, with Accelerate's names, fields and defaults.
 
 The Accelerator hands each handler to what it configures: the process group and DDP to the hardware
 strategy, loss scaling and autocast to the precision plugin; the profiler it runs itself."""
@@ -170,3 +171,208 @@ class GradientAccumulationPlugin(KwargsHandler):
     adjust_scheduler: bool = True
     sync_with_dataloader: bool = True
     sync_each_batch: bool = False
+
+
+# FSDP1's sharding strategies (Accelerate's names and numbers): (reshard after forward, how ranks hold the model).
+SHARDING_STRATEGIES = {
+    "FULL_SHARD": (True, "shard"),
+    "SHARD_GRAD_OP": (False, "shard"),
+    "NO_SHARD": (True, "replicate"),
+    "HYBRID_SHARD": (True, "hybrid"),
+    "_HYBRID_SHARD_ZERO2": (False, "hybrid"),
+}
+
+
+@dataclass
+class FullyShardedDataParallelPlugin:
+    """Accelerate's FSDP settings (`Accelerator(fsdp_plugin=...)`), with its fields and defaults; runner
+    runs them as its `FSDP` strategy, FSDP2's `fully_shard`, whichever `fsdp_version` (the arithmetic of
+    FSDP1's flat parameters is the same). `FSDPSettings` is what they come to.
+
+    Accelerate's meaning, mapped: `sharding_strategy` (FSDP1: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD,
+    HYBRID_SHARD, _HYBRID_SHARD_ZERO2, or their numbers or enum) or `reshard_after_forward` (a bool, or one
+    of those names); `auto_wrap_policy` "no_wrap" (the default: the root module is the one unit) or
+    "transformer_based_wrap" (a unit per module of `transformer_cls_names_to_wrap`, else of the model's
+    `_no_split_modules`); `cpu_offload` (a bool, or torch's CPUOffload/CPUOffloadPolicy);
+    `activation_checkpointing` (each unit's activations recomputed in backward). FSDP1's tuning knobs that
+    FSDP2 has no use for (`backward_prefetch`, `forward_prefetch`, `limit_all_gathers`, `use_orig_params`,
+    `sync_module_states`, `state_dict_config`, `optim_state_dict_config`) do nothing, as under
+    Accelerate's FSDP2; `state_dict_type` too: runner's `save_state` of a sharded model always writes
+    DCP shards (any layout loads them), `save_model` the full weights; and `cpu_ram_efficient_loading`:
+    every rank loads the same weights. Refused (ValueError, saying why): "size_based_wrap" or a callable
+    policy, `mixed_precision_policy`, `ignored_modules`, `param_init_fn`,
+    `activation_checkpointing_offload`.
+    """
+
+    fsdp_version: int | None = None
+    sharding_strategy: Any = None
+    reshard_after_forward: bool | str | None = None
+    backward_prefetch: Any = None
+    mixed_precision_policy: Any = None
+    auto_wrap_policy: str | Callable | None = None
+    cpu_offload: Any = None
+    ignored_modules: Any = None
+    state_dict_type: Any = None
+    state_dict_config: Any = None
+    optim_state_dict_config: Any = None
+    limit_all_gathers: bool = True
+    use_orig_params: bool | None = None
+    param_init_fn: Callable | None = None
+    sync_module_states: bool | None = None
+    forward_prefetch: bool | None = None
+    activation_checkpointing: bool | None = None
+    activation_checkpointing_offload: bool | None = None
+    cpu_ram_efficient_loading: bool | None = None
+    transformer_cls_names_to_wrap: list[str] | str | None = None
+    min_num_params: int | None = None
+
+    def __post_init__(self) -> None:
+        self.settings()  # refuses what has no meaning here, at construction as Accelerate's does
+
+    @classmethod
+    def from_launch(cls, variables: dict[str, str]) -> FullyShardedDataParallelPlugin:
+        """The plugin an FSDP launch config describes (`accelerate launch` sets `ACCELERATE_USE_FSDP` and
+        these `FSDP_*` variables, here without the prefix and lowercase), read as Accelerate reads them."""
+
+        def flag(name: str) -> bool | None:
+            value = variables.get(name)
+            return None if value is None else value.strip().lower() in ("1", "true", "yes")
+
+        version = int(variables.get("version", "1"))
+        reshard = flag("reshard_after_forward") if version == 2 else variables.get("reshard_after_forward")
+        return cls(
+            fsdp_version=version,
+            sharding_strategy=variables.get("sharding_strategy") if version == 1 else None,
+            reshard_after_forward=reshard,
+            cpu_offload=flag("offload_params"),
+            auto_wrap_policy=variables.get("auto_wrap_policy"),
+            transformer_cls_names_to_wrap=variables.get("transformer_cls_to_wrap"),
+            activation_checkpointing=flag("activation_checkpointing"),
+            activation_checkpointing_offload=flag("activation_checkpointing_offload"),
+            min_num_params=int(variables["min_num_params"]) if variables.get("min_num_params") else None,
+            state_dict_type=variables.get("state_dict_type"),
+            cpu_ram_efficient_loading=flag("cpu_ram_efficient_loading"),
+            sync_module_states=flag("sync_module_states"),
+        )
+
+    def settings(self) -> FSDPSettings:
+        if self.fsdp_version not in (None, 1, 2):
+            raise ValueError(f"FullyShardedDataParallelPlugin(fsdp_version={self.fsdp_version!r}): expected 1 or 2.")
+        refused = {
+            "mixed_precision_policy": "give the precision to the Accelerator (mixed_precision='bf16'): runner's "
+            "FSDP gathers parameters in that dtype and reduces gradients in fp32",
+            "ignored_modules": "runner's FSDP shards every parameter of the model",
+            "param_init_fn": "FSDP2 shards modules that are already materialised (build on 'meta' and load with "
+            "runner.load_checkpoint_in_model instead)",
+                "activation_checkpointing_offload": "recomputed activations are not offloaded here",
+        }
+        for name, why in refused.items():
+            if getattr(self, name):
+                raise ValueError(f"FullyShardedDataParallelPlugin({name}=...) is not supported: {why}.")
+        reshard, layout = _sharding(self.sharding_strategy, self.reshard_after_forward)
+        return FSDPSettings(
+            shard_modules=self._units(),
+            reshard_after_forward=reshard,
+            layout=layout,
+            cpu_offload=_offloads(self.cpu_offload),
+            activation_checkpointing=bool(self.activation_checkpointing),
+        )
+
+    def _units(self) -> list[str] | None:
+        """The FSDP units' class names: [] the root only, None the model's `_no_split_modules`."""
+        policy = self.auto_wrap_policy
+        if policy is None or (isinstance(policy, str) and policy.upper() == "NO_WRAP"):
+            return []
+        if isinstance(policy, str) and policy.upper() == "TRANSFORMER_BASED_WRAP":
+            names = self.transformer_cls_names_to_wrap
+            return [n.strip() for n in names.split(",")] if isinstance(names, str) else names
+        raise ValueError(
+            f"FullyShardedDataParallelPlugin(auto_wrap_policy={policy!r}) is not supported: runner's FSDP units are "
+            "module classes. Use auto_wrap_policy='transformer_based_wrap' with transformer_cls_names_to_wrap "
+            "(default: the model's _no_split_modules), or 'no_wrap' for the root module alone."
+        )
+
+
+@dataclass(frozen=True)
+class FSDPSettings:
+    """What a `FullyShardedDataParallelPlugin` comes to: runner's `FSDP` arguments, and how the ranks hold
+    the model ("shard": all ranks shard it; "replicate": each holds all of it, FSDP1's NO_SHARD; "hybrid":
+    sharded within a node, replicated across nodes)."""
+
+    shard_modules: list[str] | None
+    reshard_after_forward: bool
+    layout: str
+    cpu_offload: bool
+    activation_checkpointing: bool
+
+
+def _offloads(cpu_offload: Any) -> bool:
+    """`cpu_offload` as a bool: a bool, torch's FSDP1 `CPUOffload(offload_params=...)`, or FSDP2's
+    `CPUOffloadPolicy` (its base `OffloadPolicy` offloads nothing)."""
+    if cpu_offload is None or isinstance(cpu_offload, bool):
+        return bool(cpu_offload)
+    if hasattr(cpu_offload, "offload_params"):
+        return bool(cpu_offload.offload_params)
+    return type(cpu_offload).__name__ == "CPUOffloadPolicy"
+
+
+def _sharding(strategy: Any, reshard_after_forward: bool | str | None) -> tuple[bool, str]:
+    """(reshard after forward, layout) from FSDP1's `sharding_strategy` or `reshard_after_forward`."""
+    if isinstance(reshard_after_forward, bool):
+        if strategy is not None:
+            raise ValueError(
+                "FullyShardedDataParallelPlugin: give sharding_strategy (FSDP1's) or reshard_after_forward=True/False, "
+                "not both."
+            )
+        return reshard_after_forward, "shard"
+    named = strategy if strategy is not None else reshard_after_forward
+    if named is None:
+        return True, "shard"
+    names = list(SHARDING_STRATEGIES)
+    key = getattr(named, "name", named)  # torch's ShardingStrategy enum
+    if isinstance(key, int) or (isinstance(key, str) and key.isdigit()):
+        key = names[int(key) - 1] if 1 <= int(key) <= len(names) else str(key)
+    key = str(key).upper()
+    if key == "HYBRID_SHARD_ZERO2":
+        key = "_HYBRID_SHARD_ZERO2"
+    if key not in SHARDING_STRATEGIES:
+        raise ValueError(
+            f"FullyShardedDataParallelPlugin: sharding strategy {named!r} is not one of {', '.join(names)} (or 1-5)."
+        )
+    return SHARDING_STRATEGIES[key]
+
+
+@dataclass
+class ParallelismConfig:
+    """Accelerate's layout of the ranks (`Accelerator(parallelism_config=...)`): `dp_replicate_size` x
+    `dp_shard_size` x `tp_size` ranks (None: 1), which must be the world size. Replicas only: DDP;
+    `dp_shard_size` above 1 (or an FSDP plugin): FSDP, HSDP with replicas; `tp_size` above 1: tensor
+    parallel by the model's plan, FSDP over the rest. Context and sequence parallel (`cp_size`,
+    `sp_size` above 1) are refused: runner has none yet."""
+
+    dp_replicate_size: int | None = None
+    dp_shard_size: int | None = None
+    tp_size: int | None = None
+    cp_size: int | None = None
+    cp_backend: str | None = None
+    sp_size: int | None = None
+    sp_backend: str | None = None
+    tp_handler: Any = None
+    cp_handler: Any = None
+    sp_handler: Any = None
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"ParallelismConfig({name}={value!r}): expected an integer >= 1.")
+        for name in ("cp_size", "sp_size"):
+            if (getattr(self, name) or 1) > 1:
+                raise ValueError(
+                    f"ParallelismConfig({name}={getattr(self, name)}) is not supported: runner has no context or "
+                    "sequence parallel yet. Split the ranks over dp_replicate_size, dp_shard_size and tp_size."
+                )
+
+    @property
+    def total_size(self) -> int:
+        return (self.dp_replicate_size or 1) * (self.dp_shard_size or 1) * (self.tp_size or 1)

@@ -4,6 +4,7 @@ setting changes what it is meant to change. Several processes: tests/test_accele
 from __future__ import annotations
 
 import json
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,9 +26,11 @@ from runner.utils import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
+    FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    ParallelismConfig,
     ProfileKwargs,
     gather,
     is_schedulefree_available,
@@ -208,10 +211,26 @@ def test_accelerate_launch_variables_are_applied_or_refused(accelerator_made):
     assert compiled.strategy.compile_config.scope.value == "model"
     assert compiled.strategy.compile_config.backend == "eager" and compiled.strategy.compile_config.fullgraph
     with (
-        patch_environment(accelerate_use_fsdp="true"),
-        pytest.raises(ValueError, match="ACCELERATE_USE_FSDP=true"),
+        patch_environment(accelerate_use_deepspeed="true"),
+        pytest.raises(ValueError, match="ACCELERATE_USE_DEEPSPEED=true"),
     ):
         accelerator_made(cpu=True)
+    fsdp_launch = {  # what `accelerate launch --use_fsdp --fsdp_version 2 ...` sets
+        "accelerate_use_fsdp": "true",
+        "fsdp_version": "2",
+        "fsdp_sharding_strategy": "FULL_SHARD",
+        "fsdp_reshard_after_forward": "false",
+        "fsdp_offload_params": "false",
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_cls_to_wrap": "Block",
+        "fsdp_cpu_ram_efficient_loading": "true",
+        "fsdp_activation_checkpointing": "true",
+    }
+    with patch_environment(**fsdp_launch):
+        sharded = accelerator_made(cpu=True)
+    assert isinstance(sharded.strategy, FSDP) and sharded.strategy.shard_modules == ["Block"]
+    assert not sharded.strategy.reshard_after_forward
+    assert sharded.strategy.checkpointing.mode.value == "full"
 
 
 # ---------------------------------------------------------------------------------------------- trackers
@@ -411,3 +430,149 @@ def test_a_schedule_free_optimizer_switches_modes_through_the_prepared_one(accel
     plain, prepared = trained(prepare=False), trained(prepare=True)
     assert not torch.equal(plain[0], plain[1])  # eval() moved the weights to their averaged sequence
     assert torch.equal(prepared[0], plain[0]) and torch.equal(prepared[1], plain[1])
+
+
+# ---------------------------------------------------------------------- FSDP plugin, ParallelismConfig
+@pytest.mark.parametrize(
+    ("plugin", "expected"),
+    [
+        ({}, ([], True, "shard", False)),  # Accelerate's defaults: FSDP1 FULL_SHARD, no_wrap (the root)
+        ({"sharding_strategy": "SHARD_GRAD_OP"}, ([], False, "shard", False)),
+        ({"sharding_strategy": 3}, ([], True, "replicate", False)),  # NO_SHARD, by number
+        ({"reshard_after_forward": "HYBRID_SHARD"}, ([], True, "hybrid", False)),  # FSDP1 names there too
+        ({"sharding_strategy": "_HYBRID_SHARD_ZERO2"}, ([], False, "hybrid", False)),
+        ({"fsdp_version": 2, "reshard_after_forward": False}, ([], False, "shard", False)),
+        ({"auto_wrap_policy": "transformer_based_wrap"}, (None, True, "shard", False)),  # _no_split_modules
+        (
+            {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "transformer_cls_names_to_wrap": "Block, Mlp"},
+            (["Block", "Mlp"], True, "shard", False),
+        ),
+        ({"cpu_offload": True}, ([], True, "shard", True)),
+    ],
+)
+def test_fsdp_plugin_settings_map_as_accelerate_reads_them(plugin, expected):
+    settings = FullyShardedDataParallelPlugin(**plugin).settings()
+    assert (
+        settings.shard_modules,
+        settings.reshard_after_forward,
+        settings.layout,
+        settings.cpu_offload,
+    ) == expected
+
+
+def test_fsdp_plugin_takes_torchs_enums_and_offload_objects():
+    from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy, ShardingStrategy
+
+    assert (
+        FullyShardedDataParallelPlugin(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP).settings().layout
+        == "shard"
+    )
+    assert (
+        not FullyShardedDataParallelPlugin(sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
+        .settings()
+        .reshard_after_forward
+    )
+    assert FullyShardedDataParallelPlugin(cpu_offload=CPUOffload(offload_params=True)).settings().cpu_offload
+    assert FullyShardedDataParallelPlugin(cpu_offload=CPUOffloadPolicy()).settings().cpu_offload
+    assert not FullyShardedDataParallelPlugin(cpu_offload=OffloadPolicy()).settings().cpu_offload
+
+
+@pytest.mark.parametrize(
+    ("plugin", "refusal"),
+    [
+        ({"auto_wrap_policy": "size_based_wrap"}, "runner's FSDP units are module classes"),
+        ({"auto_wrap_policy": lambda *a: True}, "runner's FSDP units are module classes"),
+        ({"mixed_precision_policy": {"param_dtype": torch.bfloat16}}, "mixed_precision='bf16'"),
+        ({"ignored_modules": [torch.nn.Linear(1, 1)]}, "shards every parameter"),
+        ({"param_init_fn": lambda module: None}, "already materialised"),
+        ({"activation_checkpointing_offload": True}, "not offloaded"),
+        ({"sharding_strategy": "FULL_SHARD", "reshard_after_forward": True}, "not both"),
+        ({"sharding_strategy": "HALF_SHARD"}, "is not one of FULL_SHARD"),
+        ({"fsdp_version": 3}, "expected 1 or 2"),
+    ],
+)
+def test_fsdp_plugin_settings_without_meaning_here_are_refused_saying_why(plugin, refusal):
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        FullyShardedDataParallelPlugin(**plugin)
+
+
+def test_an_fsdp_plugin_makes_the_fsdp_strategy_in_one_process(accelerator_made):
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, reshard_after_forward=False, auto_wrap_policy="no_wrap", cpu_offload=True
+    )
+    accelerator = accelerator_made(cpu=True, fsdp_plugin=plugin)
+    assert isinstance(accelerator.strategy, FSDP) and accelerator.is_fsdp2
+    assert not accelerator.strategy.reshard_after_forward and accelerator.strategy.shard_modules == []
+    assert type(accelerator.strategy.offload_policy).__name__ == "CPUOffloadPolicy"
+    assert accelerator.torch_device_mesh is None  # built when a model is prepared, as the strategy needs it
+    model = accelerator.prepare(torch.nn.Linear(4, 2))
+    assert type(model.weight).__name__ == "DTensor"
+    assert accelerator.torch_device_mesh.mesh_dim_names == ("dp_shard",)
+    assert accelerator.parallelism_config == ParallelismConfig(
+        dp_replicate_size=1, dp_shard_size=1, tp_size=1
+    )
+    with pytest.raises(ValueError, match="Give the backend once"):
+        Accelerator(strategy=DDP(device="cpu", num_processes=1), fsdp_plugin=plugin)
+
+
+def test_a_parallelism_config_must_lay_out_the_world_and_has_no_context_parallel():
+    with pytest.raises(ValueError, match=re.escape("lays out 2 process(es), but this job has 1")):
+        Accelerator(cpu=True, parallelism_config=ParallelismConfig(dp_shard_size=2))
+    with pytest.raises(ValueError, match="runner has no context or sequence parallel yet"):
+        ParallelismConfig(cp_size=2)
+    with pytest.raises(ValueError, match="expected an integer >= 1"):
+        ParallelismConfig(tp_size=0)
+    assert ParallelismConfig(dp_replicate_size=2, tp_size=2).total_size == 4
+
+
+def test_a_parallelism_config_picks_the_strategy_of_its_layout():
+    """On 4 ranks (as torchrun would say): replicas only DDP, shards FSDP/HSDP, tp_size tensor parallel with
+    FSDP over the rest; an FSDP plugin's HYBRID_SHARD replicates across nodes and shards within one."""
+    from runner.accelerator import _plugin_strategy
+    from runner.hardware import TensorParallel
+
+    world = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+    }
+    with patch_environment(**world):
+        assert type(_plugin_strategy(None, ParallelismConfig(dp_replicate_size=4), cpu=True)) is DDP
+        hsdp = _plugin_strategy(None, ParallelismConfig(dp_replicate_size=2, dp_shard_size=2), cpu=True)
+        assert isinstance(hsdp, FSDP) and (hsdp.dims.dp_replicate, hsdp.dims.dp_shard) == (2, 2)
+        tp = _plugin_strategy(
+            FullyShardedDataParallelPlugin(reshard_after_forward="SHARD_GRAD_OP"),
+            ParallelismConfig(dp_shard_size=2, tp_size=2),
+            cpu=True,
+        )
+        assert isinstance(tp, TensorParallel) and (tp.dims.dp_shard, tp.dims.tp) == (2, 2)
+        assert not tp.reshard_after_forward and tp.num_processes == 2
+        hybrid = _plugin_strategy(
+            FullyShardedDataParallelPlugin(sharding_strategy="HYBRID_SHARD"), None, cpu=True
+        )
+        assert isinstance(hybrid, FSDP) and (hybrid.dims.dp_replicate, hybrid.dims.dp_shard) == (2, 2)
+        no_shard = _plugin_strategy(
+            FullyShardedDataParallelPlugin(sharding_strategy="NO_SHARD"), None, cpu=True
+        )
+        assert (no_shard.dims.dp_replicate, no_shard.dims.dp_shard) == (4, 1)
+
+
+def test_an_fsdp1_launch_config_reads_as_accelerate_reads_it():
+    version_1 = FullyShardedDataParallelPlugin.from_launch(
+        {"sharding_strategy": "SHARD_GRAD_OP", "offload_params": "true", "auto_wrap_policy": "NO_WRAP"}
+    ).settings()
+    assert (version_1.reshard_after_forward, version_1.layout, version_1.cpu_offload) == (
+        False,
+        "shard",
+        True,
+    )
+    hybrid = FullyShardedDataParallelPlugin.from_launch(
+        {"version": "1", "reshard_after_forward": "HYBRID_SHARD"}
+    )
+    assert hybrid.settings().layout == "hybrid"
+    with pytest.raises(ValueError, match="runner's FSDP units are module classes"):
+        FullyShardedDataParallelPlugin.from_launch(
+            {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": "100"}
+        )

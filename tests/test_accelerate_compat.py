@@ -27,6 +27,7 @@ LAUNCHES = {
 
 
 SHUFFLED = Path(__file__).parent / "accelerate_scripts" / "shuffled.py"
+SHARDED = Path(__file__).parent / "accelerate_scripts" / "sharded.py"
 
 
 def ported(directory: Path, script: Path = SCRIPT) -> Path:
@@ -127,3 +128,36 @@ def test_ported_script_matches_accelerate_and_each_feature_works(tmp_path, launc
     logged = [event.value for event in events.Scalars("train_loss")]
     assert logged == pytest.approx(results[0]["losses"], abs=1e-6)
     assert [event.value for event in events.Scalars("accuracy")] == pytest.approx([results[0]["accuracy"]])
+
+
+def test_accelerates_fsdp_plugin_and_parallelism_config_run_as_runners_strategies(tmp_path):
+    """Accelerate's FSDP plugin and `ParallelismConfig` on 2 processes: each layout trains as DDP does (the
+    same arithmetic), sharding where it says so, with its settings in force (units of the named class, their
+    activations recomputed: two forwards of a unit per step)."""
+    script, out = ported(tmp_path, SHARDED), tmp_path / "out"
+    results = {
+        layout: run(LAUNCHES["torchrun x2"], script, out, layout, results=layout)
+        for layout in ("ddp", "fsdp", "fsdp1_names", "replicas", "shards")
+    }
+    reference = results["ddp"][0]["losses"]
+    for layout, ranks in results.items():
+        assert len(ranks) == 2
+        for rank in ranks:
+            assert rank["losses"] == pytest.approx(reference, abs=1e-6), layout
+    fsdp = results["fsdp"][0]
+    assert fsdp["distributed_type"] == "DistributedType.FSDP" and fsdp["mesh"] == ["dp_shard"]
+    assert fsdp["sharded"] == ["S(0)"] and fsdp["local_rows"] == 8  # 16 rows over 2 ranks
+    assert fsdp["block_forwards_per_step"] == 2  # activation_checkpointing=True: recomputed in backward
+    assert results["fsdp1_names"][0]["sharded"] == ["S(0)"]  # the root is the one unit: no_wrap
+    assert results["fsdp1_names"][0]["block_forwards_per_step"] == 1
+    assert results["shards"][0]["sharded"] == ["S(0)"]
+    # The same plugin from an FSDP launch config: `accelerate launch --use_fsdp ...` sets FSDP_* variables.
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes=2", "--num_machines=1",
+              "--mixed_precision=no", "--dynamo_backend=no", "--use_fsdp", "--fsdp_version=2",
+              "--fsdp_reshard_after_forward=false", "--fsdp_auto_wrap_policy=TRANSFORMER_BASED_WRAP",
+              "--fsdp_transformer_layer_cls_to_wrap=Block", "--fsdp_activation_checkpointing=true"]  # fmt: skip
+    launched = run(launch, script, out, "launch_config", results="launch_config")
+    assert launched == results["fsdp"]
+    for layout in ("ddp", "replicas"):  # replicas only: DDP
+        assert results[layout][0]["distributed_type"] == "DistributedType.MULTI_CPU"
+        assert results[layout][0]["sharded"] == [] and results[layout][0]["mesh"] is None

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from runner.hardware.mesh import ParallelDims
 from runner.hardware.parallelize import ShardedState, apply_fsdp, sharding_units
@@ -54,9 +55,13 @@ class FSDP(ShardedState, ParallelStrategy):
         super().__init__(**process_group)
         self.shard_modules = None if shard_modules is None else list(shard_modules)
         self.reshard_after_forward = reshard_after_forward
-        self.offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+        # pinned host memory only where there is a device to copy to and from
+        self.offload_policy = (
+            CPUOffloadPolicy(pin_memory=self.device_type == "cuda") if cpu_offload else OffloadPolicy()
+        )
         self.mp_policy = MixedPrecisionPolicy()
         self.dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard)
+        self.mesh: DeviceMesh | None = None  # over the world, once a model is set up
 
     def setup_precision(self, precision: Precision) -> Precision:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -79,9 +84,8 @@ class FSDP(ShardedState, ParallelStrategy):
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         dims = self.dims.resolved(torch.distributed.get_world_size())
         # dp_shard stays in the mesh at size 1: FSDP over (dp_replicate, 1) replicates, over one dim shards.
-        mesh = dims.submesh(
-            dims.build_mesh(self.device.type, always=("dp_shard",)), "dp_replicate", "dp_shard"
-        )
+        self.mesh = dims.build_mesh(self.device.type, always=("dp_shard",))
+        mesh = dims.submesh(self.mesh, "dp_replicate", "dp_shard")
         self.apply_compute(module)
         self.replace_parameters(
             module,
