@@ -118,7 +118,11 @@ class Accelerator(Engine):
         if fsdp_plugin is None and strategy is None and launch.fsdp is not None:
             fsdp_plugin = FullyShardedDataParallelPlugin.from_launch(launch.fsdp)
         strategy = strategy or _plugin_strategy(fsdp_plugin, parallelism_config, cpu or launch.cpu)
-        if activation_checkpointing is None and fsdp_plugin and fsdp_plugin.settings().activation_checkpointing:
+        if (
+            activation_checkpointing is None
+            and fsdp_plugin
+            and fsdp_plugin.settings().activation_checkpointing
+        ):
             activation_checkpointing = ActivationCheckpointingConfig(mode=CheckpointingMode.full)
         if gradient_accumulation_plugin is None and gradient_accumulation_steps == 1:
             gradient_accumulation_steps = launch.gradient_accumulation_steps or 1

@@ -225,7 +225,11 @@ def accelerate_launch_settings() -> AccelerateLaunchSettings:
         dynamo_fullgraph=_flag("ACCELERATE_DYNAMO_USE_FULLGRAPH"),
         dynamo_dynamic=None if dynamic is None else _flag("ACCELERATE_DYNAMO_USE_DYNAMIC"),
         dynamo_regional=_flag("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"),
-        fsdp={name.removeprefix("FSDP_").lower(): value for name, value in os.environ.items() if name.startswith("FSDP_")}
+        fsdp={
+            name.removeprefix("FSDP_").lower(): value
+            for name, value in os.environ.items()
+            if name.startswith("FSDP_")
+        }
         if _flag("ACCELERATE_USE_FSDP")
         else None,
     )

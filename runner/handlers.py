@@ -257,14 +257,16 @@ class FullyShardedDataParallelPlugin:
 
     def settings(self) -> FSDPSettings:
         if self.fsdp_version not in (None, 1, 2):
-            raise ValueError(f"FullyShardedDataParallelPlugin(fsdp_version={self.fsdp_version!r}): expected 1 or 2.")
+            raise ValueError(
+                f"FullyShardedDataParallelPlugin(fsdp_version={self.fsdp_version!r}): expected 1 or 2."
+            )
         refused = {
             "mixed_precision_policy": "give the precision to the Accelerator (mixed_precision='bf16'): runner's "
             "FSDP gathers parameters in that dtype and reduces gradients in fp32",
             "ignored_modules": "runner's FSDP shards every parameter of the model",
             "param_init_fn": "FSDP2 shards modules that are already materialised (build on 'meta' and load with "
             "runner.load_checkpoint_in_model instead)",
-                "activation_checkpointing_offload": "recomputed activations are not offloaded here",
+            "activation_checkpointing_offload": "recomputed activations are not offloaded here",
         }
         for name, why in refused.items():
             if getattr(self, name):

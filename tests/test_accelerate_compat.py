@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -59,7 +60,7 @@ def test_a_ported_script_draws_bitwise_the_numbers_it_draws_under_accelerate(tmp
     from torch's global RNG (shuffle seed, loader base seed, dropout masks) comes in Accelerate's order,
     so that losses, eval losses and weights are bitwise Accelerate's on every rank. Resumed from its
     mid-epoch checkpoint, the ported script then ends bitwise as its uninterrupted run (Accelerate's own
-    does not: it draws a new shuffle for the resumed epoch)."""
+    does not: it draws a new shuffle for the resumed epoch). Each library's checkpoint resumes under the other."""
     reference = run(LAUNCHES[launch], SHUFFLED, tmp_path / "with_accelerate")
     script = ported(tmp_path, SHUFFLED)
     results = run(LAUNCHES[launch], script, tmp_path / "with_runner")
@@ -70,6 +71,16 @@ def test_a_ported_script_draws_bitwise_the_numbers_it_draws_under_accelerate(tmp
     for whole, rest in zip(results, resumed, strict=True):
         assert rest["losses"] == whole["losses"][-len(rest["losses"]) :] and len(rest["losses"]) > 10
         assert rest["evals"] == whole["evals"][1:] and rest["weights"] == whole["weights"]
+
+    # The checkpoints interchange: each resumes under the other exactly as under the library that wrote it
+    # (model, optimizer, every process's RNG states; Accelerate records no position: both draw a new shuffle).
+    accelerate_resumed = run(
+        LAUNCHES[launch], SHUFFLED, tmp_path / "with_accelerate", "resume", results="resumed"
+    )
+    for writer, reader in (("with_runner", SHUFFLED), ("with_accelerate", script)):
+        out = tmp_path / f"{reader.stem}_reads_{writer}"
+        shutil.copytree(tmp_path / writer / "checkpoint", out / "checkpoint")
+        assert run(LAUNCHES[launch], reader, out, "resume", results="resumed") == accelerate_resumed, out.name
 
 
 @pytest.mark.parametrize("launch", LAUNCHES, ids=list(LAUNCHES))

@@ -13,13 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from runner import Accelerator, ProjectConfiguration, load_checkpoint_in_model
 from runner.checkpoint.files import damage, file_digest, latest_checkpoint, load_torch, read_meta
 from runner.checkpoint.resume import check_checkpoint_fits, resume_checkpoint
 from runner.errors import ConfigError
+from runner.hardware import FSDP
 from runner.models import GPT
 from runner.rng import rng_state, set_rng_state, set_seed
 from runner.weights import DamagedFileError, stored_tensors
@@ -263,7 +264,16 @@ def test_each_file_is_recorded_and_a_damaged_one_is_refused_by_name(tmp_path):
     checkpoint = latest_checkpoint(tmp_path / "checkpoints")
     meta = read_meta(checkpoint)
     on_disk = sorted(str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.name != "meta.json")
-    assert sorted(meta["files"]) == on_disk and damage(checkpoint, meta) == []
+    aliases = meta["accelerate_names"]  # Accelerate's names for the same files, hard links
+    assert aliases == {
+        "model.safetensors": "model_0.safetensors",
+        "optimizer.bin": "optimizer_0.pt",
+        "scheduler.bin": "scheduler_0.pt",
+    }
+    assert (checkpoint / "model.safetensors").stat().st_ino == (
+        checkpoint / "model_0.safetensors"
+    ).stat().st_ino
+    assert sorted(meta["files"]) == sorted(set(on_disk) - set(aliases)) and damage(checkpoint, meta) == []
     weights = checkpoint / "model_0.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
@@ -292,3 +302,33 @@ def test_a_cut_weights_file_is_refused_by_name_not_read_as_whole(tmp_path):
     path.write_bytes(b"\xff" * 8 + b"{}")  # a header length beyond the file
     with pytest.raises(DamagedFileError, match="its header claims"):
         stored_tensors(path)
+
+
+def test_a_checkpoint_in_accelerates_layout_is_refused_where_it_does_not_fit(tmp_path):
+    """Accelerate's files alone (what its save_state writes: the names a runner checkpoint also has)
+    load as Accelerate's checkpoint; into other objects, or into sharded models, they are refused."""
+    accelerator, *parts = setup(tmp_path / "run", precision="no")
+    run(accelerator, *parts, epochs=1, save_at=[(0, 3)])
+    checkpoint = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    theirs = tmp_path / "accelerate"
+    theirs.mkdir()
+    for name in ("model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"):
+        (theirs / name).write_bytes((checkpoint / name).read_bytes())
+    model = parts[0]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    accelerator.load_state(str(theirs))
+    saved = load_file(str(theirs / "model.safetensors"))
+    assert saved.keys() == model.state_dict().keys()
+    assert all(torch.equal(value, saved[name]) for name, value in model.state_dict().items())
+    accelerator.register_for_checkpointing(torch.nn.Linear(1, 1))
+    with pytest.raises(
+        ConfigError, match=r"written by Accelerate.*'custom_checkpoint': 0.*'custom_checkpoint': 1"
+    ):
+        accelerator.load_state(str(theirs))
+    sharded = Accelerator(strategy=FSDP(device="cpu", num_processes=1))
+    sharded.prepare(torch.nn.Linear(4, 8))
+    with pytest.raises(ConfigError, match="holds whole models, which runner loads where every process holds"):
+        sharded.load_state(str(theirs))
+    sharded.end_training()

@@ -39,6 +39,14 @@ from runner.checkpoint.files import (
     start_staging,
     write_meta,
 )
+from runner.checkpoint.formats import (
+    ACCELERATE_KINDS,
+    accelerate_counts,
+    accelerate_file,
+    is_accelerate_checkpoint,
+    link_accelerate_names,
+    load_full,
+)
 from runner.checkpoint.resume import (
     CANDIDATE,
     LAST_FINITE,
@@ -52,7 +60,13 @@ from runner.errors import ConfigError
 from runner.hardware import Strategy
 from runner.ops import host_copy
 from runner.precision import Precision
-from runner.rng import rng_state, set_rng_state
+from runner.rng import (
+    accelerate_rng_state,
+    load_accelerate_rng_state,
+    rng_state,
+    set_accelerate_rng_state,
+    set_rng_state,
+)
 from runner.state import ProcessState
 
 
@@ -232,18 +246,25 @@ class Checkpointer:
             write_weights = self.strategy.stage_checkpoint(staging, models, optimizers, main, group)
             copy = host_copy
             barrier = (lambda: dist.barrier(group=group)) if group is not None else (lambda: None)
-        files = {f"random_states_{self.state.process_index}.pt": rng_state()}
+        rank = self.state.process_index
+        files = {f"random_states_{rank}.pt": rng_state()}
+        full = self.strategy.checkpoint_format == "full"  # Accelerate's load_state reads it too
+        if full:
+            files[f"random_states_{rank}.pkl"] = accelerate_rng_state(step)
         if main:
             for prefix, objects in self._parts().items():
                 files |= {f"{prefix}_{i}.pt": copy(obj.state_dict()) for i, obj in enumerate(objects)}
             files["precision.pt"] = copy(self.precision.state_dict())
+            if full and "scaler" in files["precision.pt"]:
+                files["scaler.pt"] = files["precision.pt"]["scaler"]
+        counts = self._counts(models)
         meta = {
             "num_processes": self.state.num_processes,
             "data_parallel_size": self.state.data_parallel_size,
             "split_batches": self.split_batches,
             "checkpoint_format": self.strategy.checkpoint_format,
             "step": step,
-            "counts": self._counts(models),
+            "counts": counts,
             "optimizer_classes": [qualified_name(opt) for opt in optimizers],
         }
 
@@ -253,8 +274,14 @@ class Checkpointer:
                 save_torch(state, staging / name)
             barrier()
             if main:
-                digests = {name: file_digest(staging / name) for name in checkpoint_files(staging)}
-                write_meta(staging, meta | {"files": digests})
+                # Accelerate's names are the same files (hard links): recorded as such, checked once.
+                aliases = link_accelerate_names(staging, _by_kind(counts)) if full else {}
+                digests = {
+                    name: file_digest(staging / name)
+                    for name in checkpoint_files(staging)
+                    if name not in aliases
+                }
+                write_meta(staging, meta | {"files": digests, "accelerate_names": aliases})
 
         return write
 
@@ -333,6 +360,8 @@ class Checkpointer:
         objects registered, in the same order; return the step it was written at. A sharded (DCP)
         checkpoint loads onto another number of ranks or another layout: DCP reshards it."""
         directory = Path(input_dir) if input_dir is not None else self._latest()
+        if is_accelerate_checkpoint(directory):
+            return self._load_accelerate(directory)
         meta = check_checkpoint_fits(
             directory,
             self.state.num_processes,
@@ -366,6 +395,41 @@ class Checkpointer:
             # Past a newer one the dir may hold (written by a run killed before it was marked latest).
             self.project.iteration = max(self.project.iteration, number + 1)
         return meta["step"]
+
+    def _load_accelerate(self, directory: Path) -> int:
+        """Restore what Accelerate's `save_state` wrote (models, optimizers, schedulers, registered objects,
+        the loss scale, this process's RNG states; Accelerate records no dataloader position unless its
+        loaders are stateful: runner's then start their pass afresh); the step it recorded."""
+        if self.strategy.checkpoint_format != "full":
+            raise ConfigError(
+                f"load_state input_dir={directory}: a checkpoint of Accelerate's save_state holds whole models, which "
+                f"runner loads where every process holds the whole model (one process, DDP), not into "
+                f"{type(self.strategy).__name__}'s shards. Load it with one of those and save_state again, or pass "
+                "the weights to load_checkpoint_in_model."
+            )
+        models = self._models_to_load(directory)
+        found, counts = accelerate_counts(directory), _by_kind(self._counts(models))
+        if found != counts:
+            raise ConfigError(
+                f"{directory} (written by Accelerate) holds {found}, but this Accelerator has {counts} prepared/"
+                "registered: prepare and register the same objects, in the same order, as the run that saved it."
+            )
+        rng_file = directory / f"random_states_{self.state.process_index}.pkl"
+        if not rng_file.is_file():
+            raise ConfigError(
+                f"{directory} (written by Accelerate) has no {rng_file.name}: fewer processes than this run's "
+                f"{self.state.num_processes} saved it. Load it with as many processes as saved it."
+            )
+        rng_states = load_accelerate_rng_state(rng_file)
+        optimizers = [opt.optimizer for opt in self.optimizers]
+        load_full(directory, [self.strategy.unwrap_module(m) for m in models], optimizers, accelerate=True)
+        for prefix in ("scheduler", "custom_checkpoint"):
+            for i, obj in enumerate(self._parts()[prefix]):
+                obj.load_state_dict(load_torch(directory / accelerate_file(prefix, i)))
+        if (scaler := directory / "scaler.pt").is_file() and "scaler" in self.precision.state_dict():
+            self.precision.load_state_dict({"scaler": load_torch(scaler)})
+        set_accelerate_rng_state(rng_states)
+        return int(rng_states.get("step", 0))
 
     def resume(self, checkpoint: Path) -> int:
         """`load` for `trainer.resume`: a checkpoint that does not fit this run is a ConfigError, and the
@@ -403,3 +467,11 @@ class Checkpointer:
                 "load_state() needs a directory: the project has no checkpoint marked latest yet."
             )
         return latest
+
+
+def _by_kind(counts: dict[str, int]) -> dict[str, int]:
+    """A checkpoint's counts of objects (`Checkpointer._counts`) by Accelerate's file prefix."""
+    return {
+        kind: counts[{"model": "models", "optimizer": "optimizers"}.get(kind, kind)]
+        for kind in ACCELERATE_KINDS
+    }

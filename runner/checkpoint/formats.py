@@ -6,18 +6,24 @@
   `optimizer_<i>/`, keyed by parameter name, so that they load onto any layout of the same model;
 - "deepspeed": DeepSpeed's engine writes its own partitions (in its strategy's hook).
 
+A "full" checkpoint also has Accelerate's names for its files (`model.safetensors`, `optimizer.bin`,
+`scheduler.bin`, `custom_checkpoint_<i>.pkl`: hard links, no second copy), so that Accelerate's
+`load_state` reads it; and runner's `load_state` reads a directory Accelerate's `save_state` wrote.
+
 A strategy picks the format and hands over what only it knows (its state dicts); the writing is here.
 """
 
 from __future__ import annotations
 
+import itertools
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from runner.checkpoint.files import load_torch, save_torch
+from runner.checkpoint.files import META, load_torch, save_torch
 from runner.weights import load_weights
 
 
@@ -26,17 +32,82 @@ def write_full(
 ) -> None:
     """The "full" format: each model's weights (distinct tensors) and each optimizer's state."""
     for i, model_weights in enumerate(weights):
-        save_file(model_weights, directory / f"model_{i}.safetensors")
+        save_file(model_weights, directory / runner_file("model", i))
     for i, state in enumerate(optimizer_states):
-        save_torch(state, directory / f"optimizer_{i}.pt")
+        save_torch(state, directory / runner_file("optimizer", i))
 
 
-def load_full(directory: Path, modules: list[torch.nn.Module], optimizers: list[Any]) -> None:
-    """Load what `write_full` wrote into the (unwrapped) models and the optimizers."""
+def load_full(
+    directory: Path, modules: list[torch.nn.Module], optimizers: list[Any], accelerate: bool = False
+) -> None:
+    """Load what `write_full` wrote (`accelerate`: what Accelerate's `save_state` wrote) into the
+    (unwrapped) models and the optimizers."""
     for i, module in enumerate(modules):
-        load_weights(module, directory / f"model_{i}.safetensors")
+        load_weights(
+            module, accelerate_weights(directory, i) if accelerate else directory / runner_file("model", i)
+        )
     for i, optimizer in enumerate(optimizers):
-        optimizer.load_state_dict(load_torch(directory / f"optimizer_{i}.pt"))
+        name = accelerate_file("optimizer", i) if accelerate else runner_file("optimizer", i)
+        optimizer.load_state_dict(load_torch(directory / name))
+
+
+# The kinds of state a checkpoint holds one file of per object, by Accelerate's file prefix.
+ACCELERATE_KINDS = ("model", "optimizer", "scheduler", "custom_checkpoint")
+
+
+def runner_file(kind: str, i: int) -> str:
+    """runner's file of the `i`-th object of `kind` ("model", "optimizer", or a `Checkpointer` part)."""
+    return f"model_{i}.safetensors" if kind == "model" else f"{kind}_{i}.pt"
+
+
+def accelerate_file(kind: str, i: int) -> str:
+    """Accelerate's file of the `i`-th object of `kind` (`ACCELERATE_KINDS`)."""
+    if kind == "custom_checkpoint":
+        return f"custom_checkpoint_{i}.pkl"
+    suffix = ".safetensors" if kind == "model" else ".bin"
+    return f"{kind}{suffix}" if i == 0 else f"{kind}_{i}{suffix}"
+
+
+def accelerate_weights(directory: Path, i: int) -> Path:
+    """Accelerate's weights file of the `i`-th model: safetensors, else the torch file it writes with
+    `safe_serialization=False`."""
+    safe = directory / accelerate_file("model", i)
+    return (
+        safe if safe.is_file() else directory / ("pytorch_model.bin" if i == 0 else f"pytorch_model_{i}.bin")
+    )
+
+
+def link_accelerate_names(directory: Path, counts: dict[str, int]) -> dict[str, str]:
+    """Give a "full" checkpoint's files Accelerate's names too (`counts`: objects of each kind), as hard
+    links (a copy where the file system has none); the names given, each to the file it names."""
+    aliases = {}
+    for kind in ACCELERATE_KINDS:
+        for i in range(counts[kind]):
+            source, alias = directory / runner_file(kind, i), directory / accelerate_file(kind, i)
+            if alias != source and source.is_file():
+                try:
+                    alias.hardlink_to(source)
+                except OSError:
+                    shutil.copyfile(source, alias)
+                aliases[alias.name] = source.name
+    return aliases
+
+
+def is_accelerate_checkpoint(directory: Path) -> bool:
+    """Whether `directory` was written by Accelerate's `save_state` (runner's checkpoints have `meta.json`)."""
+    return not (directory / META).exists() and any(
+        (directory / name).is_file() for name in ("model.safetensors", "pytorch_model.bin", "optimizer.bin")
+    )
+
+
+def accelerate_counts(directory: Path) -> dict[str, int]:
+    """How many objects of each kind Accelerate's `save_state` wrote into `directory`."""
+
+    def present(kind: str, i: int) -> bool:
+        path = accelerate_weights(directory, i) if kind == "model" else directory / accelerate_file(kind, i)
+        return path.is_file()
+
+    return {kind: next(i for i in itertools.count() if not present(kind, i)) for kind in ACCELERATE_KINDS}
 
 
 def sharded_state_dicts(

@@ -36,7 +36,9 @@ REQUEUE_WAIT_S = 120.0  # how long a rank other than 0 waits for the requeue to 
 NODE_CHECK_INTERVAL_S = 5.0  # how often a job not running is checked for a lost node
 RANK_ERRORS = "rank_errors"  # in submitit's folder (a sweep job's: its dir's slurm/): what each task raised
 
-_in_array_task = False  # this process is a task of a sweep's SLURM array (`SweepTask`): one of its job's ranks
+_in_array_task = (
+    False  # this process is a task of a sweep's SLURM array (`SweepTask`): one of its job's ranks
+)
 
 
 class SlurmLauncher(Launcher):
