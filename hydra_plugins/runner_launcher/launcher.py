@@ -40,7 +40,9 @@ class RunnerLauncher(Launcher):
         if OmegaConf.select(self.config, "launcher._target_") == SLURM_LAUNCHER:
             from runner.launchers.slurm import launch_sweep
 
-            return launch_sweep(self.hydra_context, self.task_function, self.config, job_overrides, initial_job_idx)
+            return launch_sweep(
+                self.hydra_context, self.task_function, self.config, job_overrides, initial_job_idx
+            )
         basic = BasicLauncher()
         basic.setup(hydra_context=self.hydra_context, task_function=self.task_function, config=self.config)
         return basic.launch(job_overrides, initial_job_idx)
