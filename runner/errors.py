@@ -38,11 +38,11 @@ REPLACED_OPTIONS = {
         "account, qos, constraint, setup, additional_parameters -> sbatch_args, srun_args, max_num_timeout -> "
         "max_timeouts, submitit_folder -> folder, name; tasks_per_node is hardware.num_processes."
     ),
+    "hydra/launcher=submitit_local": (
+        "hydra/launcher=submitit_local: runner runs a sweep's jobs here one after another with the default "
+        "launcher, each starting its own ranks: leave hydra/launcher out."
+    ),
 }
-REPLACED_OPTIONS["hydra/launcher=submitit_local"] = (
-    "hydra/launcher=submitit_local: runner runs a sweep's jobs here one after another with the default launcher, "
-    "each starting its own ranks: leave hydra/launcher out."
-)
 
 
 def describe_compose_error(err: Exception) -> str:

@@ -89,14 +89,20 @@ def sweep_on_slurm(
 def test_a_sweep_runs_as_a_slurm_array_with_one_dir_per_job(slurm, tmp_path):
     sweep = tmp_path / "sweep"
     proc = sweep_on_slurm(
-        sweep, "trainer.max_steps=20", "hardware=multi_gpu", "hardware.num_processes=2", "optimizer.lr=1e-3,1e-4"
+        sweep,
+        "trainer.max_steps=20",
+        "hardware=multi_gpu",
+        "hardware.num_processes=2",
+        "optimizer.lr=1e-3,1e-4",
     )
     assert proc.returncode == 0, proc.stderr
     tasks = array_tasks(sweep)
     assert len(tasks) == 2 and tasks[0].endswith("_0") and tasks[1].endswith("_1")
     assert tasks[0].split("_")[0] == tasks[1].split("_")[0]  # one array
     array = tasks[0].split("_")[0]
-    assert f"submitted SLURM array {array}: job(s) 0, 1 of the sweep, each 1 node(s) x 2 task(s)" in proc.stdout
+    assert (
+        f"submitted SLURM array {array}: job(s) 0, 1 of the sweep, each 1 node(s) x 2 task(s)" in proc.stdout
+    )
     logs = sorted(p.name.split("_")[1:3] for p in (sweep / "slurm").glob("*_log.err"))  # <array>_<job>_<task>
     assert logs == [["0", "0"], ["0", "1"], ["1", "0"], ["1", "1"]]  # one task per rank
     with open(sweep / "summary.csv") as f:
@@ -270,8 +276,21 @@ def test_hydras_submitit_launcher_is_refused_naming_launcher_slurm_and_its_keys(
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     refusal = proc.stderr.strip().splitlines()[-1]
-    assert refusal.startswith("Configuration error: hydra/launcher=submitit_slurm: runner runs a sweep on SLURM")
+    assert refusal.startswith(
+        "Configuration error: hydra/launcher=submitit_slurm: runner runs a sweep on SLURM"
+    )
     assert "add launcher=slurm to the sweep" in refusal and "timeout_min -> time_min" in refusal
+    assert not (sweep / "0").exists()
+    local = subprocess.run(
+        [sys.executable, "-m", "runner", f"hydra.sweep.dir={sweep}", "hydra/launcher=submitit_local",
+         "optimizer.lr=1e-3,1e-4", "-m"],
+        env=cli_env(hidden), cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert local.returncode == 2, local.stderr
+    assert local.stderr.strip().splitlines()[-1] == (
+        "Configuration error: hydra/launcher=submitit_local: runner runs a sweep's jobs here one after another "
+        "with the default launcher, each starting its own ranks: leave hydra/launcher out."
+    )
     assert not (sweep / "0").exists()
 
 
