@@ -1,11 +1,15 @@
 """Training throughput on one GPU: a GPT of ~125M parameters, plain PyTorch against runner's Accelerator,
 `python -m runner` and Hugging Face Accelerate (where installed), eager and compiled, measured in one run.
 
-    python benchmarks/gpu_throughput.py [--modes plain,plain-compiled,...] [--steps 100] [--rounds 3]
+    python benchmarks/gpu_throughput.py [--modes plain,plain-compiled,...] [--size 124m] [--steps 100] [--rounds 3]
 
-Every mode trains the same model (GPT-2 small's shape: 12 x 768, 12 heads, vocabulary 50304, sequence 1024,
-tied embeddings, SDPA attention) on the same random tokens with fused AdamW under bf16 autocast, in a fresh
-process of its own, as a user's script or `python -m runner` would run. The loops (plain, plain again as the
+Every GPT mode trains the same model (`--size 124m`: GPT-2 small's shape, 12 x 768, 12 heads; `1b`: 18 x
+2048, 16 heads, 1.0B parameters; both vocabulary 50304, sequence 1024, tied embeddings, SDPA attention) on
+the same random tokens with fused AdamW under bf16 autocast, in a fresh process of its own, as a user's
+script or `python -m runner` would run. `cli-hf-fsdp` trains a Hugging Face Llama from scratch through
+`python -m runner model=hf_causal_lm hardware=fsdp` on one device (`1b`: TinyLlama's shape, 22 x 2048, 32
+heads, 4 key-value heads, vocabulary 32000, 1.1B parameters; `124m`: 12 x 768, 12 heads, vocabulary 50304),
+eager, with no plain reference (its ratio is n/a). The loops (plain, plain again as the
 A/A control, runner's Accelerator, Accelerate) are warmed up, then `--steps` steps are timed between two
 device synchronisations. `python -m runner` (data=random_tokens, the same model and batch) is timed from
 its own log: from its "step W/N" line to its "step N/N" line, W the warm-up steps, so that start-up,
@@ -16,8 +20,10 @@ kind (eager or compiled), measured in the same run. The modes take turns, `--rou
 order; each row is the median, with the spread (max - min over median) of its rounds. MFU: model FLOPs per
 token (6 x parameters + 12 x layers x width x sequence) times tokens/s over the device's peak dense bf16
 rate; `python -m runner` rows also give the MFU runner itself logged (perf/mfu). Peak memory: what the
-loop allocated up to the end of its warm-up (runner's own perf/peak_memory_gb for `python -m runner`). Not
-a test: nothing here gates CI. `--device cpu --tiny` checks the script itself on a machine without a GPU.
+loop allocated up to the end of its warm-up (runner's own perf/peak_memory_gb for `python -m runner`). `--profile DIR`: the `python -m runner`
+rows also record three steps of the warm-up with `trainer.profile` (their ops table is copied to DIR) and
+print the fraction of those steps' time the GPU was busy. Not a test: nothing here gates CI. `--device cpu
+--size tiny` checks the script itself on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -71,7 +77,8 @@ class Mode:
     loop: str
     compile: str = "none"  # none | model | regional
     precision: str = "bf16"  # bf16 | fp8 (python -m runner only)
-    reference: str = "plain"
+    reference: str | None = "plain"
+    model: str = "gpt"  # gpt | llama (Hugging Face's, python -m runner with hardware=fsdp only)
 
 
 MODES = {
@@ -86,20 +93,72 @@ MODES = {
     "cli-compiled": Mode("runner, compile model", "cli", "model", reference="plain-compiled"),
     "cli-regional": Mode("runner, compile regional", "cli", "regional", reference="plain-compiled"),
     "cli-fp8": Mode("runner, fp8, compile model", "cli", "model", "fp8", reference="plain-compiled"),
+    "cli-hf-fsdp": Mode("runner, HF Llama, fsdp", "cli", reference=None, model="llama"),
 }
 
+SIZES = ("tiny", "124m", "1b")
 
-def model_config(tiny: bool) -> dict[str, int]:
-    if tiny:
+
+def model_config(size: str) -> dict[str, int]:
+    """runner's GPT at `size` (its constructor's arguments)."""
+    if size == "tiny":
         return {"vocab_size": 512, "max_seq_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 4}
+    if size == "1b":
+        return {"vocab_size": 50304, "max_seq_len": 1024, "d_model": 2048, "n_layers": 18, "n_heads": 16}
     return {"vocab_size": 50304, "max_seq_len": 1024, "d_model": 768, "n_layers": 12, "n_heads": 12}
 
 
-def flops_per_token(config: dict[str, int]) -> float:
-    """6 x parameters (the position embedding excluded: it is a lookup) + attention's 12 x L x d x T."""
-    model = GPT(**config)
-    params = sum(p.numel() for p in model.parameters()) - model.pos_emb.weight.numel()
-    return 6 * params + 12 * config["n_layers"] * config["d_model"] * config["max_seq_len"]
+def llama_config(size: str) -> dict[str, int]:
+    """A Hugging Face Llama's config at `size` (`model.config` of `model=hf_causal_lm`), vocabulary apart."""
+    if size == "tiny":
+        shape = {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+        }
+        return shape | {"num_key_value_heads": 4, "max_position_embeddings": 64}
+    if size == "1b":  # TinyLlama-1.1B
+        shape = {
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "num_hidden_layers": 22,
+            "num_attention_heads": 32,
+        }
+        return shape | {"num_key_value_heads": 4, "max_position_embeddings": 2048}
+    shape = {
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+    }
+    return shape | {"num_key_value_heads": 12, "max_position_embeddings": 1024}
+
+
+def llama_vocab(size: str) -> int:
+    return 32000 if size == "1b" else model_config(size)["vocab_size"]
+
+
+def flops_per_token(mode: Mode, size: str) -> float:
+    """6 x parameters (embedding lookups excluded: the position embedding, or an untied input embedding) +
+    attention's 12 x layers x width x sequence."""
+    seq = model_config(size)["max_seq_len"]
+    if mode.model == "llama":
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        config = llama_config(size)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=llama_vocab(size), **config))
+        lookup = model.get_input_embeddings().weight.numel()
+        layers, width = config["num_hidden_layers"], config["hidden_size"]
+    else:
+        config = model_config(size)
+        with torch.device("meta"):
+            model = GPT(**config)
+        lookup = model.pos_emb.weight.numel()
+        layers, width = config["n_layers"], config["d_model"]
+    params = sum(p.numel() for p in model.parameters()) - lookup
+    return 6 * params + 12 * layers * width * seq
 
 
 def loader(config: dict[str, int], batch: int) -> DataLoader:
@@ -218,21 +277,21 @@ def _env() -> dict[str, str]:
 
 def measure_cli(mode: Mode, args: argparse.Namespace, config: dict[str, int], run_dir: Path) -> dict:
     """`python -m runner`'s training loop alone: the time from its log line after the warm-up steps to the
-    one after the last step (it logs every `--warmup` steps), and the MFU and peak memory it logged."""
+    one after the last step (it logs every `--warmup` steps), and the MFU and peak memory it logged. With
+    `--profile`, three steps of the warm-up are profiled (their ops table copied, the GPU's busy share)."""
     if args.steps % args.warmup:
         raise SystemExit(f"--steps ({args.steps}) must be a multiple of --warmup ({args.warmup})")
     steps = args.warmup + args.steps
+    vocab = llama_vocab(args.size) if mode.model == "llama" else config["vocab_size"]
     overrides = [
-        "experiment=gpt_sonnets",
+        "task=language_modeling",
         "data=random_tokens",
-        f"data.vocab_size={config['vocab_size']}",
+        f"data.vocab_size={vocab}",
         f"data.seq_len={config['max_seq_len']}",
         f"data.batch_size={args.batch}",
         f"data.num_samples={64 * args.batch}",
         "data.eval_samples=1",
-        f"model.d_model={config['d_model']}",
-        f"model.n_layers={config['n_layers']}",
-        f"model.n_heads={config['n_heads']}",
+        *model_overrides(mode, args.size, config),
         "optimizer.lr=3e-4",
         "scheduler=constant",
         "trainer.max_grad_norm=null",
@@ -248,6 +307,12 @@ def measure_cli(mode: Mode, args: argparse.Namespace, config: dict[str, int], ru
         "tracker=none",
         f"hydra.run.dir={run_dir}",
     ]
+    if args.profile:  # steps warmup-4 .. warmup-2, before the timed window
+        overrides += [
+            f"trainer.profile.wait={args.warmup - 5}",
+            "trainer.profile.warmup=1",
+            "trainer.profile.active=3",
+        ]
     proc = subprocess.run(
         [sys.executable, "-m", "runner", *overrides], env=_env(), capture_output=True, text=True, timeout=1200
     )
@@ -256,11 +321,44 @@ def measure_cli(mode: Mode, args: argparse.Namespace, config: dict[str, int], ru
     log = (run_dir / "runner.log").read_text()
     start, _ = _step_line(log, args.warmup, steps)
     end, metrics = _step_line(log, steps, steps)
-    return {
+    result = {
         "tokens_per_s": args.steps * args.batch * config["max_seq_len"] / (end - start).total_seconds(),
-        "memory_gb": metrics.get("perf/peak_memory_gb", float("nan")),
+        "memory_gb": metrics.get("perf/peak_memory_gb", float("nan")) * 1024**3 / 1e9,  # GiB logged
         "runner_mfu": metrics.get("perf/mfu", float("nan")),
     }
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        table = run_dir / "profile" / "key_averages_rank0.txt"
+        (args.profile / f"{run_dir.name}-ops.txt").write_text(table.read_text())
+        result["gpu_busy"] = gpu_busy(run_dir / "profile" / "trace_rank0.json")
+    return result
+
+
+def model_overrides(mode: Mode, size: str, config: dict[str, int]) -> list[str]:
+    """The `model=` overrides of `mode` at `size`: runner's GPT, or a Hugging Face Llama with fsdp."""
+    if mode.model == "llama":
+        shape = [f"model.config.{name}={value}" for name, value in llama_config(size).items()]
+        return ["model=hf_causal_lm", *shape, "hardware=fsdp", "hardware.num_processes=1"]
+    return [
+        "model=gpt",
+        f"model.max_seq_len={config['max_seq_len']}",
+        f"model.d_model={config['d_model']}",
+        f"model.n_layers={config['n_layers']}",
+        f"model.n_heads={config['n_heads']}",
+    ]
+
+
+def gpu_busy(trace: Path) -> float:
+    """The share of the profiled window (first to last GPU kernel) in which some kernel ran."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e)
+    if not spans:
+        return float("nan")
+    busy, end = 0.0, spans[0][0]
+    for start, stop in spans:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy / (end - spans[0][0])
 
 
 def _step_line(log: str, step: int, total: int) -> tuple[datetime, dict[str, float]]:
@@ -294,11 +392,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's peak bf16 TFLOP/s")
-    parser.add_argument("--tiny", action="store_true", help="a tiny model, to check the script on a CPU")
+    parser.add_argument(
+        "--size", choices=SIZES, default="124m", help="the model's size (tiny: to check the script on a CPU)"
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="profile python -m runner's warm-up; its ops tables go here",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = torch.device(args.device)
-    config = model_config(args.tiny)
+    config = model_config(args.size)
     if args.worker:
         print(json.dumps(measure_loop(MODES[args.worker], args, config, device)))
         return
@@ -309,9 +415,10 @@ def main() -> None:
     if importlib.util.find_spec("accelerate") is None and "accelerate" in keys:
         print("accelerate is not installed: its row is left out")
         keys.remove("accelerate")
-    per_token, peak = flops_per_token(config), peak_flops(args, device)
+    peak = peak_flops(args, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    params = sum(p.numel() for p in GPT(**config).parameters())
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(**config).parameters())
     print(
         f"{name}, torch {torch.__version__}; GPT {params / 1e6:.1f}M parameters, batch {args.batch} x "
         f"{config['max_seq_len']} tokens, bf16 autocast, fused AdamW; each mode in a process of its own, "
@@ -330,8 +437,13 @@ def main() -> None:
                     result = measure_in_new_process(key, args)
                 results[key].append(result)
                 took = time.perf_counter() - started
+                busy = (
+                    f", GPU busy {result['gpu_busy']:.1%} of the profiled steps"
+                    if "gpu_busy" in result
+                    else ""
+                )
                 print(
-                    f"round {r + 1}: {mode.label}: {result['tokens_per_s']:.0f} tokens/s ({took:.0f} s)",
+                    f"round {r + 1}: {mode.label}: {result['tokens_per_s']:.0f} tokens/s ({took:.0f} s){busy}",
                     flush=True,
                 )
     print(
@@ -341,14 +453,15 @@ def main() -> None:
         mode, rates = MODES[key], [r["tokens_per_s"] for r in results[key]]
         rate = statistics.median(rates)
         spread = (max(rates) - min(rates)) / rate
-        reference = results.get(mode.reference)
+        reference = results.get(mode.reference) if mode.reference else None
         ratio = rate / statistics.median(r["tokens_per_s"] for r in reference) if reference else float("nan")
-        mfu = f"{rate * per_token / peak:.1%}" if peak else "n/a"
+        mfu = f"{rate * flops_per_token(mode, args.size) / peak:.1%}" if peak else "n/a"
+        reference_label = MODES[mode.reference].label if mode.reference else "none"
         logged = statistics.median(r.get("runner_mfu", float("nan")) for r in results[key])
         logged_mfu = "n/a" if logged != logged else f"{logged:.1%}"
         memory = statistics.median(r["memory_gb"] for r in results[key])
         print(
-            f"{mode.label:<27} {rate:>10.0f} {ratio:>7.3f} {MODES[mode.reference].label:<15} {spread:>7.1%} "
+            f"{mode.label:<27} {rate:>10.0f} {ratio:>7.3f} {reference_label:<15} {spread:>7.1%} "
             f"{mfu:>6} {logged_mfu:>7} {memory:>8.2f}"
         )
 
