@@ -7,6 +7,9 @@ names the engine does not need for runner's own loop. The engine answers the res
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -24,6 +27,7 @@ from runner.engine import Engine
 from runner.handlers import (
     AutocastKwargs,
     DataLoaderConfiguration,
+    DeepSpeedPlugin,
     DistributedDataParallelKwargs,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
@@ -33,12 +37,14 @@ from runner.handlers import (
     ParallelismConfig,
     ProfileKwargs,
 )
-from runner.hardware import DDP, FSDP, Strategy, TensorParallel, default_strategy
+from runner.hardware import DDP, FSDP, DeepSpeed, Strategy, TensorParallel, default_strategy
 from runner.precision import Precision
 from runner.precision import from_name as precision_from_name
 from runner.state import DistributedType
 from runner.trackers import BlankTracker, LoggerType, Tracker, trackers_from_name
 from runner.weights import save_object
+
+log = logging.getLogger(__name__)
 
 
 class Accelerator(Engine):
@@ -51,8 +57,9 @@ class Accelerator(Engine):
         What `accelerate launch` sets is applied where the script leaves the default: ACCELERATE_USE_CPU,
         _MIXED_PRECISION, _GRADIENT_ACCUMULATION_STEPS, _DYNAMO_BACKEND (with _MODE, _USE_FULLGRAPH,
         _USE_DYNAMIC, _USE_REGIONAL_COMPILATION), ACCELERATE_USE_FSDP with the FSDP_* variables (an
-        `FullyShardedDataParallelPlugin`). ACCELERATE_USE_DEEPSPEED, _USE_MEGATRON_LM,
-        _DEBUG_MODE are refused (ValueError) rather than run as plain data parallel.
+        `FullyShardedDataParallelPlugin`), ACCELERATE_USE_DEEPSPEED with the ACCELERATE_DEEPSPEED_*
+        variables (a `DeepSpeedPlugin`). ACCELERATE_USE_MEGATRON_LM and _DEBUG_MODE are refused
+        (ValueError) rather than run as plain data parallel.
         gradient_accumulation_steps: micro-batches per optimizer step, driven by `accumulate()`.
         device_placement: move prepared models and batches to `device`.
         cpu: force the CPU when no `strategy` is given.
@@ -72,6 +79,9 @@ class Accelerator(Engine):
             several ranks (torchrun, srun), else one process on CUDA when available, else the CPU.
         fsdp_plugin: Accelerate's `FullyShardedDataParallelPlugin`: runner's `FSDP` strategy with its
             settings (`runner.handlers.FullyShardedDataParallelPlugin` says how each maps).
+        deepspeed_plugin: Accelerate's `DeepSpeedPlugin`: runner's `DeepSpeed` strategy with the config it
+            describes; a gradient accumulation that config fixes is the Accelerator's, and without a
+            `mixed_precision` its bf16/fp16 block gives it.
         parallelism_config: Accelerate's `ParallelismConfig`: replicas, shards and tensor-parallel ranks,
             whose product is the world size; DDP, FSDP/HSDP or `TensorParallel` over that mesh
             (`torch_device_mesh` once a model is prepared).
@@ -109,14 +119,36 @@ class Accelerator(Engine):
         logging_dir: str | None = None,
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
         parallelism_config: ParallelismConfig | None = None,
+        deepspeed_plugin: DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None = None,
     ) -> None:
         launch = accelerate_launch_settings()  # what `accelerate launch` set, where the script did not
-        if strategy is not None and (fsdp_plugin or parallelism_config):
-            raise ValueError(
-                "Give the backend once: strategy=..., or Accelerate's fsdp_plugin / parallelism_config, not both."
+        given = [
+            name
+            for name, value in (
+                ("strategy", strategy),
+                ("fsdp_plugin", fsdp_plugin),
+                ("deepspeed_plugin", deepspeed_plugin),
             )
-        if fsdp_plugin is None and strategy is None and launch.fsdp is not None:
-            fsdp_plugin = FullyShardedDataParallelPlugin.from_launch(launch.fsdp)
+            if value
+        ]
+        if len(given) > 1 or (parallelism_config and {"strategy", "deepspeed_plugin"} & set(given)):
+            raise ValueError(
+                f"Give the backend once: strategy=..., Accelerate's fsdp_plugin / parallelism_config, or its "
+                f"deepspeed_plugin, not {' and '.join(given + ['parallelism_config'] * bool(parallelism_config))}."
+            )
+        if strategy is None and not (fsdp_plugin or deepspeed_plugin or parallelism_config):
+            if launch.fsdp is not None:
+                fsdp_plugin = FullyShardedDataParallelPlugin.from_launch(launch.fsdp)
+            elif launch.deepspeed:
+                deepspeed_plugin = DeepSpeedPlugin()  # from the ACCELERATE_DEEPSPEED_* variables
+        deepspeed_plugin = _one_plugin(deepspeed_plugin)
+        if deepspeed_plugin is not None:
+            strategy = _deepspeed_strategy(deepspeed_plugin, cpu or launch.cpu)
+            gradient_accumulation_steps = _deepspeed_accumulation(
+                deepspeed_plugin, gradient_accumulation_steps
+            )
+            if mixed_precision is None and launch.mixed_precision is None:
+                mixed_precision = _deepspeed_precision(deepspeed_plugin)
         strategy = strategy or _plugin_strategy(fsdp_plugin, parallelism_config, cpu or launch.cpu)
         if (
             activation_checkpointing is None
@@ -156,6 +188,13 @@ class Accelerator(Engine):
             rng_types=rng_types,
         )
         self.profile_handler = next((h for h in handlers if isinstance(h, ProfileKwargs)), None)
+        if deepspeed_plugin is not None:  # scripts read `accelerator.state.deepspeed_plugin.deepspeed_config`
+            self.state = dataclasses.replace(self.state, deepspeed_plugin=deepspeed_plugin)
+
+    @property
+    def deepspeed_plugin(self) -> DeepSpeedPlugin | None:
+        """The `DeepSpeedPlugin` the DeepSpeed strategy was built from (None: none was given)."""
+        return self.state.deepspeed_plugin
 
     @property
     def use_seedable_sampler(self) -> bool:
@@ -350,6 +389,60 @@ def _plugin_strategy(
         dp_shard=shard,
         **common,
     )
+
+
+def _one_plugin(plugin: DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None) -> DeepSpeedPlugin | None:
+    """The one DeepSpeed plugin given (Accelerate also takes a dict of several, one per model)."""
+    if not isinstance(plugin, dict):
+        return plugin
+    if len(plugin) != 1:
+        raise ValueError(
+            f"deepspeed_plugin: {len(plugin)} plugins ({', '.join(plugin)}); runner's DeepSpeed strategy trains one model "
+            "with one engine. Pass one DeepSpeedPlugin."
+        )
+    return next(iter(plugin.values()))
+
+
+def _deepspeed_strategy(plugin: DeepSpeedPlugin, cpu: bool) -> DeepSpeed:
+    """runner's `DeepSpeed` strategy with the config `plugin` describes (its "auto" values are the run's).
+    Clipping left "auto" or unset clips at 1.0, DeepSpeed's default, as under Accelerate; 0: none."""
+    config = copy.deepcopy(plugin.deepspeed_config)
+    zero = config["zero_optimization"]
+    clipping = config.pop("gradient_clipping", "auto")
+    env = launched_environment()
+    return DeepSpeed(
+        zero_stage=zero.get("stage"),
+        offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
+        offload_params=(zero.get("offload_param") or {}).get("device") == "cpu",
+        gradient_clipping=(1.0 if clipping == "auto" else float(clipping)) or None,
+        config=config,
+        num_processes=env.local_world_size if env is not None else 1,
+        device="cpu" if cpu else None,
+    )
+
+
+def _deepspeed_accumulation(plugin: DeepSpeedPlugin, steps: int) -> int:
+    """The accumulation steps: the DeepSpeed config's when it fixes them (Accelerate warns and takes
+    DeepSpeed's value), else the Accelerator's."""
+    fixed = plugin.deepspeed_config.get("gradient_accumulation_steps", "auto")
+    if fixed == "auto":
+        return steps
+    if steps != 1 and steps != fixed:
+        log.warning(
+            "gradient_accumulation_steps=%d, but the DeepSpeed config has %s: using DeepSpeed's value.",
+            steps,
+            fixed,
+        )
+    return int(fixed)
+
+
+def _deepspeed_precision(plugin: DeepSpeedPlugin) -> str | None:
+    """The mixed precision the DeepSpeed config enables (its fp16 or bf16 block), None: neither."""
+    config = plugin.deepspeed_config
+    for name in ("fp16", "bf16"):
+        if str((config.get(name) or {}).get("enabled", False)).lower() == "true":
+            return name
+    return None
 
 
 def _accumulation_plugin(steps: int, plugin: GradientAccumulationPlugin | None) -> GradientAccumulationPlugin:

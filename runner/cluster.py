@@ -174,7 +174,6 @@ def patch_environment(**kwargs: Any) -> Iterator[None]:
 
 # `accelerate launch` (and an Accelerate config) pass settings to the script in these variables.
 _ACCELERATE_REFUSED = {
-    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed: pass strategy=runner.hardware.DeepSpeed(...), or run `python -m runner hardware=deepspeed`",
     "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM: pass strategy=runner.hardware.TensorParallel(...), or run `python -m runner hardware=megatron`",
     "ACCELERATE_USE_SAGEMAKER": "SageMaker data parallel, which runner does not have",
     "ACCELERATE_DEBUG_MODE": "debug mode (shape checks before every collective), which runner does not have",
@@ -200,6 +199,9 @@ class AccelerateLaunchSettings:
     dynamo_regional: bool = False
     # ACCELERATE_USE_FSDP: the FSDP_* variables of the launch config, named without the prefix, lowercase
     fsdp: dict[str, str] | None = None
+    deepspeed: bool = (
+        False  # ACCELERATE_USE_DEEPSPEED (a DeepSpeedPlugin reads the ACCELERATE_DEEPSPEED_* variables)
+    )
 
 
 def accelerate_launch_settings() -> AccelerateLaunchSettings:
@@ -232,4 +234,5 @@ def accelerate_launch_settings() -> AccelerateLaunchSettings:
         }
         if _flag("ACCELERATE_USE_FSDP")
         else None,
+        deepspeed=_flag("ACCELERATE_USE_DEEPSPEED"),
     )

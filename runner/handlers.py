@@ -1,17 +1,21 @@
 """Accelerate's configuration objects for `Accelerator(...)`: the kwargs handlers (`kwargs_handlers=[...]`),
-`DataLoaderConfiguration`, `GradientAccumulationPlugin`, `FullyShardedDataParallelPlugin` and
-`ParallelismConfig`, with Accelerate's names, fields and defaults.
+`DataLoaderConfiguration`, `GradientAccumulationPlugin`, `FullyShardedDataParallelPlugin`,
+`DeepSpeedPlugin` and `ParallelismConfig`, with Accelerate's names, fields and defaults.
 
 The Accelerator hands each handler to what it configures: the process group and DDP to the hardware
 strategy, loss scaling and autocast to the precision plugin; the profiler it runs itself."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -378,3 +382,152 @@ class ParallelismConfig:
     @property
     def total_size(self) -> int:
         return (self.dp_replicate_size or 1) * (self.dp_shard_size or 1) * (self.tp_size or 1)
+
+
+@dataclass
+class DeepSpeedPlugin:
+    """Accelerate's DeepSpeed settings (`Accelerator(deepspeed_plugin=...)`, or `accelerate launch
+    --use_deepspeed`), with its fields, defaults and environment variables; runner runs them as its
+    `DeepSpeed` strategy. `deepspeed_config` is the DeepSpeed config they describe, built as Accelerate
+    builds it: from `hf_ds_config` (a JSON file or a dict; its "auto" values filled from the fields set),
+    else from the fields, "auto" values left for the run (micro batch, accumulation, precision).
+
+    As under Accelerate: an unset field takes `ACCELERATE_DEEPSPEED_ZERO_STAGE` (default 2),
+    `_OFFLOAD_OPTIMIZER_DEVICE`, `_OFFLOAD_PARAM_DEVICE` ("none"), `_CONFIG_FILE`, `_ZERO3_INIT`,
+    `_ZERO3_SAVE_16BIT_MODEL`, `ACCELERATE_GRADIENT_ACCUMULATION_STEPS` and `ACCELERATE_GRADIENT_CLIPPING`
+    ("auto"); gradient clipping left "auto" clips at 1.0 (DeepSpeed's default), and a
+    `gradient_accumulation_steps` the config fixes is the Accelerator's. `zero3_init_flag`: runner builds
+    the model whole and partitions it at `prepare` (the memory of construction differs, the weights a
+    checkpoint loads do not). Refused (ValueError, saying why): `transformer_moe_cls_names` and
+    `enable_msamp`.
+    """
+
+    hf_ds_config: Any = None
+    gradient_accumulation_steps: int | str | None = None
+    gradient_clipping: float | str | None = None
+    zero_stage: int | None = None
+    is_train_batch_min: bool = True
+    offload_optimizer_device: str | None = None
+    offload_param_device: str | None = None
+    offload_optimizer_nvme_path: str | None = None
+    offload_param_nvme_path: str | None = None
+    zero3_init_flag: bool | None = None
+    zero3_save_16bit_model: bool | None = None
+    transformer_moe_cls_names: str | None = None
+    enable_msamp: bool | None = None
+    msamp_opt_level: str | None = None
+    deepspeed_config: dict[str, Any] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        refused = {
+            "transformer_moe_cls_names": "ZeRO-3 leaf modules for mixture-of-experts layers are not set here",
+            "enable_msamp": "runner has no MS-AMP backend (its fp8 is torchao's, which DeepSpeed's engine refuses)",
+        }
+        for name, why in refused.items():
+            if getattr(self, name):
+                raise ValueError(f"DeepSpeedPlugin({name}=...) is not supported: {why}.")
+        env = os.environ.get
+        if self.gradient_accumulation_steps is None:
+            steps = env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "auto")
+            self.gradient_accumulation_steps = int(steps) if steps.isdigit() else steps
+        if self.gradient_clipping is None:
+            clipping = env("ACCELERATE_GRADIENT_CLIPPING", "auto")
+            self.gradient_clipping = clipping if clipping == "auto" else float(clipping)
+        if self.zero_stage is None:
+            self.zero_stage = int(env("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
+        for name in ("offload_optimizer_device", "offload_param_device"):
+            if getattr(self, name) is None:
+                setattr(self, name, env(f"ACCELERATE_DEEPSPEED_{name.upper()}", "none"))
+        for name in ("offload_optimizer_nvme_path", "offload_param_nvme_path"):
+            if getattr(self, name) is None:
+                setattr(self, name, env(f"ACCELERATE_DEEPSPEED_{name.upper()}", "none"))
+        if self.zero3_save_16bit_model is None:
+            self.zero3_save_16bit_model = (
+                env("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", "false").lower() == "true"
+            )
+        if self.hf_ds_config is None:
+            self.hf_ds_config = env("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+        if isinstance(self.hf_ds_config, dict) or self.hf_ds_config != "none":
+            self.deepspeed_config = self._from_file()
+        else:
+            self.deepspeed_config = self._from_fields()
+        self.deepspeed_config["steps_per_print"] = float("inf")  # runner logs progress itself
+        zero3 = self.deepspeed_config["zero_optimization"].get("stage") == 3
+        if self.zero3_init_flag is None:
+            self.zero3_init_flag = env("ACCELERATE_DEEPSPEED_ZERO3_INIT", str(zero3)).lower() in (
+                "1",
+                "true",
+                "yes",
+            )
+        self.zero3_init_flag = self.zero3_init_flag and zero3
+
+    def _from_fields(self) -> dict[str, Any]:
+        """The config the fields describe (Accelerate's, without a config file)."""
+
+        def offload(device: str | None, path: str | None) -> dict[str, Any]:
+            return {"device": device, "nvme_path": path if device == "nvme" else None}
+
+        config: dict[str, Any] = {
+            "train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "zero_optimization": {
+                "stage": self.zero_stage,
+                "offload_optimizer": offload(self.offload_optimizer_device, self.offload_optimizer_nvme_path),
+                "offload_param": offload(self.offload_param_device, self.offload_param_nvme_path),
+                "stage3_gather_16bit_weights_on_model_save": self.zero3_save_16bit_model,
+            },
+        }
+        if self.gradient_clipping:
+            config["gradient_clipping"] = self.gradient_clipping
+        return config
+
+    def _from_file(self) -> dict[str, Any]:
+        """`hf_ds_config` (a dict, or a JSON file) with its "auto" values filled from the fields, and the
+        fields read back from it where it sets them (Accelerate's order)."""
+        if isinstance(self.hf_ds_config, dict):
+            config = copy.deepcopy(self.hf_ds_config)
+        else:
+            try:
+                config = json.loads(Path(self.hf_ds_config).read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                raise ValueError(
+                    f"DeepSpeedPlugin(hf_ds_config={self.hf_ds_config!r}): not a readable JSON file ({err})."
+                ) from err
+        if "zero_optimization" not in config:
+            raise ValueError(
+                "DeepSpeedPlugin(hf_ds_config=...): the config has no zero_optimization block; give one."
+            )
+        config.setdefault("gradient_accumulation_steps", 1)
+        for name, key in DEEPSPEED_FIELDS.items():
+            node, leaf = _config_node(config, key)
+            if node is not None and node.get(leaf) == "auto" and getattr(self, name) is not None:
+                node[leaf] = getattr(self, name)
+        for name, key in DEEPSPEED_FIELDS.items():
+            node, leaf = _config_node(config, key)
+            value = None if node is None else node.get(leaf)
+            if value is not None and value != "auto":
+                setattr(self, name, value)
+        return config
+
+
+# A DeepSpeedPlugin field and the config key it fills (Accelerate's mapping).
+DEEPSPEED_FIELDS = {
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "gradient_clipping",
+    "zero_stage": "zero_optimization.stage",
+    "offload_optimizer_device": "zero_optimization.offload_optimizer.device",
+    "offload_param_device": "zero_optimization.offload_param.device",
+    "offload_param_nvme_path": "zero_optimization.offload_param.nvme_path",
+    "offload_optimizer_nvme_path": "zero_optimization.offload_optimizer.nvme_path",
+    "zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+}
+
+
+def _config_node(config: dict[str, Any], key: str) -> tuple[dict[str, Any] | None, str]:
+    """The dict holding dotted `key`'s last part (None where a block on the way is missing), and that part."""
+    *path, leaf = key.split(".")
+    node: Any = config
+    for part in path:
+        node = node.get(part) if isinstance(node, dict) else None
+    return (node if isinstance(node, dict) else None), leaf

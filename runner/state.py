@@ -34,6 +34,8 @@ class ProcessState:
     # is split over several processes that then read the same batches (tensor parallel).
     data_parallel_index: int | None = None
     data_parallel_size: int | None = None
+    # Accelerate's DeepSpeedPlugin the strategy was built from (scripts read `accelerator.state.deepspeed_plugin`).
+    deepspeed_plugin: Any = None
 
     def __post_init__(self) -> None:
         if self.data_parallel_index is None:

@@ -202,20 +202,29 @@ def ddp_training(accumulation: int) -> dict[str, Any]:
 
 
 def deepspeed_training(
-    zero_stage: int, accumulation: int, max_grad_norm: float | None, offload: bool = False
+    zero_stage: int,
+    accumulation: int,
+    max_grad_norm: float | None,
+    offload: bool = False,
+    plugin: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`ddp_training` through a DeepSpeed engine, clipping at `max_grad_norm` as the runner's loop does,
-    with a learning-rate schedule stepped by the loop."""
+    with a learning-rate schedule stepped by the loop. With `plugin`: the engine that Accelerate's
+    `DeepSpeedPlugin(**plugin)` describes, the Accelerator left at its defaults (as a ported script)."""
     from runner.hardware import DeepSpeed
+    from runner.utils import DeepSpeedPlugin
 
-    strategy = DeepSpeed(
-        device="cpu",
-        zero_stage=zero_stage,
-        gradient_clipping=max_grad_norm,
-        offload_optimizer=offload,
-        offload_params=offload and zero_stage == 3,
-    )
-    accelerator = Accelerator(strategy=strategy, gradient_accumulation_steps=accumulation)
+    if plugin is not None:
+        accelerator = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(**plugin))
+    else:
+        strategy = DeepSpeed(
+            device="cpu",
+            zero_stage=zero_stage,
+            gradient_clipping=max_grad_norm,
+            offload_optimizer=offload,
+            offload_params=offload and zero_stage == 3,
+        )
+        accelerator = Accelerator(strategy=strategy, gradient_accumulation_steps=accumulation)
     x, y = make_data()
     model = rank_model(accelerator)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -233,8 +242,14 @@ def deepspeed_training(
             scheduler.step()
             optimizer.zero_grad()
     params = torch.cat([p.flatten() for p in accelerator.get_state_dict(model).values()])
+    engine = {
+        "stage": accelerator.strategy.engine.zero_optimization_stage(),
+        "accumulation": accelerator.gradient_accumulation_steps,
+        "clipping": accelerator.strategy.engine.gradient_clipping(),
+        "plugin": accelerator.state.deepspeed_plugin is not None,
+    }
     accelerator.end_training()
-    return {"params": params, "norms": norms}
+    return {"params": params, "norms": norms, "engine": engine}
 
 
 def deepspeed_generated_config() -> dict[str, Any]:

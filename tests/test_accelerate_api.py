@@ -19,12 +19,13 @@ from runner import Accelerator, PartialState
 from runner.collectives import split_between_processes
 from runner.data_loader import DataLoaderShard, shard_dataloader
 from runner.errors import ConfigError
-from runner.hardware import DDP, FSDP
+from runner.hardware import DDP, FSDP, DeepSpeed
 from runner.state import GradientState
 from runner.trackers import GeneralTracker, LoggerType, MLflowTracker, TensorBoardTracker
 from runner.utils import (
     AutocastKwargs,
     DataLoaderConfiguration,
+    DeepSpeedPlugin,
     DistributedDataParallelKwargs,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
@@ -211,8 +212,8 @@ def test_accelerate_launch_variables_are_applied_or_refused(accelerator_made):
     assert compiled.strategy.compile_config.scope.value == "model"
     assert compiled.strategy.compile_config.backend == "eager" and compiled.strategy.compile_config.fullgraph
     with (
-        patch_environment(accelerate_use_deepspeed="true"),
-        pytest.raises(ValueError, match="ACCELERATE_USE_DEEPSPEED=true"),
+        patch_environment(accelerate_use_megatron_lm="true"),
+        pytest.raises(ValueError, match="ACCELERATE_USE_MEGATRON_LM=true"),
     ):
         accelerator_made(cpu=True)
     fsdp_launch = {  # what `accelerate launch --use_fsdp --fsdp_version 2 ...` sets
@@ -576,3 +577,98 @@ def test_an_fsdp1_launch_config_reads_as_accelerate_reads_it():
         FullyShardedDataParallelPlugin.from_launch(
             {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": "100"}
         )
+
+
+# ------------------------------------------------------------------------------------------- DeepSpeed
+DEEPSPEED_PLUGINS = [
+    {},
+    {
+        "zero_stage": 3,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5,
+        "offload_optimizer_device": "cpu",
+        "offload_param_device": "cpu",
+        "zero3_save_16bit_model": True,
+    },
+    {  # a config with "auto" values, filled from the fields; the fields read back from it
+        "hf_ds_config": {
+            "zero_optimization": {"stage": "auto", "offload_optimizer": {"device": "auto"}},
+            "gradient_clipping": "auto",
+            "bf16": {"enabled": True},
+        },
+        "zero_stage": 1,
+        "gradient_clipping": 0.3,
+    },
+]
+
+
+@pytest.mark.parametrize("plugin", DEEPSPEED_PLUGINS)
+def test_deepspeed_plugin_builds_accelerates_config(plugin):
+    accelerate = pytest.importorskip("accelerate.utils")
+    pytest.importorskip("deepspeed")
+    ours, theirs = DeepSpeedPlugin(**plugin), accelerate.DeepSpeedPlugin(**plugin)
+    assert ours.deepspeed_config == theirs.deepspeed_config
+    for name in ("zero_stage", "gradient_accumulation_steps", "gradient_clipping", "zero3_init_flag"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+
+
+def test_deepspeed_plugin_reads_accelerates_launch_variables(tmp_path):
+    launch = {  # what `accelerate launch --use_deepspeed --zero_stage 3 ...` sets
+        "accelerate_deepspeed_zero_stage": "3",
+        "accelerate_gradient_accumulation_steps": "4",
+        "accelerate_gradient_clipping": "0.7",
+        "accelerate_deepspeed_offload_optimizer_device": "cpu",
+    }
+    with patch_environment(**launch):
+        plugin = DeepSpeedPlugin()
+    zero = plugin.deepspeed_config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu"
+    assert plugin.deepspeed_config["gradient_accumulation_steps"] == 4
+    assert plugin.deepspeed_config["gradient_clipping"] == 0.7 and plugin.zero3_init_flag
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_clipping": 0.2}))
+    with patch_environment(accelerate_deepspeed_config_file=str(path)):
+        from_file = DeepSpeedPlugin()
+    assert from_file.zero_stage == 1 and from_file.gradient_clipping == 0.2
+    assert from_file.deepspeed_config["gradient_accumulation_steps"] == 1  # Accelerate's default in a file
+
+
+@pytest.mark.parametrize(
+    ("plugin", "refusal"),
+    [
+        ({"transformer_moe_cls_names": "MixtralSparseMoeBlock"}, "mixture-of-experts"),
+        ({"enable_msamp": True}, "MS-AMP"),
+        ({"hf_ds_config": {"bf16": {"enabled": True}}}, "no zero_optimization block"),
+        ({"hf_ds_config": "/nonexistent/ds.json"}, "not a readable JSON file"),
+    ],
+)
+def test_deepspeed_plugin_settings_without_meaning_here_are_refused(plugin, refusal):
+    with pytest.raises(ValueError, match=refusal):
+        DeepSpeedPlugin(**plugin)
+
+
+def test_a_deepspeed_plugin_makes_the_deepspeed_strategy(accelerator_made):
+    pytest.importorskip("deepspeed")
+    plugin = DeepSpeedPlugin(
+        hf_ds_config={
+            "zero_optimization": {"stage": 3},
+            "gradient_accumulation_steps": 3,
+            "fp16": {"enabled": "auto"},
+            "bf16": {"enabled": True},
+        },
+        offload_param_device="cpu",
+    )
+    accelerator = accelerator_made(cpu=True, deepspeed_plugin=plugin)
+    strategy = accelerator.strategy
+    assert isinstance(strategy, DeepSpeed) and strategy.zero_stage == 3
+    assert strategy.gradient_clipping == 1.0  # unset: DeepSpeed's default, as under Accelerate
+    assert accelerator.gradient_accumulation_steps == 3  # the config fixes it
+    assert accelerator.mixed_precision == "bf16"  # the config's bf16 block, no mixed_precision given
+    assert accelerator.deepspeed_plugin is plugin and accelerator.state.deepspeed_plugin is plugin
+    with pytest.raises(ValueError, match="Give the backend once"):
+        Accelerator(cpu=True, deepspeed_plugin=plugin, fsdp_plugin=FullyShardedDataParallelPlugin())
+    with pytest.raises(ValueError, match="2 plugins"):
+        Accelerator(cpu=True, deepspeed_plugin={"a": plugin, "b": plugin})
+    with patch_environment(accelerate_use_deepspeed="true", accelerate_deepspeed_zero_stage="1"):
+        launched = accelerator_made(cpu=True)  # `accelerate launch --use_deepspeed --zero_stage 1`
+    assert isinstance(launched.strategy, DeepSpeed) and launched.strategy.zero_stage == 1

@@ -128,6 +128,29 @@ def test_deepspeed_matches_one_process(zero_stage, accumulation, max_grad_norm, 
         torch.testing.assert_close(results[0]["norms"], reference["norms"], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("plugin", "accumulation", "max_grad_norm"),
+    [
+        ({"zero_stage": 3, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05}, 2, 0.05),
+        ({}, 1, 1.0),  # Accelerate's defaults: ZeRO-2, the Accelerator's accumulation, clipping at 1.0
+    ],
+)
+def test_accelerates_deepspeed_plugin_trains_as_the_engine_it_describes(plugin, accumulation, max_grad_norm):
+    """`Accelerator(deepspeed_plugin=DeepSpeedPlugin(...))`: its stage, accumulation and clipping reach the
+    engine, and training matches one process doing the same (which each setting changes)."""
+    result = rank_checks.run_ranks(rank_checks.deepspeed_training, 0, 1, max_grad_norm, False, plugin)[0]
+    reference = rank_checks.reference_training(accumulation, max_grad_norm=max_grad_norm, schedule=True)
+    assert result["engine"] == {
+        "stage": plugin.get("zero_stage", 2),
+        "accumulation": accumulation,
+        "clipping": max_grad_norm,
+        "plugin": True,
+    }
+    assert max(reference["norms"]) > max_grad_norm  # clipping changed these steps
+    torch.testing.assert_close(result["params"], reference["params"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(result["norms"], reference["norms"], atol=1e-5, rtol=1e-5)
+
+
 def test_deepspeed_config_is_generated_from_the_run():
     result = rank_checks.run_ranks(rank_checks.deepspeed_generated_config)[0]
     config = result["config"]
