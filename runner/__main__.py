@@ -7,7 +7,9 @@ import sys
 
 
 def _stopped_while_starting(signum: int, frame: object) -> None:
-    sys.stderr.write(f"Training interrupted: stopped by {signal.Signals(signum).name} while starting, before it ran.\n")
+    sys.stderr.write(
+        f"Training interrupted: stopped by {signal.Signals(signum).name} while starting, before it ran.\n"
+    )
     sys.exit(128 + signum)
 
 

@@ -416,6 +416,7 @@ def _deepspeed_strategy(plugin: DeepSpeedPlugin, cpu: bool) -> DeepSpeed:
         offload_params=(zero.get("offload_param") or {}).get("device") == "cpu",
         gradient_clipping=(1.0 if clipping == "auto" else float(clipping)) or None,
         config=config,
+        declared_optimizer=True,  # the config's optimizer and scheduler blocks: DummyOptim, DummyScheduler
         num_processes=env.local_world_size if env is not None else 1,
         device="cpu" if cpu else None,
     )

@@ -34,6 +34,8 @@ from runner.handlers import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
+    DummyOptim,
+    DummyScheduler,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
@@ -56,7 +58,7 @@ def _is_model(obj: Any) -> bool:
 
 
 def _is_new_optimizer(obj: Any) -> bool:
-    return isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer)
+    return isinstance(obj, torch.optim.Optimizer | DummyOptim) and not isinstance(obj, AcceleratedOptimizer)
 
 
 class Engine(ProcessControl):
@@ -194,12 +196,12 @@ class Engine(ProcessControl):
             paired = optimizers if n == len(models) - 1 else []  # the optimizers go with the last model
             result[i] = self._prepare_model(args[i], [args[k] for k in paired], placements[i])
             for k in paired:
-                result[k] = self._wrap_optimizer(args[k])
+                result[k] = self._wrap_optimizer(self.strategy.prepared_optimizer(args[k]))
         if not models:
             for k in optimizers:
                 result[k] = self.prepare_optimizer(args[k])
         for i, obj in enumerate(args):
-            if isinstance(obj, LRScheduler):
+            if isinstance(obj, LRScheduler | DummyScheduler):
                 result[i] = self.prepare_scheduler(obj)
         return result[0] if len(result) == 1 else tuple(result)
 
@@ -248,9 +250,9 @@ class Engine(ProcessControl):
         self.checkpointer.optimizers.append(wrapped)
         return wrapped
 
-    def prepare_scheduler(self, scheduler: LRScheduler) -> AcceleratedScheduler:
+    def prepare_scheduler(self, scheduler: LRScheduler | DummyScheduler) -> AcceleratedScheduler:
         wrapped = AcceleratedScheduler(
-            scheduler,
+            self.strategy.prepared_scheduler(scheduler),
             self.checkpointer.optimizers,
             self.gradient_state,
             num_processes=self.state.data_parallel_size,  # the processes that split the data

@@ -499,10 +499,14 @@ class DeepSpeedPlugin:
                 "DeepSpeedPlugin(hf_ds_config=...): the config has no zero_optimization block; give one."
             )
         config.setdefault("gradient_accumulation_steps", 1)
-        for name, key in DEEPSPEED_FIELDS.items():
-            node, leaf = _config_node(config, key)
-            if node is not None and node.get(leaf) == "auto" and getattr(self, name) is not None:
-                node[leaf] = getattr(self, name)
+        fill_auto(
+            config,
+            {
+                key: getattr(self, name)
+                for name, key in DEEPSPEED_FIELDS.items()
+                if getattr(self, name) is not None
+            },
+        )
         for name, key in DEEPSPEED_FIELDS.items():
             node, leaf = _config_node(config, key)
             value = None if node is None else node.get(leaf)
@@ -524,6 +528,15 @@ DEEPSPEED_FIELDS = {
 }
 
 
+def fill_auto(config: dict[str, Any], values: dict[str, Any]) -> None:
+    """Set each dotted key of `values` in the DeepSpeed `config` where the config says "auto" (Accelerate's
+    rule: a key the config leaves out stays out, and DeepSpeed's default applies)."""
+    for key, value in values.items():
+        node, leaf = _config_node(config, key)
+        if node is not None and node.get(leaf) == "auto":
+            node[leaf] = value
+
+
 def _config_node(config: dict[str, Any], key: str) -> tuple[dict[str, Any] | None, str]:
     """The dict holding dotted `key`'s last part (None where a block on the way is missing), and that part."""
     *path, leaf = key.split(".")
@@ -531,3 +544,38 @@ def _config_node(config: dict[str, Any], key: str) -> tuple[dict[str, Any] | Non
     for part in path:
         node = node.get(part) if isinstance(node, dict) else None
     return (node if isinstance(node, dict) else None), leaf
+
+
+class DummyOptim:
+    """Accelerate's stand-in for the optimizer a DeepSpeed config declares (its `optimizer` block): under a
+    `DeepSpeedPlugin`, `prepare` has the engine build that optimizer over `params` (parameters or groups),
+    the block's "auto" `lr` and `weight_decay` taken from here, and returns it prepared."""
+
+    def __init__(self, params: Any, lr: float = 0.001, weight_decay: float = 0, **kwargs: Any) -> None:
+        params = list(params)
+        self.params = params
+        self.lr, self.weight_decay, self.kwargs = lr, weight_decay, kwargs
+        grouped = bool(params) and isinstance(params[0], dict)
+        self.param_groups = [dict(g) for g in params] if grouped else [{"params": params}]
+        self.scheduler: DummyScheduler | None = None  # the DummyScheduler over this one, if any
+
+
+class DummyScheduler:
+    """Accelerate's stand-in for the learning-rate schedule a DeepSpeed config declares (its `scheduler`
+    block; "auto" `warmup_min_lr` 0, `warmup_max_lr` the optimizer's lr, `warmup_num_steps`,
+    `total_num_steps` per process, from here), or for `lr_scheduler_callable(optimizer)`: the engine builds
+    it over its optimizer and steps it with each optimizer step. Prepare it with its `DummyOptim`."""
+
+    def __init__(
+        self,
+        optimizer: DummyOptim,
+        total_num_steps: int | None = None,
+        warmup_num_steps: int = 0,
+        lr_scheduler_callable: Callable | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.optimizer = optimizer
+        self.total_num_steps, self.warmup_num_steps = total_num_steps, warmup_num_steps
+        self.lr_scheduler_callable, self.kwargs = lr_scheduler_callable, kwargs
+        if isinstance(optimizer, DummyOptim):
+            optimizer.scheduler = self  # the engine, built with the optimizer, needs the schedule then

@@ -252,6 +252,45 @@ def deepspeed_training(
     return {"params": params, "norms": norms, "engine": engine}
 
 
+def deepspeed_declared_training() -> dict[str, Any]:
+    """An Accelerate script whose DeepSpeed config declares the optimizer (SGD, "auto" lr and weight decay
+    from `DummyOptim`) and whose schedule is `DummyScheduler(lr_scheduler_callable=...)`: the engine builds
+    and steps both."""
+    from runner.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler
+
+    config = {
+        "zero_optimization": {"stage": 2},
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": "auto", "momentum": 0.9, "weight_decay": "auto"}},
+    }
+    accelerator = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    x, y = make_data()
+    model = rank_model(accelerator)
+    optimizer = DummyOptim(model.parameters(), lr=0.1)
+    halving = DummyScheduler(
+        optimizer, lr_scheduler_callable=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    )
+    loader = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, halving)
+    lrs = []
+    for inputs, targets in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(torch.nn.functional.mse_loss(model(inputs), targets))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        lrs.append(scheduler.get_last_lr()[0])
+    params = torch.cat([p.flatten() for p in accelerator.get_state_dict(model).values()])
+    built = type(accelerator.strategy.engine.basic_optimizer).__name__
+    accelerator.end_training()
+    return {
+        "params": params,
+        "lrs": lrs,
+        "optimizer": built,
+        "lr_in_config": config["optimizer"]["params"]["lr"],
+    }
+
+
 def deepspeed_generated_config() -> dict[str, Any]:
     """The DeepSpeed config built from a user's JSON with "auto" values and the run's settings; and what
     preparing an optimizer without its model says."""

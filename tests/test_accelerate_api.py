@@ -4,6 +4,7 @@ setting changes what it is meant to change. Several processes: tests/test_accele
 from __future__ import annotations
 
 import json
+import os
 import re
 from datetime import timedelta
 from pathlib import Path
@@ -647,7 +648,17 @@ def test_deepspeed_plugin_settings_without_meaning_here_are_refused(plugin, refu
         DeepSpeedPlugin(**plugin)
 
 
-def test_a_deepspeed_plugin_makes_the_deepspeed_strategy(accelerator_made):
+@pytest.fixture
+def environment_restored():
+    """This process's environment as it was, after the test (DeepSpeed's engine exports LOCAL_RANK, which
+    would make a later test's child process look launched)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_a_deepspeed_plugin_makes_the_deepspeed_strategy(environment_restored, accelerator_made):
     pytest.importorskip("deepspeed")
     plugin = DeepSpeedPlugin(
         hf_ds_config={

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from runner.errors import ConfigError
 from runner.hardware.deepspeed import DeepSpeed, _fill, _loss_scaling
@@ -107,3 +108,67 @@ def test_fp16_loss_scaling_follows_the_precision_group():
         _loss_scaling(Float16MixedPrecision(growth_factor=3.0))
     with pytest.raises(ConfigError, match="precision=fp16 with hardware=deepspeed on the CPU"):
         DeepSpeed(device="cpu").setup_precision(Float16MixedPrecision())
+
+
+def test_a_declared_optimizer_and_schedule_take_their_auto_values_from_the_dummies():
+    from runner.hardware.deepspeed import declared_optimizer
+    from runner.utils import DummyOptim, DummyScheduler
+
+    config = {
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.9, 0.95]}},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                k: "auto" for k in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")
+            },
+        },
+    }
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizer = DummyOptim(params, lr=3e-4, weight_decay=0.1)
+    DummyScheduler(optimizer, total_num_steps=101, warmup_num_steps=0)
+    kwargs = declared_optimizer(config, optimizer, world_size=2)
+    assert config["optimizer"]["params"] == {
+        "lr": 3e-4,
+        "betas": [0.9, 0.95],
+    }  # weight_decay: not "auto", left out
+    assert config["scheduler"]["params"] == {
+        "warmup_min_lr": 0,
+        "warmup_max_lr": 3e-4,
+        "warmup_num_steps": 1,  # DeepSpeed refuses 0, as Accelerate avoids
+        "total_num_steps": 51,  # per process: ceil(101 / 2)
+    }
+    assert kwargs == {"model_parameters": [{"params": params}]}
+
+
+@pytest.mark.parametrize(
+    ("config", "scheduler", "refusal"),
+    [
+        ({}, False, "no optimizer block"),
+        ({"optimizer": {"type": "SGD", "params": {}}}, True, "has none"),
+        (
+            {"optimizer": {"type": "SGD", "params": {}}, "scheduler": {"type": "WarmupLR"}},
+            False,
+            "DummyScheduler",
+        ),
+    ],
+)
+def test_a_declared_optimizer_or_schedule_that_the_config_lacks_is_refused(config, scheduler, refusal):
+    from runner.hardware.deepspeed import declared_optimizer
+    from runner.utils import DummyOptim, DummyScheduler
+
+    optimizer = DummyOptim([torch.nn.Parameter(torch.zeros(2))])
+    if scheduler:
+        DummyScheduler(optimizer)
+    with pytest.raises(ValueError, match=refusal):
+        declared_optimizer(config, optimizer, world_size=1)
+
+
+def test_dummies_are_refused_by_a_strategy_other_than_deepspeed():
+    from runner.hardware import SingleDevice
+    from runner.utils import DummyOptim, DummyScheduler
+
+    optimizer = DummyOptim([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match="runs SingleDevice"):
+        SingleDevice(device="cpu").prepared_optimizer(optimizer)
+    with pytest.raises(ValueError, match="runs SingleDevice"):
+        SingleDevice(device="cpu").prepared_scheduler(DummyScheduler(optimizer))

@@ -248,7 +248,9 @@ def save_torch(obj: Any, path: Path) -> None:
         torch.save(obj, path)
     except RuntimeError as err:
         if not path.parent.is_dir():
-            raise CheckpointDiscarded(f"{path.parent} was discarded while this rank wrote {path.name}") from err
+            raise CheckpointDiscarded(
+                f"{path.parent} was discarded while this rank wrote {path.name}"
+            ) from err
         if shutil.disk_usage(path.parent).free >= FULL_BELOW_BYTES:
             raise
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from err

@@ -14,7 +14,7 @@ import torch
 from runner.checkpoint.formats import load_full, write_full
 from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
-from runner.handlers import KwargsHandler
+from runner.handlers import DummyOptim, DummyScheduler, KwargsHandler
 from runner.hardware.parallelize import (
     apply_ac,
     apply_compile,
@@ -250,6 +250,25 @@ class Strategy(ABC):
         for optimizer in optimizers:
             self.setup_optimizer(optimizer)
         return module
+
+    def prepared_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
+        """The optimizer `prepare` wraps for `optimizer`, after `setup_module_and_optimizers`: itself. (A
+        `DummyOptim` stands for one a DeepSpeed config declares: refused here.)"""
+        if isinstance(optimizer, DummyOptim):
+            raise ValueError(
+                f"DummyOptim stands for the optimizer a DeepSpeed config declares; this Accelerator runs "
+                f"{type(self).__name__}. Prepare a torch optimizer, or give a DeepSpeedPlugin."
+            )
+        return optimizer
+
+    def prepared_scheduler(self, scheduler: Any) -> Any:
+        """The schedule `prepare` wraps for `scheduler`: itself (a `DummyScheduler`: refused here)."""
+        if isinstance(scheduler, DummyScheduler):
+            raise ValueError(
+                f"DummyScheduler stands for the schedule a DeepSpeed config declares; this Accelerator runs "
+                f"{type(self).__name__}. Prepare a torch scheduler, or give a DeepSpeedPlugin."
+            )
+        return scheduler
 
     def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The model's complete weights (a collective for sharding backends; the main process's count)."""

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.cluster import export_local_rank
 from runner.errors import ConfigError
+from runner.handlers import DummyOptim, DummyScheduler, fill_auto
 from runner.hardware.process_group import ParallelStrategy
 from runner.precision import Float16MixedPrecision, MixedPrecision, Precision, refuse_fp8
 from runner.state import DistributedType, ProcessState
@@ -51,6 +52,9 @@ class DeepSpeed(ParallelStrategy):
         micro_batch_size: per-process batch; None: the first prepared dataloader's (only DeepSpeed's
             throughput accounting reads it: the loop, not DeepSpeed, feeds the batches).
         config: a DeepSpeed JSON file, or its contents as a mapping.
+        declared_optimizer: the config's `optimizer` and `scheduler` blocks are used, for Accelerate's
+            `DummyOptim` and `DummyScheduler` (a `DeepSpeedPlugin`'s config); False: refused, the optimizer
+            and schedule being the run's own.
     """
 
     distributed_type = DistributedType.DEEPSPEED
@@ -69,14 +73,16 @@ class DeepSpeed(ParallelStrategy):
         gradient_clipping: float | None = None,
         micro_batch_size: int | None = None,
         config: str | dict[str, Any] | None = None,
+        declared_optimizer: bool = False,
         **process_group: Any,
     ) -> None:
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(f"hardware=deepspeed needs DeepSpeed, which is not installed: run `{INSTALL}`.")
         super().__init__(**process_group)
         self.user_config = _read_user_config(config)
+        self.declared_optimizer = declared_optimizer
         for block, group in (("optimizer", "optimizer"), ("scheduler", "scheduler")):
-            if block in self.user_config:
+            if block in self.user_config and not declared_optimizer:
                 raise ConfigError(
                     f"hardware.config has a {block!r} block: the {block} comes from the `{group}` config group "
                     f"(a torch {block} the engine steps). Remove the block from the DeepSpeed JSON."
@@ -203,17 +209,39 @@ class DeepSpeed(ParallelStrategy):
             raise ValueError("hardware=deepspeed trains one model per Accelerator: prepare a single model.")
         if len(optimizers) > 1:
             raise ValueError("hardware=deepspeed steps one optimizer per model: prepare a single optimizer.")
+        optimizer = optimizers[0] if optimizers else None
         self.config = self.deepspeed_config(
             micro_batch_size, gradient_accumulation_steps, dist.get_world_size()
         )
+        kwargs: dict[str, Any] = {"optimizer": optimizer}
+        if isinstance(optimizer, DummyOptim):
+            kwargs = declared_optimizer(self.config, optimizer, dist.get_world_size())
+        elif optimizer is not None and "optimizer" in self.config:
+            raise ValueError(
+                "The DeepSpeed config declares an optimizer (its optimizer block) and the script prepares one too. "
+                "Prepare runner.utils.DummyOptim(model.parameters(), lr=...) for the config's, or remove the block."
+            )
         self.apply_compute(module)
         self.engine, *_ = deepspeed.initialize(
-            model=module,
-            optimizer=optimizers[0] if optimizers else None,
-            config=self.config,
-            dist_init_required=False,
+            model=module, config=self.config, dist_init_required=False, **kwargs
         )
         return self.engine
+
+    def prepared_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
+        """For a `DummyOptim`: the optimizer the engine built from the config."""
+        return self.engine.optimizer if isinstance(optimizer, DummyOptim) else optimizer
+
+    def prepared_scheduler(self, scheduler: Any) -> Any:
+        """For a `DummyScheduler`: the schedule the engine built, which the engine steps (its `step()`
+        here does nothing, as Accelerate's DeepSpeedSchedulerWrapper)."""
+        if not isinstance(scheduler, DummyScheduler):
+            return scheduler
+        if self.engine is None or self.engine.lr_scheduler is None:
+            raise ValueError(
+                "DummyScheduler: no engine schedule to prepare. Prepare it in the same call as the model and its "
+                "DummyOptim, with a scheduler block in the DeepSpeed config or lr_scheduler_callable."
+            )
+        return SteppedByEngine(self.engine.lr_scheduler)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         raise ValueError(
@@ -303,6 +331,66 @@ class DeepSpeed(ParallelStrategy):
                 f"{directory} has no complete DeepSpeed state in {CHECKPOINT_DIR}/{CHECKPOINT_TAG}. Resume from "
                 "another checkpoint, or start fresh with trainer.resume=null."
             )
+
+
+def declared_optimizer(config: dict[str, Any], optimizer: DummyOptim, world_size: int) -> dict[str, Any]:
+    """`deepspeed.initialize`'s arguments for the optimizer and schedule that `config` declares, its "auto"
+    values filled from Accelerate's `DummyOptim` and `DummyScheduler` (in place), as Accelerate fills them."""
+    if "optimizer" not in config:
+        raise ValueError(
+            "DummyOptim stands for the optimizer the DeepSpeed config declares, and this config has no optimizer "
+            "block. Add one, or prepare a torch optimizer."
+        )
+    fill_auto(
+        config, {"optimizer.params.lr": optimizer.lr, "optimizer.params.weight_decay": optimizer.weight_decay}
+    )
+    kwargs: dict[str, Any] = {"model_parameters": optimizer.param_groups}
+    scheduler = optimizer.scheduler
+    if scheduler is not None and scheduler.lr_scheduler_callable is not None:
+        kwargs["lr_scheduler"] = scheduler.lr_scheduler_callable
+    elif scheduler is not None:
+        if "scheduler" not in config:
+            raise ValueError(
+                "DummyScheduler without lr_scheduler_callable stands for the DeepSpeed config's scheduler block, "
+                "and this config has none. Add one, or pass lr_scheduler_callable."
+            )
+        schedule = {
+            "scheduler.params.warmup_min_lr": 0,
+            "scheduler.params.warmup_max_lr": optimizer.lr,
+            "scheduler.params.warmup_num_steps": max(1, scheduler.warmup_num_steps),  # DeepSpeed refuses 0
+        }
+        if scheduler.total_num_steps is not None:  # Accelerate's: per process
+            schedule["scheduler.params.total_num_steps"] = math.ceil(scheduler.total_num_steps / world_size)
+        fill_auto(config, schedule)
+    elif "scheduler" in config:
+        raise ValueError(
+            "The DeepSpeed config declares a scheduler block: prepare runner.utils.DummyScheduler(optimizer, ...) "
+            "with the DummyOptim, or remove the block."
+        )
+    return kwargs
+
+
+class SteppedByEngine:
+    """A schedule the DeepSpeed engine steps with its optimizer: `step()` does nothing; the rest is the
+    schedule's."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """The engine stepped it."""
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
 
 
 def _has_fp32_master(tensor: torch.Tensor) -> bool:
