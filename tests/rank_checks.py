@@ -252,10 +252,11 @@ def deepspeed_training(
     return {"params": params, "norms": norms, "engine": engine}
 
 
-def deepspeed_declared_training() -> dict[str, Any]:
+def deepspeed_declared_training(checkpoint: str | None = None, resume: bool = False) -> dict[str, Any]:
     """An Accelerate script whose DeepSpeed config declares the optimizer (SGD, "auto" lr and weight decay
     from `DummyOptim`) and whose schedule is `DummyScheduler(lr_scheduler_callable=...)`: the engine builds
-    and steps both."""
+    and steps both. With `checkpoint`: `save_state` there after 3 steps, or (`resume`) `load_state` from it
+    and train the rest of the epoch."""
     from runner.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler
 
     config = {
@@ -272,14 +273,20 @@ def deepspeed_declared_training() -> dict[str, Any]:
     )
     loader = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, halving)
+    batches = loader
+    if resume:
+        accelerator.load_state(checkpoint)
+        batches = accelerator.skip_first_batches(loader, 3)
     lrs = []
-    for inputs, targets in loader:
+    for step, (inputs, targets) in enumerate(batches, start=1):
         with accelerator.accumulate(model):
             accelerator.backward(torch.nn.functional.mse_loss(model(inputs), targets))
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
         lrs.append(scheduler.get_last_lr()[0])
+        if checkpoint and not resume and step == 3:
+            accelerator.save_state(checkpoint)
     params = torch.cat([p.flatten() for p in accelerator.get_state_dict(model).values()])
     built = type(accelerator.strategy.engine.basic_optimizer).__name__
     accelerator.end_training()

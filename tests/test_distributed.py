@@ -151,16 +151,20 @@ def test_accelerates_deepspeed_plugin_trains_as_the_engine_it_describes(plugin, 
     torch.testing.assert_close(result["norms"], reference["norms"], atol=1e-5, rtol=1e-5)
 
 
-def test_dummy_optim_and_scheduler_train_with_what_the_deepspeed_config_declares():
+def test_dummy_optim_and_scheduler_train_with_what_the_deepspeed_config_declares(tmp_path):
     """The engine builds the config's SGD ("auto" lr 0.1 from DummyOptim) and the callable's halving
-    schedule, and steps that schedule once per optimizer step (the prepared scheduler does not step it again)."""
-    result = rank_checks.run_ranks(rank_checks.deepspeed_declared_training)[0]
+    schedule, and steps that schedule once per optimizer step (the prepared scheduler does not step it
+    again); a run resumed from a checkpoint of step 3 ends where the uninterrupted one does."""
+    checkpoint = str(tmp_path / "step3")
+    result = rank_checks.run_ranks(rank_checks.deepspeed_declared_training, checkpoint)[0]
     reference = rank_checks.reference_training(1, schedule=True)
-    assert (
-        result["optimizer"] == "SGD" and result["lr_in_config"] == "auto"
-    )  # the user's dict is left as it was
+    assert result["optimizer"] == "SGD"
+    assert result["lr_in_config"] == "auto"  # the user's dict is left as it was
     assert result["lrs"] == [0.1 * 0.5 ** (i + 1) for i in range(len(result["lrs"]))]
     torch.testing.assert_close(result["params"], reference["params"], atol=1e-6, rtol=0)
+    resumed = rank_checks.run_ranks(rank_checks.deepspeed_declared_training, checkpoint, True)[0]
+    assert resumed["lrs"] == result["lrs"][3:]  # the schedule's state came back with the checkpoint
+    torch.testing.assert_close(resumed["params"], result["params"], atol=0, rtol=0)
 
 
 def test_deepspeed_config_is_generated_from_the_run():
