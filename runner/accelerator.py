@@ -122,6 +122,11 @@ class Accelerator(Engine):
         deepspeed_plugin: DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None = None,
     ) -> None:
         launch = accelerate_launch_settings()  # what `accelerate launch` set, where the script did not
+        if strategy is None and fsdp_plugin is None and deepspeed_plugin is None:
+            if launch.fsdp is not None:
+                fsdp_plugin = FullyShardedDataParallelPlugin.from_launch(launch.fsdp)
+            elif launch.deepspeed:
+                deepspeed_plugin = DeepSpeedPlugin()  # from the ACCELERATE_DEEPSPEED_* variables
         given = [
             name
             for name, value in (
@@ -134,13 +139,9 @@ class Accelerator(Engine):
         if len(given) > 1 or (parallelism_config and {"strategy", "deepspeed_plugin"} & set(given)):
             raise ValueError(
                 f"Give the backend once: strategy=..., Accelerate's fsdp_plugin / parallelism_config, or its "
-                f"deepspeed_plugin, not {' and '.join(given + ['parallelism_config'] * bool(parallelism_config))}."
+                f"deepspeed_plugin (`accelerate launch --use_fsdp / --use_deepspeed` gives a plugin), not "
+                f"{' and '.join(given + ['parallelism_config'] * bool(parallelism_config))}."
             )
-        if strategy is None and not (fsdp_plugin or deepspeed_plugin or parallelism_config):
-            if launch.fsdp is not None:
-                fsdp_plugin = FullyShardedDataParallelPlugin.from_launch(launch.fsdp)
-            elif launch.deepspeed:
-                deepspeed_plugin = DeepSpeedPlugin()  # from the ACCELERATE_DEEPSPEED_* variables
         deepspeed_plugin = _one_plugin(deepspeed_plugin)
         if deepspeed_plugin is not None:
             strategy = _deepspeed_strategy(deepspeed_plugin, cpu or launch.cpu)

@@ -243,7 +243,7 @@ class Engine(ProcessControl):
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
         self.strategy.setup_optimizer(optimizer)
-        return self._wrap_optimizer(optimizer)
+        return self._wrap_optimizer(self.strategy.prepared_optimizer(optimizer))
 
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         wrapped = AcceleratedOptimizer(optimizer, self.strategy, self.precision, self.gradient_state)

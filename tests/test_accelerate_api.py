@@ -28,6 +28,8 @@ from runner.utils import (
     DataLoaderConfiguration,
     DeepSpeedPlugin,
     DistributedDataParallelKwargs,
+    DummyOptim,
+    DummyScheduler,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
@@ -683,3 +685,15 @@ def test_a_deepspeed_plugin_makes_the_deepspeed_strategy(environment_restored, a
     with patch_environment(accelerate_use_deepspeed="true", accelerate_deepspeed_zero_stage="1"):
         launched = accelerator_made(cpu=True)  # `accelerate launch --use_deepspeed --zero_stage 1`
     assert isinstance(launched.strategy, DeepSpeed) and launched.strategy.zero_stage == 1
+
+
+def test_dummy_optim_and_scheduler_are_refused_without_deepspeed(accelerator_made):
+    accelerator = accelerator_made(cpu=True)
+    model = torch.nn.Linear(2, 1)
+    optimizer = DummyOptim(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="DummyOptim stands for the optimizer a DeepSpeed config declares"):
+        accelerator.prepare(optimizer)
+    with pytest.raises(ValueError, match="DummyOptim stands for the optimizer a DeepSpeed config declares"):
+        accelerator.prepare(model, optimizer)
+    with pytest.raises(ValueError, match="DummyScheduler stands for the schedule"):
+        accelerator.prepare(DummyScheduler(optimizer))

@@ -80,7 +80,6 @@ class DeepSpeed(ParallelStrategy):
             raise ConfigError(f"hardware=deepspeed needs DeepSpeed, which is not installed: run `{INSTALL}`.")
         super().__init__(**process_group)
         self.user_config = _read_user_config(config)
-        self.declared_optimizer = declared_optimizer
         for block, group in (("optimizer", "optimizer"), ("scheduler", "scheduler")):
             if block in self.user_config and not declared_optimizer:
                 raise ConfigError(
@@ -390,6 +389,8 @@ class SteppedByEngine:
         self.scheduler.load_state_dict(state_dict)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":  # not set yet (a copy being built)
+            raise AttributeError(name)
         return getattr(self.scheduler, name)
 
 
