@@ -372,12 +372,19 @@ class ParallelismConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"ParallelismConfig({name}={value!r}): expected an integer >= 1.")
-        for name in ("cp_size", "sp_size"):
-            if (getattr(self, name) or 1) > 1:
-                raise ValueError(
-                    f"ParallelismConfig({name}={getattr(self, name)}) is not supported: runner has no context or "
-                    "sequence parallel yet. Split the ranks over dp_replicate_size, dp_shard_size and tp_size."
-                )
+        if (self.cp_size or 1) > 1:
+            raise ValueError(
+                f"ParallelismConfig(cp_size={self.cp_size}) is not supported: runner has no context parallel yet, "
+                "and torch's (torch.distributed.tensor.experimental.context_parallel, torch 2.13) cannot run on the "
+                "CPU: its ring attention has no sharding rule for the CPU attention kernel "
+                "(aten._scaled_dot_product_flash_attention_for_cpu), and with the math backend it mixes Tensor and "
+                "DTensor. Split the ranks over dp_replicate_size, dp_shard_size and tp_size."
+            )
+        if (self.sp_size or 1) > 1:
+            raise ValueError(
+                f"ParallelismConfig(sp_size={self.sp_size}) is not supported: runner has no sequence parallel "
+                "(DeepSpeed's Ulysses). Split the ranks over dp_replicate_size, dp_shard_size and tp_size."
+            )
 
     @property
     def total_size(self) -> int:

@@ -298,6 +298,34 @@ def deepspeed_declared_training(checkpoint: str | None = None, resume: bool = Fa
     }
 
 
+def torch_context_parallel_on_cpu() -> dict[str, str]:
+    """What torch's context parallel does with a causal attention on CPU ranks, with the default attention
+    kernel and with the math one: "ok", or the error it raises."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    weight = torch.randn(8, 8, requires_grad=True)
+    outcomes = {}
+    for backend in (None, SDPBackend.MATH):
+        x = torch.randn(1, 2, 16, 8)  # (batch, heads, sequence, head dim), sharded along the sequence
+        try:
+            with (
+                context_parallel(mesh, buffers=[x], buffer_seq_dims=[2]),
+                sdpa_kernel(backend or SDPBackend.FLASH_ATTENTION),
+            ):
+                torch.nn.functional.scaled_dot_product_attention(
+                    x @ weight, x, x, is_causal=True
+                ).sum().backward()
+            outcomes[str(backend)] = "ok"
+        except Exception as err:  # what the refusal of cp_size reports
+            outcomes[str(backend)] = f"{type(err).__name__}: {err}"
+    dist.destroy_process_group()
+    return outcomes
+
+
 def deepspeed_generated_config() -> dict[str, Any]:
     """The DeepSpeed config built from a user's JSON with "auto" values and the run's settings; and what
     preparing an optimizer without its model says."""

@@ -522,8 +522,12 @@ def test_an_fsdp_plugin_makes_the_fsdp_strategy_in_one_process(accelerator_made)
 def test_a_parallelism_config_must_lay_out_the_world_and_has_no_context_parallel():
     with pytest.raises(ValueError, match=re.escape("lays out 2 process(es), but this job has 1")):
         Accelerator(cpu=True, parallelism_config=ParallelismConfig(dp_shard_size=2))
-    with pytest.raises(ValueError, match="runner has no context or sequence parallel yet"):
+    with pytest.raises(
+        ValueError, match=r"runner has no context parallel yet, and torch's .* cannot run on the CPU"
+    ):
         ParallelismConfig(cp_size=2)
+    with pytest.raises(ValueError, match="runner has no sequence parallel"):
+        ParallelismConfig(sp_size=2)
     with pytest.raises(ValueError, match="expected an integer >= 1"):
         ParallelismConfig(tp_size=0)
     assert ParallelismConfig(dp_replicate_size=2, tp_size=2).total_size == 4
