@@ -405,8 +405,9 @@ class DeepSpeedPlugin:
     ("auto"); gradient clipping left "auto" clips at 1.0 (DeepSpeed's default), and a
     `gradient_accumulation_steps` the config fixes is the Accelerator's. `zero3_init_flag`: runner builds
     the model whole and partitions it at `prepare` (the memory of construction differs, the weights a
-    checkpoint loads do not). Refused (ValueError, saying why): `transformer_moe_cls_names` and
-    `enable_msamp`.
+    checkpoint loads do not). `is_train_batch_min`: the micro batch DeepSpeed accounts is the first
+    prepared dataloader's (the loop, not the engine, feeds the batches). Refused (ValueError, saying why):
+    `transformer_moe_cls_names` and `enable_msamp` (so `msamp_opt_level` has nothing to set).
     """
 
     hf_ds_config: Any = None
