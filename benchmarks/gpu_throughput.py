@@ -21,8 +21,9 @@ order; each row is the median, with the spread (max - min over median) of its ro
 token (6 x parameters + 12 x layers x width x sequence) times tokens/s over the device's peak dense bf16
 rate; `python -m runner` rows also give the MFU runner itself logged (perf/mfu). Peak memory: what the
 loop allocated up to the end of its warm-up (runner's own perf/peak_memory_gb for `python -m runner`). `--profile DIR`: the `python -m runner`
-rows also record three steps of the warm-up with `trainer.profile` (their ops table is copied to DIR) and
-print the fraction of those steps' time the GPU was busy. Not a test: nothing here gates CI. `--device cpu
+rows also record three steps of the warm-up with `trainer.profile`, the in-process loops three steps after
+the timed ones with torch.profiler (each mode's ops table goes to DIR), and print the fraction of those
+steps' time the GPU was busy. Not a test: nothing here gates CI. `--device cpu
 --size tiny` checks the script itself on a machine without a GPU.
 """
 
@@ -258,7 +259,27 @@ def measure_loop(mode: Mode, args: argparse.Namespace, config: dict[str, int], d
     step(args.steps)
     synchronize(device)
     tokens = args.steps * args.batch * config["max_seq_len"]
-    return {"tokens_per_s": tokens / (time.perf_counter() - start), "memory_gb": memory}
+    result = {"tokens_per_s": tokens / (time.perf_counter() - start), "memory_gb": memory}
+    if args.profile:  # after the timed steps, which it would slow
+        result["gpu_busy"] = profile_steps(step, device, args.profile / f"{args.worker}-ops.txt")
+    return result
+
+
+def profile_steps(step: Step, device: torch.device, table: Path) -> float:
+    """Three steps of a loop under torch.profiler: their ops table written to `table`; the GPU's busy share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        step(3)
+        synchronize(device)
+    table.parent.mkdir(parents=True, exist_ok=True)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table.write_text(profiler.key_averages().table(sort_by=sort, row_limit=40) + "\n")
+    with tempfile.TemporaryDirectory() as directory:
+        trace = Path(directory) / "trace.json"
+        profiler.export_chrome_trace(str(trace))
+        return gpu_busy(trace)
 
 
 def measure_in_new_process(key: str, args: argparse.Namespace) -> dict:
@@ -329,7 +350,9 @@ def measure_cli(mode: Mode, args: argparse.Namespace, config: dict[str, int], ru
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
         table = run_dir / "profile" / "key_averages_rank0.txt"
-        (args.profile / f"{run_dir.name}-ops.txt").write_text(table.read_text())
+        (args.profile / f"{run_dir.name.rsplit('-', 1)[0]}-ops.txt").write_text(
+            table.read_text()
+        )  # {key}-{round}
         result["gpu_busy"] = gpu_busy(run_dir / "profile" / "trace_rank0.json")
     return result
 
