@@ -414,7 +414,8 @@ def _deepspeed_strategy(plugin: DeepSpeedPlugin, cpu: bool) -> DeepSpeed:
     return DeepSpeed(
         zero_stage=zero.get("stage"),
         offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
-        offload_params=(zero.get("offload_param") or {}).get("device") == "cpu",
+        # DeepSpeed offloads parameters at stage 3 only, and ignores the block below it (as Accelerate lets it)
+        offload_params=(zero.get("offload_param") or {}).get("device") == "cpu" and zero.get("stage") == 3,
         gradient_clipping=(1.0 if clipping == "auto" else float(clipping)) or None,
         config=config,
         declared_optimizer=True,  # the config's optimizer and scheduler blocks: DummyOptim, DummyScheduler
