@@ -611,9 +611,9 @@ DEEPSPEED_PLUGINS = [
 
 @pytest.mark.parametrize("plugin", DEEPSPEED_PLUGINS)
 def test_deepspeed_plugin_builds_accelerates_config(plugin):
-    accelerate = pytest.importorskip("accelerate.utils")
-    pytest.importorskip("deepspeed")
-    ours, theirs = DeepSpeedPlugin(**plugin), accelerate.DeepSpeedPlugin(**plugin)
+    from accelerate.utils import DeepSpeedPlugin as AcceleratesPlugin
+
+    ours, theirs = DeepSpeedPlugin(**plugin), AcceleratesPlugin(**plugin)
     assert ours.deepspeed_config == theirs.deepspeed_config
     for name in ("zero_stage", "gradient_accumulation_steps", "gradient_clipping", "zero3_init_flag"):
         assert getattr(ours, name) == getattr(theirs, name), name
@@ -665,7 +665,6 @@ def environment_restored():
 
 
 def test_a_deepspeed_plugin_makes_the_deepspeed_strategy(environment_restored, accelerator_made):
-    pytest.importorskip("deepspeed")
     plugin = DeepSpeedPlugin(
         hf_ds_config={
             "zero_optimization": {"stage": 3},
@@ -705,7 +704,6 @@ def test_dummy_optim_and_scheduler_are_refused_without_deepspeed(accelerator_mad
 
 def test_a_deepspeed_plugins_parameter_offload_below_stage_3_is_left_to_deepspeed():
     """Accelerate passes `offload_param_device="cpu"` at stage 2 on to DeepSpeed, which ignores it there."""
-    pytest.importorskip("deepspeed")
     from runner.accelerator import _deepspeed_strategy
 
     strategy = _deepspeed_strategy(DeepSpeedPlugin(zero_stage=2, offload_param_device="cpu"), cpu=True)

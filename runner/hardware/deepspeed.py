@@ -370,23 +370,14 @@ def declared_optimizer(config: dict[str, Any], optimizer: DummyOptim, world_size
 
 
 class SteppedByEngine:
-    """A schedule the DeepSpeed engine steps with its optimizer: `step()` does nothing; the rest is the
-    schedule's."""
+    """A schedule the DeepSpeed engine steps with its optimizer: `step()` does nothing; the rest
+    (`get_last_lr`, `state_dict`, ...) is the schedule's."""
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """The engine stepped it."""
-
-    def get_last_lr(self) -> list[float]:
-        return self.scheduler.get_last_lr()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
 
     def __getattr__(self, name: str) -> Any:
         if name == "scheduler":  # not set yet (a copy being built)
