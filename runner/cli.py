@@ -40,7 +40,7 @@ from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
 from runner.build import is_inference, locate
 from runner.checkpoint.resume import check_finished_run, check_resume
 from runner.cluster import RankEnvironment, launched_environment
-from runner.config import CONF_SEARCH_PATH, register_configs
+from runner.config import CONF_SEARCH_PATH
 from runner.errors import (
     EXIT_INTERRUPTED,
     SEARCH_PATH_MISSING,
@@ -61,6 +61,7 @@ from runner.launchers.base import interrupted
 from runner.logging import FILE_ONLY, configure_rank_logging
 from runner.plan import describe as describe_plan
 from runner.scaffold import main as init_project_command
+from runner.schemas import register_configs
 from runner.train import train
 from runner.validate import Built, check_job
 

@@ -1,20 +1,26 @@
-"""Typed schemas for the config groups the runner itself reads (Hydra structured configs).
+"""How a setting is declared: its type, default and `Range`, once, where it is read.
 
-A typo or a wrong type in YAML or on the command line fails at compose time, naming the key.
-Each hardware and precision option declares its schema in its defaults list, e.g.
-`conf/hardware/cpu.yaml` starts with `- /schema/hardware/cpu@_here_`.
+The trainer's settings are the dataclasses below (the loop reads them). A hardware, precision, launcher
+or tracker option's settings are its class's constructor arguments, from which `runner.schemas` derives
+the structured config Hydra checks at compose time (`conf/hardware/cpu.yaml` starts with
+`- /schema/hardware/cpu@_here_`). The untyped groups (model, data, ...) instantiate classes whose
+arguments declare their ranges the same way. `runner.validate` checks every range before launch.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from importlib.resources import files
 from pathlib import Path
-from typing import Annotated, Any, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, TypeVar, get_args, get_origin, get_type_hints
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+from runner.errors import ConfigError
 
 # The built-in config groups: the repository's conf/, installed as the package runner.conf.
 CONF_PACKAGE = "runner.conf"
@@ -41,15 +47,8 @@ class Range:
         return f"{key}={value}: must be {' and '.join(f'{op} {b}' for op, b in bounds if b is not None)}."
 
 
-def bounded(default: Any, **bounds: float) -> Any:
-    """A numeric setting with its `Range`, checked before launch (every numeric setting of a schema
-    declares one: tests/test_config.py)."""
-    return field(default=default, metadata={"range": Range(**bounds)})
-
-
-# The untyped groups (model, data, task, optimizer, scheduler) instantiate classes and functions whose
-# numeric arguments declare their range in the signature, e.g. `batch_size: PositiveInt = 64`; checked
-# before launch like the schemas' (tests/test_config.py: every numeric setting of their YAML has one).
+# A numeric setting declares its range in its annotation, e.g. `batch_size: PositiveInt = 64`, checked
+# before launch (tests/test_config.py: every numeric setting of a shipped option declares one).
 PositiveInt = Annotated[int, Range(ge=1)]
 NonNegativeInt = Annotated[int, Range(ge=0)]
 Seed = Annotated[int, Range(ge=0, lt=2**32)]
@@ -57,6 +56,51 @@ PositiveFloat = Annotated[float, Range(gt=0)]
 NonNegativeFloat = Annotated[float, Range(ge=0)]
 Fraction = Annotated[float, Range(gt=0, lt=1)]  # a share strictly between none and all
 Probability = Annotated[float, Range(ge=0, lt=1)]  # dropout, a warm-up share
+ShardDegree = Annotated[int, Range(ge=-1)]  # ranks a parameter is sharded over; -1: all the rest
+
+
+def checked(group: str) -> Callable[[F], F]:
+    """Decorates a constructor whose arguments declare `Range`s: a value out of its range is a ConfigError
+    naming `<group>.<argument>`, for an object built from Python as for one built from YAML (whose ranges
+    `runner.validate` checks before launch, with the same `declared_ranges`)."""
+
+    def decorate(init: F) -> F:
+        signature = inspect.signature(init)
+
+        @functools.wraps(init)
+        def checked_init(*args: Any, **kwargs: Any) -> Any:
+            ranges = _ranges_of(init)
+            problems = [
+                problem
+                for name, value in signature.bind(*args, **kwargs).arguments.items()
+                if name in ranges and value is not None
+                if (problem := ranges[name].bounds.problem(f"{group}.{name}", value)) is not None
+            ]
+            if problems:
+                raise ConfigError(" ".join(problems))
+            return init(*args, **kwargs)
+
+        return checked_init  # type: ignore[return-value]
+
+    return decorate
+
+
+@functools.cache
+def _ranges_of(function: Callable[..., Any]) -> dict[str, Declared]:
+    """The ranges `function`'s arguments declare (resolved at the first call, once every name exists)."""
+    hints = get_type_hints(function, include_extras=True)
+    return {key: found for key, hint in hints.items() if (found := _range_in(hint)) is not None}
+
+
+@dataclass(frozen=True)
+class NotASetting:
+    """Marks a constructor argument given from Python (an Accelerate plugin), which no YAML sets: the
+    derived schema leaves it out (`PythonOnly[bool]`)."""
+
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+PythonOnly = Annotated[T, NotASetting()]
 
 
 @dataclass(frozen=True)
@@ -160,7 +204,7 @@ class ActivationCheckpointingConfig:
     non-reentrant), applied before the backend wraps the model."""
 
     mode: CheckpointingMode = CheckpointingMode.none
-    every_n_blocks: int = bounded(1, ge=1)  # selective: checkpoint blocks n-1, 2n-1, ... (1: every block)
+    every_n_blocks: PositiveInt = 1  # selective: checkpoint blocks n-1, 2n-1, ... (1: every block)
     save_matmuls: bool = False  # selective: inside a checkpointed block keep the matmul outputs (op-level)
 
 
@@ -169,28 +213,26 @@ class ProfileConfig:
     """torch.profiler over a window of optimizer steps (`trainer.profile`): skip `wait`, warm up
     `warmup`, record `active` (0: off); the trace goes to <output dir>/profile/."""
 
-    wait: int = bounded(1, ge=0)
-    warmup: int = bounded(1, ge=0)
-    active: int = bounded(0, ge=0)
+    wait: NonNegativeInt = 1
+    warmup: NonNegativeInt = 1
+    active: NonNegativeInt = 0
     record_shapes: bool = False  # the input shapes of each op (the table groups by them)
     profile_memory: bool = False  # the memory each op allocates and frees
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int | None = bounded(200, ge=1)  # optimizer steps; null: run `max_epochs` epochs
-    max_epochs: int | None = bounded(None, ge=1)
-    eval_every: int = bounded(100, ge=0)  # optimizer steps between evaluations; 0: evaluate at the end only
-    log_every: int = bounded(10, ge=1)  # optimizer steps between log lines
-    gradient_accumulation_steps: int = bounded(1, ge=1)
+    max_steps: PositiveInt | None = 200  # optimizer steps; null: run `max_epochs` epochs
+    max_epochs: PositiveInt | None = None
+    eval_every: NonNegativeInt = 100  # optimizer steps between evaluations; 0: evaluate at the end only
+    log_every: PositiveInt = 10  # optimizer steps between log lines
+    gradient_accumulation_steps: PositiveInt = 1
     split_batches: bool = False  # data.batch_size is the global batch, split over the processes
-    max_grad_norm: float | None = bounded(None, gt=0)  # clip the total gradient norm to this value
-    seed: int = bounded(0, ge=0, lt=2**32)
+    max_grad_norm: PositiveFloat | None = None  # clip the total gradient norm to this value
+    seed: Seed = 0
     progress_bar: bool = True
-    checkpoint_every: int = bounded(
-        0, ge=0
-    )  # optimizer steps between checkpoints; 0: only when stopped by a signal
-    keep_checkpoints: int | None = bounded(2, ge=1)  # newest checkpoints kept; null: all
+    checkpoint_every: NonNegativeInt = 0  # optimizer steps between checkpoints; 0: only when stopped by a signal
+    keep_checkpoints: PositiveInt | None = 2  # newest checkpoints kept; null: all
     # at every logging step whose loss is finite, also save the state to checkpoints/last_finite (replacing
     # it): a run that diverges can resume from just before (costs a save every log_every steps)
     checkpoint_last_finite: bool = False
@@ -214,86 +256,9 @@ class TrainerConfig:
 
 @dataclass
 class HardwareConfig:
+    """What every hardware option's schema (`runner.schemas`, derived from its strategy) starts from."""
+
     _target_: str = MISSING
-
-
-@dataclass
-class CPUConfig(HardwareConfig):
-    device: str = "cpu"
-    num_threads: int | None = bounded(None, ge=1)
-    peak_flops: float | None = bounded(None, gt=0)  # the device's peak FLOP/s for MFU; null: the known table
-
-
-@dataclass
-class ParallelConfig(HardwareConfig):
-    num_processes: int | None = bounded(None, ge=1)  # ranks on this machine; null: one per GPU, 2 on CPU
-    device: str | None = None  # cuda | cpu; null: cuda when available
-    backend: str | None = None  # null: nccl on cuda, gloo on cpu
-    timeout_s: float = bounded(1800.0, gt=0)  # collective timeout
-    num_threads: int | None = bounded(None, ge=1)  # CPU threads per rank; null: cores / ranks
-    oversubscribe: bool = False  # allow more CPU ranks than cores
-    peak_flops: float | None = bounded(None, gt=0)  # one device's peak FLOP/s for MFU; null: the known table
-
-
-@dataclass
-class DDPConfig(ParallelConfig):
-    find_unused_parameters: bool = False
-    bucket_cap_mb: float | None = bounded(None, gt=0)
-    gradient_as_bucket_view: bool = False
-    static_graph: bool = False
-
-
-@dataclass
-class FSDPConfig(ParallelConfig):
-    # sharding units by class; null: the model's _no_split_modules; []: the root only
-    shard_modules: list[str] | None = None
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    dp_replicate: int = bounded(
-        1, ge=1
-    )  # HSDP: replica groups, each sharding over world / dp_replicate ranks
-    dp_shard: int = bounded(-1, ge=-1)  # ranks each parameter is sharded over; -1: the rest of the world
-
-
-@dataclass
-class MegatronConfig(ParallelConfig):
-    tp_size: int = bounded(2, ge=1)  # ranks each layer is split over; the rest of the world is data parallel
-    sequence_parallel: bool = False  # also split the activations between layers along the sequence
-    shard_modules: list[str] | None = None  # FSDP2 units for the data-parallel dimension
-    reshard_after_forward: bool = True
-    pp_size: int = bounded(1, ge=1)  # pipeline stages; tp_size x pp_size must divide the world
-    dp_replicate: int = bounded(1, ge=1)  # HSDP over the data-parallel ranks: replica groups
-    dp_shard: int = bounded(-1, ge=-1)  # data-parallel ranks each parameter is sharded over; -1: the rest
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
-    microbatches: int = bounded(4, ge=1)  # pipeline microbatches per batch (a divisor of the per-rank batch)
-    virtual_stages: int = bounded(1, ge=1)  # stages per rank (interleaved_1f1b: >= 2)
-
-
-@dataclass
-class DeepSpeedConfig(ParallelConfig):
-    zero_stage: int | None = bounded(None, ge=1, le=3)  # 1 | 2 | 3; null: the stage of `config`, else 2
-    offload_optimizer: bool = False
-    offload_params: bool = False  # stage 3 only
-    gradient_clipping: float | None = bounded(None, gt=0)  # max gradient norm; null: none
-    micro_batch_size: int | None = bounded(None, ge=1)  # null: the prepared dataloader's per-process batch
-    config: Any = None  # a DeepSpeed JSON file, or its contents
-
-
-@dataclass
-class XLAConfig(HardwareConfig):
-    spmd: bool | None = None  # shard each batch over the host's devices; null: when there are several
-    peak_flops: float | None = bounded(None, gt=0)  # one device's peak FLOP/s for MFU; null: the known table
-
-
-@dataclass
-class BigModelConfig(HardwareConfig):
-    device_map: Any = "auto"  # auto | balanced | balanced_low_0 | sequential | {module: device}
-    max_memory: dict[str, Any] = field(default_factory=lambda: {"cpu": None})
-    offload_folder: str | None = None
-    no_split_module_classes: list[str] = field(default_factory=list)
-    dtype: str | None = None
-    offload_buffers: bool = False
-    num_threads: int | None = bounded(None, ge=1)
 
 
 @dataclass
@@ -302,81 +267,13 @@ class PrecisionConfig:
 
 
 @dataclass
-class MixedPrecisionConfig(PrecisionConfig):
-    dtype: str = "bfloat16"
-
-
-@dataclass
-class Float16Config(PrecisionConfig):
-    init_scale: float = bounded(2.0**16, gt=0)
-    growth_factor: float = bounded(2.0, gt=1)
-    backoff_factor: float = bounded(0.5, gt=0, lt=1)
-    growth_interval: int = bounded(2000, ge=1)
-
-
-@dataclass
-class Float8Config(PrecisionConfig):
-    recipe: str = "tensorwise"  # tensorwise | rowwise
-    keep: list[str] = field(default_factory=lambda: ["lm_head"])  # module name patterns kept in bf16
-    fsdp_float8_all_gather: bool = False
-    emulate: bool = False  # float8 numerics with high-precision matmuls, on any device
-
-
-@dataclass
 class LauncherConfig:
     _target_: str = MISSING
 
 
 @dataclass
-class LocalLauncherConfig(LauncherConfig):
-    start_method: str | None = None  # fork | spawn | forkserver; null: the hardware's choice
-    monitor_interval_s: float = bounded(0.1, gt=0)
-    shutdown_timeout_s: float = bounded(30.0, ge=0)
-
-
-@dataclass
-class SlurmLauncherConfig(LauncherConfig):
-    partition: str | None = None  # null: the cluster's default partition
-    nodes: int = bounded(1, ge=1)
-    gpus_per_node: int = bounded(0, ge=0)
-    cpus_per_task: int | None = bounded(None, ge=1)
-    mem_gb: float | None = bounded(None, gt=0)  # per node
-    time_min: int = bounded(60, ge=1)
-    account: str | None = None
-    qos: str | None = None
-    constraint: str | None = None
-    setup: list[str] = field(default_factory=list)  # shell lines before the ranks start
-    sbatch_args: dict[str, Any] = field(default_factory=dict)  # {"mail-type": "END"} -> --mail-type=END
-    srun_args: list[str] = field(default_factory=list)
-    wait: bool = True  # false: return once queued
-    signal_delay_s: int = bounded(120, ge=0)  # the preemption signal comes this long before the time limit
-    max_timeouts: int = bounded(3, ge=0)  # requeues at the time limit
-    folder: str | None = None  # submitit's files; null: <job dir>/slurm
-    poll_interval_s: float = bounded(1.0, gt=0)
-    name: str = "runner"
-
-
-@dataclass
 class TrackerConfig:
     _target_: str | None = None  # null: no tracking (tracker=none)
-
-
-@dataclass
-class MLflowTrackerConfig(TrackerConfig):
-    experiment_name: str = "runner"
-    uri: str | None = None  # null: $MLFLOW_TRACKING_URI, else sqlite in ./outputs/mlflow.db
-    run_name: str | None = None
-    tags: dict[str, str] = field(default_factory=dict)
-    parent_run_id: str | None = None  # set by the runner for the jobs of a sweep
-    log_model: bool = False
-    detach: bool | None = None  # null: detach unless in a SLURM job
-    finish_timeout_s: float = bounded(120.0, ge=0)
-
-
-@dataclass
-class TensorBoardTrackerConfig(TrackerConfig):
-    experiment_name: str = "runner"  # the folder under logging_dir
-    logging_dir: str | None = None  # null: the run's directory
 
 
 @dataclass
@@ -424,39 +321,3 @@ class RunConfig:
     checkpoint: str | None = (
         None  # model weights (a save_model dir or file): fine-tune from them, or run them
     )
-
-
-SCHEMAS: dict[str, dict[str, type]] = {
-    "hardware": {
-        "cpu": CPUConfig,
-        "multi_gpu": DDPConfig,
-        "fsdp": FSDPConfig,
-        "deepspeed": DeepSpeedConfig,
-        "megatron": MegatronConfig,
-        "tpu": XLAConfig,
-        "big_model": BigModelConfig,
-    },
-    "precision": {
-        "fp32": PrecisionConfig,
-        "bf16": MixedPrecisionConfig,
-        "fp16": Float16Config,
-        "fp8": Float8Config,
-    },
-    "launcher": {"local": LocalLauncherConfig, "slurm": SlurmLauncherConfig},
-    "tracker": {
-        "mlflow": MLflowTrackerConfig,
-        "tensorboard": TensorBoardTrackerConfig,
-        "none": TrackerConfig,
-    },
-}
-
-
-def register_configs() -> None:
-    """Put the schemas in Hydra's ConfigStore (before composing)."""
-    store = ConfigStore.instance()
-    store.store(name="runner_schema", node=RunConfig)
-    store.store(group="hydra/sweeper", name="runner", node=RunnerSweeperConfig, provider="runner")
-    store.store(group="hydra/launcher", name="runner", node=RunnerLauncherConfig, provider="runner")
-    for group, schemas in SCHEMAS.items():
-        for name, node in schemas.items():
-            store.store(group=f"schema/{group}", name=name, node=node)

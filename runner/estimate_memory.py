@@ -20,9 +20,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.big_modeling import compute_module_sizes
 from runner.build import build_on_meta
-from runner.config import CONF_PACKAGE, register_configs
+from runner.config import CONF_PACKAGE
 from runner.errors import ConfigError, describe_compose_error
 from runner.plan import MB, optimizer_states, state_memory
+from runner.schemas import register_configs
 
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Each hardware group as the overrides that select it.

@@ -14,10 +14,11 @@ import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from enum import Enum
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
+from runner.config import Fraction, PositiveFloat, PositiveInt, Range, checked
 from runner.errors import ConfigError
 from runner.handlers import AutocastKwargs, GradScalerKwargs
 from runner.ops import convert_to_fp32
@@ -218,14 +219,20 @@ class Float16MixedPrecision(MixedPrecision):
     """fp16 autocast with dynamic loss scaling through `torch.amp.GradScaler` (the `fp16` group).
 
     A step whose gradients hold inf/nan is skipped and the scale is multiplied by `backoff_factor`.
+
+    Args:
+        init_scale, growth_factor, backoff_factor, growth_interval: GradScaler's: the loss scale to start
+            from; multiplied by `growth_factor` (> 1) after `growth_interval` steps without inf/nan, and by
+            `backoff_factor` (between 0 and 1) at a step with them.
     """
 
+    @checked("precision")
     def __init__(
         self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
+        init_scale: PositiveFloat = 2.0**16,
+        growth_factor: Annotated[float, Range(gt=1)] = 2.0,
+        backoff_factor: Fraction = 0.5,
+        growth_interval: PositiveInt = 2000,
     ) -> None:
         super().__init__("float16")
         self.scaler_kwargs = dict(

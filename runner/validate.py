@@ -198,30 +198,21 @@ def _trainer_problems(trainer: DictConfig) -> list[str]:
 
 
 def _range_problems(cfg: DictConfig) -> list[str]:
-    """Every numeric setting against its declared range: a typed group's from its schema
-    (`config.bounded`), an untyped group's from the signature of what it instantiates
-    (`config.declared_ranges`), where a value of the wrong type is named too."""
-    problems = []
-    for node, node_cfg in _typed_nodes(cfg):
-        for setting in dataclasses.fields(OmegaConf.get_type(node_cfg)):
-            bounds = setting.metadata.get("range")
-            value = node_cfg.get(setting.name)
-            if (
-                bounds is not None
-                and value is not None
-                and (problem := bounds.problem(f"{node}.{setting.name}", value))
-            ):
-                problems.append(problem)
+    """Every numeric setting against the range its declaration gives (`config.declared_ranges`): a typed
+    node's from its schema, an untyped node's from the signature of what it instantiates, where a value
+    of the wrong type is named too."""
+    declarations = [(node, node_cfg, OmegaConf.get_type(node_cfg)) for node, node_cfg in _typed_nodes(cfg)]
     for node in UNTYPED_NODES:
         try:
-            target = locate(cfg[node].get("_target_"))
+            declarations.append((node, cfg[node], locate(cfg[node].get("_target_"))))
         except ImportError:  # _target_problems names it
             continue
-        for key, declared in declared_ranges(target).items():
-            value = cfg[node].get(key)
-            if (problem := _number_problem(f"{node}.{key}", value, declared)) is not None:
-                problems.append(problem)
-    return problems
+    return [
+        problem
+        for node, node_cfg, declared_by in declarations
+        for key, declared in declared_ranges(declared_by).items()
+        if (problem := _number_problem(f"{node}.{key}", node_cfg.get(key), declared)) is not None
+    ]
 
 
 def _number_problem(key: str, value: Any, declared: Declared) -> str | None:

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from torch.utils.flop_counter import FlopCounterMode
 
 from runner import Accelerator
-from runner.config import CONF_DIR, ActivationCheckpointingConfig, CompileConfig, register_configs
+from runner.config import CONF_DIR, ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
 from runner.hardware import SingleDevice
 from runner.hardware.parallelize import apply_compile
@@ -31,6 +31,7 @@ from runner.models import GPT, MLP
 from runner.perf import PEAK_FLOPS, count_flops, kept_for_backward, peak_flops
 from runner.plan import describe
 from runner.precision import Float8Precision
+from runner.schemas import register_configs
 from runner.task import batch_units
 from runner.validate import check_job
 from runner.weights import load_weights

@@ -8,6 +8,7 @@ import random
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,9 @@ from safetensors.torch import save_file
 
 from runner.build import locate
 from runner.cli import check_intervals, options_first
-from runner.config import CONF_DIR, SCHEMAS, Range, TrainerConfig, declared_ranges, register_configs
+from runner.config import CONF_DIR, Declared, Range, TrainerConfig, declared_ranges
 from runner.errors import ConfigError, describe_compose_error
+from runner.schemas import OPTIONS, register_configs, schemas
 from runner.validate import check_job, validate
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -152,9 +154,11 @@ def test_each_option_yaml_schema_and_class_agree(option):
     schema = next(
         entry for entry in document["defaults"] if isinstance(entry, str) and entry.startswith("/schema/")
     )
-    fields = {f.name for f in dataclasses.fields(SCHEMAS[group][schema.split("/")[3].split("@")[0]])} - {
-        "_target_"
-    }
+    assert schema == f"/schema/{group}/{name}@_here_", f"conf/{option}.yaml starts from {schema}"
+    assert locate(document["_target_"]) is OPTIONS[group][name], (
+        f"conf/{option}.yaml builds {document['_target_']}, its schema is derived from {OPTIONS[group][name]}"
+    )
+    fields = {f.name for f in dataclasses.fields(schemas()[group][name])} - {"_target_"}
     settings = set(document) - {"defaults", "_target_"}
     assert settings == fields, (
         f"conf/{option}.yaml sets {sorted(settings ^ fields)} that its schema lacks, or not"
@@ -187,8 +191,7 @@ def test_each_option_yaml_schema_and_class_agree_in_defaults(option):
     document = yaml.safe_load((CONF_DIR / group / f"{name}.yaml").read_text())
     if document.get("_target_") is None:
         return
-    schema = next(e for e in document["defaults"] if isinstance(e, str) and e.startswith("/schema/"))
-    fields = dataclasses.fields(SCHEMAS[group][schema.split("/")[3].split("@")[0]])
+    fields = dataclasses.fields(schemas()[group][name])
     parameters = {}
     for klass in locate(document["_target_"]).__mro__:
         if "__init__" in vars(klass):
@@ -233,6 +236,7 @@ OTHER_VALUES = {
     "parent_run_id": "0123",
     "config": {"steps_per_print": 7},
     ("hardware/deepspeed", "zero_stage"): 1,
+    "backoff_factor": 0.25,  # doubled it would be out of its range, < 1
 }
 # Where a setting is valid only next to another one (offload_params needs ZeRO-3).
 BASE_OVERRIDES = {"hardware/deepspeed": ["hardware.zero_stage=3"]}
@@ -309,40 +313,46 @@ def state_of(obj: object) -> str:
     return repr(describe(obj))
 
 
-def typed_settings() -> list[tuple[str, str, dataclasses.Field]]:
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str  # dotted below the group: compile.scope
+    type: object
+    declared: Declared | None  # its range
+
+
+def typed_settings() -> list[tuple[str, str, Setting]]:
     """(group, option, setting) for every setting of every typed group's schema (trainer: no options)."""
-    found = [("trainer", "", setting) for setting in nested_fields(TrainerConfig)]
-    for group, options in SCHEMAS.items():
+    found = [("trainer", "", setting) for setting in nested_settings(TrainerConfig)]
+    for group, options in schemas().items():
         for option, schema in options.items():
-            found += [(group, option, setting) for setting in nested_fields(schema)]
+            found += [(group, option, setting) for setting in nested_settings(schema)]
     return found
 
 
-def nested_fields(schema: type, prefix: str = "") -> list[dataclasses.Field]:
-    """The settings of `schema`, those of the nested schemas (`trainer.compile`) included, each renamed
-    to its dotted key below the group."""
+def nested_settings(schema: type, prefix: str = "") -> list[Setting]:
+    """The settings of `schema`, those of the nested schemas (`trainer.compile`) included."""
     found = []
+    ranges, hints = declared_ranges(schema), typing.get_type_hints(schema, include_extras=True)
     for setting in dataclasses.fields(schema):
         default = setting.default_factory() if setting.default_factory is not dataclasses.MISSING else None
         if dataclasses.is_dataclass(default):
-            found += nested_fields(type(default), f"{prefix}{setting.name}.")
-            continue
-        renamed = dataclasses.field(default=setting.default, metadata=setting.metadata)
-        renamed.name, renamed.type = prefix + setting.name, setting.type
-        found.append(renamed)
+            found += nested_settings(type(default), f"{prefix}{setting.name}.")
+        elif setting.name != "_target_":
+            found.append(Setting(prefix + setting.name, hints[setting.name], ranges.get(setting.name)))
     return found
 
 
-def is_numeric(setting: dataclasses.Field) -> bool:
+def is_numeric(setting: Setting) -> bool:
     return re.search(r"\b(int|float)\b", str(setting.type)) is not None
 
 
 def test_every_numeric_setting_declares_its_range():
-    """So that a new option cannot be added without one (`runner.config.bounded`)."""
+    """So that a new option cannot be added without one (`Annotated[int, Range(...)]` where the setting
+    is declared: a constructor argument, a trainer field)."""
     missing = [
         f"{group}={option} {setting.name}"
         for group, option, setting in typed_settings()
-        if is_numeric(setting) and "range" not in setting.metadata
+        if is_numeric(setting) and setting.declared is None
     ]
     assert missing == []
 
@@ -372,8 +382,8 @@ def test_fuzzed_typed_settings_are_refused_by_name_before_launch(group, option, 
     select = [f"{group}={option}"] if option else []
     key = f"{group}.{setting.name}"
     values = [rng.choice(WRONG_TYPES)]
-    if "range" in setting.metadata:
-        values.append(out_of_range(setting.metadata["range"], rng))
+    if setting.declared is not None:
+        values.append(out_of_range(setting.declared.bounds, rng))
     for value in values:
         try:
             cfg = compose("config", overrides=[*select, f"{key}={value}"])

@@ -12,7 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from runner.config import CONF_DIR, register_configs
+from runner.config import CONF_DIR
+from runner.schemas import register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -66,6 +66,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.env",
             "runner.estimate_memory",
             "runner.scaffold",
+            "runner.schemas",
             "runner.sweep",
             "runner.utils",
             "runner.__main__",

@@ -30,15 +30,6 @@ from runner.task import model_outputs
 from runner.weights import distinct_tensors
 
 
-def checked_threads(num_threads: int | None) -> int | None:
-    """`hardware.num_threads` (None: the default), or a ConfigError for a count below 1."""
-    if num_threads is not None and num_threads < 1:
-        raise ConfigError(
-            f"hardware.num_threads={num_threads}: must be >= 1 (CPU threads per process), or null for the default."
-        )
-    return num_threads
-
-
 def one_process_state(device: torch.device, num_threads: int | None) -> ProcessState:
     """The place of a process that is the whole job, on `device` (`num_threads`: intra-op CPU threads;
     None keeps torch's default)."""

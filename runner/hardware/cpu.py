@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from runner.config import PositiveFloat, PositiveInt, checked
 from runner.errors import ConfigError
 from runner.handlers import DistributedDataParallelKwargs, InitProcessGroupKwargs, KwargsHandler
-from runner.hardware.base import Strategy, checked_threads, one_process_state
+from runner.hardware.base import Strategy, one_process_state
 from runner.state import ProcessState
 
 
@@ -19,11 +20,15 @@ class SingleDevice(Strategy):
         peak_flops: the device's peak FLOP/s that MFU is measured against; None: `runner.perf`'s table.
     """
 
+    @checked("hardware")
     def __init__(
-        self, device: str = "cpu", num_threads: int | None = None, peak_flops: float | None = None
+        self,
+        device: str = "cpu",
+        num_threads: PositiveInt | None = None,
+        peak_flops: PositiveFloat | None = None,
     ) -> None:
         self.device = present_device(device)
-        self.num_threads = checked_threads(num_threads)
+        self.num_threads = num_threads
         self.peak_flops = peak_flops
 
     def use_kwargs(self, handler: KwargsHandler) -> None:

@@ -10,6 +10,7 @@ import torch
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
+from runner.config import PositiveFloat, checked
 from runner.handlers import DDPCommunicationHookType, DistributedDataParallelKwargs, KwargsHandler
 from runner.hardware.parallelize import apply_ddp, register_comm_hook
 from runner.hardware.process_group import ParallelStrategy
@@ -25,10 +26,11 @@ class DDP(ParallelStrategy):
         static_graph: the set of used parameters never changes between steps.
     """
 
+    @checked("hardware")
     def __init__(
         self,
         find_unused_parameters: bool = False,
-        bucket_cap_mb: float | None = None,
+        bucket_cap_mb: PositiveFloat | None = None,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         **process_group: Any,

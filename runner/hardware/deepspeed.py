@@ -12,13 +12,14 @@ import os
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from runner.cluster import export_local_rank
+from runner.config import PositiveFloat, PositiveInt, PythonOnly, Range, checked
 from runner.errors import ConfigError
 from runner.handlers import DummyOptim, DummyScheduler, fill_auto
 from runner.hardware.process_group import ParallelStrategy
@@ -65,15 +66,16 @@ class DeepSpeed(ParallelStrategy):
     def sharded_states(self) -> frozenset[str]:  # type: ignore[override]
         return frozenset(["optimizer", "gradients", "weights"][: self.zero_stage])
 
+    @checked("hardware")
     def __init__(
         self,
-        zero_stage: int | None = None,
+        zero_stage: Annotated[int, Range(ge=1, le=3)] | None = None,
         offload_optimizer: bool = False,
         offload_params: bool = False,
-        gradient_clipping: float | None = None,
-        micro_batch_size: int | None = None,
+        gradient_clipping: PositiveFloat | None = None,
+        micro_batch_size: PositiveInt | None = None,
         config: str | dict[str, Any] | None = None,
-        declared_optimizer: bool = False,
+        declared_optimizer: PythonOnly[bool] = False,
         **process_group: Any,
     ) -> None:
         if importlib.util.find_spec("deepspeed") is None:
@@ -98,12 +100,6 @@ class DeepSpeed(ParallelStrategy):
                 f"hardware.offload_params=true needs hardware.zero_stage=3 (parameters are partitioned "
                 f"only there); this run has zero_stage={zero_stage}."
             )
-        if gradient_clipping is not None and gradient_clipping <= 0:
-            raise ConfigError(
-                f"hardware.gradient_clipping={gradient_clipping}: must be > 0, or null for no clipping."
-            )
-        if micro_batch_size is not None and micro_batch_size < 1:
-            raise ConfigError(f"hardware.micro_batch_size={micro_batch_size}: must be >= 1, or null.")
         self.zero_stage = zero_stage
         self.offload_optimizer = offload_optimizer
         self.offload_params = offload_params

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from runner.big_modeling import AUTO_MAPS, get_max_memory, load_checkpoint_and_dispatch
-from runner.config import ActivationCheckpointingConfig, CompileConfig
+from runner.config import ActivationCheckpointingConfig, CompileConfig, PositiveInt, checked
 from runner.errors import ConfigError
-from runner.hardware.base import Strategy, checked_threads, one_process_state
+from runner.hardware.base import Strategy, one_process_state
 from runner.hardware.parallelize import refuse_compute
 from runner.state import ProcessState
 
@@ -34,6 +34,7 @@ class BigModel(Strategy):
         num_threads: CPU threads (`torch.set_num_threads`); None keeps torch's default.
     """
 
+    @checked("hardware")
     def __init__(
         self,
         device_map: str | Mapping[str, Any] = "auto",
@@ -42,7 +43,7 @@ class BigModel(Strategy):
         no_split_module_classes: list[str] | None = None,
         dtype: str | None = None,
         offload_buffers: bool = False,
-        num_threads: int | None = None,
+        num_threads: PositiveInt | None = None,
     ) -> None:
         if isinstance(device_map, str) and device_map not in AUTO_MAPS:
             raise ConfigError(
@@ -61,7 +62,7 @@ class BigModel(Strategy):
         self.dtype = dtype
         self.offload_buffers = offload_buffers
         self.device = torch.device("cpu")  # where inputs start; the device map places the modules
-        self.num_threads = checked_threads(num_threads)
+        self.num_threads = num_threads
 
     def setup_environment(self) -> ProcessState:
         return one_process_state(self.device, self.num_threads)

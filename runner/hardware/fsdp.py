@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from runner.config import PositiveInt, ShardDegree, checked
 from runner.hardware.mesh import ParallelDims
 from runner.hardware.parallelize import ShardedState, apply_fsdp, sharding_units
 from runner.hardware.process_group import ParallelStrategy
@@ -41,13 +42,14 @@ class FSDP(ShardedState, ParallelStrategy):
 
     distributed_type = DistributedType.FSDP
 
+    @checked("hardware")
     def __init__(
         self,
         shard_modules: list[str] | None = None,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
-        dp_replicate: int = 1,
-        dp_shard: int = -1,
+        dp_replicate: PositiveInt = 1,
+        dp_shard: ShardDegree = -1,
         **process_group: Any,
     ) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy

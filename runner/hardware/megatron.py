@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from runner.config import ActivationCheckpointingConfig, CompileConfig
+from runner.config import ActivationCheckpointingConfig, CompileConfig, PositiveInt, ShardDegree, checked
 from runner.errors import ConfigError
 from runner.hardware.mesh import ParallelDims
 from runner.hardware.parallelize import (
@@ -62,22 +62,21 @@ class TensorParallel(ShardedState, ParallelStrategy):
 
     distributed_type = DistributedType.MEGATRON_LM
 
+    @checked("hardware")
     def __init__(
         self,
-        tp_size: int = 2,
+        tp_size: PositiveInt = 2,
         sequence_parallel: bool = False,
         shard_modules: list[str] | None = None,
         reshard_after_forward: bool = True,
-        pp_size: int = 1,
-        dp_replicate: int = 1,
-        dp_shard: int = -1,
+        pp_size: PositiveInt = 1,
+        dp_replicate: PositiveInt = 1,
+        dp_shard: ShardDegree = -1,
         pp_schedule: str = "1f1b",
-        microbatches: int = 4,
-        virtual_stages: int = 1,
+        microbatches: PositiveInt = 4,
+        virtual_stages: PositiveInt = 1,
         **process_group: Any,
     ) -> None:
-        if tp_size < 1 or pp_size < 1:
-            raise ConfigError(f"hardware.tp_size={tp_size}, hardware.pp_size={pp_size}: each must be >= 1.")
         super().__init__(**process_group)
         self.tp_size, self.pp_size = tp_size, pp_size
         self.sequence_parallel = sequence_parallel

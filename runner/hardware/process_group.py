@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 from runner.cluster import available_cores, launched_environment
+from runner.config import PositiveFloat, PositiveInt, checked
 from runner.errors import ConfigError
 from runner.handlers import InitProcessGroupKwargs, KwargsHandler
-from runner.hardware.base import Strategy, checked_threads
+from runner.hardware.base import Strategy
 from runner.rendezvous import rendezvous
 from runner.state import DistributedType, ProcessState
 
@@ -46,16 +47,17 @@ class ParallelStrategy(Strategy):
         peak_flops: one device's peak FLOP/s that MFU is measured against; None: `runner.perf`'s table.
     """
 
+    @checked("hardware")
     def __init__(
         self,
         *,
-        num_processes: int | None = None,
+        num_processes: PositiveInt | None = None,
         device: str | None = None,
         backend: str | None = None,
-        timeout_s: float = 1800.0,
-        num_threads: int | None = None,
+        timeout_s: PositiveFloat = 1800.0,
+        num_threads: PositiveInt | None = None,
         oversubscribe: bool = False,
-        peak_flops: float | None = None,
+        peak_flops: PositiveFloat | None = None,
     ) -> None:
         self.device_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.device_type not in ("cuda", "cpu"):
@@ -64,22 +66,16 @@ class ParallelStrategy(Strategy):
             )
         gpus = torch.cuda.device_count() if self.device_type == "cuda" else 0
         self.num_processes = num_processes if num_processes is not None else (gpus or 2)
-        if self.num_processes < 1:
-            raise ConfigError(
-                f"hardware.num_processes={num_processes}: must be >= 1 (ranks to start on this machine)."
-            )
         if self.device_type == "cuda" and self.num_processes > gpus:
             fewer = f"Set hardware.num_processes<={gpus}, or" if gpus else "Set"
             raise ConfigError(
                 f"hardware.num_processes={self.num_processes}: this machine has {gpus} visible GPU(s) and each "
                 f"rank needs its own. {fewer} hardware.device=cpu to run the ranks on the CPU."
             )
-        if timeout_s <= 0:
-            raise ConfigError(f"hardware.timeout_s={timeout_s}: must be > 0 seconds.")
         self.backend = backend or ("nccl" if self.device_type == "cuda" else "gloo")
         self.timeout = timedelta(seconds=timeout_s)
         self.init_method = "env://"
-        self.num_threads = checked_threads(num_threads)
+        self.num_threads = num_threads
         self.oversubscribe = oversubscribe
         self.peak_flops = peak_flops
         # A forked rank starts in milliseconds; CUDA does not survive a fork, so GPU ranks are spawned.

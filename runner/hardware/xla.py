@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from runner.config import ActivationCheckpointingConfig, CompileConfig
+from runner.config import ActivationCheckpointingConfig, CompileConfig, PositiveFloat, checked
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
 from runner.hardware.parallelize import refuse_compute
@@ -39,7 +39,8 @@ class XLA(Strategy):
 
     distributed_type = DistributedType.XLA
 
-    def __init__(self, spmd: bool | None = None, peak_flops: float | None = None) -> None:
+    @checked("hardware")
+    def __init__(self, spmd: bool | None = None, peak_flops: PositiveFloat | None = None) -> None:
         try:
             import torch_xla  # noqa: F401
         except ImportError:

@@ -27,6 +27,7 @@ from torch.distributed.launcher import api as launcher_api
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from runner.cluster import available_cores, launched_environment
+from runner.config import NonNegativeFloat, PositiveFloat, checked
 from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingInterrupted, signal_name
 from runner.hardware.base import Strategy
 from runner.launchers.base import (
@@ -61,11 +62,12 @@ class LocalLauncher(Launcher):
             a peer, half after SIGTERM).
     """
 
+    @checked("launcher")
     def __init__(
         self,
         start_method: str | None = None,
-        monitor_interval_s: float = 0.1,
-        shutdown_timeout_s: float = 30.0,
+        monitor_interval_s: PositiveFloat = 0.1,
+        shutdown_timeout_s: NonNegativeFloat = 30.0,
     ) -> None:
         if start_method is not None and start_method not in START_METHODS:
             raise ConfigError(

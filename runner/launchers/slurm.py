@@ -24,6 +24,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
 from runner.cluster import launched_environment, slurm_job_id, slurm_step_nodes
+from runner.config import NonNegativeInt, PositiveFloat, PositiveInt, checked
 from runner.errors import ConfigError, TrainingInterrupted
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher, RankFailedError, report_failure, reported_failure, run_rank
@@ -69,14 +70,15 @@ class SlurmLauncher(Launcher):
         name: the SLURM job name.
     """
 
+    @checked("launcher")
     def __init__(
         self,
         partition: str | None = None,
-        nodes: int = 1,
-        gpus_per_node: int = 0,
-        cpus_per_task: int | None = None,
-        mem_gb: float | None = None,
-        time_min: int = 60,
+        nodes: PositiveInt = 1,
+        gpus_per_node: NonNegativeInt = 0,
+        cpus_per_task: PositiveInt | None = None,
+        mem_gb: PositiveFloat | None = None,
+        time_min: PositiveInt = 60,
         account: str | None = None,
         qos: str | None = None,
         constraint: str | None = None,
@@ -84,23 +86,12 @@ class SlurmLauncher(Launcher):
         sbatch_args: dict[str, Any] | None = None,
         srun_args: list[str] | None = None,
         wait: bool = True,
-        signal_delay_s: int = 120,
-        max_timeouts: int = 3,
+        signal_delay_s: NonNegativeInt = 120,
+        max_timeouts: NonNegativeInt = 3,
         folder: str | None = None,
-        poll_interval_s: float = 1.0,
+        poll_interval_s: PositiveFloat = 1.0,
         name: str = "runner",
     ) -> None:
-        for key, value, minimum in (
-            ("nodes", nodes, 1),
-            ("gpus_per_node", gpus_per_node, 0),
-            ("cpus_per_task", cpus_per_task, 1),
-            ("mem_gb", mem_gb, 0),
-            ("time_min", time_min, 1),
-            ("signal_delay_s", signal_delay_s, 0),
-            ("max_timeouts", max_timeouts, 0),
-        ):
-            if value is not None and value < minimum:
-                raise ConfigError(f"launcher.{key}={value}: must be >= {minimum}.")
         self.partition = partition
         self.nodes = nodes
         self.gpus_per_node = gpus_per_node

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.cluster import slurm_job_id
+from runner.config import NonNegativeFloat, PythonOnly, checked
 from runner.trackers.base import Tracker, directory_setting, flatten
 from runner.trackers.journal import Journal
 
@@ -59,6 +60,7 @@ class MLflowTracker(Tracker):
 
     name = "mlflow"
 
+    @checked("tracker")
     def __init__(
         self,
         experiment_name: str = "runner",
@@ -67,9 +69,9 @@ class MLflowTracker(Tracker):
         tags: Mapping[str, Any] | None = None,
         parent_run_id: str | None = None,
         log_model: bool = False,
-        logging_dir: str | None = None,
+        logging_dir: PythonOnly[str | None] = None,
         detach: bool | None = None,
-        finish_timeout_s: float = 120.0,
+        finish_timeout_s: NonNegativeFloat = 120.0,
     ) -> None:
         self.experiment_name = experiment_name
         self.artifact_location: str | None = None

@@ -1,0 +1,152 @@
+"""The structured configs of the typed groups, derived from the classes their options build.
+
+A hardware, precision, launcher or tracker option's settings are declared once: as its class's
+constructor arguments (type, default, `Range`). `schema_of` turns a constructor into the dataclass Hydra
+checks the option's YAML and overrides against at compose time (a typo or a wrong type fails naming the
+key); `runner.validate` checks the ranges before launch. An argument marked `PythonOnly` is no setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
+from functools import cache
+from typing import Annotated, Any, Union, get_args, get_origin, get_type_hints
+
+from hydra.core.config_store import ConfigStore
+
+from runner.config import (
+    HardwareConfig,
+    LauncherConfig,
+    NotASetting,
+    PrecisionConfig,
+    RunConfig,
+    RunnerLauncherConfig,
+    RunnerSweeperConfig,
+    TrackerConfig,
+)
+from runner.hardware import DDP, FSDP, DeepSpeed, SingleDevice, TensorParallel
+from runner.hardware.device_map import BigModel
+from runner.hardware.xla import XLA
+from runner.launchers import LocalLauncher
+from runner.launchers.slurm import SlurmLauncher
+from runner.precision import Float8Precision, Float16MixedPrecision, MixedPrecision, Precision
+from runner.trackers import MLflowTracker, TensorBoardTracker
+
+# group -> option (conf/<group>/<option>.yaml) -> the class it builds (None: builds nothing).
+OPTIONS: dict[str, dict[str, type | None]] = {
+    "hardware": {
+        "cpu": SingleDevice,
+        "multi_gpu": DDP,
+        "fsdp": FSDP,
+        "deepspeed": DeepSpeed,
+        "megatron": TensorParallel,
+        "tpu": XLA,
+        "big_model": BigModel,
+    },
+    "precision": {
+        "fp32": Precision,
+        "bf16": MixedPrecision,
+        "fp16": Float16MixedPrecision,
+        "fp8": Float8Precision,
+    },
+    "launcher": {"local": LocalLauncher, "slurm": SlurmLauncher},
+    "tracker": {"mlflow": MLflowTracker, "tensorboard": TensorBoardTracker, "none": None},
+}
+BASES: dict[str, type] = {
+    "hardware": HardwareConfig,
+    "precision": PrecisionConfig,
+    "launcher": LauncherConfig,
+    "tracker": TrackerConfig,
+}
+
+
+def settings_of(cls: type) -> list[inspect.Parameter]:
+    """The settings `cls(...)` takes: its constructor's named arguments, and those of the base classes its
+    `**kwargs` reach, each with its resolved annotation; not those marked `PythonOnly`."""
+    found: dict[str, inspect.Parameter] = {}
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None or klass is object:
+            continue
+        hints = get_type_hints(init, include_extras=True)
+        parameters = list(inspect.signature(init).parameters.values())[1:]  # without self
+        for parameter in parameters:
+            if parameter.kind in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL):
+                continue
+            hint = hints.get(parameter.name, Any)
+            if not _python_only(hint):
+                found.setdefault(parameter.name, parameter.replace(annotation=hint))
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    return list(found.values())
+
+
+@cache
+def schema_of(cls: type, base: type) -> type:
+    """The structured config of the settings `cls` takes, a subclass of the group's `base` whose
+    `_target_` is `cls`."""
+    fields: list[tuple[str, Any, Any]] = []
+    for parameter in settings_of(cls):
+        default = parameter.default
+        if default is inspect.Parameter.empty:
+            default = dataclasses.MISSING
+        if isinstance(default, (list, tuple, dict)):
+            default = dataclasses.field(default_factory=_copy_of(default))
+        else:
+            default = dataclasses.field(default=default)
+        fields.append((parameter.name, _setting_type(parameter.annotation), default))
+    target = dataclasses.field(default=f"{cls.__module__}.{cls.__qualname__}")
+    return dataclasses.make_dataclass(
+        f"{cls.__name__}Config", [("_target_", str, target), *fields], bases=(base,)
+    )
+
+
+def schemas() -> dict[str, dict[str, type]]:
+    """group -> option -> its structured config."""
+    return {
+        group: {
+            option: BASES[group] if cls is None else schema_of(cls, BASES[group])
+            for option, cls in options.items()
+        }
+        for group, options in OPTIONS.items()
+    }
+
+
+def register_configs() -> None:
+    """Put the schemas in Hydra's ConfigStore (before composing)."""
+    store = ConfigStore.instance()
+    store.store(name="runner_schema", node=RunConfig)
+    store.store(group="hydra/sweeper", name="runner", node=RunnerSweeperConfig, provider="runner")
+    store.store(group="hydra/launcher", name="runner", node=RunnerLauncherConfig, provider="runner")
+    for group, options in schemas().items():
+        for name, node in options.items():
+            store.store(group=f"schema/{group}", name=name, node=node)
+
+
+def _python_only(hint: Any) -> bool:
+    return get_origin(hint) is Annotated and any(isinstance(m, NotASetting) for m in hint.__metadata__)
+
+
+def _setting_type(hint: Any) -> Any:
+    """`hint` as a structured config holds it: Optional and `Range` kept, an abstract mapping or sequence
+    as a dict or list, a union of several types (`str | dict`) as Any."""
+    if get_origin(hint) in (Union, types.UnionType):
+        kinds = [arg for arg in get_args(hint) if arg is not type(None)]
+        if len(kinds) > 1:
+            return Any
+        inner = _setting_type(kinds[0])
+        return inner if inner is Any or len(kinds) == len(get_args(hint)) else inner | None
+    origin = get_origin(hint)
+    if origin in (Mapping, MutableMapping, dict):
+        return dict[str, Any]
+    if origin in (Sequence, MutableSequence, list, tuple):
+        return list[_setting_type(get_args(hint)[0])] if get_args(hint) else list[Any]
+    return hint
+
+
+def _copy_of(default: list | tuple | dict) -> Any:
+    """A default factory: a fresh copy of a container default each time (as a list, for a tuple)."""
+    return (lambda: dict(default)) if isinstance(default, dict) else (lambda: list(default))
