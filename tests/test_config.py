@@ -396,6 +396,19 @@ def test_fuzzed_typed_settings_are_refused_by_name_before_launch(group, option, 
             raise AssertionError(f"{key}={value} was accepted")
 
 
+@pytest.mark.parametrize(
+    ("group", "option", "setting"),
+    [t for t in typed_settings() if t[0] != "trainer" and t[2].declared is not None],
+    ids=lambda value: getattr(value, "name", value),
+)
+def test_typed_classes_refuse_an_out_of_range_value_from_python(group, option, setting):
+    """The same range, checked when the class is built from Python (`@checked`): a ConfigError naming the
+    setting, before the constructor does anything."""
+    value = out_of_range(setting.declared.bounds, random.Random(f"{group}.{option}.{setting.name}"))
+    with pytest.raises(ConfigError, match=rf"^{group}\.{setting.name}={value}: must be"):
+        OPTIONS[group][option](**{setting.name: value})
+
+
 UNTYPED_GROUPS = ("model", "data", "task", "optimizer", "scheduler")
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
