@@ -7,7 +7,6 @@ names the engine does not need for runner's own loop. The engine answers the res
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import os
@@ -28,6 +27,7 @@ from runner.handlers import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DeepSpeedPlugin,
+    DeepSpeedSettings,
     DistributedDataParallelKwargs,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
@@ -142,14 +142,13 @@ class Accelerator(Engine):
                 f"deepspeed_plugin (`accelerate launch --use_fsdp / --use_deepspeed` gives a plugin), not "
                 f"{' and '.join(given + ['parallelism_config'] * bool(parallelism_config))}."
             )
-        deepspeed_plugin = _one_plugin(deepspeed_plugin)
+        deepspeed_plugin = DeepSpeedPlugin.one(deepspeed_plugin)
         if deepspeed_plugin is not None:
-            strategy = _deepspeed_strategy(deepspeed_plugin, cpu or launch.cpu)
-            gradient_accumulation_steps = _deepspeed_accumulation(
-                deepspeed_plugin, gradient_accumulation_steps
-            )
+            deepspeed = deepspeed_plugin.settings()
+            strategy = _deepspeed_strategy(deepspeed, cpu or launch.cpu)
+            gradient_accumulation_steps = _deepspeed_accumulation(deepspeed, gradient_accumulation_steps)
             if mixed_precision is None and launch.mixed_precision is None:
-                mixed_precision = _deepspeed_precision(deepspeed_plugin)
+                mixed_precision = deepspeed.mixed_precision
         strategy = strategy or _plugin_strategy(fsdp_plugin, parallelism_config, cpu or launch.cpu)
         if (
             activation_checkpointing is None
@@ -392,60 +391,33 @@ def _plugin_strategy(
     )
 
 
-def _one_plugin(plugin: DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None) -> DeepSpeedPlugin | None:
-    """The one DeepSpeed plugin given (Accelerate also takes a dict of several, one per model)."""
-    if not isinstance(plugin, dict):
-        return plugin
-    if len(plugin) != 1:
-        raise ValueError(
-            f"deepspeed_plugin: {len(plugin)} plugins ({', '.join(plugin)}); runner's DeepSpeed strategy trains one model "
-            "with one engine. Pass one DeepSpeedPlugin."
-        )
-    return next(iter(plugin.values()))
-
-
-def _deepspeed_strategy(plugin: DeepSpeedPlugin, cpu: bool) -> DeepSpeed:
-    """runner's `DeepSpeed` strategy with the config `plugin` describes (its "auto" values are the run's).
-    Clipping left "auto" or unset clips at 1.0, DeepSpeed's default, as under Accelerate; 0: none."""
-    config = copy.deepcopy(plugin.deepspeed_config)
-    zero = config["zero_optimization"]
-    clipping = config.pop("gradient_clipping", "auto")
+def _deepspeed_strategy(settings: DeepSpeedSettings, cpu: bool) -> DeepSpeed:
+    """runner's `DeepSpeed` strategy as a `DeepSpeedPlugin` describes it, with the optimizer and schedule
+    its config declares (`DummyOptim`, `DummyScheduler`)."""
     env = launched_environment()
     return DeepSpeed(
-        zero_stage=zero.get("stage"),
-        offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
-        # DeepSpeed offloads parameters at stage 3 only, and ignores the block below it (as Accelerate lets it)
-        offload_params=(zero.get("offload_param") or {}).get("device") == "cpu" and zero.get("stage") == 3,
-        gradient_clipping=(1.0 if clipping == "auto" else float(clipping)) or None,
-        config=config,
-        declared_optimizer=True,  # the config's optimizer and scheduler blocks: DummyOptim, DummyScheduler
+        zero_stage=settings.zero_stage,
+        offload_optimizer=settings.offload_optimizer,
+        offload_params=settings.offload_params,
+        gradient_clipping=settings.gradient_clipping,
+        config=settings.config,
+        declared_optimizer=True,
         num_processes=env.local_world_size if env is not None else 1,
         device="cpu" if cpu else None,
     )
 
 
-def _deepspeed_accumulation(plugin: DeepSpeedPlugin, steps: int) -> int:
+def _deepspeed_accumulation(settings: DeepSpeedSettings, steps: int) -> int:
     """The accumulation steps: the DeepSpeed config's when it fixes them (Accelerate warns and takes
     DeepSpeed's value), else the Accelerator's."""
-    fixed = plugin.deepspeed_config.get("gradient_accumulation_steps", "auto")
-    if fixed == "auto":
+    fixed = settings.gradient_accumulation_steps
+    if fixed is None:
         return steps
-    if steps != 1 and steps != fixed:
+    if steps not in (1, fixed):
         log.warning(
-            "gradient_accumulation_steps=%d, but the DeepSpeed config has %s: using DeepSpeed's value.",
-            steps,
-            fixed,
+            "gradient_accumulation_steps=%d, but the DeepSpeed config has %s: using DeepSpeed's value.", steps, fixed
         )
-    return int(fixed)
-
-
-def _deepspeed_precision(plugin: DeepSpeedPlugin) -> str | None:
-    """The mixed precision the DeepSpeed config enables (its fp16 or bf16 block), None: neither."""
-    config = plugin.deepspeed_config
-    for name in ("fp16", "bf16"):
-        if str((config.get(name) or {}).get("enabled", False)).lower() == "true":
-            return name
-    return None
+    return fixed
 
 
 def _accumulation_plugin(steps: int, plugin: GradientAccumulationPlugin | None) -> GradientAccumulationPlugin:

@@ -523,6 +523,56 @@ class DeepSpeedPlugin:
         return config
 
 
+    def settings(self) -> DeepSpeedSettings:
+        """What the plugin comes to in runner. Clipping left "auto" or unset clips at 1.0, DeepSpeed's
+        default, as under Accelerate; 0: none. A parameter offload below stage 3 stays in the config, for
+        DeepSpeed to ignore (as Accelerate lets it)."""
+        config = copy.deepcopy(self.deepspeed_config)
+        zero = config["zero_optimization"]
+        clipping = config.pop("gradient_clipping", "auto")
+        fixed = config.get("gradient_accumulation_steps", "auto")
+        precision = next(
+            (name for name in ("fp16", "bf16") if str((config.get(name) or {}).get("enabled")).lower() == "true"),
+            None,
+        )
+        return DeepSpeedSettings(
+            zero_stage=zero.get("stage"),
+            offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
+            offload_params=(zero.get("offload_param") or {}).get("device") == "cpu" and zero.get("stage") == 3,
+            gradient_clipping=(1.0 if clipping == "auto" else float(clipping)) or None,
+            config=config,
+            gradient_accumulation_steps=None if fixed == "auto" else int(fixed),
+            mixed_precision=precision,
+        )
+
+    @staticmethod
+    def one(plugin: DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None) -> DeepSpeedPlugin | None:
+        """The one plugin given (Accelerate also takes a dict of several, one per model)."""
+        if not isinstance(plugin, dict):
+            return plugin
+        if len(plugin) != 1:
+            raise ValueError(
+                f"deepspeed_plugin: {len(plugin)} plugins ({', '.join(plugin)}); runner's DeepSpeed strategy trains "
+                "one model with one engine. Pass one DeepSpeedPlugin."
+            )
+        return next(iter(plugin.values()))
+
+
+@dataclass
+class DeepSpeedSettings:
+    """What a `DeepSpeedPlugin` comes to: runner's `DeepSpeed` arguments (the config without the clipping,
+    which is an argument of its own), the accumulation steps the config fixes (None: "auto", the
+    Accelerator's) and the mixed precision it enables (None: neither its fp16 nor its bf16 block)."""
+
+    zero_stage: int | None
+    offload_optimizer: bool
+    offload_params: bool
+    gradient_clipping: float | None
+    config: dict[str, Any]
+    gradient_accumulation_steps: int | None
+    mixed_precision: str | None
+
+
 # A DeepSpeedPlugin field and the config key it fills (Accelerate's mapping).
 DEEPSPEED_FIELDS = {
     "gradient_accumulation_steps": "gradient_accumulation_steps",

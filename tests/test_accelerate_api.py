@@ -704,10 +704,7 @@ def test_dummy_optim_and_scheduler_are_refused_without_deepspeed(accelerator_mad
 
 def test_a_deepspeed_plugins_parameter_offload_below_stage_3_is_left_to_deepspeed():
     """Accelerate passes `offload_param_device="cpu"` at stage 2 on to DeepSpeed, which ignores it there."""
-    from runner.accelerator import _deepspeed_strategy
-
-    strategy = _deepspeed_strategy(DeepSpeedPlugin(zero_stage=2, offload_param_device="cpu"), cpu=True)
-    assert strategy.zero_stage == 2 and not strategy.offload_params
-    assert strategy.user_config["zero_optimization"]["offload_param"]["device"] == "cpu"
-    staged = _deepspeed_strategy(DeepSpeedPlugin(zero_stage=3, offload_param_device="cpu"), cpu=True)
-    assert staged.offload_params
+    settings = DeepSpeedPlugin(zero_stage=2, offload_param_device="cpu").settings()
+    assert settings.zero_stage == 2 and not settings.offload_params
+    assert settings.config["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert DeepSpeedPlugin(zero_stage=3, offload_param_device="cpu").settings().offload_params
