@@ -13,8 +13,9 @@ eager, with no plain reference (its ratio is n/a). The loops (plain, plain again
 A/A control, runner's Accelerator, Accelerate) are warmed up, then `--steps` steps are timed between two
 device synchronisations. `python -m runner` (data=random_tokens, the same model and batch) is timed from
 its own log: from its "step W/N" line to its "step N/N" line, W the warm-up steps, so that start-up,
-compilation and the evaluation stay out. Compiled modes compile the model alone (`Module.compile`, in
-place: the plain loop as runner's `trainer.compile.scope=model` does), `regional` each block; `fp8` adds
+compilation and the evaluation stay out. Compiled modes compile the model (`Module.compile`, in place)
+and the loss, as runner's `trainer.compile.scope=model` does (`trainer.compile.loss`, on by default; the
+Accelerator's loop computes its loss eagerly, as a ported script does), `regional` each block; `fp8` adds
 torchao's float8 linears (compute capability 8.9 or newer). Each row is compared with the plain loop of its
 kind (eager or compiled), measured in the same run. The modes take turns, `--rounds` times, in a rotating
 order; each row is the median, with the spread (max - min over median) of its rounds. MFU: model FLOPs per
@@ -185,10 +186,12 @@ def adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer
 def plain(config: dict[str, int], batch: int, device: torch.device, compile: str) -> Step:
     torch.manual_seed(0)
     model = GPT(**config).to(device)
+    loss_fn = lm_loss
     if compile == "model":
         model.compile()
+        loss_fn = torch.compile(lm_loss)
     elif compile != "none":
-        raise ValueError(f"the plain loop compiles the model or nothing, not {compile!r}")
+        raise ValueError(f"the plain loop compiles the model (and loss) or nothing, not {compile!r}")
     optimizer = adamw(model, device)
     stream = forever(loader(config, batch))
 
@@ -198,12 +201,16 @@ def plain(config: dict[str, int], batch: int, device: torch.device, compile: str
             inputs, targets = sample["inputs"].to(device), sample["targets"].to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 logits = model(inputs)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            loss = loss_fn(logits, targets)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
 
     return run
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def accelerated(accelerator: object, config: dict[str, int], batch: int, device: torch.device) -> Step:

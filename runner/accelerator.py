@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 import runner.collectives as collectives
 from runner.checkpoint.checkpointer import ProjectConfiguration
 from runner.cluster import accelerate_launch_settings, launched_environment
-from runner.config import ActivationCheckpointingConfig, CheckpointingMode, CompileConfig, CompileScope
+from runner.config import ActivationCheckpointingConfig, CheckpointingMode, CompileConfig
 from runner.engine import Engine
 from runner.handlers import (
     AutocastKwargs,
@@ -29,6 +29,7 @@ from runner.handlers import (
     DeepSpeedPlugin,
     DeepSpeedSettings,
     DistributedDataParallelKwargs,
+    DynamoBackend,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
@@ -36,6 +37,7 @@ from runner.handlers import (
     KwargsHandler,
     ParallelismConfig,
     ProfileKwargs,
+    TorchDynamoPlugin,
 )
 from runner.hardware import DDP, FSDP, DeepSpeed, Strategy, TensorParallel, default_strategy
 from runner.precision import Precision
@@ -56,7 +58,7 @@ class Accelerator(Engine):
 
         What `accelerate launch` sets is applied where the script leaves the default: ACCELERATE_USE_CPU,
         _MIXED_PRECISION, _GRADIENT_ACCUMULATION_STEPS, _DYNAMO_BACKEND (with _MODE, _USE_FULLGRAPH,
-        _USE_DYNAMIC, _USE_REGIONAL_COMPILATION), ACCELERATE_USE_FSDP with the FSDP_* variables (an
+        _USE_DYNAMIC, _USE_REGIONAL_COMPILATION: a `TorchDynamoPlugin`), ACCELERATE_USE_FSDP with the FSDP_* variables (an
         `FullyShardedDataParallelPlugin`), ACCELERATE_USE_DEEPSPEED with the ACCELERATE_DEEPSPEED_*
         variables (a `DeepSpeedPlugin`). ACCELERATE_USE_MEGATRON_LM and _DEBUG_MODE are refused
         (ValueError) rather than run as plain data parallel.
@@ -92,7 +94,12 @@ class Accelerator(Engine):
             `LoggerType` members, or tracker objects (`MLflowTracker(...)`, a `GeneralTracker` subclass).
         logging_dir: where trackers keep local files (TensorBoard's events); None: `project_dir`.
         compile: `torch.compile` of prepared models (`CompileConfig`: the whole model or each block),
-            applied by the strategy before it wraps the model; None: eager.
+            applied by the strategy before it wraps the model; None: `dynamo_plugin`'s, else eager.
+        dynamo_backend, dynamo_plugin: Accelerate's way to ask for `compile`: a backend name ("inductor",
+            `DynamoBackend.INDUCTOR`), or a `TorchDynamoPlugin` (backend, mode, fullgraph, dynamic,
+            options, use_regional_compilation); one of the three.
+        megatron_lm_plugin: refused (ValueError, saying why): Accelerate's Megatron-LM integration swaps
+            the model for Megatron-LM's own; runner's tensor and pipeline parallel is `TensorParallel`.
         activation_checkpointing: recompute each block's activations in backward
             (`ActivationCheckpointingConfig`), applied like `compile`; None: keep them.
     """
@@ -120,7 +127,18 @@ class Accelerator(Engine):
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
         parallelism_config: ParallelismConfig | None = None,
         deepspeed_plugin: DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None = None,
+        dynamo_backend: DynamoBackend | str | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
+        megatron_lm_plugin: Any = None,
     ) -> None:
+        if megatron_lm_plugin is not None:
+            raise ValueError(
+                "megatron_lm_plugin is not supported: Accelerate's Megatron-LM integration replaces the model with "
+                "Megatron-LM's own implementation, runs the whole training step inside its forward and schedules the "
+                "learning rate itself; runner has no Megatron-LM. Its tensor and pipeline parallel take the same "
+                "layout: strategy=runner.hardware.TensorParallel(tp_size=..., pp_size=..., microbatches=..., "
+                "sequence_parallel=...), or parallelism_config=ParallelismConfig(tp_size=...)."
+            )
         launch = accelerate_launch_settings()  # what `accelerate launch` set, where the script did not
         if strategy is None and fsdp_plugin is None and deepspeed_plugin is None:
             if launch.fsdp is not None:
@@ -158,14 +176,7 @@ class Accelerator(Engine):
             activation_checkpointing = ActivationCheckpointingConfig(mode=CheckpointingMode.full)
         if gradient_accumulation_plugin is None and gradient_accumulation_steps == 1:
             gradient_accumulation_steps = launch.gradient_accumulation_steps or 1
-        if compile is None and launch.dynamo_backend is not None:
-            compile = CompileConfig(
-                scope=CompileScope.regional if launch.dynamo_regional else CompileScope.model,
-                backend=launch.dynamo_backend,
-                mode=launch.dynamo_mode,
-                fullgraph=launch.dynamo_fullgraph,
-                dynamic=launch.dynamo_dynamic,
-            )
+        compile = _compile_config(compile, dynamo_backend, dynamo_plugin)
         accumulation = _accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
         handlers = _one_of_each(kwargs_handlers or [])
         entries = log_with if isinstance(log_with, list) else [] if log_with is None else [log_with]
@@ -418,6 +429,19 @@ def _deepspeed_accumulation(settings: DeepSpeedSettings, steps: int) -> int:
             "gradient_accumulation_steps=%d, but the DeepSpeed config has %s: using DeepSpeed's value.", steps, fixed
         )
     return fixed
+
+
+def _compile_config(
+    compile: CompileConfig | None, backend: DynamoBackend | str | None, plugin: TorchDynamoPlugin | None
+) -> CompileConfig | None:
+    """The one description of compilation the arguments give: runner's `compile`, or Accelerate's
+    `dynamo_backend` / `dynamo_plugin` (by default the `ACCELERATE_DYNAMO_*` variables' plugin)."""
+    given = [name for name, value in (("compile", compile), ("dynamo_backend", backend), ("dynamo_plugin", plugin)) if value]
+    if len(given) > 1:
+        raise ValueError(f"Give the compilation once: {' or '.join(given)}, not both.")
+    if compile is not None:
+        return compile
+    return (plugin or TorchDynamoPlugin(backend=backend)).compile_config()
 
 
 def _accumulation_plugin(steps: int, plugin: GradientAccumulationPlugin | None) -> GradientAccumulationPlugin:

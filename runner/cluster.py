@@ -180,7 +180,8 @@ _ACCELERATE_REFUSED = {
 }
 
 
-def _flag(name: str) -> bool:
+def env_flag(name: str) -> bool:
+    """Whether the variable `name` is set to 1, true or yes."""
     return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes")
 
 
@@ -191,12 +192,6 @@ class AccelerateLaunchSettings:
     cpu: bool = False  # ACCELERATE_USE_CPU
     mixed_precision: str | None = None  # ACCELERATE_MIXED_PRECISION
     gradient_accumulation_steps: int | None = None  # ACCELERATE_GRADIENT_ACCUMULATION_STEPS
-    # ACCELERATE_DYNAMO_BACKEND (None: "no"), _MODE, _USE_FULLGRAPH, _USE_DYNAMIC, _USE_REGIONAL_COMPILATION
-    dynamo_backend: str | None = None
-    dynamo_mode: str | None = None
-    dynamo_fullgraph: bool = False
-    dynamo_dynamic: bool | None = None
-    dynamo_regional: bool = False
     # ACCELERATE_USE_FSDP: the FSDP_* variables of the launch config, named without the prefix, lowercase
     fsdp: dict[str, str] | None = None
     deepspeed: bool = (
@@ -208,7 +203,7 @@ def accelerate_launch_settings() -> AccelerateLaunchSettings:
     """The `ACCELERATE_*` variables of this process's environment that runner applies; ValueError for
     one that selects what runner's Accelerator does not do that way (FSDP, DeepSpeed, ... from a launch
     config: never silently replaced by plain data parallel)."""
-    refused = [f"{name}=true asks for {why}" for name, why in _ACCELERATE_REFUSED.items() if _flag(name)]
+    refused = [f"{name}=true asks for {why}" for name, why in _ACCELERATE_REFUSED.items() if env_flag(name)]
     if refused:
         raise ValueError(
             "This process was started with Accelerate launch settings that runner's Accelerator does not read: "
@@ -216,23 +211,16 @@ def accelerate_launch_settings() -> AccelerateLaunchSettings:
             + ". Unset them (or launch with torchrun / `accelerate launch` without them)."
         )
     steps = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
-    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").strip().lower()
-    dynamic = os.environ.get("ACCELERATE_DYNAMO_USE_DYNAMIC")
     return AccelerateLaunchSettings(
-        cpu=_flag("ACCELERATE_USE_CPU"),
+        cpu=env_flag("ACCELERATE_USE_CPU"),
         mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION") or None,
         gradient_accumulation_steps=int(steps) if steps else None,
-        dynamo_backend=None if backend in ("", "no") else backend,
-        dynamo_mode=os.environ.get("ACCELERATE_DYNAMO_MODE") or None,
-        dynamo_fullgraph=_flag("ACCELERATE_DYNAMO_USE_FULLGRAPH"),
-        dynamo_dynamic=None if dynamic is None else _flag("ACCELERATE_DYNAMO_USE_DYNAMIC"),
-        dynamo_regional=_flag("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"),
         fsdp={
             name.removeprefix("FSDP_").lower(): value
             for name, value in os.environ.items()
             if name.startswith("FSDP_")
         }
-        if _flag("ACCELERATE_USE_FSDP")
+        if env_flag("ACCELERATE_USE_FSDP")
         else None,
-        deepspeed=_flag("ACCELERATE_USE_DEEPSPEED"),
+        deepspeed=env_flag("ACCELERATE_USE_DEEPSPEED"),
     )

@@ -188,6 +188,8 @@ class CompileConfig:
     mode: str | None = None  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     fullgraph: bool = False  # a graph break is an error instead of a fallback to Python
     dynamic: bool | None = None  # null: dynamic shapes after a recompilation; false: specialise
+    options: Any = None  # the backend's options: a mapping (inductor's config keys); not with `mode`
+    loss: bool = True  # also compile the task's loss (with scope model or regional), as one more graph
 
 
 class CheckpointingMode(str, Enum):

@@ -1,6 +1,6 @@
 """Accelerate's configuration objects for `Accelerator(...)`: the kwargs handlers (`kwargs_handlers=[...]`),
-`DataLoaderConfiguration`, `GradientAccumulationPlugin`, `FullyShardedDataParallelPlugin`,
-`DeepSpeedPlugin` and `ParallelismConfig`, with Accelerate's names, fields and defaults.
+`DataLoaderConfiguration`, `GradientAccumulationPlugin`, `TorchDynamoPlugin`,
+`FullyShardedDataParallelPlugin`, `DeepSpeedPlugin` and `ParallelismConfig`, with Accelerate's names, fields and defaults.
 
 The Accelerator hands each handler to what it configures: the process group and DDP to the hardware
 strategy, loss scaling and autocast to the precision plugin; the profiler it runs itself."""
@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from runner.cluster import env_flag
+from runner.config import CompileConfig, CompileScope
 
 
 class KwargsHandler:
@@ -185,6 +188,76 @@ SHARDING_STRATEGIES = {
     "HYBRID_SHARD": (True, "hybrid"),
     "_HYBRID_SHARD_ZERO2": (False, "hybrid"),
 }
+
+
+class DynamoBackend(str, Enum):
+    """Accelerate's names for torch.compile backends (`TorchDynamoPlugin.backend`, `dynamo_backend=`)."""
+
+    NO = "NO"
+    EAGER = "EAGER"
+    AOT_EAGER = "AOT_EAGER"
+    INDUCTOR = "INDUCTOR"
+    AOT_TS_NVFUSER = "AOT_TS_NVFUSER"
+    NVPRIMS_NVFUSER = "NVPRIMS_NVFUSER"
+    CUDAGRAPHS = "CUDAGRAPHS"
+    OFI = "OFI"
+    FX2TRT = "FX2TRT"
+    ONNXRT = "ONNXRT"
+    TENSORRT = "TENSORRT"
+    AOT_TORCHXLA_TRACE_ONCE = "AOT_TORCHXLA_TRACE_ONCE"
+    TORCHXLA_TRACE_ONCE = "TORCHXLA_TRACE_ONCE"
+    TVM = "TVM"
+    HPU_BACKEND = "HPU_BACKEND"
+    NEURON = "NEURON"
+
+
+@dataclass
+class TorchDynamoPlugin:
+    """Accelerate's torch.compile settings (`Accelerator(dynamo_plugin=...)`, `dynamo_backend=`, or
+    `accelerate launch --dynamo_backend ...`), with its fields, defaults and environment variables: an
+    unset field takes `ACCELERATE_DYNAMO_BACKEND` ("no"), `_MODE` ("default"), `_USE_FULLGRAPH`,
+    `_USE_DYNAMIC` and `_USE_REGIONAL_COMPILATION`. runner compiles as `compile_config()` describes: in
+    place before the backend wraps the model (Accelerate compiles the wrapped model; the computation is
+    the same), `use_regional_compilation` as scope "regional" (each block compiled once, reused)."""
+
+    backend: DynamoBackend | str | None = None
+    mode: str | None = None
+    fullgraph: bool | None = None
+    dynamic: bool | None = None
+    options: Any = None
+    disable: bool = False
+    use_regional_compilation: bool | None = None
+
+    def __post_init__(self) -> None:
+        env = os.environ.get
+        backend = str(getattr(self.backend, "value", self.backend or env("ACCELERATE_DYNAMO_BACKEND", "no")))
+        try:
+            self.backend = DynamoBackend(backend.strip().upper())
+        except ValueError:
+            raise ValueError(
+                f"TorchDynamoPlugin(backend={backend!r}): expected one of {', '.join(b.value.lower() for b in DynamoBackend)}."
+            ) from None
+        if self.mode is None:
+            self.mode = env("ACCELERATE_DYNAMO_MODE", "default")
+        if self.fullgraph is None:
+            self.fullgraph = env_flag("ACCELERATE_DYNAMO_USE_FULLGRAPH")
+        if self.dynamic is None and env("ACCELERATE_DYNAMO_USE_DYNAMIC") is not None:
+            self.dynamic = env_flag("ACCELERATE_DYNAMO_USE_DYNAMIC")
+        if self.use_regional_compilation is None:
+            self.use_regional_compilation = env_flag("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION")
+
+    def compile_config(self) -> CompileConfig | None:
+        """The compilation these settings describe; None: none (backend "no", or `disable`)."""
+        if self.backend == DynamoBackend.NO or self.disable:
+            return None
+        return CompileConfig(
+            scope=CompileScope.regional if self.use_regional_compilation else CompileScope.model,
+            backend=DynamoBackend(self.backend).value.lower(),
+            mode=None if self.mode in (None, "default") else self.mode,
+            fullgraph=bool(self.fullgraph),
+            dynamic=self.dynamic,
+            options=self.options,
+        )
 
 
 @dataclass

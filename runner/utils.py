@@ -25,6 +25,7 @@ from runner.handlers import (
     DistributedDataParallelKwargs,
     DummyOptim,
     DummyScheduler,
+    DynamoBackend,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
@@ -32,6 +33,7 @@ from runner.handlers import (
     KwargsHandler,
     ParallelismConfig,
     ProfileKwargs,
+    TorchDynamoPlugin,
 )
 from runner.memory import find_executable_batch_size, release_memory
 from runner.ops import apply_to_tensors, concatenate, find_batch_size, send_to_device
@@ -50,6 +52,7 @@ __all__ = [
     "DistributedType",
     "DummyOptim",
     "DummyScheduler",
+    "DynamoBackend",
     "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
@@ -61,6 +64,7 @@ __all__ = [
     "ProfileKwargs",
     "ProjectConfiguration",
     "RNGType",
+    "TorchDynamoPlugin",
     "broadcast",
     "broadcast_object_list",
     "concatenate",

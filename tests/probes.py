@@ -103,6 +103,19 @@ class CountedDDP(DDP):
         super().__init__(**settings)
 
 
+class LossRecordingRegression(Regression):
+    """The regression task recording, per call of its loss, whether torch.compile traced it:
+    "compiled" (the value `is_compiling()` had when the call was traced) or "eager"."""
+
+    def __init__(self, record: str) -> None:
+        self.record = record
+
+    def loss(self, outputs: torch.Tensor, batch: Any) -> torch.Tensor:
+        if outputs.device.type != "meta":  # not the checks' and the FLOP count's steps on meta tensors
+            _append(self.record, "loss", "compiled" if torch.compiler.is_compiling() else "eager")
+        return super().loss(outputs, batch)
+
+
 class ComputeRecordingLanguageModeling(LanguageModeling):
     """A language-modelling task recording, per micro-batch, how the compute options left the model it
     trains: "<compiled blocks>,<checkpointed blocks>,<root compiled>,<float8 linears>"."""

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from runner import Accelerator, PartialState
 from runner.collectives import split_between_processes
+from runner.config import CompileConfig, CompileScope
 from runner.data_loader import DataLoaderShard, shard_dataloader
 from runner.errors import ConfigError
 from runner.hardware import DDP, FSDP, DeepSpeed
@@ -30,12 +31,14 @@ from runner.utils import (
     DistributedDataParallelKwargs,
     DummyOptim,
     DummyScheduler,
+    DynamoBackend,
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
     ParallelismConfig,
     ProfileKwargs,
+    TorchDynamoPlugin,
     gather,
     is_schedulefree_available,
     patch_environment,
@@ -195,6 +198,48 @@ def test_sync_each_batch_keeps_gradient_sync_on_every_micro_batch(accelerator_ma
         with accelerator.accumulate(model):
             syncing.append(model.require_backward_grad_sync)  # False inside DDP's no_sync
     assert syncing == [sync_each_batch, True]
+
+
+def test_dynamo_backend_and_plugin_compile_the_prepared_model(accelerator_made):
+    """Accelerate's `dynamo_backend` and `TorchDynamoPlugin` ask for runner's `compile`: the prepared model
+    runs compiled (here with the eager backend, which needs no C++ compiler) and computes what it did."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    inputs = torch.randn(5, 3)
+    expected = model(inputs)
+    accelerator = accelerator_made(cpu=True, dynamo_backend=DynamoBackend.EAGER)
+    assert accelerator.strategy.compile_config == CompileConfig(scope=CompileScope.model, backend="eager")
+    prepared = accelerator.prepare(model)
+    assert prepared._compiled_call_impl is not None
+    torch.testing.assert_close(prepared(inputs), expected, rtol=0, atol=0)
+    plugin = TorchDynamoPlugin(
+        backend="inductor",
+        mode="max-autotune-no-cudagraphs",
+        fullgraph=True,
+        dynamic=False,
+        use_regional_compilation=True,
+    )
+    assert accelerator_made(cpu=True, dynamo_plugin=plugin).strategy.compile_config == CompileConfig(
+        scope=CompileScope.regional,
+        backend="inductor",
+        mode="max-autotune-no-cudagraphs",
+        fullgraph=True,
+        dynamic=False,
+    )
+    options = TorchDynamoPlugin(backend="inductor", options={"max_autotune": True})
+    assert accelerator_made(cpu=True, dynamo_plugin=options).strategy.compile_config.options == {"max_autotune": True}
+    for off in (TorchDynamoPlugin(backend="no"), TorchDynamoPlugin(backend="inductor", disable=True)):
+        assert accelerator_made(cpu=True, dynamo_plugin=off).strategy.compile_config.scope == CompileScope.none
+    with pytest.raises(ValueError, match="dynamo_backend or dynamo_plugin, not both"):
+        Accelerator(cpu=True, dynamo_backend="eager", dynamo_plugin=plugin)
+    with pytest.raises(ValueError, match="compile or dynamo_backend"):
+        Accelerator(cpu=True, dynamo_backend="eager", compile=CompileConfig(scope=CompileScope.model))
+    with pytest.raises(ValueError, match=r"TorchDynamoPlugin\(backend='turbo'\): expected one of no, eager"):
+        TorchDynamoPlugin(backend="turbo")
+
+
+def test_megatron_lm_plugin_is_refused_with_runners_equivalent():
+    with pytest.raises(ValueError, match=r"megatron_lm_plugin is not supported.*TensorParallel\(tp_size="):
+        Accelerator(cpu=True, megatron_lm_plugin=object())
 
 
 def test_join_uneven_inputs_switches_even_batches_inside():

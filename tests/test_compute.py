@@ -291,6 +291,22 @@ def test_compute_options_match_eager_across_ranks(
 GPT_RUN = ("experiment=gpt_sonnets", "trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=0")
 
 
+def test_a_compiled_run_compiles_the_tasks_loss_unless_told_not_to(tmp_path):
+    """`trainer.compile.loss` (on by default): the task's loss runs as a compiled graph (traced, so it
+    sees `is_compiling()`); with `loss=false` it stays eager while the model compiles."""
+    record = tmp_path / "record"
+    run_to_end(
+        tmp_path / "run", "trainer.max_steps=2", "trainer.eval_every=0", "tracker=none", "trainer.save_model=false",
+        "trainer.compile.scope=model", "trainer.compile.backend=eager", "task._target_=probes.LossRecordingRegression",
+        f"+task.record={record}", pythonpath=TESTS,
+    )  # fmt: skip
+    assert probes.read(record, "loss") == ["compiled"] * 2
+    strategy = SingleDevice()
+    strategy.setup_compute(CompileConfig(scope="model", backend="eager", loss=False), ActivationCheckpointingConfig())
+    loss_fn = probes.LossRecordingRegression(str(tmp_path / "eager")).loss
+    assert strategy.compile_loss(loss_fn) is loss_fn
+
+
 @pytest.mark.slow
 def test_a_run_compiles_checkpoints_logs_perf_and_profiles_as_configured(tmp_path):
     """One `python -m runner` run with every compute option of the trainer: the rank's model has its
@@ -381,12 +397,17 @@ def test_the_compile_settings_reach_torch_compile():
         "mode": "max-autotune-no-cudagraphs",
         "fullgraph": True,
         "dynamic": False,
+        "options": None,
     }
     apply_compile(model, [], CompileConfig(scope="model", **settings))
     assert model.asked == [settings]
+    inductor_options = {**settings, "mode": None, "options": {"max_autotune": True}}
+    apply_compile(model, [], CompileConfig(scope="model", **inductor_options))
+    assert model.asked[-1] == inductor_options
+    model.asked.pop()
     blocks = [CompileRecorder(), CompileRecorder()]
     apply_compile(model, blocks, CompileConfig(scope="regional"))
     assert [b.asked for b in blocks] == [
-        [{"backend": "inductor", "mode": None, "fullgraph": False, "dynamic": None}]
+        [{"backend": "inductor", "mode": None, "fullgraph": False, "dynamic": None, "options": None}]
     ] * 2
     assert len(model.asked) == 1  # regional leaves the root alone

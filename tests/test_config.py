@@ -95,6 +95,18 @@ def test_unknown_group_option_is_refused():
         (["trainer.max_steps=null"], "trainer.max_steps and trainer.max_epochs are both null"),
         (["trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps=0: must be >= 1"),
         (["trainer.max_grad_norm=-1"], "trainer.max_grad_norm=-1.0: must be > 0"),
+        (
+            [
+                "trainer.compile.scope=model",
+                "trainer.compile.mode=max-autotune",
+                "trainer.compile.options={max_autotune: true}",
+            ],
+            "trainer.compile.mode=max-autotune and trainer.compile.options: torch.compile takes one of them",
+        ),
+        (
+            ["trainer.compile.scope=model", "trainer.compile.options=3"],
+            "trainer.compile.options=3: expected a mapping of the backend's options",
+        ),
     ],
 )
 def test_validation_names_the_key(overrides, expected, tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from runner.hardware.parallelize import (
     apply_compile,
     blocks_of,
     check_compile,
+    compile_loss,
     compute_settings,
     sharding_units,
 )
@@ -133,6 +134,10 @@ class Strategy(ABC):
         blocks = blocks_of(module, self.block_classes(module))
         apply_ac(blocks, self.checkpointing)
         apply_compile(module, blocks, self.compile_config)
+
+    def compile_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """`loss_fn` compiled with the model's settings (`trainer.compile.loss`), else itself."""
+        return compile_loss(loss_fn, self.compile_config)
 
     def use_kwargs(self, handler: KwargsHandler) -> None:
         """Apply an Accelerate kwargs handler that configures this backend (before `setup_environment`);

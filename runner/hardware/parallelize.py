@@ -10,7 +10,7 @@ world (`apply_fsdp`, or `apply_ddp` for replicas).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -187,9 +187,20 @@ def _save_matmuls_context() -> Any:
 
 def check_compile(config: CompileConfig) -> None:
     """ConfigError for a `trainer.compile` that torch.compile would refuse only at the first step: a
-    backend it does not know, a mode inductor does not know, or a mode given to another backend."""
+    backend it does not know, a mode inductor does not know, a mode given to another backend, or a mode
+    and options both."""
     if config.scope == CompileScope.none:
         return
+    if config.options is not None and not isinstance(config.options, Mapping):
+        raise ConfigError(
+            f"trainer.compile.options={config.options!r}: expected a mapping of the backend's options, e.g. "
+            "{max_autotune: true} for inductor."
+        )
+    if config.mode is not None and config.options:
+        raise ConfigError(
+            f"trainer.compile.mode={config.mode} and trainer.compile.options: torch.compile takes one of them "
+            "(a mode is a preset of options). Drop one."
+        )
     import torch._dynamo  # here: the registry of backends is in what compiling imports anyway
     import torch._inductor
 
@@ -220,14 +231,27 @@ def apply_compile(module: torch.nn.Module, blocks: list[torch.nn.Module], config
     that the identical blocks reuse)."""
     if config.scope == CompileScope.none:
         return
-    options = {
+    for target in [module] if config.scope == CompileScope.model else blocks:
+        target.compile(**compile_options(config))
+
+
+def compile_loss(loss_fn: Callable[..., torch.Tensor], config: CompileConfig) -> Callable[..., torch.Tensor]:
+    """`loss_fn` compiled as the model is (`trainer.compile.loss`: with a language model's vocabulary the
+    cross-entropy over its logits is a large share of the step, fused only when compiled), else itself."""
+    if config.scope == CompileScope.none or not config.loss:
+        return loss_fn
+    return torch.compile(loss_fn, **compile_options(config))
+
+
+def compile_options(config: CompileConfig) -> dict[str, Any]:
+    """`torch.compile`'s arguments for `config`."""
+    return {
         "backend": config.backend,
         "mode": config.mode,
         "fullgraph": config.fullgraph,
         "dynamic": config.dynamic,
+        "options": dict(config.options or {}) or None,
     }
-    for target in [module] if config.scope == CompileScope.model else blocks:
-        target.compile(**options)
 
 
 def apply_ddp(module: torch.nn.Module, device: torch.device, **options: Any) -> DistributedDataParallel:
