@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+import numbers
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from importlib.resources import files
@@ -73,8 +74,7 @@ def checked(group: str) -> Callable[[F], F]:
             problems = [
                 problem
                 for name, value in signature.bind(*args, **kwargs).arguments.items()
-                if name in ranges and value is not None
-                if (problem := ranges[name].bounds.problem(f"{group}.{name}", value)) is not None
+                if name in ranges and (problem := ranges[name].problem(f"{group}.{name}", value)) is not None
             ]
             if problems:
                 raise ConfigError(" ".join(problems))
@@ -105,12 +105,30 @@ PythonOnly = Annotated[T, NotASetting()]
 
 @dataclass(frozen=True)
 class Declared:
-    """What an argument of an untyped group's target accepts: numbers of `number`'s type within `bounds`;
-    a list of them with `many`."""
+    """What a numeric setting accepts: numbers of `number`'s type within `bounds`; a list of them with
+    `many`."""
 
     number: type
     bounds: Range
     many: bool = False
+
+    def problem(self, key: str, value: Any) -> str | None:
+        """Why `key=value` is not what this accepts (a number of its type within its bounds, or a list of
+        them), or None (None too for no value)."""
+        if value is None:
+            return None
+        several = isinstance(value, Sequence) and not isinstance(value, str)  # a ListConfig too
+        kind = "an integer" if self.number is int else "a number"
+        if several != self.many:
+            return f"{key}={value!r}: expected {'a list of numbers' if self.many else kind}."
+        kinds = numbers.Integral if self.number is int else numbers.Real
+        for index, item in enumerate(value if several else [value]):
+            name = f"{key}[{index}]" if several else key
+            if isinstance(item, bool) or not isinstance(item, kinds):
+                return f"{name}={item!r}: expected {kind}."
+            if (problem := self.bounds.problem(name, item)) is not None:
+                return problem
+        return None
 
 
 _ADAM = {

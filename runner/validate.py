@@ -15,10 +15,10 @@ from typing import Any, TypeVar
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from runner.build import build_data, build_on_meta, is_inference, locate, meta_training_step
-from runner.config import CheckpointingMode, Declared, RunConfig, declared_ranges
+from runner.config import CheckpointingMode, RunConfig, declared_ranges
 from runner.data.base import DataSource
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
@@ -211,27 +211,8 @@ def _range_problems(cfg: DictConfig) -> list[str]:
         problem
         for node, node_cfg, declared_by in declarations
         for key, declared in declared_ranges(declared_by).items()
-        if (problem := _number_problem(f"{node}.{key}", node_cfg.get(key), declared)) is not None
+        if (problem := declared.problem(f"{node}.{key}", node_cfg.get(key))) is not None
     ]
-
-
-def _number_problem(key: str, value: Any, declared: Declared) -> str | None:
-    """Why `value` is not what `declared` accepts (a number of its type within its bounds, or a list of
-    them), or None."""
-    if value is None:
-        return None
-    several = isinstance(value, (ListConfig, list, tuple))
-    kind = "an integer" if declared.number is int else "a number"
-    if several != declared.many:
-        return f"{key}={value!r}: expected {'a list of numbers' if declared.many else kind}."
-    kinds = (int,) if declared.number is int else (int, float)
-    for index, item in enumerate(value if several else [value]):
-        name = f"{key}[{index}]" if several else key
-        if isinstance(item, bool) or not isinstance(item, kinds):
-            return f"{name}={item!r}: expected {kind}."
-        if (problem := declared.bounds.problem(name, item)) is not None:
-            return problem
-    return None
 
 
 def _build_problems(cfg: DictConfig, built: dict[str, Any], skip: set[str]) -> list[str]:
