@@ -304,9 +304,10 @@ def test_a_cut_weights_file_is_refused_by_name_not_read_as_whole(tmp_path):
         stored_tensors(path)
 
 
-def test_a_checkpoint_in_accelerates_layout_is_refused_where_it_does_not_fit(tmp_path):
+def test_a_checkpoint_in_accelerates_layout_is_refused_where_it_does_not_fit(tmp_path, caplog):
     """Accelerate's files alone (what its save_state writes: the names a runner checkpoint also has)
-    load as Accelerate's checkpoint; into other objects, or into sharded models, they are refused."""
+    load as Accelerate's checkpoint, with a warning that a stateful dataloader's position is not read;
+    into other objects, or into sharded models, they are refused."""
     accelerator, *parts = setup(tmp_path / "run", precision="no")
     run(accelerator, *parts, epochs=1, save_at=[(0, 3)])
     checkpoint = latest_checkpoint(tmp_path / "run" / "checkpoints")
@@ -314,11 +315,14 @@ def test_a_checkpoint_in_accelerates_layout_is_refused_where_it_does_not_fit(tmp
     theirs.mkdir()
     for name in ("model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"):
         (theirs / name).write_bytes((checkpoint / name).read_bytes())
+    torch.save({"_num_yielded": 3}, theirs / "dl_state_dict.bin")  # a torchdata StatefulDataLoader's
     model = parts[0]
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
-    accelerator.load_state(str(theirs))
+    with caplog.at_level("WARNING", logger="runner.checkpoint.checkpointer"):
+        accelerator.load_state(str(theirs))
+    assert "records where its stateful dataloaders were (dl_state_dict.bin" in caplog.text
     saved = load_file(str(theirs / "model.safetensors"))
     assert saved.keys() == model.state_dict().keys()
     assert all(torch.equal(value, saved[name]) for name, value in model.state_dict().items())

@@ -11,6 +11,7 @@ optimizer state (`Strategy.save_checkpoint`, `stage_checkpoint`, `load_checkpoin
 
 from __future__ import annotations
 
+import logging
 import shutil
 from collections import OrderedDict
 from collections.abc import Callable
@@ -68,6 +69,8 @@ from runner.rng import (
     set_rng_state,
 )
 from runner.state import ProcessState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -429,6 +432,14 @@ class Checkpointer:
         if (scaler := directory / "scaler.pt").is_file() and "scaler" in self.precision.state_dict():
             self.precision.load_state_dict({"scaler": load_torch(scaler)})
         set_accelerate_rng_state(rng_states)
+        if positions := sorted(p.name for p in directory.glob("dl_state_dict*.bin")):
+            log.warning(
+                "%s (written by Accelerate) records where its stateful dataloaders were (%s, torchdata's "
+                "StatefulDataLoader format), which runner does not read: the prepared dataloaders start their "
+                "pass afresh. Skip what was consumed with accelerator.skip_first_batches(loader, n).",
+                directory,
+                ", ".join(positions),
+            )
         return int(rng_states.get("step", 0))
 
     def resume(self, checkpoint: Path) -> int:
