@@ -426,7 +426,9 @@ def _deepspeed_accumulation(settings: DeepSpeedSettings, steps: int) -> int:
         return steps
     if steps not in (1, fixed):
         log.warning(
-            "gradient_accumulation_steps=%d, but the DeepSpeed config has %s: using DeepSpeed's value.", steps, fixed
+            "gradient_accumulation_steps=%d, but the DeepSpeed config has %s: using DeepSpeed's value.",
+            steps,
+            fixed,
         )
     return fixed
 
@@ -436,7 +438,11 @@ def _compile_config(
 ) -> CompileConfig | None:
     """The one description of compilation the arguments give: runner's `compile`, or Accelerate's
     `dynamo_backend` / `dynamo_plugin` (by default the `ACCELERATE_DYNAMO_*` variables' plugin)."""
-    given = [name for name, value in (("compile", compile), ("dynamo_backend", backend), ("dynamo_plugin", plugin)) if value]
+    given = [
+        name
+        for name, value in (("compile", compile), ("dynamo_backend", backend), ("dynamo_plugin", plugin))
+        if value
+    ]
     if len(given) > 1:
         raise ValueError(f"Give the compilation once: {' or '.join(given)}, not both.")
     if compile is not None:

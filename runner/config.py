@@ -63,7 +63,7 @@ ShardDegree = Annotated[int, Range(ge=-1)]  # ranks a parameter is sharded over;
 def checked(group: str) -> Callable[[F], F]:
     """Decorates a constructor whose arguments declare `Range`s: a value out of its range is a ConfigError
     naming `<group>.<argument>`, for an object built from Python as for one built from YAML (whose ranges
-    `runner.validate` checks before launch, with the same `declared_ranges`)."""
+    `runner.validate` checks before launch, with the same `declared_ranges` and `Declared.problem`)."""
 
     def decorate(init: F) -> F:
         signature = inspect.signature(init)
@@ -87,9 +87,8 @@ def checked(group: str) -> Callable[[F], F]:
 
 @functools.cache
 def _ranges_of(function: Callable[..., Any]) -> dict[str, Declared]:
-    """The ranges `function`'s arguments declare (resolved at the first call, once every name exists)."""
-    hints = get_type_hints(function, include_extras=True)
-    return {key: found for key, hint in hints.items() if (found := _range_in(hint)) is not None}
+    """`declared_ranges(function)`, resolved at its first call (once every name it names exists)."""
+    return declared_ranges(function)
 
 
 @dataclass(frozen=True)
@@ -251,7 +250,8 @@ class TrainerConfig:
     max_grad_norm: PositiveFloat | None = None  # clip the total gradient norm to this value
     seed: Seed = 0
     progress_bar: bool = True
-    checkpoint_every: NonNegativeInt = 0  # optimizer steps between checkpoints; 0: only when stopped by a signal
+    # optimizer steps between checkpoints; 0: only when stopped by a signal
+    checkpoint_every: NonNegativeInt = 0
     keep_checkpoints: PositiveInt | None = 2  # newest checkpoints kept; null: all
     # at every logging step whose loss is finite, also save the state to checkpoints/last_finite (replacing
     # it): a run that diverges can resume from just before (costs a save every log_every steps)

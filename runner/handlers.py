@@ -595,7 +595,6 @@ class DeepSpeedPlugin:
                 setattr(self, name, value)
         return config
 
-
     def settings(self) -> DeepSpeedSettings:
         """What the plugin comes to in runner. Clipping left "auto" or unset clips at 1.0, DeepSpeed's
         default, as under Accelerate; 0: none. A parameter offload below stage 3 stays in the config, for
@@ -605,13 +604,18 @@ class DeepSpeedPlugin:
         clipping = config.pop("gradient_clipping", "auto")
         fixed = config.get("gradient_accumulation_steps", "auto")
         precision = next(
-            (name for name in ("fp16", "bf16") if str((config.get(name) or {}).get("enabled")).lower() == "true"),
+            (
+                name
+                for name in ("fp16", "bf16")
+                if str((config.get(name) or {}).get("enabled")).lower() == "true"
+            ),
             None,
         )
         return DeepSpeedSettings(
             zero_stage=zero.get("stage"),
             offload_optimizer=(zero.get("offload_optimizer") or {}).get("device") == "cpu",
-            offload_params=(zero.get("offload_param") or {}).get("device") == "cpu" and zero.get("stage") == 3,
+            offload_params=(zero.get("offload_param") or {}).get("device") == "cpu"
+            and zero.get("stage") == 3,
             gradient_clipping=(1.0 if clipping == "auto" else float(clipping)) or None,
             config=config,
             gradient_accumulation_steps=None if fixed == "auto" else int(fixed),

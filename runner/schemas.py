@@ -99,9 +99,22 @@ def schema_of(cls: type, base: type) -> type:
             default = dataclasses.field(default=default)
         fields.append((parameter.name, _setting_type(parameter.annotation), default))
     target = dataclasses.field(default=f"{cls.__module__}.{cls.__qualname__}")
-    return dataclasses.make_dataclass(
-        f"{cls.__name__}Config", [("_target_", str, target), *fields], bases=(base,)
-    )
+    schema = dataclasses.make_dataclass(_schema_name(cls), [("_target_", str, target), *fields], bases=(base,))
+    schema.__module__ = __name__  # found again by name (`__getattr__`), as pickle finds a class
+    return schema
+
+
+def __getattr__(name: str) -> type:
+    """A derived schema by its name, as pickle finds a class (a config sent to spawned ranks holds them)."""
+    for group, options in OPTIONS.items():
+        for cls in options.values():
+            if cls is not None and _schema_name(cls) == name:
+                return schema_of(cls, BASES[group])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _schema_name(cls: type) -> str:
+    return f"{cls.__name__}Schema"
 
 
 def schemas() -> dict[str, dict[str, type]]:

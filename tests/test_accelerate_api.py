@@ -226,9 +226,13 @@ def test_dynamo_backend_and_plugin_compile_the_prepared_model(accelerator_made):
         dynamic=False,
     )
     options = TorchDynamoPlugin(backend="inductor", options={"max_autotune": True})
-    assert accelerator_made(cpu=True, dynamo_plugin=options).strategy.compile_config.options == {"max_autotune": True}
+    assert accelerator_made(cpu=True, dynamo_plugin=options).strategy.compile_config.options == {
+        "max_autotune": True
+    }
     for off in (TorchDynamoPlugin(backend="no"), TorchDynamoPlugin(backend="inductor", disable=True)):
-        assert accelerator_made(cpu=True, dynamo_plugin=off).strategy.compile_config.scope == CompileScope.none
+        assert (
+            accelerator_made(cpu=True, dynamo_plugin=off).strategy.compile_config.scope == CompileScope.none
+        )
     with pytest.raises(ValueError, match="dynamo_backend or dynamo_plugin, not both"):
         Accelerator(cpu=True, dynamo_backend="eager", dynamo_plugin=plugin)
     with pytest.raises(ValueError, match="compile or dynamo_backend"):

@@ -302,7 +302,9 @@ def test_a_compiled_run_compiles_the_tasks_loss_unless_told_not_to(tmp_path):
     )  # fmt: skip
     assert probes.read(record, "loss") == ["compiled"] * 2
     strategy = SingleDevice()
-    strategy.setup_compute(CompileConfig(scope="model", backend="eager", loss=False), ActivationCheckpointingConfig())
+    strategy.setup_compute(
+        CompileConfig(scope="model", backend="eager", loss=False), ActivationCheckpointingConfig()
+    )
     loss_fn = probes.LossRecordingRegression(str(tmp_path / "eager")).loss
     assert strategy.compile_loss(loss_fn) is loss_fn
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import pickle
 import random
 import re
 import subprocess
@@ -177,6 +178,15 @@ def test_each_option_yaml_schema_and_class_agree(option):
     )
     accepted = accepted_parameters(locate(document["_target_"]))
     assert fields <= accepted, f"{document['_target_']} does not accept {sorted(fields - accepted)}"
+
+
+@pytest.mark.parametrize("option", typed_option_files())
+def test_a_composed_config_pickles_with_its_derived_schemas(option):
+    """Spawned ranks and SLURM jobs receive the config pickled: its derived schema classes must be
+    found again by name (`runner.schemas`), not be anonymous."""
+    group, name = option.split("/")
+    cfg = compose("config", overrides=[f"{group}={name}"])
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
 
 
 # Where the class's default is written otherwise than the schema's, and means the same (why).

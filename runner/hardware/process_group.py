@@ -182,9 +182,10 @@ class ParallelStrategy(Strategy):
 
 
 def _release_process_group() -> None:
-    """At exit, while the interpreter still runs: collect what holds the group (a DDP model in a reference
-    cycle, whose reducer would otherwise release it during the interpreter's teardown and abort the
-    process), then leave it."""
+    """At exit, while the interpreter still runs: collect the objects in reference cycles that hold
+    distributed state (a DDP model and its reducer), which the interpreter's teardown would otherwise free
+    at a point where their backend threads abort the process ("terminate called without an active
+    exception"), also when `end_training` already left the group; then leave the group if it is there."""
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
