@@ -15,7 +15,8 @@ device synchronisations. `python -m runner` (data=random_tokens, the same model 
 its own log: from its "step W/N" line to its "step N/N" line, W the warm-up steps, so that start-up,
 compilation and the evaluation stay out. Compiled modes compile the model (`Module.compile`, in place)
 and the loss, as runner's `trainer.compile.scope=model` does (`trainer.compile.loss`, on by default; the
-Accelerator's loop computes its loss eagerly, as a ported script does), `regional` each block; `fp8` adds
+Accelerator's loop computes its loss eagerly, as a ported script does; `cli-compiled-eager-loss` turns
+`trainer.compile.loss` off, `cli-reduce-overhead` adds CUDA graphs), `regional` each block; `fp8` adds
 torchao's float8 linears (compute capability 8.9 or newer). Each row is compared with the plain loop of its
 kind (eager or compiled), measured in the same run. The modes take turns, `--rounds` times, in a rotating
 order; each row is the median, with the spread (max - min over median) of its rounds. MFU: model FLOPs per
@@ -81,6 +82,7 @@ class Mode:
     precision: str = "bf16"  # bf16 | fp8 (python -m runner only)
     reference: str | None = "plain"
     model: str = "gpt"  # gpt | llama (Hugging Face's, python -m runner with hardware=fsdp only)
+    overrides: tuple[str, ...] = ()  # more `python -m runner` overrides
 
 
 MODES = {
@@ -93,6 +95,20 @@ MODES = {
     "plain-compiled-aa": Mode("plain, compiled (A/A)", "plain", "model", reference="plain-compiled"),
     "runner-compiled": Mode("Accelerator, compiled", "runner", "model", reference="plain-compiled"),
     "cli-compiled": Mode("runner, compile model", "cli", "model", reference="plain-compiled"),
+    "cli-compiled-eager-loss": Mode(
+        "runner, compile model, loss eager",
+        "cli",
+        "model",
+        reference="plain-compiled",
+        overrides=("trainer.compile.loss=false",),
+    ),
+    "cli-reduce-overhead": Mode(
+        "runner, compile model, CUDA graphs",
+        "cli",
+        "model",
+        reference="plain-compiled",
+        overrides=("trainer.compile.mode=reduce-overhead",),
+    ),
     "cli-regional": Mode("runner, compile regional", "cli", "regional", reference="plain-compiled"),
     "cli-fp8": Mode("runner, fp8, compile model", "cli", "model", "fp8", reference="plain-compiled"),
     "cli-hf-fsdp": Mode("runner, HF Llama, fsdp", "cli", reference=None, model="llama"),
@@ -334,6 +350,7 @@ def measure_cli(mode: Mode, args: argparse.Namespace, config: dict[str, int], ru
         f"precision={mode.precision}",
         "tracker=none",
         f"hydra.run.dir={run_dir}",
+        *mode.overrides,
     ]
     if args.profile:  # steps warmup-4 .. warmup-2, before the timed window
         overrides += [
@@ -476,8 +493,9 @@ def main() -> None:
                     f"round {r + 1}: {mode.label}: {result['tokens_per_s']:.0f} tokens/s ({took:.0f} s){busy}",
                     flush=True,
                 )
+    width = max(len(MODES[key].label) for key in keys)
     print(
-        f"{'':<27} {'tokens/s':>10} {'vs ref':>7} {'ref':<15} {'spread':>7} {'MFU':>6} {'logged':>7} {'peak GB':>8}"
+        f"{'':<{width}} {'tokens/s':>10} {'vs ref':>7} {'ref':<21} {'spread':>7} {'MFU':>6} {'logged':>7} {'peak GB':>8}"
     )
     for key in keys:
         mode, rates = MODES[key], [r["tokens_per_s"] for r in results[key]]
@@ -491,7 +509,7 @@ def main() -> None:
         logged_mfu = "n/a" if logged != logged else f"{logged:.1%}"
         memory = statistics.median(r["memory_gb"] for r in results[key])
         print(
-            f"{mode.label:<27} {rate:>10.0f} {ratio:>7.3f} {reference_label:<15} {spread:>7.1%} "
+            f"{mode.label:<{width}} {rate:>10.0f} {ratio:>7.3f} {reference_label:<21} {spread:>7.1%} "
             f"{mfu:>6} {logged_mfu:>7} {memory:>8.2f}"
         )
 

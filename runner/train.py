@@ -130,7 +130,7 @@ class Trainer:
         # The loss of a batch, for `backward`: by the task's `loss` the strategy computes it (pipeline
         # parallel runs its schedule there), else by the task's own `training_step`.
         self.loss_of = (
-            partial(engine.training_loss, self.model, loss_fn=engine.strategy.compile_loss(self.task.loss))
+            engine.loss_of_batch(self.model, self.task.loss)
             if trains_by_loss(self.task)
             else partial(self.task.training_step, self.model)
         )
