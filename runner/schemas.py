@@ -99,7 +99,9 @@ def schema_of(cls: type, base: type) -> type:
             default = dataclasses.field(default=default)
         fields.append((parameter.name, _setting_type(parameter.annotation), default))
     target = dataclasses.field(default=f"{cls.__module__}.{cls.__qualname__}")
-    schema = dataclasses.make_dataclass(_schema_name(cls), [("_target_", str, target), *fields], bases=(base,))
+    schema = dataclasses.make_dataclass(
+        _schema_name(cls), [("_target_", str, target), *fields], bases=(base,)
+    )
     schema.__module__ = __name__  # found again by name (`__getattr__`), as pickle finds a class
     return schema
 
