@@ -10,7 +10,7 @@
 #   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3
 #   DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation -w .whl deepspeed==0.19.8
 #
-#   bash .ci/gpu.sh [TEST_SECONDS] [BENCHMARK_SECONDS] [BENCHMARK_MODES] [ROUNDS]
+#   bash .ci/gpu.sh [TEST_SECONDS] [BENCHMARK_SECONDS] [BENCHMARK_MODES] [ROUNDS] [BATCH]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -26,8 +26,8 @@ python3 -c "import torch, torchao, deepspeed; print('torch', torch.__version__, 
 start=$(date +%s)
 timeout "${1:-200}" python3 -m pytest -m cuda tests/gpu -n 4 --dist load -p no:cacheprovider -q 2>&1 | tee "$out/tests.log" | tail -40
 echo "tests/gpu took $(( $(date +%s) - start )) s"
-modes=${3:-plain,plain-compiled,plain-compiled-aa,runner-compiled,cli-compiled,cli-regional,cli-fp8}
+modes=${3:-plain-compiled,plain-compiled-aa,runner-compiled,cli-compiled,cli-reduce-overhead,cli-regional,cli-fp8}
 start=$(date +%s)
-timeout "${2:-300}" python3 benchmarks/gpu_throughput.py --modes "$modes" --rounds "${4:-2}" --steps 100 --warmup 20 \
+timeout "${2:-300}" python3 benchmarks/gpu_throughput.py --modes "$modes" --rounds "${4:-2}" --batch "${5:-8}" --steps 100 --warmup 20 \
     2>&1 | tee "$out/throughput.log"
 echo "gpu_throughput took $(( $(date +%s) - start )) s"
