@@ -105,27 +105,24 @@ class Precision:
         """Restore what `state_dict` returned."""
 
 
-class MixedPrecision(Precision):
-    """Autocast the model's forward to `dtype` (the `bf16` group); weights and optimizer stay fp32."""
+class UpcastingPrecision(Precision):
+    """A precision whose model computes below fp32 while its prepared model returns fp32 outputs, as
+    Accelerate's does (`convert_outputs_to_fp32`): the instance's forward runs in `forward_context` and its
+    outputs are upcast, but inside `outputs_in_compute_dtype`, where the training loop's loss (from
+    `upcast_outputs`) upcasts them itself. `Accelerator.unwrap_model(model, keep_fp32_wrapper=False)`
+    restores `_original_forward`."""
 
-    _names = {"bfloat16": "bf16", "float16": "fp16"}
+    keeps_outputs = False  # inside `outputs_in_compute_dtype`
 
-    def __init__(self, dtype: str = "bfloat16") -> None:
-        if dtype not in self._names:
-            raise ValueError(
-                f"precision.dtype={dtype!r} is not supported; expected one of {list(self._names)}."
-            )
-        self.dtype = getattr(torch, dtype)
-        self.mixed_precision = self._names[dtype]
-        self.keeps_outputs = False  # inside `outputs_in_compute_dtype`
+    def forward_context(self) -> AbstractContextManager:
+        """The context the model's forward runs in."""
+        return nullcontext()
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        # As Accelerate does: the instance's forward runs under autocast and returns fp32 outputs;
-        # `Accelerator.unwrap_model(model, keep_fp32_wrapper=False)` restores `_original_forward`.
         module = self.convert_module(module)
         if "_original_forward" not in module.__dict__:
             module._original_forward = module.forward
-            module.forward = _autocast_forward(module.forward, self)
+            module.forward = _upcasting_forward(module.forward, self)
         return module
 
     @contextmanager
@@ -145,14 +142,32 @@ class MixedPrecision(Precision):
 
         return on_fp32_outputs
 
+
+class MixedPrecision(UpcastingPrecision):
+    """Autocast the model's forward to `dtype` (the `bf16` group); weights and optimizer stay fp32."""
+
+    _names = {"bfloat16": "bf16", "float16": "fp16"}
+
+    def __init__(self, dtype: str = "bfloat16") -> None:
+        if dtype not in self._names:
+            raise ValueError(
+                f"precision.dtype={dtype!r} is not supported; expected one of {list(self._names)}."
+            )
+        self.dtype = getattr(torch, dtype)
+        self.mixed_precision = self._names[dtype]
+
+    def forward_context(self) -> AbstractContextManager:
+        return self.autocast()
+
     def autocast(self, handler: AutocastKwargs | None = None) -> AbstractContextManager:
         settings = (handler or self.autocast_kwargs).to_kwargs()
         return torch.autocast(self.device.type, dtype=self.dtype, **settings)
 
 
-class ShardedMixedPrecision(Precision):
-    """Mixed precision that the strategy applies itself (FSDP's MixedPrecisionPolicy casts parameters and
-    outputs): no autocast here; `precision`'s name and layer conversion (float8)."""
+class ShardedMixedPrecision(UpcastingPrecision):
+    """Mixed precision that the strategy applies itself (FSDP's MixedPrecisionPolicy casts the parameters
+    each unit computes with): no autocast here; `precision`'s name and layer conversion (float8), and the
+    outputs upcast as every mixed precision's."""
 
     def __init__(self, precision: Precision) -> None:
         self.mixed_precision = precision.mixed_precision
@@ -354,10 +369,10 @@ def from_name(mixed_precision: str | PrecisionType | None) -> Precision:
     return factories[name]()
 
 
-def _autocast_forward(forward: Callable, precision: MixedPrecision) -> Callable:
+def _upcasting_forward(forward: Callable, precision: UpcastingPrecision) -> Callable:
     @functools.wraps(forward)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with precision.autocast():
+        with precision.forward_context():
             outputs = forward(*args, **kwargs)
         return outputs if precision.keeps_outputs else convert_to_fp32(outputs)
 

@@ -326,6 +326,36 @@ def torch_context_parallel_on_cpu() -> dict[str, str]:
     return outcomes
 
 
+def loop_loss_dtypes(hardware: str, scope: str) -> dict[str, Any]:
+    """Under bf16 on `hardware` (compiled with `scope`): the dtypes a prepared model's forward returned
+    (called as a script does, through `Engine.loss_of_batch`, and as a script again), those the loss saw
+    in both, and the two losses."""
+    from runner.config import CompileConfig
+    from runner.models import GPT
+
+    torch.manual_seed(0)
+    engine = Accelerator(
+        mixed_precision="bf16",
+        strategy=matrix_strategy(hardware),
+        compile=CompileConfig(scope=scope, backend="eager"),
+    )
+    model = engine.prepare(GPT(vocab_size=32, max_seq_len=8, d_model=16, n_layers=2, n_heads=2))
+    seen_by_loss, returned = [], []
+    model.register_forward_hook(lambda module, args, output: returned.append(str(output.dtype).split(".")[1]))
+
+    def loss(outputs: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        seen_by_loss.append(str(outputs.dtype).split(".")[1])
+        return torch.nn.functional.cross_entropy(outputs.flatten(0, 1), batch[1].flatten())
+
+    tokens = torch.randint(0, 32, (2, 9))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    reference = loss(model(batch[0]), batch).item()  # as a ported Accelerate script computes it
+    ours = engine.loss_of_batch(model, loss)(batch).item()
+    model(batch[0])
+    engine.end_training()
+    return {"returned": returned, "seen_by_loss": seen_by_loss, "loss": ours, "reference": reference}
+
+
 def deepspeed_generated_config() -> dict[str, Any]:
     """The DeepSpeed config built from a user's JSON with "auto" values and the run's settings; and what
     preparing an optimizer without its model says."""

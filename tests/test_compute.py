@@ -309,30 +309,20 @@ def test_a_compiled_run_compiles_the_tasks_loss_unless_told_not_to(tmp_path):
     assert strategy.compile_loss(loss_fn) is loss_fn
 
 
-@pytest.mark.parametrize("scope", ["none", "model"])
-def test_the_loops_loss_upcasts_bf16_outputs_itself_with_the_same_value(scope):
+@pytest.mark.parametrize(("hardware", "scope"), [("cpu", "none"), ("cpu", "model"), ("fsdp", "none")])
+def test_the_loops_loss_upcasts_bf16_outputs_itself_with_the_same_value(hardware, scope):
     """Under bf16 a prepared model returns fp32 outputs (Accelerate's semantics), but the training loop's
-    loss (`Engine.loss_of_batch`) takes them as autocast computed them and upcasts them itself, so that a
-    compiled loss fuses the upcast (on an H100, GPT-124M at batch 32: 0.89x -> 1.00x of the compiled plain
-    loop). The loss sees fp32 and has the same value; a compiled model keeps a graph for each (the flag is
-    guarded, so evaluation after training still gets fp32)."""
-    torch.manual_seed(0)
-    engine = Accelerator(mixed_precision="bf16", compile=CompileConfig(scope=scope, backend="eager"))
-    model = engine.prepare(torch.nn.Linear(4, 3))
-    seen_by_loss, returned = [], []
-    model.register_forward_hook(lambda module, args, output: returned.append(output.dtype))
-
-    def loss(outputs: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        seen_by_loss.append(outputs.dtype)
-        return (outputs - batch[1]).square().mean()
-
-    batch = (torch.randn(2, 4), torch.randn(2, 3))
-    reference = loss(model(batch[0]), batch)  # as a ported Accelerate script computes it
-    ours = engine.loss_of_batch(model, loss)(batch)
-    after = model(batch[0])
-    assert returned == [torch.float32, torch.bfloat16, torch.float32]
-    assert after.dtype == torch.float32 and seen_by_loss == [torch.float32] * 2
-    assert ours.item() == reference.item()
+    loss (`Engine.loss_of_batch`) takes them as autocast (or FSDP's units) computed them and upcasts them
+    itself, so that a compiled loss fuses the upcast (on an H100, GPT-124M at batch 32: 0.89x -> 1.00x of
+    the compiled plain loop). The loss sees fp32 and has the same value; a compiled model keeps a graph for
+    each (the flag is guarded, so evaluation after training still gets fp32)."""
+    if hardware == "cpu":
+        seen = rank_checks.loop_loss_dtypes(hardware, scope)
+    else:
+        seen = rank_checks.run_ranks(rank_checks.loop_loss_dtypes, hardware, scope)[0]
+    assert seen["returned"] == ["float32", "bfloat16", "float32"]
+    assert seen["seen_by_loss"] == ["float32", "float32"]
+    assert seen["loss"] == seen["reference"]
 
 
 @pytest.mark.slow

@@ -55,8 +55,9 @@ def apply_fsdp(
 ) -> None:
     """`fully_shard` each submodule whose class is named in `shard_modules` (a unit gathered just before
     its forward and backward), then the root, over `mesh`, in place. Units hand activations to each other
-    in `mp_policy`'s dtype; the model's outputs are fp32 (as autocast's)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    in `mp_policy`'s dtype, and so does the root: the precision's forward upcasts them (Accelerate's
+    outputs) or the training loop's loss does."""
+    from torch.distributed.fsdp import fully_shard
 
     options = {
         "mesh": mesh,
@@ -73,8 +74,7 @@ def apply_fsdp(
         )
     for unit in units:
         fully_shard(unit, **options)
-    root_policy = MixedPrecisionPolicy(mp_policy.param_dtype, mp_policy.reduce_dtype, torch.float32)
-    fully_shard(module, **(options | {"mp_policy": root_policy}))
+    fully_shard(module, **options)  # outputs as computed: the precision's forward upcasts them
 
 
 def sharding_units(module: torch.nn.Module, asked: list[str] | None) -> list[str]:
