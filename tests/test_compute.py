@@ -241,8 +241,10 @@ def one_compile_thread(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scope", ["model", "regional"])
-@pytest.mark.parametrize("hardware", ["cpu_forked", "multi_gpu", "fsdp"])
+@pytest.mark.parametrize(
+    ("hardware", "scope"),
+    [("cpu_forked", "regional"), ("multi_gpu", "model"), ("fsdp", "model"), ("fsdp", "regional")],
+)  # each scope with one process and with DDP once, and both under FSDP (units compiled or the root)
 def test_compiled_training_matches_eager_and_its_checkpoints_resume_across(
     eager_reference, tmp_path, hardware, scope
 ):
