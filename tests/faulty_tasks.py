@@ -52,6 +52,22 @@ class HangOnRank1(Regression):
         return super().training_step(model, batch)
 
 
+class WaitAtStep(Regression):
+    """At its `step`-th training step, waits (at most 5 minutes) until the file `gate` exists: the test acts
+    while the run stands at a known point, then lets it go on."""
+
+    def __init__(self, gate: str, step: int) -> None:
+        self.gate, self.step, self.steps = Path(gate), step, 0
+
+    def training_step(self, model, batch):
+        if next(model.parameters()).device.type != "meta":  # not the check's step before launch
+            self.steps += 1
+            deadline = time.monotonic() + 300
+            while self.steps == self.step and not self.gate.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return super().training_step(model, batch)
+
+
 class RecordPid(Regression):
     """Each rank writes its pid to `<pid_dir>/rank<N>` at its first step, then trains normally."""
 

@@ -190,13 +190,16 @@ def test_a_server_that_dies_mid_run_loses_no_metric(tmp_path):
     server = Server(tmp_path / "server")
     server.directory.mkdir()
     server.start()
-    run_dir = tmp_path / "run"
+    run_dir, gate = tmp_path / "run", tmp_path / "server-stopped"
     command = [
         sys.executable, "-m", "runner", f"hydra.run.dir={run_dir}", "trainer.progress_bar=false",
-        f"tracker.uri={server.uri}", "trainer.max_steps=6000", "trainer.log_every=10", "trainer.eval_every=1000",
+        f"tracker.uri={server.uri}", "trainer.max_steps=600", "trainer.log_every=10", "trainer.eval_every=100",
         "tracker.detach=false",  # the sender starts with the run (detached, it would start 5 s in)
+        "task._target_=faulty_tasks.WaitAtStep", f"+task.gate={gate}", "+task.step=55",  # waits for the stop
     ]  # fmt: skip
-    proc = subprocess.Popen(command, cwd=tmp_path, env=cli_env(), stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command, cwd=tmp_path, env=cli_env(Path(__file__).parent), stderr=subprocess.PIPE, text=True
+    )
     delivered = run_dir / "tracking" / "delivered.json"
     deadline = time.monotonic() + 120
     while not (
@@ -205,6 +208,7 @@ def test_a_server_that_dies_mid_run_loses_no_metric(tmp_path):
         assert proc.poll() is None and time.monotonic() < deadline, "nothing reached the server"
         time.sleep(0.05)
     server.stop()
+    gate.touch()  # the run goes on from step 55 with the server gone
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr  # training went on
     assert stderr.count("MLflow at") == 1 and "python -m runner.trackers.upload" in stderr  # one warning
@@ -219,9 +223,9 @@ def test_a_server_that_dies_mid_run_loses_no_metric(tmp_path):
     client = MlflowClient(server.uri)
     run = client.get_run(run_id_of(run_dir))
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
-    assert steps == list(range(10, 6001, 10))  # every logged step, once
+    assert steps == list(range(10, 601, 10))  # every logged step, once
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/loss")] == list(
-        range(1000, 6001, 1000)
+        range(100, 601, 100)
     )
     assert run.info.status == "FINISHED"
     again = subprocess.run(
