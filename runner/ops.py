@@ -103,12 +103,13 @@ def concatenate(data: list[Any], dim: int = 0) -> Any:
 
 
 def convert_to_fp32(data: Any) -> Any:
-    """Cast every floating point tensor in `data` to float32 (outputs of an autocast forward)."""
-    return apply_to_tensors(_float_to_fp32, data)
+    """Cast every fp16 and bf16 tensor in `data` to float32 (outputs of an autocast forward); other dtypes,
+    fp64 included, stay as they are (Accelerate's)."""
+    return apply_to_tensors(_half_to_fp32, data)
 
 
-def _float_to_fp32(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.float() if tensor.is_floating_point() else tensor
+def _half_to_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
 
 
 def on_device(batches: Iterator[Any], device: torch.device, non_blocking: bool = False) -> Iterator[Any]:

@@ -41,8 +41,12 @@ def test_apply_to_tensors_keeps_container_types_and_leaves_others():
 
 
 def test_send_to_device_and_convert_to_fp32():
-    data = [torch.ones(2, dtype=torch.bfloat16), {"ids": torch.arange(3)}]
+    data = [
+        torch.ones(2, dtype=torch.bfloat16),
+        {"ids": torch.arange(3), "x": torch.ones(1, dtype=torch.float64)},
+    ]
     placed = send_to_device(data, torch.device("cpu"))
     assert placed[0] is data[0]  # already there: no copy
     converted = convert_to_fp32(data)
     assert converted[0].dtype == torch.float32 and converted[1]["ids"].dtype == torch.int64
+    assert converted[1]["x"].dtype == torch.float64  # only half precision is upcast, as Accelerate's
