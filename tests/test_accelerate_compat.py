@@ -52,12 +52,18 @@ def run(launch: list[str], script: Path, out: Path, *args: str, results: str = "
     # rank trains alone); runner's Accelerator honours the same variable.
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     out.mkdir(exist_ok=True)
-    for attempt in range(2):  # the rerun overwrites what the aborted one wrote
+    before = out.with_name(f"{out.name}.before")
+    shutil.copytree(out, before, dirs_exist_ok=True)
+    for attempt in range(2):
+        if attempt:  # the rerun starts from what was there before the aborted run (its logs, checkpoints)
+            shutil.rmtree(out)
+            shutil.copytree(before, out)
         proc = subprocess.run(
             [*launch, str(script), str(out), *args], capture_output=True, text=True, timeout=300, env=env
         )
         if proc.returncode == 0 or NATIVE_ABORT not in proc.stderr or attempt:
             break
+    shutil.rmtree(before)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads(path.read_text()) for path in sorted(out.glob(f"{results}_*.json"))]
 
