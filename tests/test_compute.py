@@ -244,7 +244,7 @@ def one_compile_thread(monkeypatch):
 @pytest.mark.parametrize(
     ("hardware", "scope"),
     [("cpu_forked", "regional"), ("multi_gpu", "model"), ("fsdp", "model"), ("fsdp", "regional")],
-)  # each scope with one process and with DDP once, and both under FSDP (units compiled or the root)
+)  # regional with one process, model with DDP, and both under FSDP (its units compiled, or the root)
 def test_compiled_training_matches_eager_and_its_checkpoints_resume_across(
     eager_reference, tmp_path, hardware, scope
 ):
