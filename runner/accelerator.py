@@ -86,7 +86,7 @@ class Accelerator(Engine):
             `mixed_precision` its bf16/fp16 block gives it.
         parallelism_config: Accelerate's `ParallelismConfig`: replicas, shards and tensor-parallel ranks,
             whose product is the world size; DDP, FSDP/HSDP or `TensorParallel` over that mesh
-            (`torch_device_mesh` once a model is prepared).
+            (`torch_device_mesh`).
         project_dir: shorthand for `ProjectConfiguration(project_dir=...)`.
         project_config: where `save_state()` without a directory writes, and how it names checkpoints.
         log_with: trackers that `init_trackers` starts and `log` writes to, on the main process (unless
@@ -218,8 +218,9 @@ class Accelerator(Engine):
 
     @property
     def use_stateful_dataloader(self) -> bool:
-        """True: prepared dataloaders always have `state_dict`/`load_state_dict` (their position)."""
-        return True
+        """Whether prepared dataloaders resume by themselves after `load_state` (as torchdata's
+        StatefulDataLoader does under Accelerate); either way they have `state_dict`/`load_state_dict`."""
+        return self.dataloader_config.use_stateful_dataloader
 
     @property
     def data_parallel_rank(self) -> int:
@@ -228,8 +229,8 @@ class Accelerator(Engine):
 
     @property
     def torch_device_mesh(self) -> Any:
-        """The strategy's DeviceMesh over the ranks (dims named "pp", "dp_replicate", "dp_shard", "tp"),
-        built when the first model is prepared; None before, and for strategies without one (DDP)."""
+        """The strategy's DeviceMesh over the ranks (dims named "pp", "dp_replicate", "dp_shard", "cp",
+        "tp"), built when the process joins, as Accelerate builds it; None for strategies without one (DDP)."""
         return getattr(self.strategy, "mesh", None)
 
     @property
@@ -241,7 +242,10 @@ class Accelerator(Engine):
             return None
         resolved = dims.resolved(self.num_processes)
         return ParallelismConfig(
-            dp_replicate_size=resolved.dp_replicate, dp_shard_size=resolved.dp_shard, tp_size=resolved.tp
+            dp_replicate_size=resolved.dp_replicate,
+            dp_shard_size=resolved.dp_shard,
+            tp_size=resolved.tp,
+            cp_size=resolved.cp if resolved.cp > 1 else None,
         )
 
     @property
@@ -368,6 +372,7 @@ def _plugin_strategy(
     world, local = (env.world_size, env.local_world_size) if env is not None else (1, 1)
     settings = (fsdp or FullyShardedDataParallelPlugin()).settings()
     if layout is not None:
+        layout.refuse_context_parallel()
         if layout.total_size != world:
             raise ValueError(
                 f"ParallelismConfig(dp_replicate_size={layout.dp_replicate_size}, dp_shard_size={layout.dp_shard_size}, "

@@ -276,6 +276,10 @@ class DataLoaderShard:
         generators: the RNGs of its own that decide the order (`order_generators`).
         global_rng: whether a pass also draws from torch's global RNG (its shuffle's or base seed).
         place: how batches go to `device` (`Strategy.device_batches`); None: `on_device`.
+        stateful: resume by itself (`DataLoaderConfiguration(use_stateful_dataloader=True)`, torchdata's
+            StatefulDataLoader under Accelerate): after `load_state_dict` the next pass starts after the
+            batches the loaded position had handed out. Otherwise the caller skips them
+            (`skip_first_batches`).
     """
 
     def __init__(
@@ -290,6 +294,7 @@ class DataLoaderShard:
         place: Callable[[Iterator[Any], torch.device], Iterator[Any]] | None = None,
         position: DataLoaderShard | None = None,
         global_rng: bool = False,
+        stateful: bool = False,
     ) -> None:
         self.base_dataloader = dataloader
         # Whose position this loader's passes advance: its own, or (`skip_first_batches`) that of the loader
@@ -303,6 +308,7 @@ class DataLoaderShard:
         self.skip_batches = skip_batches
         self.generators = generators or []
         self.global_rng = global_rng
+        self.stateful = stateful
         self.end_of_dataloader = False
         self.iteration = 0
         self.batches_yielded = 0  # in the current pass
@@ -316,16 +322,18 @@ class DataLoaderShard:
             self.synchronize_rng()
         position = self._position
         replay, position._replay_global = position._replay_global, None
+        resumed, position.resume_batches = (position.resume_batches if self.stateful else 0), 0
         position._pass_start = [g.get_state() for g in self.generators]
         position._pass_start_global = replay if replay is not None else self._global_state()
-        position.batches_yielded = self.skip_batches
+        position.batches_yielded = self.skip_batches + resumed
         self.end_of_dataloader = False
         self.gradient_state.active_dataloaders.append(self)
         try:
             with _global_rng_at(replay):  # a resumed pass draws what the saved pass drew at its start
                 iterator = iter(self.base_dataloader)
-                if self.skip_batches and not isinstance(self.base_dataloader.batch_sampler, SkipBatchSampler):
-                    iterator = itertools.islice(iterator, self.skip_batches, None)
+                sampled = isinstance(self.base_dataloader.batch_sampler, SkipBatchSampler)
+                if skip := (0 if sampled else self.skip_batches) + resumed:
+                    iterator = itertools.islice(iterator, skip, None)
                 if self.device is not None:
                     iterator = (self.place or on_device)(iterator, self.device)
                 batch = next(iterator, _END)
@@ -361,8 +369,9 @@ class DataLoaderShard:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position: the next pass draws the order the saved pass drew (from torch's global RNG
-        too, as it was at that pass's start, and back to the restored state after). Skipping the batches
-        it had handed out is the caller's, with `skip_first_batches(loader, state["batches_yielded"])`."""
+        too, as it was at that pass's start, and back to the restored state after). A `stateful` loader
+        then skips the batches it had handed out itself; otherwise that is the caller's, with
+        `skip_first_batches(loader, state["batches_yielded"])`."""
         if len(state["generator_states"]) != len(self.generators):
             raise ValueError(
                 f"the saved dataloader had {len(state['generator_states'])} RNG(s) deciding its order, this one "
@@ -373,6 +382,12 @@ class DataLoaderShard:
         for generator, saved in zip(self.generators, state["generator_states"], strict=True):
             generator.set_state(saved)
         self._replay_global = state.get("global_rng_state")
+
+    def resume_at(self, batches: int) -> None:
+        """Continue the current pass after its first `batches` batches, its order drawn afresh: a position
+        that records no RNG states (Accelerate's: its resumed pass draws a new shuffle too)."""
+        self.resume_batches = batches
+        self._replay_global = None
 
     def __len__(self) -> int:
         skipped = 0 if isinstance(self.base_dataloader.batch_sampler, SkipBatchSampler) else self.skip_batches
@@ -431,6 +446,7 @@ class DataLoaderShard:
             self.place,
             position=self._position,
             global_rng=self.global_rng,
+            stateful=self.stateful,
         )
 
     def __getattr__(self, name: str) -> Any:

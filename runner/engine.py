@@ -297,6 +297,7 @@ class Engine(ProcessControl):
             generators=generators,
             place=partial(self.strategy.device_batches, non_blocking=self.non_blocking),
             global_rng=global_rng,
+            stateful=config.use_stateful_dataloader,
         )
         self.checkpointer.dataloaders.append(wrapped)
         return wrapped

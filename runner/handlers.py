@@ -143,7 +143,9 @@ class DataLoaderConfiguration:
         their sampler's generator is synchronised from process 0 before each pass).
     data_seed: seed of the prepared loaders' shuffling generator (None: from the global seed).
     non_blocking: copy batches to the device asynchronously (from pinned memory, on CUDA).
-    use_stateful_dataloader: prepared loaders with `state_dict()` (runner's always have one).
+    use_stateful_dataloader: prepared loaders resume by themselves after `load_state` (torchdata's
+        StatefulDataLoader under Accelerate); a checkpoint then also records their position in its format
+        (`dl_state_dict.bin`). runner's loaders have `state_dict()` either way.
     """
 
     split_batches: bool = False
@@ -426,8 +428,9 @@ class ParallelismConfig:
     """Accelerate's layout of the ranks (`Accelerator(parallelism_config=...)`): `dp_replicate_size` x
     `dp_shard_size` x `tp_size` ranks (None: 1), which must be the world size. Replicas only: DDP;
     `dp_shard_size` above 1 (or an FSDP plugin): FSDP, HSDP with replicas; `tp_size` above 1: tensor
-    parallel by the model's plan, FSDP over the rest. Context and sequence parallel (`cp_size`,
-    `sp_size` above 1) are refused: runner has none yet."""
+    parallel by the model's plan, FSDP over the rest. Sequence parallel (`sp_size` above 1) is refused:
+    runner has none; so is `cp_size` above 1 given to the Accelerator (`refuse_context_parallel`), though
+    the layout of a strategy with `hardware.cp_size` reads back with it."""
 
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None
@@ -445,14 +448,6 @@ class ParallelismConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"ParallelismConfig({name}={value!r}): expected an integer >= 1.")
-        if (self.cp_size or 1) > 1:
-            raise ValueError(
-                f"ParallelismConfig(cp_size={self.cp_size}) is not supported: runner has no context parallel yet, "
-                "and torch's (torch.distributed.tensor.experimental.context_parallel, torch 2.13) cannot run on the "
-                "CPU: its ring attention has no sharding rule for the CPU attention kernel "
-                "(aten._scaled_dot_product_flash_attention_for_cpu), and with the math backend it mixes Tensor and "
-                "DTensor. Split the ranks over dp_replicate_size, dp_shard_size and tp_size."
-            )
         if (self.sp_size or 1) > 1:
             raise ValueError(
                 f"ParallelismConfig(sp_size={self.sp_size}) is not supported: runner has no sequence parallel "
@@ -461,7 +456,23 @@ class ParallelismConfig:
 
     @property
     def total_size(self) -> int:
-        return (self.dp_replicate_size or 1) * (self.dp_shard_size or 1) * (self.tp_size or 1)
+        return (
+            (self.dp_replicate_size or 1) * (self.dp_shard_size or 1) * (self.cp_size or 1) * (self.tp_size or 1)
+        )
+
+    def refuse_context_parallel(self) -> None:
+        """ValueError for `cp_size` above 1: Accelerate's context parallel has no counterpart a ported
+        script reaches."""
+        if (self.cp_size or 1) > 1:
+            raise ValueError(
+                f"ParallelismConfig(cp_size={self.cp_size}) is not supported: Accelerate's context parallel swaps "
+                "torch's ring attention into the model's scaled_dot_product_attention inside "
+                "`accelerator.maybe_context_parallel(...)`, which needs CUDA's attention kernels (torch 2.13 has no "
+                "sharding rule for the CPU kernel, aten._scaled_dot_product_flash_attention_for_cpu). runner's context parallel is `hardware.cp_size` "
+                "(FSDP(cp_size=...), TensorParallel(cp_size=...)) for models that declare `context_parallel(cp)`, "
+                "as runner.models.GPT does, trained through `accelerator.training_loss`. Split the ranks over "
+                "dp_replicate_size, dp_shard_size and tp_size."
+            )
 
 
 @dataclass

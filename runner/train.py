@@ -159,6 +159,8 @@ class Trainer:
             engine.num_processes,
             engine.mixed_precision,
         )
+        if engine.num_processes > 1:
+            log.info("layout: %s", engine.strategy.layout(engine.num_processes))
         self.metrics: dict[str, float] = {}
         self.progress = tqdm(
             total=self.total_steps,

@@ -302,7 +302,7 @@ def validate_for_world(
         for check in (
             hardware.check_model,
             lambda model, _: hardware.check_compute(model),
-            lambda _, world: _check_training(cfg, hardware, world),
+            lambda _, world: _check_training(cfg, hardware, world, data),
         ):
             try:
                 check(model, world_size)
@@ -329,15 +329,17 @@ def validate_for_world(
     return data, model
 
 
-def _check_training(cfg: DictConfig, hardware: Strategy, world_size: int) -> None:
-    """The backend's checks of the task and the rows of each batch one data-parallel rank trains on."""
+def _check_training(cfg: DictConfig, hardware: Strategy, world_size: int, data: DataSource) -> None:
+    """The backend's checks of the task, the rows of each batch one data-parallel rank trains on and the
+    samples."""
     try:
         task = instantiate(cfg.task)
     except Exception:  # the training step on meta reports a task that cannot be built
         return
     batch_size = cfg.data.get("batch_size") or 1
     readers = hardware.data_parallel_size(world_size)
-    hardware.check_training(task, batch_size // readers if cfg.trainer.split_batches else batch_size)
+    sample = data.train_set[0] if len(data.train_set) else None
+    hardware.check_training(task, batch_size // readers if cfg.trainer.split_batches else batch_size, sample)
 
 
 def _run_user_code(node: str, node_cfg: DictConfig, doing: str, build: Callable[[], T]) -> T:

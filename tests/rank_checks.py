@@ -434,6 +434,9 @@ def matrix_strategy(hardware: str):
             device="cpu", tp_size=2, dp_replicate=2, shard_modules=["Block"]
         ),
         "fsdp_hsdp2x1": lambda: FSDP(device="cpu", shard_modules=["Block"], dp_replicate=2, dp_shard=1),
+        "fsdp_cp2": lambda: FSDP(device="cpu", shard_modules=["Block"], cp_size=2),
+        "megatron_tp2_cp2": lambda: TensorParallel(device="cpu", tp_size=2, cp_size=2),
+        "fsdp_hsdp2_cp2": lambda: FSDP(device="cpu", shard_modules=["Block"], dp_replicate=2, cp_size=2),
         "cpu": lambda: SingleDevice("cpu"),
         # A forked process computes on one thread (its parent's OpenMP threads do not survive the fork).
         "cpu_forked": lambda: SingleDevice("cpu", num_threads=1),
@@ -652,3 +655,47 @@ def async_checkpoint_round_trip(hardware: str, workdir: str) -> dict[str, float]
     del step
     end_matrix_training(accelerator)
     return {"first": first, "background": from_background, "blocking": from_blocking}
+
+
+# --- context parallel: what each rank of a cp group computes ----------------------------------------------------
+def context_parallel_shares(hardware: str) -> dict[str, Any]:
+    """A tiny GPT prepared by `hardware` (cp_size 2) takes one training loss and one eval forward of the
+    same 16-token rows: the positions and sequence lengths its embeddings saw in each, the loss, and the
+    loss of one unsharded copy of the model on the whole rows."""
+    from runner.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, max_seq_len=16, d_model=32, n_layers=2, n_heads=2)
+    whole = GPT(vocab_size=32, max_seq_len=16, d_model=32, n_layers=2, n_heads=2)
+    whole.load_state_dict(model.state_dict())
+    accelerator = Accelerator(strategy=matrix_strategy(hardware))
+    model = accelerator.prepare(model)
+    seen: list[dict[str, Any]] = []  # the token embedding runs first, then the position embedding
+    model.tok_emb.register_forward_hook(lambda module, args, output: seen.append({"length": args[0].shape[1]}))
+    model.pos_emb.register_forward_hook(lambda module, args, output: seen.append({"positions": args[0].tolist()}))
+    tokens = torch.randint(0, 32, (4, 17), generator=torch.Generator().manual_seed(1))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+    def next_token_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), batch["targets"].reshape(-1))
+
+    loss = accelerator.training_loss(model, batch, next_token_loss)
+    accelerator.backward(loss)
+    train = {"length": seen[0]["length"], "positions": seen[1]["positions"]}
+    seen.clear()
+    model.eval()
+    with torch.no_grad():
+        eval_logits = model(batch["inputs"])
+    evaluation = {"length": seen[0]["length"], "positions": seen[1]["positions"]}
+    with torch.no_grad():
+        reference = next_token_loss(whole(batch["inputs"]), batch).item()
+        eval_difference = (eval_logits - whole(batch["inputs"])).abs().max().item()
+    accelerator.free_memory()
+    accelerator.end_training()
+    return {
+        "train": train,
+        "eval": evaluation,
+        "loss": loss.item(),
+        "reference": reference,
+        "eval_difference": eval_difference,
+    }

@@ -142,12 +142,37 @@ def test_dataloader_configuration_data_seed_decides_the_shuffle(accelerator_made
     assert order(3) == order(3) != order(4)
 
 
+@pytest.mark.parametrize("stateful", [False, True])
+def test_a_stateful_loader_resumes_its_pass_by_itself_after_load_state(accelerator_made, tmp_path, stateful):
+    """As torchdata's StatefulDataLoader under Accelerate: with `use_stateful_dataloader=True` the loaded
+    loader continues after the batches it had handed out; without, it starts over (the script skips)."""
+    config = DataLoaderConfiguration(use_stateful_dataloader=stateful)
+
+    def prepared() -> tuple[Accelerator, DataLoaderShard]:
+        torch.manual_seed(0)
+        accelerator = accelerator_made(cpu=True, dataloader_config=config)
+        return accelerator, accelerator.prepare(
+            DataLoader(TensorDataset(torch.arange(12.0)), batch_size=2, shuffle=True)
+        )
+
+    accelerator, loader = prepared()
+    order = []
+    for batch in loader:
+        order.append(batch[0].tolist())
+        if len(order) == 3:
+            accelerator.save_state(str(tmp_path / "ckpt"))
+    accelerator, loader = prepared()
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    resumed = [batch[0].tolist() for batch in loader]
+    assert resumed == order[3:] if stateful else len(resumed) == 6
+
+
 def test_dataloader_configuration_is_what_the_accelerator_uses(accelerator_made):
     accelerator = accelerator_made(
         cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True)
     )
     assert accelerator.split_batches and accelerator.non_blocking and accelerator.even_batches
-    assert not accelerator.dispatch_batches and accelerator.use_stateful_dataloader
+    assert not accelerator.dispatch_batches and not accelerator.use_stateful_dataloader  # Accelerate's default
     assert accelerator.data_parallel_rank == 0 and accelerator.should_save_model and not accelerator.is_fsdp2
     with pytest.raises(ValueError, match=r"dispatch_batches=True\) is not supported"):
         DataLoaderConfiguration(dispatch_batches=True)
@@ -557,7 +582,7 @@ def test_an_fsdp_plugin_makes_the_fsdp_strategy_in_one_process(accelerator_made)
     assert isinstance(accelerator.strategy, FSDP) and accelerator.is_fsdp2
     assert not accelerator.strategy.reshard_after_forward and accelerator.strategy.shard_modules == []
     assert type(accelerator.strategy.offload_policy).__name__ == "CPUOffloadPolicy"
-    assert accelerator.torch_device_mesh is None  # built when a model is prepared, as the strategy needs it
+    assert accelerator.torch_device_mesh.mesh_dim_names == ("dp_shard",)  # built at init, as Accelerate's
     model = accelerator.prepare(torch.nn.Linear(4, 2))
     assert type(model.weight).__name__ == "DTensor"
     assert accelerator.torch_device_mesh.mesh_dim_names == ("dp_shard",)
@@ -568,13 +593,13 @@ def test_an_fsdp_plugin_makes_the_fsdp_strategy_in_one_process(accelerator_made)
         Accelerator(strategy=DDP(device="cpu", num_processes=1), fsdp_plugin=plugin)
 
 
-def test_a_parallelism_config_must_lay_out_the_world_and_has_no_context_parallel():
+def test_a_parallelism_config_must_lay_out_the_world_and_refuses_accelerates_context_parallel():
     with pytest.raises(ValueError, match=re.escape("lays out 2 process(es), but this job has 1")):
         Accelerator(cpu=True, parallelism_config=ParallelismConfig(dp_shard_size=2))
     with pytest.raises(
-        ValueError, match=r"runner has no context parallel yet, and torch's .* cannot run on the CPU"
+        ValueError, match=r"Accelerate's context parallel .* needs CUDA's attention kernels .* `hardware.cp_size`"
     ):
-        ParallelismConfig(cp_size=2)
+        Accelerator(cpu=True, parallelism_config=ParallelismConfig(cp_size=2))
     with pytest.raises(ValueError, match="runner has no sequence parallel"):
         ParallelismConfig(sp_size=2)
     with pytest.raises(ValueError, match="expected an integer >= 1"):

@@ -24,6 +24,7 @@ HARDWARE = [
     "megatron_pp2_1f1b",
     "megatron_pp2_interleaved_1f1b",
     "fsdp_hsdp2x1",
+    "fsdp_cp2",
 ]
 PROCESSES = {
     "megatron_tp2_dp2": 4,
@@ -31,6 +32,8 @@ PROCESSES = {
     "megatron_pp2_dp2": 4,
     "megatron_tp2_pp2": 4,
     "megatron_tp2_hsdp2x1": 4,
+    "fsdp_hsdp2_cp2": 4,
+    "megatron_tp2_cp2": 4,
 }
 TOLERANCE = {"no": 1e-5, "bf16": 2e-2}
 

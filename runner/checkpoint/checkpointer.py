@@ -43,10 +43,13 @@ from runner.checkpoint.files import (
 from runner.checkpoint.formats import (
     ACCELERATE_KINDS,
     accelerate_counts,
+    accelerate_dataloader_file,
     accelerate_file,
+    batches_handed_out,
     is_accelerate_checkpoint,
     link_accelerate_names,
     load_full,
+    torchdata_position,
 )
 from runner.checkpoint.resume import (
     CANDIDATE,
@@ -260,6 +263,12 @@ class Checkpointer:
             files["precision.pt"] = copy(self.precision.state_dict())
             if full and "scaler" in files["precision.pt"]:
                 files["scaler.pt"] = files["precision.pt"]["scaler"]
+            if full:  # Accelerate's stateful loaders resume from these (one process's, without workers)
+                files |= {
+                    accelerate_dataloader_file(i): torchdata_position(loader.batches_yielded)
+                    for i, loader in enumerate(self.dataloaders)
+                    if loader.stateful and not loader.num_workers
+                }
         counts = self._counts(models)
         meta = {
             "num_processes": self.state.num_processes,
@@ -401,8 +410,9 @@ class Checkpointer:
 
     def _load_accelerate(self, directory: Path) -> int:
         """Restore what Accelerate's `save_state` wrote (models, optimizers, schedulers, registered objects,
-        the loss scale, this process's RNG states; Accelerate records no dataloader position unless its
-        loaders are stateful: runner's then start their pass afresh); the step it recorded."""
+        the loss scale, this process's RNG states, and the positions of its stateful loaders, which
+        runner's stateful loaders resume, their order drawn afresh as Accelerate's is); the step it
+        recorded."""
         if self.strategy.checkpoint_format != "full":
             raise ConfigError(
                 f"load_state input_dir={directory}: a checkpoint of Accelerate's save_state holds whole models, which "
@@ -432,14 +442,13 @@ class Checkpointer:
         if (scaler := directory / "scaler.pt").is_file() and "scaler" in self.precision.state_dict():
             self.precision.load_state_dict({"scaler": load_torch(scaler)})
         set_accelerate_rng_state(rng_states)
-        if positions := sorted(p.name for p in directory.glob("dl_state_dict*.bin")):
-            log.warning(
-                "%s (written by Accelerate) records where its stateful dataloaders were (%s, torchdata's "
-                "StatefulDataLoader format), which runner does not read: the prepared dataloaders start their "
-                "pass afresh. Skip what was consumed with accelerator.skip_first_batches(loader, n).",
-                directory,
-                ", ".join(positions),
-            )
+        for i, loader in enumerate(self.dataloaders):  # as Accelerate: its stateful loaders only
+            position = directory / accelerate_dataloader_file(i)
+            if loader.stateful and position.is_file():
+                try:
+                    loader.resume_at(batches_handed_out(load_torch(position)))
+                except (ValueError, KeyError, TypeError) as err:
+                    raise ConfigError(f"{position} (written by Accelerate): {err}.") from None
         return int(rng_states.get("step", 0))
 
     def resume(self, checkpoint: Path) -> int:

@@ -7,8 +7,9 @@
 - "deepspeed": DeepSpeed's engine writes its own partitions (in its strategy's hook).
 
 A "full" checkpoint also has Accelerate's names for its files (`model.safetensors`, `optimizer.bin`,
-`scheduler.bin`, `custom_checkpoint_<i>.pkl`: hard links, no second copy), so that Accelerate's
-`load_state` reads it; and runner's `load_state` reads a directory Accelerate's `save_state` wrote.
+`scheduler.bin`, `custom_checkpoint_<i>.pkl`: hard links, no second copy), and its stateful loaders'
+positions in torchdata's format (`dl_state_dict.bin`), so that Accelerate's `load_state` reads it; and
+runner's `load_state` reads a directory Accelerate's `save_state` wrote.
 
 A strategy picks the format and hands over what only it knows (its state dicts); the writing is here.
 """
@@ -66,6 +67,40 @@ def accelerate_file(kind: str, i: int) -> str:
         return f"custom_checkpoint_{i}.pkl"
     suffix = ".safetensors" if kind == "model" else ".bin"
     return f"{kind}{suffix}" if i == 0 else f"{kind}_{i}{suffix}"
+
+
+def accelerate_dataloader_file(i: int) -> str:
+    """Accelerate's file of the `i`-th prepared dataloader's position (its stateful loaders only)."""
+    return "dl_state_dict.bin" if i == 0 else f"dl_state_dict_{i}.bin"
+
+
+def torchdata_position(batches: int) -> dict[str, Any]:
+    """The state of torchdata's StatefulDataLoader (one process, no workers, a sampler without state of
+    its own) that has handed out `batches` batches of its pass: what Accelerate's `load_state` resumes."""
+    return {
+        "_index_sampler_state": None,
+        "_sampler_iter_state": None,
+        "_sampler_iter_yielded": batches,
+        "_num_yielded": batches,
+        "_IterableDataset_len_called": None,
+        "_shared_seed": None,
+        "fetcher_state": None,
+        "dataset_state": None,
+        "_iterator_finished": False,
+    }
+
+
+def batches_handed_out(state: dict[str, Any]) -> int:
+    """How many batches of its current pass a StatefulDataLoader whose `state_dict()` is `state` had handed
+    out (0 once the pass finished: the next starts afresh), without workers or with them; ValueError for
+    another format."""
+    if state.get("_iterator_finished"):
+        return 0
+    if "_num_yielded" in state:
+        return int(state["_num_yielded"])
+    if "_snapshot" in state:
+        return int(state["_snapshot"]["_snapshot_step"]) + int(state.get("_steps_since_snapshot", 0))
+    raise ValueError(f"not a torchdata StatefulDataLoader state (keys {sorted(state)})")
 
 
 def accelerate_weights(directory: Path, i: int) -> Path:

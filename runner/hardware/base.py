@@ -292,9 +292,10 @@ class Strategy(ABC):
             "even_batches=True so that every rank gets as many batches."
         )
 
-    def check_training(self, task: Any, batch_size: int) -> None:
+    def check_training(self, task: Any, batch_size: int, sample: Any = None) -> None:
         """Before launch: ConfigError for what this backend cannot train with `task` on batches of
-        `batch_size` rows per data-parallel rank."""
+        `batch_size` rows per data-parallel rank, of samples like `sample` (the training set's first;
+        None where none is known)."""
 
     def training_loss(
         self,

@@ -7,17 +7,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from runner.config import PositiveInt, ShardDegree, checked
-from runner.hardware.mesh import ParallelDims
-from runner.hardware.parallelize import ShardedState, apply_fsdp, sharding_units
-from runner.hardware.process_group import ParallelStrategy
+from runner.hardware.mesh import MeshStrategy, ParallelDims
+from runner.hardware.parallelize import ShardedState, apply_cp, apply_fsdp, sharding_units
 from runner.precision import MixedPrecision, Precision, ShardedMixedPrecision, refuse_fp16
 from runner.state import DistributedType
 
 
-class FSDP(ShardedState, ParallelStrategy):
+class FSDP(ShardedState, MeshStrategy):
     """Shard the model over all ranks with `fully_shard`: each module whose class is named in
     `shard_modules` (e.g. the transformer block) is one unit, gathered just before its forward and
     backward; the root module holds the rest.
@@ -32,8 +30,10 @@ class FSDP(ShardedState, ParallelStrategy):
         dp_replicate: HSDP: the ranks form this many replica groups, each sharding the model over its
             world_size / dp_replicate ranks (all-gathers stay within a group, e.g. a node; gradients are
             averaged across groups). 1: one group of all ranks (plain FSDP).
-        dp_shard: ranks each parameter is sharded over (-1: world_size / dp_replicate); the degrees must
-            multiply to the world size.
+        dp_shard: ranks each parameter is sharded over (-1: world_size / dp_replicate / cp_size); the
+            degrees must multiply to the world size.
+        cp_size: context parallel: ranks each training sequence is split over (`MeshStrategy`); they read
+            the same batches, and parameters are sharded over dp_shard x cp_size.
 
     bf16 comes from the precision group as FSDP's MixedPrecisionPolicy (parameters gathered in bf16,
     gradients reduced in fp32, outputs fp32). Checkpoints are sharded (torch.distributed.checkpoint);
@@ -50,11 +50,14 @@ class FSDP(ShardedState, ParallelStrategy):
         cpu_offload: bool = False,
         dp_replicate: PositiveInt = 1,
         dp_shard: ShardDegree = -1,
+        cp_size: PositiveInt = 1,
         **process_group: Any,
     ) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-        super().__init__(**process_group)
+        super().__init__(
+            ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp_size), **process_group
+        )
         self.shard_modules = None if shard_modules is None else list(shard_modules)
         self.reshard_after_forward = reshard_after_forward
         # pinned host memory only where there is a device to copy to and from
@@ -62,8 +65,6 @@ class FSDP(ShardedState, ParallelStrategy):
             CPUOffloadPolicy(pin_memory=self.device_type == "cuda") if cpu_offload else OffloadPolicy()
         )
         self.mp_policy = MixedPrecisionPolicy()
-        self.dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard)
-        self.mesh: DeviceMesh | None = None  # over the world, once a model is set up
 
     def setup_precision(self, precision: Precision) -> Precision:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -77,17 +78,12 @@ class FSDP(ShardedState, ParallelStrategy):
     def block_classes(self, module: torch.nn.Module) -> list[str]:
         return sharding_units(module, self.shard_modules)
 
-    def layout(self, world_size: int) -> str:
-        return self.dims.resolved(world_size).describe()
-
-    def check_model(self, model: torch.nn.Module, world_size: int) -> None:
-        self.dims.resolved(world_size)
-
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        dims = self.dims.resolved(torch.distributed.get_world_size())
         # dp_shard stays in the mesh at size 1: FSDP over (dp_replicate, 1) replicates, over one dim shards.
-        self.mesh = dims.build_mesh(self.device.type, always=("dp_shard",))
-        mesh = dims.submesh(self.mesh, "dp_replicate", "dp_shard")
+        mesh = self.sharding_mesh()
+        assert mesh is not None, "dp_shard is always in the mesh"
+        if self.context_parallel is not None:
+            apply_cp(module, self.context_parallel)
         self.apply_compute(module)
         self.replace_parameters(
             module,

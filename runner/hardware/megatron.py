@@ -1,21 +1,21 @@
-"""`hardware=megatron`: Megatron-style tensor parallelism on DTensor, pipeline parallel, and data parallel
-(FSDP2) over the rest of the world, on one ("pp", "dp_shard", "tp") mesh (`ParallelDims`)."""
+"""`hardware=megatron`: Megatron-style tensor parallelism on DTensor, pipeline parallel, context parallel,
+and data parallel (FSDP2) over the rest of the world, on one ("pp", "dp_shard", "cp", "tp") mesh
+(`ParallelDims`)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from runner.config import ActivationCheckpointingConfig, CompileConfig, PositiveInt, ShardDegree, checked
 from runner.errors import ConfigError
-from runner.hardware.mesh import ParallelDims
+from runner.hardware.mesh import MeshStrategy, ParallelDims
 from runner.hardware.parallelize import (
     ShardedState,
+    apply_cp,
     apply_fsdp,
     apply_tp,
     compute_settings,
@@ -31,13 +31,12 @@ from runner.hardware.pipeline import (
     split_stages,
     tied_across_stages,
 )
-from runner.hardware.process_group import ParallelStrategy
 from runner.precision import Precision, refuse_fp8, refuse_fp16
-from runner.state import DistributedType, ProcessState
+from runner.state import DistributedType
 from runner.task import trains_by_loss
 
 
-class TensorParallel(ShardedState, ParallelStrategy):
+class TensorParallel(ShardedState, MeshStrategy):
     """Split each layer of the model over `tp_size` ranks by the model's own plan (`model.tp_plan(tp_size,
     sequence_parallel)`, declared next to its definition: column-wise then row-wise linear layers, one
     all-reduce per sub-layer). A world of `tp_size` x N ranks is N-way data parallel too: FSDP2 shards the
@@ -58,9 +57,12 @@ class TensorParallel(ShardedState, ParallelStrategy):
             stages (`runner.hardware.pipeline`), each then split by tensor parallel and sharded over
             "dp_shard", and the loss comes from `training_loss`, which runs `pp_schedule` ("gpipe",
             "1f1b", "interleaved_1f1b") over `microbatches` slices of each batch.
+        cp_size: context parallel: ranks each training sequence is split over (`MeshStrategy`), within
+            each data-parallel rank; FSDP2 shards over dp_shard x cp_size. Not with pp_size above 1.
     """
 
     distributed_type = DistributedType.MEGATRON_LM
+    always = ("dp_shard", "tp")  # indexed even at size 1
 
     @checked("hardware")
     def __init__(
@@ -75,17 +77,18 @@ class TensorParallel(ShardedState, ParallelStrategy):
         pp_schedule: str = "1f1b",
         microbatches: PositiveInt = 4,
         virtual_stages: PositiveInt = 1,
+        cp_size: PositiveInt = 1,
         **process_group: Any,
     ) -> None:
-        super().__init__(**process_group)
+        super().__init__(
+            ParallelDims(pp=pp_size, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp_size, tp=tp_size),
+            **process_group,
+        )
         self.tp_size, self.pp_size = tp_size, pp_size
         self.sequence_parallel = sequence_parallel
         self.shard_modules = None if shard_modules is None else list(shard_modules)
         self.reshard_after_forward = reshard_after_forward
         self.pp_schedule, self.microbatches, self.virtual_stages = pp_schedule, microbatches, virtual_stages
-        self.dims = ParallelDims(pp=pp_size, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp_size)
-        self.mesh: DeviceMesh | None = None
-        self._data_mesh: DeviceMesh | None = None
         self.precision: Precision | None = None
         self._norm_duplicates: set[int] = set()  # tied weights' second copies (a pipeline's head)
 
@@ -112,11 +115,8 @@ class TensorParallel(ShardedState, ParallelStrategy):
             )
         super().setup_compute(compile, checkpointing)
 
-    def data_parallel_size(self, world_size: int) -> int:
-        return self.dims.resolved(world_size).dp
-
     def layout(self, world_size: int) -> str:
-        layout = self.dims.resolved(world_size).describe()
+        layout = super().layout(world_size)
         if self.pp_size == 1:
             return layout
         stages = self.pp_size * self.virtual_stages
@@ -126,7 +126,12 @@ class TensorParallel(ShardedState, ParallelStrategy):
         )
 
     def check_model(self, model: torch.nn.Module, world_size: int) -> None:
-        self.dims.resolved(world_size)
+        super().check_model(model, world_size)
+        if self.pp_size > 1 and self.dims.cp > 1:
+            raise ConfigError(
+                f"hardware.pp_size={self.pp_size} with hardware.cp_size={self.dims.cp}: context parallel is not "
+                "built into the pipeline stages here. Use one of them."
+            )
         if self.tp_size > 1:
             self._plan(model)
         if self.pp_size > 1:
@@ -136,7 +141,7 @@ class TensorParallel(ShardedState, ParallelStrategy):
         """Under pipeline parallel: a stage's share of the blocks, times the microbatches in flight on the
         first stage (`in_flight`) over all of them."""
         if self.pp_size == 1:
-            return 1.0
+            return super().activation_share()
         return in_flight(self.pp_schedule, self.microbatches, self.pp_size * self.virtual_stages) / (
             self.microbatches * self.pp_size
         )
@@ -146,7 +151,8 @@ class TensorParallel(ShardedState, ParallelStrategy):
             return None
         return describe_stages(model, self.pp_size, self.virtual_stages, self.pp_schedule, self.microbatches)
 
-    def check_training(self, task: Any, batch_size: int) -> None:
+    def check_training(self, task: Any, batch_size: int, sample: Any = None) -> None:
+        super().check_training(task, batch_size, sample)
         if self.pp_size == 1:
             return
         if not trains_by_loss(task):
@@ -179,23 +185,6 @@ class TensorParallel(ShardedState, ParallelStrategy):
             "method returning {module name pattern: ParallelStyle}, as runner.models.GPT has, or transformers' "
             "`_tp_plan`). Add one, or use hardware=fsdp or multi_gpu."
         )
-
-    def setup_environment(self) -> ProcessState:
-        state = super().setup_environment()
-        dims = self.dims.resolved(state.num_processes)
-        self.mesh = dims.build_mesh(self.device.type, always=("dp_shard", "tp"))
-        self._data_mesh = self._data_parallel_mesh()
-        return dataclasses.replace(
-            state, data_parallel_index=self._data_mesh.get_local_rank(), data_parallel_size=dims.dp
-        )
-
-    def _data_parallel_mesh(self) -> DeviceMesh:
-        """The ranks that read different batches, as one dimension: "dp_shard", flattened with
-        "dp_replicate" under HSDP."""
-        assert self.mesh is not None
-        if "dp_replicate" not in (self.mesh.mesh_dim_names or ()):
-            return self.mesh["dp_shard"]
-        return self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
     def block_classes(self, module: torch.nn.Module) -> list[str]:
         return sharding_units(module, self.shard_modules)
@@ -241,8 +230,8 @@ class TensorParallel(ShardedState, ParallelStrategy):
         return pipelined
 
     def _parallelize(self, module: torch.nn.Module, plan: dict[str, Any] | None = None) -> None:
-        """Tensor parallel over "tp" (by `plan`, else the module's own), the compute options, FSDP2 over
-        "dp_shard": in place."""
+        """Tensor parallel over "tp" (by `plan`, else the module's own), context parallel over "cp", the
+        compute options, FSDP2 over "dp_shard" x "cp": in place."""
         assert self.mesh is not None
         mesh = self.mesh
 
@@ -250,8 +239,10 @@ class TensorParallel(ShardedState, ParallelStrategy):
 
         if mesh["tp"].size() > 1:
             apply_tp(module, mesh["tp"], plan or self._plan(module))
+        if self.context_parallel is not None:
+            apply_cp(module, self.context_parallel)
         self.apply_compute(module)
-        data = ParallelDims.submesh(mesh, "dp_replicate", "dp_shard")
+        data = self.sharding_mesh()
         if data is not None and data.size() > 1:
             no_cast, no_offload = MixedPrecisionPolicy(), OffloadPolicy()  # bf16 is autocast's here
             apply_fsdp(
@@ -297,6 +288,7 @@ class TensorParallel(ShardedState, ParallelStrategy):
 
         assert self.mesh is not None
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+        assert self._data_mesh is not None
         sends = self._data_mesh.get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
         part = {name: tensor.cpu() for name, tensor in state.items()} if sends else {}
         parts: list[dict[str, torch.Tensor]] | None = (
@@ -333,9 +325,3 @@ class TensorParallel(ShardedState, ParallelStrategy):
         for grad in grads:
             grad.mul_(scale)
         return total
-
-    def data_group(self) -> dist.ProcessGroup:
-        """The ranks of one tp group or pipeline hold the same samples: the data collectives run over the
-        data-parallel ranks."""
-        assert self.mesh is not None, "setup_environment() first"
-        return self._data_mesh.get_group()

@@ -2,9 +2,9 @@
 strategies whose models end up as DTensors share afterwards (`ShardedState`: gradient sync switch, full
 weights, the "sharded" checkpoint format of `runner.checkpoint.formats`).
 
-Strategies compose them in a fixed order over one mesh: tensor parallel first (`apply_tp`), then the
-compute options per block (`apply_ac`, then `apply_compile`), then data parallel over the rest of the
-world (`apply_fsdp`, or `apply_ddp` for replicas).
+Strategies compose them in a fixed order over one mesh: tensor parallel first (`apply_tp`), then context
+parallel (`apply_cp`), then the compute options per block (`apply_ac`, then `apply_compile`), then data
+parallel over the rest of the world (`apply_fsdp`, or `apply_ddp` for replicas).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from runner.config import (
 )
 from runner.errors import ConfigError
 from runner.handlers import DDPCommunicationHookType
+from runner.hardware.context_parallel import ContextParallel
 from runner.ops import host_copy
 
 # torch.distributed.tensor (under FSDP2, tensor parallel and DCP) takes about 0.5 s to import: only runs
@@ -43,6 +44,12 @@ def apply_tp(module: torch.nn.Module, mesh: DeviceMesh, plan: dict[str, Parallel
     from torch.distributed.tensor.parallel import parallelize_module
 
     parallelize_module(module, mesh, plan)
+
+
+def apply_cp(module: torch.nn.Module, cp: ContextParallel) -> None:
+    """Train `module` on `cp`'s share of each sequence: it puts its positions and attention in that layout
+    (its own `context_parallel`, which `MeshStrategy.check_model` requires before launch)."""
+    module.context_parallel(cp)
 
 
 def apply_fsdp(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +13,19 @@ from runner.models.checks import check_sizes
 
 if TYPE_CHECKING:  # torch.distributed.tensor takes ~0.5 s to import: tp_plan imports it when asked
     from torch.distributed.tensor.parallel import ParallelStyle
+
+
+class SequenceShare(Protocol):
+    """The layout of context parallel (`runner.hardware.context_parallel.ContextParallel`): which tokens of
+    each sequence this rank holds (of `size` equal shares), and attention over the whole sequences."""
+
+    size: int
+
+    def positions(self, local_length: int, device: torch.device) -> torch.Tensor: ...
+
+    def attention(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0
+    ) -> torch.Tensor: ...
 
 
 class CausalSelfAttention(nn.Module):
@@ -26,6 +39,7 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, d_model)
         self.o_proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
+        self.sequence_share: SequenceShare | None = None  # context parallel (GPT.context_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -34,9 +48,11 @@ class CausalSelfAttention(nn.Module):
             proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        dropout_p = self.dropout if self.training else 0.0
+        if self.sequence_share is not None and self.training:
+            y = self.sequence_share.attention(q, k, v, dropout_p)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -102,6 +118,7 @@ class GPT(nn.Module):
         if tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.apply(_init_weights)
+        self.sequence_share: SequenceShare | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = _embed(self, input_ids)
@@ -113,6 +130,14 @@ class GPT(nn.Module):
         """What one pipeline stage runs: the embeddings if `first`, the blocks numbered `blocks`, the final
         norm and the head if `last`. It holds these modules themselves, under the names they have here."""
         return GPTStage(self, blocks, first, last)
+
+    def context_parallel(self, share: SequenceShare) -> None:
+        """Train on a share of each sequence (context parallel, `hardware.cp_size`): the positions of the
+        tokens and the attention over the whole sequences follow `share`'s layout. In `eval()` the model
+        takes whole sequences again."""
+        self.sequence_share = share
+        for block in self.blocks:
+            block.attn.sequence_share = share
 
     def tp_plan(self, tp_size: int, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
         """Megatron-style tensor parallelism over `tp_size` ranks: in every block q/k/v and the first MLP
@@ -208,11 +233,17 @@ class GPTStage(nn.Module):
 
 
 def _embed(model: GPT | GPTStage, input_ids: torch.Tensor) -> torch.Tensor:
-    """Token plus position embeddings of `input_ids` (batch, seq), after dropout."""
-    seq = input_ids.shape[1]
+    """Token plus position embeddings of `input_ids` (batch, seq: under context parallel, this rank's
+    share of the sequences), after dropout."""
+    share = getattr(model, "sequence_share", None) if model.training else None
+    seq = input_ids.shape[1] * (1 if share is None else share.size)
     if seq > model.max_seq_len:
         raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={model.max_seq_len}.")
-    positions = torch.arange(seq, device=input_ids.device)
+    positions = (
+        torch.arange(seq, device=input_ids.device)
+        if share is None
+        else share.positions(input_ids.shape[1], input_ids.device)
+    )
     return model.drop(model.tok_emb(input_ids) + model.pos_emb(positions))
 
 

@@ -5,9 +5,12 @@ the dropout masks) comes from torch's global RNG, seeded once by `set_seed`.
 
 `tests/test_accelerate_compat.py` runs it as written (with `accelerate`) and ported (the module name
 replaced on its import lines), alone and under torchrun, and compares what each rank writes bitwise;
-with `resume`, it loads the mid-epoch checkpoint of an earlier run and trains the rest.
+with `resume`, it loads the mid-epoch checkpoint of an earlier run and trains the rest. With `stateful`
+its loaders are stateful (`use_stateful_dataloader=True`: torchdata's StatefulDataLoader under
+Accelerate): the checkpoint records the train loader's position, and a resumed run does not skip the
+consumed batches itself.
 
-Usage: python shuffled.py <out dir> [resume]
+Usage: python shuffled.py <out dir> [resume] [stateful]
 """
 
 import hashlib
@@ -17,14 +20,17 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 EPOCHS, SAVE_AT = 3, (1, 6)  # the checkpoint: after the 6th batch (an optimizer step) of the second epoch
 
 
-def main(out: Path, resume: bool) -> None:
-    accelerator = Accelerator(gradient_accumulation_steps=2)
+def main(out: Path, resume: bool, stateful: bool) -> None:
+    accelerator = Accelerator(
+        gradient_accumulation_steps=2,
+        dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful),
+    )
     set_seed(0)
     data = torch.Generator().manual_seed(1)
     inputs = torch.randn(96, 8, generator=data)
@@ -44,7 +50,8 @@ def main(out: Path, resume: bool) -> None:
     losses, evals = [], []
     for epoch in range(start_epoch, EPOCHS):
         model.train()
-        batches = accelerator.skip_first_batches(train_loader, skip) if epoch == start_epoch else train_loader
+        skipped = epoch == start_epoch and not stateful  # a stateful loader resumes where it was
+        batches = accelerator.skip_first_batches(train_loader, skip) if skipped else train_loader
         for step, (x, y) in enumerate(batches, start=skip if epoch == start_epoch else 0):
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(x), y)
@@ -66,4 +73,4 @@ def main(out: Path, resume: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:] == ["resume"])
+    main(Path(sys.argv[1]), "resume" in sys.argv[2:], "stateful" in sys.argv[2:])

@@ -240,6 +240,26 @@ def test_sharded_backends_on_one_gpu_match_the_single_gpu_run(
         assert abs(ours[name] - reference[name]) <= tolerance * reference[name], (name, ours, reference)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallel needs a GPU per rank (NCCL)")
+@pytest.mark.parametrize(("precision", "tolerance"), [("fp32", 1e-4), ("bf16", 2e-2)])
+def test_context_parallel_on_two_gpus_matches_the_single_gpu_run(tmp_path, single_gpu, precision, tolerance):
+    """`hardware.cp_size=2` on NCCL: each GPU attends with its share of every sequence over the gathered
+    keys and values (the efficient-attention kernel with a mask), as one GPU computes the whole."""
+    proc = runner_cli(
+        tmp_path,
+        *GPT_RUN,
+        "hardware=fsdp",
+        "hardware.device=cuda",
+        "hardware.num_processes=2",
+        "hardware.cp_size=2",
+        f"precision={precision}",
+    )
+    ours, reference = final_metrics(proc), single_gpu[precision]
+    assert "layout: pp 1 x dp_replicate 1 x dp_shard 1 x cp 2 x tp 1" in proc.stderr
+    for name in ("train/loss", "eval/loss"):
+        assert abs(ours[name] - reference[name]) <= tolerance * reference[name], (name, ours, reference)
+
+
 def test_stopped_cli_run_on_cuda_resumes_to_bitwise_the_uninterrupted_weights(tmp_path):
     train = [
         "hardware.device=cuda",

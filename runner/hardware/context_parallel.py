@@ -1,0 +1,113 @@
+"""Context parallel: the ranks of a cp group each hold a share of every training sequence, so that the
+activations of long sequences are spread over them.
+
+The share is load-balanced for causal attention (torch's head-tail layout, `_HeadTailLoadBalancer`): each
+sequence is cut into 2 x cp equal chunks and rank r keeps chunks r and 2cp - 1 - r, so that every rank's
+queries see as many keys. A rank attends with its own queries to the keys and values of all ranks,
+gathered (an all-gather in the forward, a reduce-scatter of their gradients in the backward), under the
+causal mask in the tokens' global positions: the all-gather context parallel of Llama 3, which torch's
+flex-attention context parallel also uses. It runs on any device and backend, gloo included (torch's ring
+attention needs the CUDA attention kernels, its flex-attention path has no backward on the CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+from runner.errors import ConfigError
+from runner.ops import apply_to_tensors
+from runner.task import HF_LABELS, model_inputs
+
+
+def chunks_of(rank: int, size: int) -> tuple[int, int]:
+    """Which two of the 2 x `size` chunks of a sequence `rank` holds: one from each end."""
+    return rank, 2 * size - 1 - rank
+
+
+def positions_of(rank: int, size: int, local_length: int, device: torch.device | None = None) -> torch.Tensor:
+    """The global positions of the `local_length` tokens `rank` of `size` holds of each sequence."""
+    chunk = local_length // 2
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunks_of(rank, size)])
+
+
+class ContextParallel:
+    """The layout of the sequences over the ranks of `group`, and the operations that follow it."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    def positions(self, local_length: int, device: torch.device) -> torch.Tensor:
+        """The global positions of the `local_length` tokens this rank holds of each sequence."""
+        return positions_of(self.rank, self.size, local_length, device)
+
+    def shard(self, batch: Any) -> Any:
+        """This rank's share of every sequence in `batch`: each tensor of two or more dimensions (batch,
+        sequence, ...) cut along the sequence; ValueError when a sequence does not split into 2 x cp
+        equal chunks."""
+
+        def share(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.dim() < 2:
+                return tensor
+            pieces = tensor.chunk(2 * self.size, dim=1)
+            if tensor.shape[1] % (2 * self.size):
+                raise ValueError(self._indivisible(tensor.shape[1], self.size))
+            return torch.cat([pieces[c] for c in chunks_of(self.rank, self.size)], dim=1)
+
+        return apply_to_tensors(share, batch)
+
+    def attention(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0
+    ) -> torch.Tensor:
+        """Causal attention of this rank's queries (batch, heads, local sequence, head dim) over the keys
+        and values of the whole sequences, gathered from the group."""
+        local = query.shape[2]
+        keys = funcol.all_gather_single_autograd(key.contiguous(), 2, self.group)
+        values = funcol.all_gather_single_autograd(value.contiguous(), 2, self.group)
+        mine = self.positions(local, query.device)
+        gathered = torch.cat(
+            [positions_of(rank, self.size, local, query.device) for rank in range(self.size)]
+        )
+        causal = mine[:, None] >= gathered[None, :]
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=causal, dropout_p=dropout_p)
+
+    def whole_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` (this rank's share's mean) with the value of the whole sequences' loss, the mean over the
+        group (every share holds as many tokens), and the gradient of this rank's share: data-parallel
+        averaging of the gradients over the group completes it."""
+        total = funcol.all_reduce(loss.detach(), "sum", self.group) / self.size
+        return loss + (total - loss.detach())
+
+    @staticmethod
+    def check_sample(sample: Any, size: int) -> None:
+        """ConfigError before launch when the sequences of `sample` (one sample of the training set, its
+        model inputs) do not split into 2 x `size` equal chunks, or when its targets are not shifted yet
+        (Hugging Face's `labels`, which the task shifts after the cut: each share would lose a token)."""
+        if isinstance(sample, Mapping) and HF_LABELS in sample and "inputs" not in sample:
+            raise ConfigError(
+                f"hardware.cp_size={size}: the samples are Hugging Face's (`labels` equal to the inputs, shifted "
+                "by the task after the model), and under context parallel each rank's share of a sequence is cut "
+                "before the model, so every share would lose its boundary token. Use runner's samples (`inputs` "
+                "and `targets` already shifted: data=sonnets, data=text), or hardware.cp_size=1."
+            )
+        args, kwargs = model_inputs(sample)
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] % (2 * size):
+                raise ConfigError(
+                    f"hardware.cp_size={size}: {ContextParallel._indivisible(value.shape[0], size)}"
+                )
+
+    @staticmethod
+    def _indivisible(length: int, size: int) -> str:
+        return (
+            f"sequences of {length} tokens do not split into 2 x cp_size = {2 * size} equal chunks (each rank "
+            f"keeps two, one from each end, for an even share of the causal attention). Use a sequence length "
+            f"that is a multiple of {2 * size} (data.seq_len), or another cp_size."
+        )

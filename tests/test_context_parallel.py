@@ -1,0 +1,138 @@
+"""Context parallel (`hardware.cp_size`): each rank of a cp group trains on its share of every sequence.
+The loss curves against one process (fsdp cp 2, HSDP 2 x cp 2, tp 2 x cp 2) are in
+test_matrix.py; here: what each rank computes, the command line, and what is refused before launch."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import rank_checks
+import torch
+from conftest import metrics_of
+
+from runner.errors import ConfigError
+from runner.hardware.context_parallel import ContextParallel, chunks_of, positions_of
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_the_shares_cover_each_sequence_once_with_even_causal_work(size):
+    length = 2 * size * 3
+    shares = [positions_of(rank, size, length // size) for rank in range(size)]
+    assert sorted(torch.cat(shares).tolist()) == list(range(length))
+    # Under the causal mask the token at position p attends to p + 1 keys: each rank as many.
+    work = {int((share + 1).sum()) for share in shares}
+    assert len(work) == 1
+    assert chunks_of(0, size) == (0, 2 * size - 1)  # the first chunk and the last
+
+
+def test_samples_whose_sequences_a_share_cannot_take_are_refused():
+    tokens = torch.arange(16)
+    ContextParallel.check_sample({"inputs": tokens, "targets": tokens}, 2)  # 4 chunks of 4
+    with pytest.raises(ConfigError, match="sequences of 16 tokens do not split into 2 x cp_size = 6"):
+        ContextParallel.check_sample({"inputs": tokens, "targets": tokens}, 3)
+    hugging_face = {"input_ids": tokens, "attention_mask": torch.ones(16), "labels": tokens}
+    with pytest.raises(ConfigError, match="every share would lose its boundary token"):
+        ContextParallel.check_sample(hugging_face, 2)
+
+
+@pytest.mark.slow
+def test_each_rank_trains_on_its_share_and_evaluates_whole_sequences():
+    results = rank_checks.run_ranks(rank_checks.context_parallel_shares, "fsdp_cp2")
+    expected = {0: [0, 1, 2, 3, 12, 13, 14, 15], 1: [4, 5, 6, 7, 8, 9, 10, 11]}
+    for rank, result in results.items():
+        assert result["train"] == {"length": 8, "positions": expected[rank]}
+        assert result["eval"] == {"length": 16, "positions": list(range(16))}
+        # The loss has the whole rows' value on every rank (its gradient is the rank's share's).
+        assert result["loss"] == pytest.approx(result["reference"], abs=1e-6)
+        assert result["eval_difference"] < 1e-5
+
+
+@pytest.mark.slow
+def test_checkpointed_and_compiled_blocks_recompute_their_share(tmp_path):
+    """Activation checkpointing recomputes a block's forward during backward, outside `training_loss`: it
+    must attend over the same share again (and the compiled blocks must keep the layout)."""
+    reference = rank_checks.matrix_run("cpu", "no", str(tmp_path / "one"))
+    result = rank_checks.run_ranks(
+        rank_checks.matrix_run, "fsdp_cp2", "no", str(tmp_path / "cp"), "regional", "full"
+    )[0]
+    assert result["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+    assert result["after_load"] == result["continued"]
+
+
+TRAIN = ("experiment=gpt_sonnets", "trainer.max_steps=12", "trainer.eval_every=6", "tracker=none")
+
+
+@pytest.mark.slow
+def test_context_parallel_from_the_command_line_trains_as_one_process(run_cli):
+    single = run_cli(*TRAIN, "hardware.num_threads=1")
+    assert single.returncode == 0, single.stderr
+    cp = run_cli(*TRAIN, "hardware=fsdp", "hardware.num_processes=2", "hardware.cp_size=2")
+    assert cp.returncode == 0, cp.stderr
+    assert "layout: pp 1 x dp_replicate 1 x dp_shard 1 x cp 2 x tp 1" in cp.stderr
+    for name, value in metrics_of(single).items():
+        assert metrics_of(cp)[name] == pytest.approx(value, abs=1e-5), name
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["hardware.cp_size=2"],  # the default experiment's model
+            "hardware.cp_size=2: MLP does not declare context parallel",
+        ),
+        (
+            ["experiment=gpt_sonnets", "hardware.cp_size=2", "data.seq_len=30"],
+            "hardware.cp_size=2: sequences of 30 tokens do not split into 2 x cp_size = 4 equal chunks",
+        ),
+        (
+            ["experiment=gpt_sonnets", "hardware.cp_size=3"],
+            "hardware.cp_size=3: the parallel degrees (pp_size x dp_replicate x dp_shard x cp_size x tp_size = 3 "
+            "(dp_shard takes the rest of the ranks)) must multiply to the world size, 2 ranks",
+        ),
+        (["experiment=gpt_sonnets", "hardware.cp_size=0"], "hardware.cp_size=0: must be >= 1"),
+        (
+            [
+                "experiment=gpt_sonnets",
+                "hardware=megatron",
+                "hardware.tp_size=1",
+                "hardware.pp_size=2",
+                "hardware.cp_size=2",
+                "hardware.num_processes=4",
+                "hardware.oversubscribe=true",
+            ],
+            "hardware.pp_size=2 with hardware.cp_size=2: context parallel is not built into the pipeline stages",
+        ),
+    ],
+)
+def test_what_context_parallel_cannot_do_is_refused_before_launch(run_cli, overrides, message):
+    proc = run_cli("hardware=fsdp", "hardware.device=cpu", "hardware.num_processes=2", *overrides)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert "starting" not in proc.stderr  # no rank was started
+
+
+def test_the_plan_shows_the_cp_dimension_and_the_activations_it_splits(run_cli):
+    plans = {
+        cp: run_cli(
+            "plan=true",
+            "experiment=gpt_sonnets",
+            "hardware=fsdp",
+            "hardware.device=cpu",
+            "hardware.num_processes=2",
+            f"hardware.cp_size={cp}",
+        )
+        for cp in (1, 2)
+    }
+    for proc in plans.values():
+        assert proc.returncode == 0, proc.stderr
+    output = plans[2].stdout + plans[2].stderr
+    assert (
+        "pp 1 x dp_replicate 1 x dp_shard 1 x cp 2 x tp 1; rank:(pp,dp_replicate,dp_shard,cp,tp) "
+        "0:(0,0,0,0,0) 1:(0,0,0,1,0)" in output
+    )
+    activations = {
+        cp: float(re.search(r"activations +about ([0-9.]+) MB per device", proc.stdout + proc.stderr)[1])
+        for cp, proc in plans.items()
+    }
+    assert activations[2] == pytest.approx(activations[1] / 2, rel=0.02)  # half of each sequence
