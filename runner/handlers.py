@@ -469,8 +469,8 @@ class ParallelismConfig:
                 "torch's ring attention into the model's scaled_dot_product_attention inside "
                 "`accelerator.maybe_context_parallel(...)`, which needs CUDA's attention kernels (torch 2.13 has no "
                 "sharding rule for the CPU kernel, aten._scaled_dot_product_flash_attention_for_cpu). runner's context parallel is `hardware.cp_size` "
-                "(FSDP(cp_size=...), TensorParallel(cp_size=...)) for models that declare `context_parallel(cp)`, "
-                "as runner.models.GPT does, trained through `accelerator.training_loss`. Split the ranks over "
+                "(FSDP(cp_size=...), TensorParallel(cp_size=...)) for runner's GPT and transformers causal LMs, "
+                "trained through `accelerator.training_loss`. Split the ranks over "
                 "dp_replicate_size, dp_shard_size and tp_size."
             )
 

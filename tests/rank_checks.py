@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from runner import Accelerator
 from runner.hardware import DDP
+from runner.task import model_outputs
 from runner.trackers import MLflowTracker
 
 
@@ -435,6 +436,7 @@ def matrix_strategy(hardware: str):
         ),
         "fsdp_hsdp2x1": lambda: FSDP(device="cpu", shard_modules=["Block"], dp_replicate=2, dp_shard=1),
         "fsdp_cp2": lambda: FSDP(device="cpu", shard_modules=["Block"], cp_size=2),
+        "fsdp_cp2_declared_units": lambda: FSDP(device="cpu", cp_size=2),  # the model's _no_split_modules
         "megatron_tp2_cp2": lambda: TensorParallel(device="cpu", tp_size=2, cp_size=2),
         "fsdp_hsdp2_cp2": lambda: FSDP(device="cpu", shard_modules=["Block"], dp_replicate=2, cp_size=2),
         "cpu": lambda: SingleDevice("cpu"),
@@ -658,21 +660,39 @@ def async_checkpoint_round_trip(hardware: str, workdir: str) -> dict[str, float]
 
 
 # --- context parallel: what each rank of a cp group computes ----------------------------------------------------
-def context_parallel_shares(hardware: str) -> dict[str, Any]:
-    """A tiny GPT prepared by `hardware` (cp_size 2) takes one training loss and one eval forward of the
-    same 16-token rows: the positions and sequence lengths its embeddings saw in each, the loss, and the
-    loss of one unsharded copy of the model on the whole rows."""
+def context_parallel_shares(hardware: str, model_type: str = "gpt") -> dict[str, Any]:
+    """A tiny GPT (or transformers Llama, `model_type="llama"`) prepared by `hardware` (cp_size 2) takes
+    one training loss and one eval forward of the same 16-token rows: the positions and sequence lengths
+    its embeddings saw in each, the loss, and the loss of one unsharded copy of the model on the whole
+    rows."""
     from runner.models import GPT
 
+    def build() -> torch.nn.Module:
+        if model_type == "gpt":
+            return GPT(vocab_size=32, max_seq_len=16, d_model=32, n_layers=2, n_heads=2)
+        from runner.models.hf import causal_lm
+
+        sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+        heads = {"num_attention_heads": 4, "num_key_value_heads": 2}  # grouped-query attention
+        return causal_lm(vocab_size=32, config={"model_type": "llama", **sizes, **heads})
+
     torch.manual_seed(0)
-    model = GPT(vocab_size=32, max_seq_len=16, d_model=32, n_layers=2, n_heads=2)
-    whole = GPT(vocab_size=32, max_seq_len=16, d_model=32, n_layers=2, n_heads=2)
+    model, whole = build(), build()
     whole.load_state_dict(model.state_dict())
     accelerator = Accelerator(strategy=matrix_strategy(hardware))
     model = accelerator.prepare(model)
-    seen: list[dict[str, Any]] = []  # the token embedding runs first, then the position embedding
-    model.tok_emb.register_forward_hook(lambda module, args, output: seen.append({"length": args[0].shape[1]}))
-    model.pos_emb.register_forward_hook(lambda module, args, output: seen.append({"positions": args[0].tolist()}))
+    # The token embedding runs first; then GPT's position embedding, or Llama's rotary embedding.
+    embedding, positions = (
+        (model.tok_emb, model.pos_emb) if model_type == "gpt" else (model.model.embed_tokens, model.model.rotary_emb)
+    )
+    seen: list[dict[str, Any]] = []
+    embedding.register_forward_hook(lambda module, args, output: seen.append({"length": args[0].shape[1]}))
+    positions.register_forward_hook(
+        lambda module, args, kwargs, output: seen.append(
+            {"positions": (args[1] if len(args) > 1 else kwargs.get("position_ids", args[0])).flatten().tolist()}
+        ),
+        with_kwargs=True,
+    )
     tokens = torch.randint(0, 32, (4, 17), generator=torch.Generator().manual_seed(1))
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
@@ -685,11 +705,11 @@ def context_parallel_shares(hardware: str) -> dict[str, Any]:
     seen.clear()
     model.eval()
     with torch.no_grad():
-        eval_logits = model(batch["inputs"])
+        eval_logits = model_outputs(model, batch)
     evaluation = {"length": seen[0]["length"], "positions": seen[1]["positions"]}
     with torch.no_grad():
-        reference = next_token_loss(whole(batch["inputs"]), batch).item()
-        eval_difference = (eval_logits - whole(batch["inputs"])).abs().max().item()
+        reference = next_token_loss(model_outputs(whole, batch), batch).item()
+        eval_difference = (eval_logits - model_outputs(whole, batch)).abs().max().item()
     accelerator.free_memory()
     accelerator.end_training()
     return {

@@ -13,6 +13,7 @@ from conftest import metrics_of
 
 from runner.errors import ConfigError
 from runner.hardware.context_parallel import ContextParallel, chunks_of, positions_of
+from runner.models.sequence_shares import share_problem
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
@@ -36,9 +37,24 @@ def test_samples_whose_sequences_a_share_cannot_take_are_refused():
         ContextParallel.check_sample(hugging_face, 2)
 
 
+def test_transformers_models_the_gathered_attention_cannot_serve_are_refused_saying_why():
+    from runner.models.hf import causal_lm, sequence_classification
+
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1}
+    assert share_problem(causal_lm(vocab_size=32, config={"model_type": "llama", **sizes})) is None
+    mistral = causal_lm(vocab_size=32, config={"model_type": "mistral", **sizes})
+    assert "attends within a sliding window (sliding_window=4096)" in share_problem(mistral)
+    classifier = sequence_classification(vocab_size=32, num_labels=2, config={"model_type": "llama", **sizes})
+    assert "is not a transformers causal language model" in share_problem(classifier)
+    assert "does not declare context parallel" in share_problem(torch.nn.Linear(2, 2))
+
+
 @pytest.mark.slow
-def test_each_rank_trains_on_its_share_and_evaluates_whole_sequences():
-    results = rank_checks.run_ranks(rank_checks.context_parallel_shares, "fsdp_cp2")
+@pytest.mark.parametrize("model_type", ["gpt", "llama"])
+def test_each_rank_trains_on_its_share_and_evaluates_whole_sequences(model_type):
+    """runner's GPT (learned positions) and a transformers Llama (rotary positions, grouped-query
+    attention through a registered attention implementation) alike."""
+    results = rank_checks.run_ranks(rank_checks.context_parallel_shares, "fsdp_cp2_declared_units", model_type)
     expected = {0: [0, 1, 2, 3, 12, 13, 14, 15], 1: [4, 5, 6, 7, 8, 9, 10, 11]}
     for rank, result in results.items():
         assert result["train"] == {"length": 8, "positions": expected[rank]}

@@ -47,6 +47,11 @@ HARDWARE = {
     "fsdp": ["hardware=fsdp", "hardware.num_processes=2"],  # units: the model's LlamaDecoderLayer
     "deepspeed_zero3": ["hardware=deepspeed", "hardware.num_processes=2", "hardware.zero_stage=3"],
     "megatron_tp2": ["hardware=megatron", "hardware.num_processes=2", "hardware.tp_size=2"],  # its _tp_plan
+    "fsdp_cp2": [  # each rank a share of every sequence: its attention over the gathered keys and values
+        "hardware=fsdp",
+        "hardware.num_processes=2",
+        "hardware.cp_size=2",
+    ],
     "megatron_pp2": [  # its decoder layers split into 2 stages (DecoderStage)
         "hardware=megatron",
         "hardware.num_processes=2",

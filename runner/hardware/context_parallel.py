@@ -64,10 +64,16 @@ class ContextParallel:
         return apply_to_tensors(share, batch)
 
     def attention(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        dropout_p: float = 0.0,
+        scale: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of this rank's queries (batch, heads, local sequence, head dim) over the keys
-        and values of the whole sequences, gathered from the group."""
+        and values of the whole sequences, gathered from the group (fewer key/value heads than query
+        heads: grouped-query attention)."""
         local = query.shape[2]
         keys = funcol.all_gather_single_autograd(key.contiguous(), 2, self.group)
         values = funcol.all_gather_single_autograd(value.contiguous(), 2, self.group)
@@ -76,7 +82,15 @@ class ContextParallel:
             [positions_of(rank, self.size, local, query.device) for rank in range(self.size)]
         )
         causal = mine[:, None] >= gathered[None, :]
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=causal, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(
+            query,
+            keys,
+            values,
+            attn_mask=causal,
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=keys.shape[1] != query.shape[1],
+        )
 
     def whole_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` (this rank's share's mean) with the value of the whole sequences' loss, the mean over the

@@ -17,6 +17,7 @@ from runner.config import PythonOnly
 from runner.errors import ConfigError
 from runner.hardware.context_parallel import ContextParallel
 from runner.hardware.process_group import ParallelStrategy
+from runner.models.sequence_shares import share_problem
 from runner.state import ProcessState
 from runner.task import trains_by_loss
 
@@ -126,8 +127,9 @@ class MeshStrategy(ParallelStrategy):
 
     Context parallel (`dims.cp` above 1): the ranks of a cp group each train on their share of every
     sequence (`runner.hardware.context_parallel`): `training_loss` shards the batch, the model computes its
-    attention over the whole sequences gathered (the model must declare `context_parallel(cp)`, as
-    runner.models.GPT does), the loss has the whole sequences' value, and FSDP averages gradients over
+    attention over the whole sequences gathered (runner.models.GPT declares `context_parallel(cp)`;
+    transformers causal LMs are set up by `runner.models.sequence_shares`), the loss has the whole
+    sequences' value, and FSDP averages gradients over
     dp_shard x cp. Evaluation runs whole sequences (the model in `eval()` attends as one process).
     """
 
@@ -182,12 +184,10 @@ class MeshStrategy(ParallelStrategy):
 
     def check_model(self, model: torch.nn.Module, world_size: int) -> None:
         self.dims.resolved(world_size)
-        if self.dims.cp > 1 and not callable(getattr(model, "context_parallel", None)):
+        if self.dims.cp > 1 and (problem := share_problem(model)):
             raise ConfigError(
-                f"hardware.cp_size={self.dims.cp}: {type(model).__name__} does not declare context parallel (a "
-                "`context_parallel(cp)` method that puts its positions and attention in the cp group's layout, as "
-                "runner.models.GPT has; transformers models compute their attention themselves). Use "
-                "hardware.cp_size=1."
+                f"hardware.cp_size={self.dims.cp}: {problem}. Use a model that can (runner.models.GPT, a "
+                "transformers causal LM such as Llama), or hardware.cp_size=1."
             )
 
     def check_training(self, task: Any, batch_size: int, sample: Any = None) -> None:

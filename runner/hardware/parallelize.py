@@ -29,6 +29,7 @@ from runner.config import (
 from runner.errors import ConfigError
 from runner.handlers import DDPCommunicationHookType
 from runner.hardware.context_parallel import ContextParallel
+from runner.models.sequence_shares import share_model
 from runner.ops import host_copy
 
 # torch.distributed.tensor (under FSDP2, tensor parallel and DCP) takes about 0.5 s to import: only runs
@@ -47,9 +48,10 @@ def apply_tp(module: torch.nn.Module, mesh: DeviceMesh, plan: dict[str, Parallel
 
 
 def apply_cp(module: torch.nn.Module, cp: ContextParallel) -> None:
-    """Train `module` on `cp`'s share of each sequence: it puts its positions and attention in that layout
-    (its own `context_parallel`, which `MeshStrategy.check_model` requires before launch)."""
-    module.context_parallel(cp)
+    """Train `module` on `cp`'s share of each sequence: its positions and attention follow that layout
+    (`runner.models.sequence_shares.share_model`; `MeshStrategy.check_model` checks the model before
+    launch)."""
+    share_model(module, cp)
 
 
 def apply_fsdp(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -10,22 +10,10 @@ from torch import nn
 
 from runner.config import PositiveInt, Probability
 from runner.models.checks import check_sizes
+from runner.models.sequence_shares import SequenceShare
 
 if TYPE_CHECKING:  # torch.distributed.tensor takes ~0.5 s to import: tp_plan imports it when asked
     from torch.distributed.tensor.parallel import ParallelStyle
-
-
-class SequenceShare(Protocol):
-    """The layout of context parallel (`runner.hardware.context_parallel.ContextParallel`): which tokens of
-    each sequence this rank holds (of `size` equal shares), and attention over the whole sequences."""
-
-    size: int
-
-    def positions(self, local_length: int, device: torch.device) -> torch.Tensor: ...
-
-    def attention(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0
-    ) -> torch.Tensor: ...
 
 
 class CausalSelfAttention(nn.Module):
