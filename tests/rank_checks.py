@@ -710,6 +710,13 @@ def context_parallel_shares(hardware: str, model_type: str = "gpt") -> dict[str,
     with torch.no_grad():
         reference = next_token_loss(model_outputs(whole, batch), batch).item()
         eval_difference = (eval_logits - model_outputs(whole, batch)).abs().max().item()
+    model.train()
+    try:  # whole sequences in training mode, not through training_loss
+        with torch.no_grad():
+            model_outputs(model, batch)
+        uncut = "no error"
+    except RuntimeError as err:
+        uncut = str(err)
     accelerator.free_memory()
     accelerator.end_training()
     return {
@@ -718,4 +725,5 @@ def context_parallel_shares(hardware: str, model_type: str = "gpt") -> dict[str,
         "loss": loss.item(),
         "reference": reference,
         "eval_difference": eval_difference,
+        "uncut": uncut,
     }

@@ -62,6 +62,8 @@ def test_each_rank_trains_on_its_share_and_evaluates_whole_sequences(model_type)
         # The loss has the whole rows' value on every rank (its gradient is the rank's share's).
         assert result["loss"] == pytest.approx(result["reference"], abs=1e-6)
         assert result["eval_difference"] < 1e-5
+        # Whole sequences in training mode (a loop that bypasses training_loss) are refused, not gathered.
+        assert "got sequences of 16 tokens in training mode, not the share of 8" in result["uncut"]
 
 
 @pytest.mark.slow

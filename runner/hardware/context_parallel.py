@@ -43,9 +43,20 @@ class ContextParallel:
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        self.share_length: int | None = None  # tokens of each sequence the last `shard` kept
 
     def positions(self, local_length: int, device: torch.device) -> torch.Tensor:
-        """The global positions of the `local_length` tokens this rank holds of each sequence."""
+        """The global positions of the `local_length` tokens this rank holds of each sequence (a model asks
+        at the start of its forward). RuntimeError for sequences that `shard` did not cut: a model in
+        training mode called outside `training_loss` would otherwise attend over every rank's whole
+        sequences."""
+        if local_length != self.share_length:
+            raise RuntimeError(
+                f"context parallel: the model got sequences of {local_length} tokens in training mode, not the "
+                f"share of {self.share_length} tokens that the strategy's training_loss cuts from each batch. "
+                "Compute the training loss with accelerator.training_loss(model, batch, loss_fn), or call "
+                "model.eval() to run whole sequences."
+            )
         return positions_of(self.rank, self.size, local_length, device)
 
     def shard(self, batch: Any) -> Any:
@@ -56,9 +67,10 @@ class ContextParallel:
         def share(tensor: torch.Tensor) -> torch.Tensor:
             if tensor.dim() < 2:
                 return tensor
-            pieces = tensor.chunk(2 * self.size, dim=1)
             if tensor.shape[1] % (2 * self.size):
                 raise ValueError(self._indivisible(tensor.shape[1], self.size))
+            self.share_length = tensor.shape[1] // self.size
+            pieces = tensor.chunk(2 * self.size, dim=1)
             return torch.cat([pieces[c] for c in chunks_of(self.rank, self.size)], dim=1)
 
         return apply_to_tensors(share, batch)

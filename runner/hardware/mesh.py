@@ -129,8 +129,8 @@ class MeshStrategy(ParallelStrategy):
     sequence (`runner.hardware.context_parallel`): `training_loss` shards the batch, the model computes its
     attention over the whole sequences gathered (runner.models.GPT declares `context_parallel(cp)`;
     transformers causal LMs are set up by `runner.models.sequence_shares`), the loss has the whole
-    sequences' value, and FSDP averages gradients over
-    dp_shard x cp. Evaluation runs whole sequences (the model in `eval()` attends as one process).
+    sequences' value, and FSDP averages gradients over dp_shard x cp. Evaluation runs whole sequences
+    (the model in `eval()` attends as one process).
     """
 
     # The mesh dimensions kept at size 1 (the ones a strategy indexes even when they are trivial).

@@ -224,14 +224,15 @@ def _embed(model: GPT | GPTStage, input_ids: torch.Tensor) -> torch.Tensor:
     """Token plus position embeddings of `input_ids` (batch, seq: under context parallel, this rank's
     share of the sequences), after dropout."""
     share = getattr(model, "sequence_share", None) if model.training else None
-    seq = input_ids.shape[1] * (1 if share is None else share.size)
+    local = input_ids.shape[1]
+    positions = (
+        torch.arange(local, device=input_ids.device)
+        if share is None
+        else share.positions(local, input_ids.device)
+    )
+    seq = local * (1 if share is None else share.size)
     if seq > model.max_seq_len:
         raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={model.max_seq_len}.")
-    positions = (
-        torch.arange(seq, device=input_ids.device)
-        if share is None
-        else share.positions(input_ids.shape[1], input_ids.device)
-    )
     return model.drop(model.tok_emb(input_ids) + model.pos_emb(positions))
 
 
