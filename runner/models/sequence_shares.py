@@ -73,7 +73,7 @@ def transformers_problem(model: torch.nn.Module) -> str | None:
     if getattr(model.config, "sliding_window", None) is not None:
         return (
             f"{name} attends within a sliding window (sliding_window={model.config.sliding_window}), which the "
-            "gathered attention does not apply: set model.sliding_window=null where the sequences fit it"
+            "gathered attention does not apply (built from scratch, +model.config.sliding_window=null turns it off)"
         )
     return None
 
