@@ -60,7 +60,7 @@ EXPORTS = {
     "GradientAccumulationPlugin": "runner.handlers",
     "FullyShardedDataParallelPlugin": "runner.handlers",
     "DeepSpeedPlugin": "runner.handlers",
-    "ParallelismConfig": "runner.handlers",
+    "ParallelismConfig": "runner.parallelism_config",
     "DistributedType": "runner.state",
     "find_executable_batch_size": "runner.memory",
     "synchronize_rng_states": "runner.utils",

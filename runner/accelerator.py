@@ -35,11 +35,12 @@ from runner.handlers import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
-    ParallelismConfig,
     ProfileKwargs,
     TorchDynamoPlugin,
 )
 from runner.hardware import DDP, FSDP, DeepSpeed, Strategy, TensorParallel, default_strategy
+from runner.logging import get_logger
+from runner.parallelism_config import ParallelismConfig
 from runner.precision import Precision
 from runner.precision import from_name as precision_from_name
 from runner.state import DistributedType
@@ -47,6 +48,7 @@ from runner.trackers import BlankTracker, LoggerType, Tracker, trackers_from_nam
 from runner.weights import save_object
 
 log = logging.getLogger(__name__)
+_process_log = get_logger(__name__)  # Accelerate's warning_once
 
 
 class Accelerator(Engine):
@@ -84,9 +86,10 @@ class Accelerator(Engine):
         deepspeed_plugin: Accelerate's `DeepSpeedPlugin`: runner's `DeepSpeed` strategy with the config it
             describes; a gradient accumulation that config fixes is the Accelerator's, and without a
             `mixed_precision` its bf16/fp16 block gives it.
-        parallelism_config: Accelerate's `ParallelismConfig`: replicas, shards and tensor-parallel ranks,
-            whose product is the world size; DDP, FSDP/HSDP or `TensorParallel` over that mesh
-            (`torch_device_mesh`).
+        parallelism_config: Accelerate's `ParallelismConfig`: replicas, shards, context- and
+            tensor-parallel ranks, whose product is the world size (all 1: the ranks replicate); DDP,
+            FSDP/HSDP or `TensorParallel` over that mesh (`torch_device_mesh`), with context parallel
+            (`maybe_context_parallel`) for `cp_size` above 1.
         project_dir: shorthand for `ProjectConfiguration(project_dir=...)`.
         project_config: where `save_state()` without a directory writes, and how it names checkpoints.
         log_with: trackers that `init_trackers` starts and `log` writes to, on the main process (unless
@@ -145,6 +148,13 @@ class Accelerator(Engine):
                 fsdp_plugin = FullyShardedDataParallelPlugin.from_launch(launch.fsdp)
             elif launch.deepspeed:
                 deepspeed_plugin = DeepSpeedPlugin()  # from the ACCELERATE_DEEPSPEED_* variables
+        if (
+            strategy is None
+            and deepspeed_plugin is None
+            and parallelism_config is None
+            and launch.parallelism_config
+        ):
+            parallelism_config = ParallelismConfig()  # from the PARALLELISM_CONFIG_* variables
         given = [
             name
             for name, value in (
@@ -245,8 +255,38 @@ class Accelerator(Engine):
             dp_replicate_size=resolved.dp_replicate,
             dp_shard_size=resolved.dp_shard,
             tp_size=resolved.tp,
-            cp_size=resolved.cp if resolved.cp > 1 else None,
+            cp_size=resolved.cp,
         )
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """This process's rank in its tensor-parallel group (0 without tensor parallel)."""
+        return self._mesh_rank("tp")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        """This process's rank in its context-parallel group (0 without context parallel): which head-tail
+        share of each sequence `maybe_context_parallel` gives it."""
+        return self._mesh_rank("cp")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        """This process's rank among the ranks that shard the model (FSDP's dp_shard; 0 without)."""
+        return self._mesh_rank("dp_shard")
+
+    @property
+    def is_composable_parallelism_enabled(self) -> bool:
+        """Whether the strategy composes parallelisms on a mesh (FSDP2, as under Accelerate)."""
+        return self.is_fsdp2
+
+    def _mesh_rank(self, name: str) -> int:
+        mesh = self.torch_device_mesh
+        if mesh is None:
+            raise RuntimeError(
+                f"{name}: this strategy lays out no mesh; set parallelism_config=ParallelismConfig(...) (or an FSDP "
+                "plugin) first."
+            )
+        return mesh.get_local_rank(name) if name in (mesh.mesh_dim_names or ()) else 0
 
     @property
     def is_fsdp2(self) -> bool:
@@ -276,6 +316,30 @@ class Accelerator(Engine):
     def trigger_sync_in_backward(self, model: torch.nn.Module) -> AbstractContextManager:
         """Synchronise gradients in the next backward, after forwards run under `no_sync`."""
         return self.strategy.trigger_sync_in_backward(model)
+
+    @contextmanager
+    def maybe_context_parallel(
+        self,
+        buffers: list[torch.Tensor] | None = None,
+        buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: set[torch.Tensor] | None = None,
+    ) -> Iterator[None]:
+        """Train the body on this rank's share of each sequence (context parallel, `ParallelismConfig(
+        cp_size=...)`), as under Accelerate: `buffers` (inputs, labels, position ids: whatever has the
+        sequence dimension `buffer_seq_dims`) are cut in place to this rank's share, and those not in
+        `no_restore_buffers` are whole again after the body. Each rank's loss is its share's; FSDP
+        averages the gradients over the cp group, and `torch_device_mesh["dp_cp"]` is the group to
+        average the loss value over. Without context parallel: a warning, and the buffers stay whole."""
+        share = getattr(self.strategy, "context_parallel", None)
+        if share is None:
+            _process_log.warning_once(
+                "Context parallel training is not enabled: maybe_context_parallel has no effect. Enable it with "
+                "parallelism_config=ParallelismConfig(cp_size=...) and an FSDP2 plugin."
+            )
+            yield
+            return
+        with share.cut_in_place(list(buffers or []), list(buffer_seq_dims or []), no_restore_buffers):
+            yield
 
     @contextmanager
     def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
@@ -365,21 +429,32 @@ def _plugin_strategy(
 ) -> Strategy | None:
     """The strategy that Accelerate's FSDP plugin and `ParallelismConfig` describe (None: neither given):
     tensor parallel when `tp_size` > 1 (FSDP over the data-parallel ranks), FSDP/HSDP with a plugin or
-    `dp_shard_size` > 1, else DDP over the replicas."""
+    `dp_shard_size` > 1, else DDP over the replicas; `cp_size` > 1 (with an FSDP2 plugin, as Accelerate
+    requires) adds the strategy's context parallel."""
     if fsdp is None and layout is None:
         return None
     env = launched_environment()
     world, local = (env.world_size, env.local_world_size) if env is not None else (1, 1)
     settings = (fsdp or FullyShardedDataParallelPlugin()).settings()
+    cp = 1
     if layout is not None:
-        layout.refuse_context_parallel()
+        if layout.total_size == 1:  # as under Accelerate: no layout given, the ranks replicate
+            layout = dataclasses.replace(layout, dp_replicate_size=world)
         if layout.total_size != world:
             raise ValueError(
                 f"ParallelismConfig(dp_replicate_size={layout.dp_replicate_size}, dp_shard_size={layout.dp_shard_size}, "
-                f"tp_size={layout.tp_size}) lays out {layout.total_size} process(es), but this job has {world}. Make "
-                f"their product {world}."
+                f"cp_size={layout.cp_size}, tp_size={layout.tp_size}) lays out {layout.total_size} process(es), but "
+                f"this job has {world}. Make their product {world}."
             )
-        replicate, shard, tp = layout.dp_replicate_size or 1, layout.dp_shard_size or 1, layout.tp_size or 1
+        if layout.cp_enabled and (fsdp is None or fsdp.fsdp_version != 2):
+            raise ValueError(
+                f"ParallelismConfig(cp_size={layout.cp_size}) needs an FSDP2 plugin, as under Accelerate: context "
+                "parallel ranks also shard the model (over dp_shard x cp). Pass "
+                "fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, ...) to the Accelerator (or launch "
+                "with `accelerate launch --use_fsdp --fsdp_version 2`)."
+            )
+        replicate, shard, tp = layout.dp_replicate_size, layout.dp_shard_size, layout.tp_size
+        cp = layout.cp_size
     else:
         tp = 1
         replicate, shard = {"shard": (1, world), "replicate": (world, 1), "hybrid": (world // local, local)}[
@@ -393,9 +468,10 @@ def _plugin_strategy(
             reshard_after_forward=settings.reshard_after_forward,
             dp_replicate=replicate,
             dp_shard=shard,
+            cp_size=cp,
             **common,
         )
-    if fsdp is None and shard == 1:
+    if fsdp is None and shard == 1 and cp == 1:
         return DDP(**common)
     return FSDP(
         shard_modules=settings.shard_modules,
@@ -403,6 +479,7 @@ def _plugin_strategy(
         cpu_offload=settings.cpu_offload,
         dp_replicate=replicate,
         dp_shard=shard,
+        cp_size=cp,
         **common,
     )
 

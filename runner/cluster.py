@@ -197,6 +197,8 @@ class AccelerateLaunchSettings:
     deepspeed: bool = (
         False  # ACCELERATE_USE_DEEPSPEED (a DeepSpeedPlugin reads the ACCELERATE_DEEPSPEED_* variables)
     )
+    # ACCELERATE_USE_PARALLELISM_CONFIG (a ParallelismConfig reads the PARALLELISM_CONFIG_* variables)
+    parallelism_config: bool = False
 
 
 def accelerate_launch_settings() -> AccelerateLaunchSettings:
@@ -223,4 +225,5 @@ def accelerate_launch_settings() -> AccelerateLaunchSettings:
         if env_flag("ACCELERATE_USE_FSDP")
         else None,
         deepspeed=env_flag("ACCELERATE_USE_DEEPSPEED"),
+        parallelism_config=env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"),
     )

@@ -1,6 +1,7 @@
 """Accelerate's configuration objects for `Accelerator(...)`: the kwargs handlers (`kwargs_handlers=[...]`),
 `DataLoaderConfiguration`, `GradientAccumulationPlugin`, `TorchDynamoPlugin`,
-`FullyShardedDataParallelPlugin`, `DeepSpeedPlugin` and `ParallelismConfig`, with Accelerate's names, fields and defaults.
+`FullyShardedDataParallelPlugin` and `DeepSpeedPlugin`, with Accelerate's names, fields and defaults
+(the layout of the ranks, `ParallelismConfig`, is in `runner.parallelism_config`).
 
 The Accelerator hands each handler to what it configures: the process group and DDP to the hardware
 strategy, loss scaling and autocast to the precision plugin; the profiler it runs itself."""
@@ -421,58 +422,6 @@ def _sharding(strategy: Any, reshard_after_forward: bool | str | None) -> tuple[
             f"FullyShardedDataParallelPlugin: sharding strategy {named!r} is not one of {', '.join(names)} (or 1-5)."
         )
     return SHARDING_STRATEGIES[key]
-
-
-@dataclass
-class ParallelismConfig:
-    """Accelerate's layout of the ranks (`Accelerator(parallelism_config=...)`): `dp_replicate_size` x
-    `dp_shard_size` x `tp_size` ranks (None: 1), which must be the world size. Replicas only: DDP;
-    `dp_shard_size` above 1 (or an FSDP plugin): FSDP, HSDP with replicas; `tp_size` above 1: tensor
-    parallel by the model's plan, FSDP over the rest. Sequence parallel (`sp_size` above 1) is refused:
-    runner has none; so is `cp_size` above 1 given to the Accelerator (`refuse_context_parallel`), though
-    the layout of a strategy with `hardware.cp_size` reads back with it."""
-
-    dp_replicate_size: int | None = None
-    dp_shard_size: int | None = None
-    tp_size: int | None = None
-    cp_size: int | None = None
-    cp_backend: str | None = None
-    sp_size: int | None = None
-    sp_backend: str | None = None
-    tp_handler: Any = None
-    cp_handler: Any = None
-    sp_handler: Any = None
-
-    def __post_init__(self) -> None:
-        for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"ParallelismConfig({name}={value!r}): expected an integer >= 1.")
-        if (self.sp_size or 1) > 1:
-            raise ValueError(
-                f"ParallelismConfig(sp_size={self.sp_size}) is not supported: runner has no sequence parallel "
-                "(DeepSpeed's Ulysses). Split the ranks over dp_replicate_size, dp_shard_size and tp_size."
-            )
-
-    @property
-    def total_size(self) -> int:
-        return (
-            (self.dp_replicate_size or 1) * (self.dp_shard_size or 1) * (self.cp_size or 1) * (self.tp_size or 1)
-        )
-
-    def refuse_context_parallel(self) -> None:
-        """ValueError for `cp_size` above 1: Accelerate's context parallel has no counterpart a ported
-        script reaches."""
-        if (self.cp_size or 1) > 1:
-            raise ValueError(
-                f"ParallelismConfig(cp_size={self.cp_size}) is not supported: Accelerate's context parallel swaps "
-                "torch's ring attention into the model's scaled_dot_product_attention inside "
-                "`accelerator.maybe_context_parallel(...)`, which needs CUDA's attention kernels (torch 2.13 has no "
-                "sharding rule for the CPU kernel, aten._scaled_dot_product_flash_attention_for_cpu). runner's context parallel is `hardware.cp_size` "
-                "(FSDP(cp_size=...), TensorParallel(cp_size=...)) for runner's GPT and transformers causal LMs, "
-                "trained through `accelerator.training_loss`. Split the ranks over "
-                "dp_replicate_size, dp_shard_size and tp_size."
-            )
 
 
 @dataclass

@@ -31,12 +31,12 @@ from runner.handlers import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
-    ParallelismConfig,
     ProfileKwargs,
     TorchDynamoPlugin,
 )
 from runner.memory import find_executable_batch_size, release_memory
 from runner.ops import apply_to_tensors, concatenate, find_batch_size, send_to_device
+from runner.parallelism_config import ParallelismConfig, TorchContextParallelConfig
 from runner.precision import PrecisionType
 from runner.process_control import PartialState, active_strategy
 from runner.rng import RNGType, set_seed
@@ -64,6 +64,7 @@ __all__ = [
     "ProfileKwargs",
     "ProjectConfiguration",
     "RNGType",
+    "TorchContextParallelConfig",
     "TorchDynamoPlugin",
     "broadcast",
     "broadcast_object_list",

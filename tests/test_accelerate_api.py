@@ -17,6 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.data import DataLoader, TensorDataset
 
 from runner import Accelerator, PartialState
+from runner.cluster import accelerate_launch_settings
 from runner.collectives import split_between_processes
 from runner.config import CompileConfig, CompileScope
 from runner.data_loader import DataLoaderShard, shard_dataloader
@@ -38,6 +39,7 @@ from runner.utils import (
     InitProcessGroupKwargs,
     ParallelismConfig,
     ProfileKwargs,
+    TorchContextParallelConfig,
     TorchDynamoPlugin,
     gather,
     is_schedulefree_available,
@@ -172,7 +174,9 @@ def test_dataloader_configuration_is_what_the_accelerator_uses(accelerator_made)
         cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True)
     )
     assert accelerator.split_batches and accelerator.non_blocking and accelerator.even_batches
-    assert not accelerator.dispatch_batches and not accelerator.use_stateful_dataloader  # Accelerate's default
+    assert (
+        not accelerator.dispatch_batches and not accelerator.use_stateful_dataloader
+    )  # Accelerate's default
     assert accelerator.data_parallel_rank == 0 and accelerator.should_save_model and not accelerator.is_fsdp2
     with pytest.raises(ValueError, match=r"dispatch_batches=True\) is not supported"):
         DataLoaderConfiguration(dispatch_batches=True)
@@ -593,18 +597,41 @@ def test_an_fsdp_plugin_makes_the_fsdp_strategy_in_one_process(accelerator_made)
         Accelerator(strategy=DDP(device="cpu", num_processes=1), fsdp_plugin=plugin)
 
 
-def test_a_parallelism_config_must_lay_out_the_world_and_refuses_accelerates_context_parallel():
+def test_a_parallelism_config_must_lay_out_the_world_and_refuses_what_has_no_meaning_here():
     with pytest.raises(ValueError, match=re.escape("lays out 2 process(es), but this job has 1")):
         Accelerator(cpu=True, parallelism_config=ParallelismConfig(dp_shard_size=2))
-    with pytest.raises(
-        ValueError, match=r"Accelerate's context parallel .* needs CUDA's attention kernels .* `hardware.cp_size`"
-    ):
-        Accelerator(cpu=True, parallelism_config=ParallelismConfig(cp_size=2))
     with pytest.raises(ValueError, match="runner has no sequence parallel"):
         ParallelismConfig(sp_size=2)
     with pytest.raises(ValueError, match="expected an integer >= 1"):
         ParallelismConfig(tp_size=0)
-    assert ParallelismConfig(dp_replicate_size=2, tp_size=2).total_size == 4
+    with pytest.raises(ValueError, match="expected 'torch'"):
+        ParallelismConfig(cp_size=2, cp_backend="deepspeed")
+    with pytest.raises(ValueError, match="over pure replicas is not a layout"):
+        ParallelismConfig(dp_replicate_size=2, cp_size=2)
+    with pytest.raises(ValueError, match="all-gathers each layer's keys and values"):
+        TorchContextParallelConfig(cp_comm_strategy="alltoall")
+    with pytest.raises(ValueError, match="expected a TorchContextParallelConfig"):
+        ParallelismConfig(cp_size=2, cp_handler=object())
+    layout = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, cp_size=2, tp_size=2)
+    assert (layout.total_size, layout.data_parallel_size, layout.non_data_parallel_size) == (16, 4, 4)
+    assert layout.dp_cp_dim_names == ["dp_replicate", "dp_shard", "cp"]
+    assert layout.dp_shard_cp_dim_names == ["dp_shard", "cp"] and layout.non_dp_dim_names == ["tp", "cp"]
+    assert layout.fsdp_dim_names == ["dp_replicate", "dp_shard_cp"]
+    assert layout.cp_handler == TorchContextParallelConfig(cp_comm_strategy="allgather")
+    # Sizes left unset are `accelerate launch --parallelism_config_*`'s, as under Accelerate.
+    with patch_environment(
+        ACCELERATE_USE_PARALLELISM_CONFIG="true",
+        PARALLELISM_CONFIG_CP_SIZE="2",
+        PARALLELISM_CONFIG_DP_SHARD_SIZE="2",
+    ):
+        assert accelerate_launch_settings().parallelism_config
+        assert (
+            ParallelismConfig().cp_size,
+            ParallelismConfig().dp_shard_size,
+            ParallelismConfig().tp_size,
+        ) == (2, 2, 1)
+        with pytest.raises(ValueError, match=re.escape("lays out 4 process(es), but this job has 1")):
+            Accelerator(cpu=True)  # the launch's layout is read
 
 
 def test_a_parallelism_config_picks_the_strategy_of_its_layout():
@@ -639,6 +666,19 @@ def test_a_parallelism_config_picks_the_strategy_of_its_layout():
             FullyShardedDataParallelPlugin(sharding_strategy="NO_SHARD"), None, cpu=True
         )
         assert (no_shard.dims.dp_replicate, no_shard.dims.dp_shard) == (4, 1)
+        assert type(_plugin_strategy(None, ParallelismConfig(), cpu=True)) is DDP  # all 1: replicas
+        fsdp2 = FullyShardedDataParallelPlugin(fsdp_version=2)
+        cp = _plugin_strategy(fsdp2, ParallelismConfig(dp_shard_size=2, cp_size=2), cpu=True)
+        assert isinstance(cp, FSDP) and (cp.dims.dp_shard, cp.dims.cp) == (2, 2)
+        tp_cp = _plugin_strategy(fsdp2, ParallelismConfig(cp_size=2, tp_size=2), cpu=True)
+        assert isinstance(tp_cp, TensorParallel) and (tp_cp.dims.dp_shard, tp_cp.dims.cp, tp_cp.dims.tp) == (
+            1,
+            2,
+            2,
+        )
+        for plugin in (None, FullyShardedDataParallelPlugin()):  # Accelerate's default plugin is FSDP1
+            with pytest.raises(ValueError, match=r"cp_size=4\) needs an FSDP2 plugin"):
+                _plugin_strategy(plugin, ParallelismConfig(cp_size=4), cpu=True)
 
 
 def test_an_fsdp1_launch_config_reads_as_accelerate_reads_it():

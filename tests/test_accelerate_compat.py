@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 pytestmark = pytest.mark.slow
@@ -29,6 +30,7 @@ LAUNCHES = {
 
 SHUFFLED = Path(__file__).parent / "accelerate_scripts" / "shuffled.py"
 SHARDED = Path(__file__).parent / "accelerate_scripts" / "sharded.py"
+CONTEXT_PARALLEL = Path(__file__).parent / "accelerate_scripts" / "context_parallel.py"
 
 
 def ported(directory: Path, script: Path = SCRIPT) -> Path:
@@ -213,3 +215,36 @@ def test_accelerates_fsdp_plugin_and_parallelism_config_run_as_runners_strategie
     for layout in ("ddp", "replicas"):  # replicas only: DDP
         assert results[layout][0]["distributed_type"] == "DistributedType.MULTI_CPU"
         assert results[layout][0]["sharded"] == [] and results[layout][0]["mesh"] is None
+
+
+def test_accelerates_context_parallel_trains_as_one_process(tmp_path):
+    """Accelerate's context parallel as its example uses it (`ParallelismConfig(cp_size=2)`, an FSDP2 plugin,
+    `maybe_context_parallel` around each step, the loss averaged over `torch_device_mesh["dp_cp"]`), ported:
+    on 2 processes each rank trains on its head-tail share of every sequence (8 of 16 tokens, positions
+    [0-3, 12-15] and [4-11]) and the run is one process's within 1e-5 (losses, eval, weights). The same from
+    `accelerate launch --use_parallelism_config --parallelism_config_cp_size=2`."""
+    script, out = ported(tmp_path, CONTEXT_PARALLEL), tmp_path / "out"
+    single = run(LAUNCHES["1 process"], script, out, "single", results="single")[0]
+    ranks = run(LAUNCHES["torchrun x2"], script, out, "cp", results="cp")
+    assert single["seen"] == [16] and single["positions"] == list(range(16))
+    assert [rank["positions"] for rank in ranks] == [[0, 1, 2, 3, 12, 13, 14, 15], list(range(4, 12))]
+    assert [rank["cp_rank"] for rank in ranks] == [0, 1]
+    for rank in ranks:
+        assert rank["seen"] == [8, 16]  # training on shares, evaluation on whole sequences
+        assert rank["mesh"] == ["dp_shard", "cp"]
+        assert rank["losses"] == pytest.approx(single["losses"], abs=1e-5)
+        assert rank["eval_loss"] == pytest.approx(single["eval_loss"], abs=1e-5)
+        assert rank["restored"]["inside"] == 8 and rank["restored"]["after"] == list(range(16))
+        assert rank["restored"]["kept"] == rank["positions"]  # in no_restore_buffers: left cut
+    whole, shared = (torch.load(out / f"{layout}_weights.pt") for layout in ("single", "cp"))
+    assert whole.keys() == shared.keys()
+    for name, weight in whole.items():
+        torch.testing.assert_close(shared[name], weight, atol=1e-5, rtol=0, msg=name)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes=2", "--num_machines=1",
+              "--mixed_precision=no", "--dynamo_backend=no", "--use_fsdp", "--fsdp_version=2",
+              "--fsdp_auto_wrap_policy=TRANSFORMER_BASED_WRAP",
+              "--fsdp_transformer_layer_cls_to_wrap=LlamaDecoderLayer", "--use_parallelism_config",
+              "--parallelism_config_cp_size=2"]  # fmt: skip
+    launched = run(launch, script, out, "launch_config", results="launch_config")
+    assert [rank["losses"] for rank in launched] == [rank["losses"] for rank in ranks]
+    assert [rank["positions"] for rank in launched] == [rank["positions"] for rank in ranks]

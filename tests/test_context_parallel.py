@@ -9,7 +9,9 @@ import re
 import pytest
 import rank_checks
 import torch
+import torch.distributed as dist
 from conftest import metrics_of
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from runner.errors import ConfigError
 from runner.hardware.context_parallel import ContextParallel, chunks_of, positions_of
@@ -37,6 +39,45 @@ def test_samples_whose_sequences_a_share_cannot_take_are_refused():
         ContextParallel.check_sample(hugging_face, 2)
 
 
+@pytest.fixture
+def rank_0_of_2() -> ContextParallel:
+    """Rank 0 of a cp group of 2, in this process (torch's fake process group: no collective runs)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield ContextParallel(dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_buffers_are_cut_in_place_and_put_back_unless_kept(rank_0_of_2):
+    """`maybe_context_parallel`'s buffers (torch's `context_parallel` semantics): each cut along its own
+    sequence dimension to the rank's head-tail share for the body, then whole again, except those in
+    `no_restore_buffers`; bad arguments are refused before any buffer changes."""
+    cp = rank_0_of_2
+    ids, labels = torch.arange(16).unsqueeze(0), torch.arange(32).view(2, 16).T.contiguous()
+    with cp.cut_in_place([ids, labels], [1, 0], no_restore={ids}):
+        assert ids.tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]] and labels.shape == (8, 2)
+        assert labels[:, 0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+        assert cp.positions(8, ids.device).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert ids.shape == (1, 8) and labels.equal(torch.arange(32).view(2, 16).T)
+    whole = torch.arange(16).unsqueeze(0)
+    with pytest.raises(ValueError, match="1 buffers but 2 buffer_seq_dims"), cp.cut_in_place([whole], [1, 1]):
+        pass
+    with (
+        pytest.raises(ValueError, match="no_restore_buffers must be a subset of buffers"),
+        cp.cut_in_place([whole], [1], no_restore={torch.zeros(1)}),
+    ):
+        pass
+    with (
+        pytest.raises(ValueError, match="sequences of 6 tokens do not split into 2 x cp_size = 4"),
+        cp.cut_in_place([whole, torch.zeros(1, 6)], [1, 1]),
+    ):
+        pass
+    assert whole.shape == (1, 16)  # untouched by the refusals
+    with pytest.raises(RuntimeError, match="maybe_context_parallel"):
+        cp.positions(16, whole.device)  # a model in training mode given whole sequences
+
+
 def test_transformers_models_the_gathered_attention_cannot_serve_are_refused_saying_why():
     from runner.models.hf import causal_lm, sequence_classification
 
@@ -54,7 +95,9 @@ def test_transformers_models_the_gathered_attention_cannot_serve_are_refused_say
 def test_each_rank_trains_on_its_share_and_evaluates_whole_sequences(model_type):
     """runner's GPT (learned positions) and a transformers Llama (rotary positions, grouped-query
     attention through a registered attention implementation) alike."""
-    results = rank_checks.run_ranks(rank_checks.context_parallel_shares, "fsdp_cp2_declared_units", model_type)
+    results = rank_checks.run_ranks(
+        rank_checks.context_parallel_shares, "fsdp_cp2_declared_units", model_type
+    )
     expected = {0: [0, 1, 2, 3, 12, 13, 14, 15], 1: [4, 5, 6, 7, 8, 9, 10, 11]}
     for rank, result in results.items():
         assert result["train"] == {"length": 8, "positions": expected[rank]}

@@ -179,10 +179,11 @@ def test_deepspeed_config_is_generated_from_the_run():
 
 
 def test_torchs_context_parallel_cannot_run_on_cpu_ranks_yet():
-    """Why `ParallelismConfig(cp_size=N)` (Accelerate's context parallel: torch's ring attention) is refused
-    on the CPU (its message says this): torch's context parallel has no sharding rule for the CPU attention
-    kernel, and the math kernel mixes Tensor and DTensor. runner's own (`hardware.cp_size`) gathers the keys
-    and values instead. When this fails, torch runs it: map `cp_size` onto it and test that here."""
+    """Why runner's context parallel (`hardware.cp_size`, and Accelerate's `ParallelismConfig(cp_size=N)` with
+    `maybe_context_parallel` mapped onto it) is its own and not torch's ring attention, which Accelerate
+    swaps in: torch's has no sharding rule for the CPU attention kernel, and the math kernel mixes Tensor
+    and DTensor. runner's gathers the keys and values instead. When this fails, torch runs it on CPU
+    ranks: compare the two here."""
     outcomes = rank_checks.run_ranks(rank_checks.torch_context_parallel_on_cpu)[0]
     assert "_scaled_dot_product_flash_attention_for_cpu" in outcomes["None"]
     assert "mixed torch.Tensor and DTensor" in outcomes["SDPBackend.MATH"]

@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         [
             "runner.errors",
             "runner.handlers",
+            "runner.parallelism_config",
             "runner.ops",
             "runner.state",
             "runner.cluster",

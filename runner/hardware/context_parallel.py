@@ -12,7 +12,8 @@ attention needs the CUDA attention kernels, its flex-attention path has no backw
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -47,33 +48,68 @@ class ContextParallel:
 
     def positions(self, local_length: int, device: torch.device) -> torch.Tensor:
         """The global positions of the `local_length` tokens this rank holds of each sequence (a model asks
-        at the start of its forward). RuntimeError for sequences that `shard` did not cut: a model in
-        training mode called outside `training_loss` would otherwise attend over every rank's whole
-        sequences."""
+        at the start of its forward). RuntimeError for sequences that were not cut (`shard`,
+        `cut_in_place`): a model in training mode given whole sequences would otherwise attend over every
+        rank's whole sequences."""
         if local_length != self.share_length:
             raise RuntimeError(
                 f"context parallel: the model got sequences of {local_length} tokens in training mode, not the "
-                f"share of {self.share_length} tokens that the strategy's training_loss cuts from each batch. "
-                "Compute the training loss with accelerator.training_loss(model, batch, loss_fn), or call "
-                "model.eval() to run whole sequences."
+                f"share of {self.share_length} tokens cut from each batch. Compute the training loss with "
+                "accelerator.training_loss(model, batch, loss_fn), or run the forward inside "
+                "`with accelerator.maybe_context_parallel(buffers=[...], buffer_seq_dims=[...])` (Accelerate's "
+                "way), or call model.eval() to run whole sequences."
             )
         return positions_of(self.rank, self.size, local_length, device)
 
+    def share(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's share of the sequences of `tensor` along `dim`; ValueError when they do not split
+        into 2 x cp equal chunks."""
+        length = tensor.shape[dim]
+        if length % (2 * self.size):
+            raise ValueError(self._indivisible(length, self.size))
+        self.share_length = length // self.size
+        pieces = tensor.chunk(2 * self.size, dim=dim)
+        return torch.cat([pieces[c] for c in chunks_of(self.rank, self.size)], dim=dim)
+
     def shard(self, batch: Any) -> Any:
         """This rank's share of every sequence in `batch`: each tensor of two or more dimensions (batch,
-        sequence, ...) cut along the sequence; ValueError when a sequence does not split into 2 x cp
-        equal chunks."""
+        sequence, ...) cut along the sequence."""
+        return apply_to_tensors(lambda t: self.share(t) if t.dim() >= 2 else t, batch)
 
-        def share(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.dim() < 2:
-                return tensor
-            if tensor.shape[1] % (2 * self.size):
-                raise ValueError(self._indivisible(tensor.shape[1], self.size))
-            self.share_length = tensor.shape[1] // self.size
-            pieces = tensor.chunk(2 * self.size, dim=1)
-            return torch.cat([pieces[c] for c in chunks_of(self.rank, self.size)], dim=1)
-
-        return apply_to_tensors(share, batch)
+    @contextmanager
+    def cut_in_place(
+        self,
+        buffers: list[torch.Tensor],
+        seq_dims: list[int],
+        no_restore: set[torch.Tensor] | None = None,
+    ) -> Iterator[None]:
+        """Cut each of `buffers` to this rank's share along its sequence dimension, in place (their shapes
+        change), for the body; then put back the whole of each buffer not in `no_restore` (Accelerate's
+        `maybe_context_parallel`, torch's `context_parallel` buffers). ValueError, before any buffer
+        changes, for a count of dimensions that does not match, a `no_restore` buffer not among them, or
+        sequences that do not split into 2 x cp chunks."""
+        no_restore = no_restore or set()
+        if len(buffers) != len(seq_dims):
+            raise ValueError(
+                f"maybe_context_parallel: {len(buffers)} buffers but {len(seq_dims)} buffer_seq_dims; give one "
+                "sequence dimension per buffer."
+            )
+        if any(not any(b is kept for b in buffers) for kept in no_restore):
+            raise ValueError("maybe_context_parallel: no_restore_buffers must be a subset of buffers.")
+        shares = [self.share(buffer, dim) for buffer, dim in zip(buffers, seq_dims, strict=True)]
+        originals = [None if any(b is kept for kept in no_restore) else b.clone() for b in buffers]
+        if buffers:
+            self.share_length = shares[0].shape[seq_dims[0]]
+        with torch.no_grad():
+            for buffer, share in zip(buffers, shares, strict=True):
+                buffer.resize_(share.shape).copy_(share)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, original in zip(buffers, originals, strict=True):
+                    if original is not None:
+                        buffer.resize_(original.shape).copy_(original)
 
     def attention(
         self,

@@ -126,7 +126,8 @@ class MeshStrategy(ParallelStrategy):
     same batches, so the data is split, gathered and reduced over the data-parallel ranks only.
 
     Context parallel (`dims.cp` above 1): the ranks of a cp group each train on their share of every
-    sequence (`runner.hardware.context_parallel`): `training_loss` shards the batch, the model computes its
+    sequence (`runner.hardware.context_parallel`): `training_loss` shards the batch (a ported Accelerate
+    script cuts its buffers with `context_parallel.cut_in_place`), the model computes its
     attention over the whole sequences gathered (runner.models.GPT declares `context_parallel(cp)`;
     transformers causal LMs are set up by `runner.models.sequence_shares`), the loss has the whole
     sequences' value, and FSDP averages gradients over dp_shard x cp. Evaluation runs whole sequences
@@ -155,6 +156,8 @@ class MeshStrategy(ParallelStrategy):
         self._sharding_mesh = shard
         if dims.cp > 1:
             self.context_parallel = ContextParallel(self.mesh.get_group("cp"))
+            # the ranks a loss value is averaged over (Accelerate's "dp_cp")
+            ParallelDims.flattened(self.mesh, ("dp_replicate", "dp_shard", "cp"), "dp_cp")
         assert self._data_mesh is not None, "dp_shard is always in the mesh"
         return dataclasses.replace(
             state, data_parallel_index=self._data_mesh.get_local_rank(), data_parallel_size=dims.dp

@@ -82,7 +82,8 @@ def share_transformers_model(model: torch.nn.Module, share: SequenceShare) -> No
     """Train the transformers causal LM `model` on `share` of each sequence (context parallel): in training
     its attention runs over the keys and values of the whole sequences (`share.attention`, registered as an
     attention implementation of its own, grouped-query heads as they are) and its tokens take their
-    positions in the whole sequence (`position_ids`, passed by a forward pre-hook); in `eval()` it
+    positions in the whole sequence (`position_ids`, passed by a forward pre-hook where the caller gives
+    none); in `eval()` it
     attends as sdpa does. ValueError with `transformers_problem`'s reason for another model."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -111,7 +112,9 @@ def share_transformers_model(model: torch.nn.Module, share: SequenceShare) -> No
         if not module.training:
             return None
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-        kwargs["position_ids"] = share.positions(ids.shape[1], ids.device).unsqueeze(0)
+        positions = share.positions(ids.shape[1], ids.device)  # refuses sequences that were not cut
+        if kwargs.get("position_ids") is None:  # given ones were cut with the inputs
+            kwargs["position_ids"] = positions.unsqueeze(0)
         return args, kwargs
 
     implementation = f"runner_context_parallel_{id(share)}"
