@@ -234,8 +234,12 @@ class Accelerator(Engine):
 
     @property
     def data_parallel_rank(self) -> int:
-        """Which share of the data this process reads (ranks of one tensor-parallel group share one)."""
-        return self.state.data_parallel_index
+        """This process's replica, as Accelerate counts it: its rank in `dp_replicate` (0 where the
+        model is only sharded); without a mesh (DDP, one process) its data-parallel rank. Which share of
+        the data it reads is `state.data_parallel_index`."""
+        if self.torch_device_mesh is None:
+            return self.state.data_parallel_index
+        return self._mesh_rank("dp_replicate")
 
     @property
     def torch_device_mesh(self) -> Any:

@@ -205,6 +205,9 @@ def test_accelerates_fsdp_plugin_and_parallelism_config_run_as_runners_strategie
     assert results["fsdp1_names"][0]["sharded"] == ["S(0)"]  # the root is the one unit: no_wrap
     assert results["fsdp1_names"][0]["block_forwards_per_step"] == 1
     assert results["shards"][0]["sharded"] == ["S(0)"]
+    # Accelerate's data_parallel_rank is the replica's: 0 on both ranks of one sharded copy.
+    assert [rank["data_parallel_rank"] for rank in results["shards"]] == [0, 0]
+    assert [rank["data_parallel_rank"] for rank in results["replicas"]] == [0, 1]
     # The same plugin from an FSDP launch config: `accelerate launch --use_fsdp ...` sets FSDP_* variables.
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes=2", "--num_machines=1",
               "--mixed_precision=no", "--dynamo_backend=no", "--use_fsdp", "--fsdp_version=2",

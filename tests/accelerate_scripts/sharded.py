@@ -70,6 +70,7 @@ def main(out: Path, layout: str) -> None:
         "local_rows": weight.to_local().shape[0] if hasattr(weight, "to_local") else weight.shape[0],
         "mesh": list(mesh.mesh_dim_names) if mesh is not None else None,
         "block_forwards_per_step": len(block_forwards) / len(losses),
+        "data_parallel_rank": accelerator.data_parallel_rank,
     }
     (out / f"{layout}_{accelerator.process_index}.json").write_text(json.dumps(result))
 
