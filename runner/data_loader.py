@@ -278,8 +278,8 @@ class DataLoaderShard:
         place: how batches go to `device` (`Strategy.device_batches`); None: `on_device`.
         stateful: resume by itself (`DataLoaderConfiguration(use_stateful_dataloader=True)`, torchdata's
             StatefulDataLoader under Accelerate): after `load_state_dict` the next pass starts after the
-            batches the loaded position had handed out. Otherwise the caller skips them
-            (`skip_first_batches`).
+            batches the loaded position had handed out (otherwise the caller skips them,
+            `skip_first_batches`); its first pass's base seed is drawn when it is made, as there.
     """
 
     def __init__(
@@ -312,10 +312,21 @@ class DataLoaderShard:
         self.end_of_dataloader = False
         self.iteration = 0
         self.batches_yielded = 0  # in the current pass
+        self.pass_finished = False  # its last batch handed out (and no pass begun since)
         self._pass_start: list[torch.Tensor] | None = None  # the generators' states when it began
         self._pass_start_global: torch.Tensor | None = None  # and the global RNG's, where it draws from it
         self._replay_global: torch.Tensor | None = None  # a loaded pass's global RNG state at its start
         self.resume_batches = 0  # batches the loaded position had handed out (`load_state_dict`)
+        # Where the next pass's iterator draws its base seed from, when not where the pass starts: under
+        # Accelerate a stateful loader (torchdata's) makes its first pass's iterator when prepared (Accelerate
+        # reads its state_dict()), so that base seed is drawn now; a loaded Accelerate position that had
+        # finished its pass draws one more (`resume_at`).
+        self._first_iterator: torch.Tensor | None = None
+        self._pass_first_iterator: torch.Tensor | None = None  # the current pass's, for its checkpoint
+        self._extra_base_seed = False
+        if stateful:
+            self._first_iterator = _rng_state(dataloader.generator)
+            _draw_base_seed(dataloader.generator)
 
     def __iter__(self) -> Iterator[Any]:
         if self.synchronize_rng is not None:
@@ -323,14 +334,20 @@ class DataLoaderShard:
         position = self._position
         replay, position._replay_global = position._replay_global, None
         resumed, position.resume_batches = (position.resume_batches if self.stateful else 0), 0
+        first, self._first_iterator = self._first_iterator, None
+        if self._extra_base_seed:  # as torchdata, loading a finished pass: an iterator made and dropped
+            self._extra_base_seed = False
+            _draw_base_seed(self.base_dataloader.generator)
         position._pass_start = [g.get_state() for g in self.generators]
         position._pass_start_global = replay if replay is not None else self._global_state()
+        position._pass_first_iterator = first
         position.batches_yielded = self.skip_batches + resumed
-        self.end_of_dataloader = False
+        position.pass_finished = self.end_of_dataloader = False
         self.gradient_state.active_dataloaders.append(self)
         try:
-            with _global_rng_at(replay):  # a resumed pass draws what the saved pass drew at its start
-                iterator = iter(self.base_dataloader)
+            with _rng_at(None, replay):  # a resumed pass draws what the saved pass drew at its start
+                with _rng_at(self.base_dataloader.generator, first):
+                    iterator = iter(self.base_dataloader)
                 sampled = isinstance(self.base_dataloader.batch_sampler, SkipBatchSampler)
                 if skip := (0 if sampled else self.skip_batches) + resumed:
                     iterator = itertools.islice(iterator, skip, None)
@@ -339,14 +356,14 @@ class DataLoaderShard:
                 batch = next(iterator, _END)
             while batch is not _END:
                 upcoming = next(iterator, _END)
-                self.end_of_dataloader = upcoming is _END
+                position.pass_finished = self.end_of_dataloader = upcoming is _END
                 position.batches_yielded += 1
                 yield batch
                 batch = upcoming
             position.iteration += 1
         finally:
             self.gradient_state.active_dataloaders.remove(self)
-            position._pass_start = position._pass_start_global = None
+            position._pass_start = position._pass_start_global = position._pass_first_iterator = None
             position.batches_yielded = 0
 
     def _global_state(self) -> torch.Tensor | None:
@@ -365,6 +382,7 @@ class DataLoaderShard:
             "batches_yielded": self.batches_yielded,
             "generator_states": states,
             "global_rng_state": self._pass_start_global if in_pass else None,
+            "first_iterator_rng_state": self._pass_first_iterator if in_pass else self._first_iterator,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -382,12 +400,16 @@ class DataLoaderShard:
         for generator, saved in zip(self.generators, state["generator_states"], strict=True):
             generator.set_state(saved)
         self._replay_global = state.get("global_rng_state")
+        self._first_iterator = state.get("first_iterator_rng_state")
+        self._extra_base_seed = False
 
-    def resume_at(self, batches: int) -> None:
+    def resume_at(self, batches: int, finished: bool = False) -> None:
         """Continue the current pass after its first `batches` batches, its order drawn afresh: a position
-        that records no RNG states (Accelerate's: its resumed pass draws a new shuffle too)."""
+        that records no RNG states (Accelerate's: its resumed pass draws a new shuffle too, with a new
+        iterator, and one more before it where the loaded pass had `finished`)."""
         self.resume_batches = batches
-        self._replay_global = None
+        self._replay_global = self._first_iterator = None
+        self._extra_base_seed = finished
 
     def __len__(self) -> int:
         skipped = 0 if isinstance(self.base_dataloader.batch_sampler, SkipBatchSampler) else self.skip_batches
@@ -455,18 +477,29 @@ class DataLoaderShard:
         return getattr(self.base_dataloader, name)
 
 
+def _rng_state(generator: torch.Generator | None) -> torch.Tensor:
+    """The state of `generator` (None: torch's global RNG)."""
+    return generator.get_state() if generator is not None else torch.get_rng_state()
+
+
+def _draw_base_seed(generator: torch.Generator | None) -> None:
+    """The draw a DataLoader iterator makes when it is made: its workers' base seed, from the loader's
+    generator (None: torch's global RNG)."""
+    torch.empty((), dtype=torch.int64).random_(generator=generator)
+
+
 @contextmanager
-def _global_rng_at(state: torch.Tensor | None) -> Iterator[None]:
-    """Inside: torch's global RNG at `state` (None: as it is); after: as it was before."""
+def _rng_at(generator: torch.Generator | None, state: torch.Tensor | None) -> Iterator[None]:
+    """Inside: `generator` (None: torch's global RNG) at `state` (None: as it is); after: as it was."""
     if state is None:
         yield
         return
-    before = torch.get_rng_state()
-    torch.set_rng_state(state)
+    before = _rng_state(generator)
+    (generator.set_state if generator is not None else torch.set_rng_state)(state)
     try:
         yield
     finally:
-        torch.set_rng_state(before)
+        (generator.set_state if generator is not None else torch.set_rng_state)(before)
 
 
 def skip_first_batches(dataloader: DataLoader | DataLoaderShard, num_batches: int = 0) -> Any:

@@ -99,31 +99,31 @@ def test_a_ported_script_draws_bitwise_the_numbers_it_draws_under_accelerate(tmp
         assert run(LAUNCHES[launch], reader, out, "resume", results="resumed") == accelerate_resumed, out.name
 
 
-def test_stateful_loaders_resume_by_themselves_and_their_positions_interchange(tmp_path):
-    """`use_stateful_dataloader=True` (torchdata's StatefulDataLoader under Accelerate): the resumed script
-    skips no batch itself. Ported, it resumes from its own mid-epoch checkpoint bitwise as its
-    uninterrupted run; from Accelerate's checkpoint (`dl_state_dict.bin`) it trains the rest of that epoch
-    bitwise as Accelerate resumed does; Accelerate resumes runner's checkpoint at the same batch. (Whole
-    runs are not Accelerate's: its adapter has torchdata draw each loader's base seed when prepared.)"""
-    launch, script = LAUNCHES["1 process"], ported(tmp_path, SHUFFLED)  # (no dir named runner beside it)
-    whole = run(launch, script, tmp_path / "ported", "stateful")[0]
-    per_epoch = len(whole["losses"]) // 3
+@pytest.mark.parametrize("launch", LAUNCHES, ids=list(LAUNCHES))
+def test_stateful_loaders_draw_as_accelerates_and_their_positions_interchange(tmp_path, launch):
+    """`use_stateful_dataloader=True` (torchdata's StatefulDataLoader under Accelerate, which makes each
+    loader's first iterator when prepared, drawing its base seed then): the ported script draws bitwise
+    Accelerate's numbers, and its resumed script skips no batch itself. Ported, it resumes from its own
+    mid-epoch checkpoint bitwise as its uninterrupted run; from Accelerate's checkpoint (`dl_state_dict.bin`,
+    the eval loader's pass finished) it resumes bitwise as Accelerate resumed does, and Accelerate resumes
+    runner's checkpoint bitwise as its own (both draw a new shuffle for the resumed epoch)."""
+    launch, script = LAUNCHES[launch], ported(tmp_path, SHUFFLED)  # (no dir named runner beside it)
+    whole = run(launch, script, tmp_path / "ported", "stateful")
+    assert whole == run(launch, SHUFFLED, tmp_path / "original", "stateful")
+    per_epoch = len(whole[0]["losses"]) // 3
     rest = per_epoch - 6  # of the epoch the checkpoint was written in
-    resumed = run(launch, script, tmp_path / "ported", "resume", "stateful", results="resumed")[0]
-    assert len(resumed["losses"]) == rest + per_epoch  # without its position it would retrain 6 batches
-    assert resumed["losses"] == whole["losses"][-len(resumed["losses"]) :]
-    assert resumed["weights"] == whole["weights"]
+    resumed = run(launch, script, tmp_path / "ported", "resume", "stateful", results="resumed")
+    for ours, uninterrupted in zip(resumed, whole, strict=True):
+        assert len(ours["losses"]) == rest + per_epoch  # without its position it would retrain 6 batches
+        assert ours["losses"] == uninterrupted["losses"][-len(ours["losses"]) :]
+        assert ours["weights"] == uninterrupted["weights"]
 
-    run(launch, SHUFFLED, tmp_path / "original", "stateful")
-    theirs = run(launch, SHUFFLED, tmp_path / "original", "resume", "stateful", results="resumed")[0]
-    shutil.copytree(tmp_path / "original" / "checkpoint", tmp_path / "runner_reads" / "checkpoint")
-    ours = run(launch, script, tmp_path / "runner_reads", "resume", "stateful", results="resumed")[0]
-    assert len(ours["losses"]) == len(theirs["losses"]) == rest + per_epoch
-    assert ours["losses"][:rest] == theirs["losses"][:rest] and ours["evals"][0] == theirs["evals"][0]
-
-    shutil.copytree(tmp_path / "ported" / "checkpoint", tmp_path / "accelerate_reads" / "checkpoint")
-    read = run(launch, SHUFFLED, tmp_path / "accelerate_reads", "resume", "stateful", results="resumed")[0]
-    assert len(read["losses"]) == rest + per_epoch
+    theirs = run(launch, SHUFFLED, tmp_path / "original", "resume", "stateful", results="resumed")
+    assert len(theirs[0]["losses"]) == rest + per_epoch and theirs[0]["losses"] != resumed[0]["losses"]
+    for writer, reader in (("original", script), ("ported", SHUFFLED)):
+        out = tmp_path / f"{reader.stem}_reads_{writer}"
+        shutil.copytree(tmp_path / writer / "checkpoint", out / "checkpoint")
+        assert run(launch, reader, out, "resume", "stateful", results="resumed") == theirs, out.name
 
 
 @pytest.mark.parametrize("launch", LAUNCHES, ids=list(LAUNCHES))

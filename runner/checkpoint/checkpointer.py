@@ -265,7 +265,9 @@ class Checkpointer:
                 files["scaler.pt"] = files["precision.pt"]["scaler"]
             if full:  # Accelerate's stateful loaders resume from these (one process's, without workers)
                 files |= {
-                    accelerate_dataloader_file(i): torchdata_position(loader.batches_yielded)
+                    accelerate_dataloader_file(i): torchdata_position(
+                        loader.batches_yielded, loader.pass_finished
+                    )
                     for i, loader in enumerate(self.dataloaders)
                     if loader.stateful and not loader.num_workers
                 }
@@ -446,8 +448,11 @@ class Checkpointer:
             position = directory / accelerate_dataloader_file(i)
             if loader.stateful and position.is_file():
                 try:
-                    loader.resume_at(batches_handed_out(load_torch(position)))
-                except (ValueError, KeyError, TypeError) as err:
+                    saved = load_torch(position)
+                    loader.resume_at(
+                        batches_handed_out(saved), finished=bool(saved.get("_iterator_finished"))
+                    )
+                except (ValueError, KeyError, TypeError, AttributeError) as err:
                     raise ConfigError(f"{position} (written by Accelerate): {err}.") from None
         return int(rng_states.get("step", 0))
 

@@ -74,9 +74,10 @@ def accelerate_dataloader_file(i: int) -> str:
     return "dl_state_dict.bin" if i == 0 else f"dl_state_dict_{i}.bin"
 
 
-def torchdata_position(batches: int) -> dict[str, Any]:
+def torchdata_position(batches: int, finished: bool = False) -> dict[str, Any]:
     """The state of torchdata's StatefulDataLoader (one process, no workers, a sampler without state of
-    its own) that has handed out `batches` batches of its pass: what Accelerate's `load_state` resumes."""
+    its own) that has handed out `batches` batches of its pass (`finished`: the last one too, as Accelerate
+    tags it): what Accelerate's `load_state` resumes."""
     return {
         "_index_sampler_state": None,
         "_sampler_iter_state": None,
@@ -86,7 +87,7 @@ def torchdata_position(batches: int) -> dict[str, Any]:
         "_shared_seed": None,
         "fetcher_state": None,
         "dataset_state": None,
-        "_iterator_finished": False,
+        "_iterator_finished": finished,
     }
 
 
