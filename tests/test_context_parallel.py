@@ -15,7 +15,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from runner.errors import ConfigError
 from runner.hardware.context_parallel import ContextParallel, chunks_of, positions_of
-from runner.models.sequence_shares import share_problem
+from runner.models.sequence_shares import share_model, share_problem
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
@@ -88,6 +88,8 @@ def test_transformers_models_the_gathered_attention_cannot_serve_are_refused_say
     classifier = sequence_classification(vocab_size=32, num_labels=2, config={"model_type": "llama", **sizes})
     assert "is not a transformers causal language model" in share_problem(classifier)
     assert "does not declare context parallel" in share_problem(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="context parallel: Linear does not declare context parallel"):
+        share_model(torch.nn.Linear(2, 2), None)  # as `prepare` under ParallelismConfig(cp_size=2) meets it
 
 
 @pytest.mark.slow

@@ -49,7 +49,13 @@ def share_problem(model: torch.nn.Module) -> str | None:
 
 def share_model(model: torch.nn.Module, share: SequenceShare) -> None:
     """Set `model` up to train on `share` of each sequence: its own `context_parallel`, or
-    `share_transformers_model`."""
+    `share_transformers_model`; ValueError with `share_problem`'s reason for a model that cannot (a script
+    that prepares it under `ParallelismConfig(cp_size=...)` learns it at `prepare`)."""
+    if problem := share_problem(model):
+        raise ValueError(
+            f"context parallel: {problem}. Use a model that can (runner.models.GPT, a transformers causal LM "
+            "such as Llama), or cp_size=1."
+        )
     if callable(getattr(model, "context_parallel", None)):
         model.context_parallel(share)
     else:
