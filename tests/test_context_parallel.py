@@ -78,6 +78,25 @@ def test_buffers_are_cut_in_place_and_put_back_unless_kept(rank_0_of_2):
         cp.positions(16, whole.device)  # a model in training mode given whole sequences
 
 
+def test_a_mask_over_tokens_before_kept_ones_is_refused_in_training(rank_0_of_2):
+    """The gathered attention is causal over whole sequences and applies no padding mask (as Accelerate's
+    context parallel drops it): right padding is harmless there, left padding or a gap is refused."""
+    from runner.models.hf import causal_lm
+
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1}
+    model = causal_lm(vocab_size=32, config={"model_type": "llama", **sizes})
+    share_model(model, rank_0_of_2)
+    ids = torch.arange(16).unsqueeze(0)
+    with rank_0_of_2.cut_in_place([ids], [1]):
+        assert model(input_ids=ids, attention_mask=torch.tensor([[1] * 6 + [0] * 2])).logits.shape == (
+            1,
+            8,
+            32,
+        )
+        with pytest.raises(ValueError, match="masks tokens that come before tokens it keeps"):
+            model(input_ids=ids, attention_mask=torch.tensor([[0] * 2 + [1] * 6]))
+
+
 def test_transformers_models_the_gathered_attention_cannot_serve_are_refused_saying_why():
     from runner.models.hf import causal_lm, sequence_classification
 

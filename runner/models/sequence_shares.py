@@ -119,6 +119,16 @@ def share_transformers_model(model: torch.nn.Module, share: SequenceShare) -> No
             return None
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         positions = share.positions(ids.shape[1], ids.device)  # refuses sequences that were not cut
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        # A share's tokens are in their order in the whole sequence: a kept token after a masked one is
+        # left padding or a gap, which the gathered (causal, unmasked) attention would attend to.
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and (mask[:, 1:] > mask[:, :-1]).any():
+            raise ValueError(
+                "context parallel: the attention_mask masks tokens that come before tokens it keeps (left "
+                "padding, or gaps); each rank attends causally over the whole sequences and applies no padding "
+                "mask (Accelerate's context parallel drops it too), so those tokens would be attended to. Pad on "
+                "the right (labels -100 there), or pack the sequences without padding."
+            )
         if kwargs.get("position_ids") is None:  # given ones were cut with the inputs
             kwargs["position_ids"] = positions.unsqueeze(0)
         return args, kwargs
