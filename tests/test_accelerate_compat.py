@@ -224,7 +224,8 @@ def test_accelerates_context_parallel_trains_as_one_process(tmp_path):
     """Accelerate's context parallel as its example uses it (`ParallelismConfig(cp_size=2)`, an FSDP2 plugin,
     `maybe_context_parallel` around each step, the loss averaged over `torch_device_mesh["dp_cp"]`), ported:
     on 2 processes each rank trains on its head-tail share of every sequence (8 of 16 tokens, positions
-    [0-3, 12-15] and [4-11]) and the run is one process's within 1e-5 (losses, eval, weights). The same from
+    [0-3, 12-15] and [4-11]) and the run is one process's within 1e-5 (losses, weights, eval on whole
+    sequences and, inside the context, on the shares). The same from
     `accelerate launch --use_parallelism_config --parallelism_config_cp_size=2`."""
     script, out = ported(tmp_path, CONTEXT_PARALLEL), tmp_path / "out"
     single = run(LAUNCHES["1 process"], script, out, "single", results="single")[0]
@@ -237,6 +238,7 @@ def test_accelerates_context_parallel_trains_as_one_process(tmp_path):
         assert rank["mesh"] == ["dp_shard", "cp"]
         assert rank["losses"] == pytest.approx(single["losses"], abs=1e-5)
         assert rank["eval_loss"] == pytest.approx(single["eval_loss"], abs=1e-5)
+        assert rank["shared_eval_loss"] == pytest.approx(single["eval_loss"], abs=1e-5)  # eval on shares
         assert rank["restored"]["inside"] == 8 and rank["restored"]["after"] == list(range(16))
         assert rank["restored"]["kept"] == rank["positions"]  # in no_restore_buffers: left cut
     whole, shared = (torch.load(out / f"{layout}_weights.pt") for layout in ("single", "cp"))

@@ -59,7 +59,9 @@ def test_buffers_are_cut_in_place_and_put_back_unless_kept(rank_0_of_2):
         assert ids.tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]] and labels.shape == (8, 2)
         assert labels[:, 0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
         assert cp.positions(8, ids.device).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+        assert cp.applies(training=False)  # evaluation inside the block runs on the share too
     assert ids.shape == (1, 8) and labels.equal(torch.arange(32).view(2, 16).T)
+    assert cp.applies(training=True) and not cp.applies(training=False)  # outside: whole sequences
     whole = torch.arange(16).unsqueeze(0)
     with pytest.raises(ValueError, match="1 buffers but 2 buffer_seq_dims"), cp.cut_in_place([whole], [1, 1]):
         pass

@@ -45,6 +45,12 @@ class ContextParallel:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.share_length: int | None = None  # tokens of each sequence the last `shard` kept
+        self.cutting = False  # inside `cut_in_place`: evaluation runs on the share too
+
+    def applies(self, training: bool) -> bool:
+        """Whether a forward runs on this rank's share: in training, and in evaluation inside
+        `cut_in_place` (whose buffers are cut for it); evaluation elsewhere runs whole sequences."""
+        return training or self.cutting
 
     def positions(self, local_length: int, device: torch.device) -> torch.Tensor:
         """The global positions of the `local_length` tokens this rank holds of each sequence (a model asks
@@ -103,9 +109,11 @@ class ContextParallel:
         with torch.no_grad():
             for buffer, share in zip(buffers, shares, strict=True):
                 buffer.resize_(share.shape).copy_(share)
+        self.cutting = True
         try:
             yield
         finally:
+            self.cutting = False
             with torch.no_grad():
                 for buffer, original in zip(buffers, originals, strict=True):
                     if original is not None:

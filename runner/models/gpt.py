@@ -37,7 +37,7 @@ class CausalSelfAttention(nn.Module):
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
         dropout_p = self.dropout if self.training else 0.0
-        if self.sequence_share is not None and self.training:
+        if self.sequence_share is not None and self.sequence_share.applies(self.training):
             y = self.sequence_share.attention(q, k, v, dropout_p)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
@@ -223,7 +223,8 @@ class GPTStage(nn.Module):
 def _embed(model: GPT | GPTStage, input_ids: torch.Tensor) -> torch.Tensor:
     """Token plus position embeddings of `input_ids` (batch, seq: under context parallel, this rank's
     share of the sequences), after dropout."""
-    share = getattr(model, "sequence_share", None) if model.training else None
+    share = getattr(model, "sequence_share", None)
+    share = share if share is not None and share.applies(model.training) else None
     local = input_ids.shape[1]
     positions = (
         torch.arange(local, device=input_ids.device)

@@ -17,6 +17,11 @@ class SequenceShare(Protocol):
 
     size: int
 
+    def applies(self, training: bool) -> bool:
+        """Whether a forward in this mode runs on the share: in training, and in evaluation while the
+        sequences are cut (Accelerate's `maybe_context_parallel`); else on whole sequences."""
+        ...
+
     def positions(self, local_length: int, device: torch.device) -> torch.Tensor: ...
 
     def attention(
@@ -89,7 +94,7 @@ def share_transformers_model(model: torch.nn.Module, share: SequenceShare) -> No
     its attention runs over the keys and values of the whole sequences (`share.attention`, registered as an
     attention implementation of its own, grouped-query heads as they are) and its tokens take their
     positions in the whole sequence (`position_ids`, passed by a forward pre-hook where the caller gives
-    none); in `eval()` it
+    none); in `eval()` (outside `maybe_context_parallel`) it
     attends as sdpa does. ValueError with `transformers_problem`'s reason for another model."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -108,14 +113,14 @@ def share_transformers_model(model: torch.nn.Module, share: SequenceShare) -> No
         scaling: float | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        if not module.training:
+        if not share.applies(module.training):
             return sdpa_attention_forward(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
         return share.attention(query, key, value, dropout, scale=scaling).transpose(1, 2).contiguous(), None
 
     def positions(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not module.training:
+        if not share.applies(module.training):
             return None
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         positions = share.positions(ids.shape[1], ids.device)  # refuses sequences that were not cut

@@ -100,12 +100,21 @@ def main(out: Path, layout: str) -> None:
     with torch.no_grad():  # evaluation runs whole sequences
         batch = collate_fn(packed_dataset(4))
         eval_loss = model(**batch).loss.item()
+        # ... or each rank's share of them, inside the context (the loss averaged as in training)
+        batch["position_ids"] = torch.arange(0, SEQ_LEN).unsqueeze(0)
+        buffers = [batch["input_ids"], batch["shift_labels"], batch["labels"], batch["position_ids"]]
+        with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1, 1]):
+            shared_eval = model(**batch).loss
+            if group is not None:
+                dist.all_reduce(shared_eval, group=group)
+                shared_eval /= dist.get_world_size(group)
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         torch.save(state, out / f"{layout}_weights.pt")
     result = {
         "losses": losses,
         "eval_loss": eval_loss,
+        "shared_eval_loss": shared_eval.item(),
         "positions": positions[0],
         "seen": sorted(set(seen)),
         "restored": restored,
