@@ -208,6 +208,9 @@ def test_accelerates_fsdp_plugin_and_parallelism_config_run_as_runners_strategie
     # Accelerate's data_parallel_rank is the replica's: 0 on both ranks of one sharded copy.
     assert [rank["data_parallel_rank"] for rank in results["shards"]] == [0, 0]
     assert [rank["data_parallel_rank"] for rank in results["replicas"]] == [0, 1]
+    # Accelerate's flattened dimensions, as its nd_parallel example looks them up, one dimension alone too.
+    for layout in ("fsdp", "shards"):
+        assert results[layout][0]["flattened"] == {"dp": 2, "dp_shard_cp": 2, "dp_cp": 2}
     # The same plugin from an FSDP launch config: `accelerate launch --use_fsdp ...` sets FSDP_* variables.
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes=2", "--num_machines=1",
               "--mixed_precision=no", "--dynamo_backend=no", "--use_fsdp", "--fsdp_version=2",

@@ -120,6 +120,13 @@ class ParallelDims:
         return mesh[present]._flatten(name)
 
 
+ACCELERATE_FLATTENED = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
 class MeshStrategy(ParallelStrategy):
     """A strategy whose ranks are laid out on one `ParallelDims` mesh (FSDP, tensor parallel): the mesh is
     built when the process joins; ranks that split the model or its sequences (a tp or cp group) read the
@@ -156,8 +163,11 @@ class MeshStrategy(ParallelStrategy):
         self._sharding_mesh = shard
         if dims.cp > 1:
             self.context_parallel = ContextParallel(self.mesh.get_group("cp"))
-            # the ranks a loss value is averaged over (Accelerate's "dp_cp")
-            ParallelDims.flattened(self.mesh, ("dp_replicate", "dp_shard", "cp"), "dp_cp")
+        # Accelerate's flattened dimensions, which scripts look up (`torch_device_mesh["dp_cp"]`: the
+        # ranks a loss value is averaged over), one dimension alone included.
+        for name, names in ACCELERATE_FLATTENED.items():
+            if present := tuple(n for n in names if n in (self.mesh.mesh_dim_names or ())):
+                self.mesh[present]._flatten(name)
         assert self._data_mesh is not None, "dp_shard is always in the mesh"
         return dataclasses.replace(
             state, data_parallel_index=self._data_mesh.get_local_rank(), data_parallel_size=dims.dp

@@ -71,6 +71,7 @@ def main(out: Path, layout: str) -> None:
         "mesh": list(mesh.mesh_dim_names) if mesh is not None else None,
         "block_forwards_per_step": len(block_forwards) / len(losses),
         "data_parallel_rank": accelerator.data_parallel_rank,
+        "flattened": {name: mesh[name].size() for name in ("dp", "dp_shard_cp", "dp_cp")} if mesh else None,
     }
     (out / f"{layout}_{accelerator.process_index}.json").write_text(json.dumps(result))
 
