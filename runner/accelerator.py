@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 import runner.collectives as collectives
 from runner.checkpoint.checkpointer import ProjectConfiguration
-from runner.cluster import accelerate_launch_settings, launched_environment
+from runner.cluster import AccelerateLaunchSettings, accelerate_launch_settings, launched_environment
 from runner.config import ActivationCheckpointingConfig, CheckpointingMode, CompileConfig
 from runner.engine import Engine
 from runner.handlers import (
@@ -143,33 +143,9 @@ class Accelerator(Engine):
                 "sequence_parallel=...), or parallelism_config=ParallelismConfig(tp_size=...)."
             )
         launch = accelerate_launch_settings()  # what `accelerate launch` set, where the script did not
-        if strategy is None and fsdp_plugin is None and deepspeed_plugin is None:
-            if launch.fsdp is not None:
-                fsdp_plugin = FullyShardedDataParallelPlugin.from_launch(launch.fsdp)
-            elif launch.deepspeed:
-                deepspeed_plugin = DeepSpeedPlugin()  # from the ACCELERATE_DEEPSPEED_* variables
-        if (
-            strategy is None
-            and deepspeed_plugin is None
-            and parallelism_config is None
-            and launch.parallelism_config
-        ):
-            parallelism_config = ParallelismConfig()  # from the PARALLELISM_CONFIG_* variables
-        given = [
-            name
-            for name, value in (
-                ("strategy", strategy),
-                ("fsdp_plugin", fsdp_plugin),
-                ("deepspeed_plugin", deepspeed_plugin),
-            )
-            if value
-        ]
-        if len(given) > 1 or (parallelism_config and {"strategy", "deepspeed_plugin"} & set(given)):
-            raise ValueError(
-                f"Give the backend once: strategy=..., Accelerate's fsdp_plugin / parallelism_config, or its "
-                f"deepspeed_plugin (`accelerate launch --use_fsdp / --use_deepspeed` gives a plugin), not "
-                f"{' and '.join(given + ['parallelism_config'] * bool(parallelism_config))}."
-            )
+        fsdp_plugin, deepspeed_plugin, parallelism_config = _backend_given(
+            launch, strategy, fsdp_plugin, deepspeed_plugin, parallelism_config
+        )
         deepspeed_plugin = DeepSpeedPlugin.one(deepspeed_plugin)
         if deepspeed_plugin is not None:
             deepspeed = deepspeed_plugin.settings()
@@ -426,6 +402,37 @@ class Accelerator(Engine):
         raise ValueError(
             f"{name!r} is not a tracker of this Accelerator; it has {[t.name for t in self.trackers]}."
         )
+
+
+def _backend_given(
+    launch: AccelerateLaunchSettings,
+    strategy: Strategy | None,
+    fsdp: FullyShardedDataParallelPlugin | None,
+    deepspeed: DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None,
+    layout: ParallelismConfig | None,
+) -> tuple[
+    FullyShardedDataParallelPlugin | None,
+    DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None,
+    ParallelismConfig | None,
+]:
+    """The FSDP plugin, DeepSpeed plugin and layout the Accelerator was given, with what `accelerate
+    launch` set where the script set none; ValueError when more than one backend is given."""
+    if strategy is None and fsdp is None and deepspeed is None:
+        if launch.fsdp is not None:
+            fsdp = FullyShardedDataParallelPlugin.from_launch(launch.fsdp)
+        elif launch.deepspeed:
+            deepspeed = DeepSpeedPlugin()  # from the ACCELERATE_DEEPSPEED_* variables
+    if strategy is None and deepspeed is None and layout is None and launch.parallelism_config:
+        layout = ParallelismConfig()  # from the PARALLELISM_CONFIG_* variables
+    arguments = {"strategy": strategy, "fsdp_plugin": fsdp, "deepspeed_plugin": deepspeed}
+    given = [name for name, value in arguments.items() if value]
+    if len(given) > 1 or (layout and {"strategy", "deepspeed_plugin"} & set(given)):
+        raise ValueError(
+            f"Give the backend once: strategy=..., Accelerate's fsdp_plugin / parallelism_config, or its "
+            f"deepspeed_plugin (`accelerate launch --use_fsdp / --use_deepspeed` gives a plugin), not "
+            f"{' and '.join(given + ['parallelism_config'] * bool(layout))}."
+        )
+    return fsdp, deepspeed, layout
 
 
 def _plugin_strategy(
