@@ -38,7 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hydra_plugins.runner_launcher.launcher import RunnerLauncher
 from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
 from runner.build import is_inference, locate
-from runner.checkpoint.resume import check_finished_run, check_resume
+from runner.checkpoint.resume import FinishedRun, check_finished_run, check_resume
 from runner.cluster import RankEnvironment, launched_environment
 from runner.config import CONF_SEARCH_PATH
 from runner.errors import (
@@ -88,11 +88,15 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
     try:
         if env is None:
             owned.enter_context(run_dir_lock(output_dir))
-        built, world_size, checkpoint = _checked(cfg, output_dir, env)
+        built, world_size, checkpoint, finished = _checked(cfg, output_dir, env)
         if cfg.plan:
-            _print_plan(cfg, built, world_size, checkpoint)
+            _print_plan(cfg, built, world_size, checkpoint, finished)
             return {}
-        metrics = built.launcher.launch(_job(cfg, hydra_cfg, output_dir, env, built))
+        if finished is not None:
+            log.info("%s: nothing to train.%s", finished.describe(), AGAIN)
+            metrics = {k: v for k, v in finished.metrics.items() if v is not None}
+        else:
+            metrics = built.launcher.launch(_job(cfg, hydra_cfg, output_dir, env, built))
     except (ConfigError, InstantiationException) as err:
         cause = err.__cause__ if isinstance(err.__cause__, ConfigError) else err
         log.error("Configuration error: %s", cause)
@@ -131,17 +135,40 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
     return _objective(cfg, metrics)
 
 
+# What the same command says in the dir of a finished run: how to train it again.
+AGAIN = (
+    " To train it again, set trainer.overwrite=true (its files move into replaced-<time>/) or give another "
+    "hydra.run.dir."
+)
+
+
 def _checked(
     cfg: DictConfig, output_dir: Path, env: RankEnvironment | None
-) -> tuple[Built, int, Path | None]:
-    """Every check before launch (the config, the hardware and the launcher built; the checkpoint to
-    resume from; a finished run not replaced): what was built, the number of ranks, the checkpoint."""
+) -> tuple[Built, int, Path | None, FinishedRun | None]:
+    """Every check before launch (the config, the hardware and the launcher built; a finished run in the
+    dir, which is neither replaced nor trained again; the checkpoint to resume from): what was built, the
+    number of ranks, the checkpoint, the finished run (None: the run goes ahead)."""
     with _single_threaded():
         built, world_size = check_job(cfg)
         # One process checks the files (and moves a damaged latest aside): rank 0 under torchrun/srun.
         verify = env is None or env.rank == 0
         training = not is_inference(cfg.task._target_)
         settings = OmegaConf.to_container(_resolved(cfg))
+        # A training run must not replace a finished run's results (an inference run's are made again
+        # from the same weights), nor resume one of its checkpoints, which may be older than its end.
+        finished = None
+        if verify and training:
+            finished = check_finished_run(
+                output_dir,
+                settings,  # type: ignore[arg-type]
+                resume=cfg.trainer.resume,
+                overwrite=cfg.trainer.overwrite,
+                dry_run=cfg.plan,
+            )
+        if finished is not None:
+            if env is not None:  # the other ranks, started by torchrun or srun, would wait for this one
+                raise ConfigError(f"{finished.describe()}: nothing to train, so no rank runs.{AGAIN}")
+            return built, world_size, None, finished
         checkpoint = check_resume(
             cfg.trainer.resume,
             output_dir,
@@ -155,20 +182,16 @@ def _checked(
             verify=verify,
             settings=settings if verify and training else None,  # type: ignore[arg-type]
         )
-        # A training run that starts over must not replace a finished run's results (an inference
-        # run's are made again from the same weights).
-        if checkpoint is None and verify and training:
-            check_finished_run(
-                output_dir,
-                settings,  # type: ignore[arg-type]
-                overwrite=cfg.trainer.overwrite,
-                dry_run=cfg.plan,
-            )
-    return built, world_size, checkpoint
+    return built, world_size, checkpoint, None
 
 
-def _print_plan(cfg: DictConfig, built: Built, world_size: int, checkpoint: Path | None) -> None:
+def _print_plan(
+    cfg: DictConfig, built: Built, world_size: int, checkpoint: Path | None, finished: FinishedRun | None
+) -> None:
     """`plan=true`: what the run would do, from what the checks built."""
+    if finished is not None:
+        print(f"{finished.describe()}: nothing would run.{AGAIN}")
+        return
     with _single_threaded():
         line = built.launcher.describe(cfg, built.hardware)
         resume_from = str(checkpoint) if checkpoint else None

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from importlib.resources import files
 from pathlib import Path
-from typing import Annotated, Any, TypeVar, get_args, get_origin, get_type_hints
+from types import UnionType
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from omegaconf import MISSING
 
@@ -104,30 +105,47 @@ PythonOnly = Annotated[T, NotASetting()]
 
 @dataclass(frozen=True)
 class Declared:
-    """What a numeric setting accepts: numbers of `number`'s type within `bounds`; a list of them with
+    """What a setting accepts: values of `number`'s type (int, float, or for a plain annotation of a
+    user's class also bool or str) within `bounds`, or one of `choices` (a Literal); a list of them with
     `many`."""
 
     number: type
-    bounds: Range
+    bounds: Range | None = None
     many: bool = False
+    choices: tuple[Any, ...] | None = None
 
     def problem(self, key: str, value: Any) -> str | None:
-        """Why `key=value` is not what this accepts (a number of its type within its bounds, or a list of
-        them), or None (None too for no value)."""
+        """Why `key=value` is not what this accepts, or None (None too for no value)."""
         if value is None:
             return None
         several = isinstance(value, Sequence) and not isinstance(value, str)  # a ListConfig too
-        kind = "an integer" if self.number is int else "a number"
+        kind = self._kind()
         if several != self.many:
-            return f"{key}={value!r}: expected {'a list of numbers' if self.many else kind}."
-        kinds = numbers.Integral if self.number is int else numbers.Real
+            return (
+                f"{key}={value!r}: expected {'a list of ' + self._kind(plural=True) if self.many else kind}."
+            )
         for index, item in enumerate(value if several else [value]):
             name = f"{key}[{index}]" if several else key
-            if isinstance(item, bool) or not isinstance(item, kinds):
+            if not self._accepts(item):
                 return f"{name}={item!r}: expected {kind}."
-            if (problem := self.bounds.problem(name, item)) is not None:
+            if self.bounds is not None and (problem := self.bounds.problem(name, item)) is not None:
                 return problem
         return None
+
+    def _kind(self, plural: bool = False) -> str:
+        if self.choices is not None:
+            return ("values among " if plural else "one of ") + ", ".join(map(repr, self.choices))
+        if plural:
+            return {int: "integers", bool: "true/false values", str: "strings"}.get(self.number, "numbers")
+        return {int: "an integer", bool: "true or false", str: "a string"}.get(self.number, "a number")
+
+    def _accepts(self, item: Any) -> bool:
+        if self.choices is not None:
+            return item in self.choices
+        if self.number is bool or self.number is str:
+            return isinstance(item, self.number)
+        kinds = numbers.Integral if self.number is int else numbers.Real
+        return isinstance(item, kinds) and not isinstance(item, bool)
 
 
 _ADAM = {
@@ -147,15 +165,17 @@ THIRD_PARTY_RANGES: dict[str, dict[str, Declared]] = {
 }
 
 
-def declared_ranges(target: Any) -> dict[str, Declared]:
+def declared_ranges(target: Any, plain: bool = False) -> dict[str, Declared]:
     """What each numeric argument of `target`, a class or function a `_target_` names, accepts: what its
     signature declares (`Annotated[int, Range(...)]`, in a list too; for a class, its base classes' too,
-    which receive its **kwargs; for a function, the class it returns too), and THIRD_PARTY_RANGES."""
+    which receive its **kwargs; for a function, the class it returns too), and THIRD_PARTY_RANGES. With
+    `plain` (a user's class, whose settings no schema types) also the arguments annotated with a plain
+    int, float, bool, str or Literal (in Optional or a list too)."""
     name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '')}"
     ranges = dict(THIRD_PARTY_RANGES.get(name, {}))
     for function in _signatures(target):
         for key, hint in _hints(function).items():
-            declared = _range_in(hint)
+            declared = _range_in(hint, plain=plain)
             if declared is not None and key != "return":
                 ranges.setdefault(key, declared)
     return ranges
@@ -175,14 +195,30 @@ def _hints(function: Any) -> dict[str, Any]:
         return {}
 
 
-def _range_in(hint: Any, many: bool = False) -> Declared | None:
-    """What an annotation declares, looking inside Optional[...] and list[...]."""
+PLAIN = (bool, int, float, str)  # the plain annotations of a user's class that are checked
+
+
+def _range_in(hint: Any, many: bool = False, plain: bool = False) -> Declared | None:
+    """What an annotation declares, looking inside Optional[...] and list[...] (`plain`: see
+    `declared_ranges`)."""
     if get_origin(hint) is Annotated:
         number, *metadata = get_args(hint)
         bounds = next((m for m in metadata if isinstance(m, Range)), None)
-        return Declared(number, bounds, many) if bounds is not None else None
-    inside = many or get_origin(hint) in (list, tuple)
-    return next((found for arg in get_args(hint) if (found := _range_in(arg, inside)) is not None), None)
+        if bounds is not None:
+            return Declared(number, bounds, many)
+        return _range_in(number, many, plain)
+    if plain and hint in PLAIN:
+        return Declared(hint, None, many)
+    if plain and get_origin(hint) is Literal:
+        return Declared(object, None, many, choices=get_args(hint))
+    origin = get_origin(hint)
+    if plain and origin is not None and origin not in (list, tuple, Union, UnionType):
+        return None  # dict[...], Callable[...]: not checked
+    inside = many or origin in (list, tuple)
+    found = [
+        found for arg in get_args(hint) if arg is not type(None) and (found := _range_in(arg, inside, plain))
+    ]
+    return found[0] if len(found) == 1 or (found and not plain) else None  # a Union of two types: not checked
 
 
 class CompileScope(str, Enum):

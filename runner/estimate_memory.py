@@ -14,7 +14,7 @@ import sys
 
 from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
-from hydra.utils import instantiate
+from hydra.utils import get_class
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
@@ -43,8 +43,9 @@ def estimate(overrides: list[str], num_processes: int) -> str:
         cfg = compose("config", overrides=overrides)
         model = build_on_meta(cfg)
         sharded = {
-            name: instantiate(_hardware(overrides, extra, num_processes)).sharded_states
+            name: get_class(hardware._target_).states_sharded_by(hardware)
             for name, extra in GROUPS.items()
+            for hardware in [_hardware(overrides, extra, num_processes)]
         }
     parameters = sum(p.numel() for p in model.parameters())
     sizes = compute_module_sizes(model)

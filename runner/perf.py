@@ -48,6 +48,19 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 PEAK_OF_PRECISION = {"no": "fp32", "bf16": "bf16", "fp16": "bf16", "fp8": "bf16"}
 
 
+def count_text(count: int) -> str:
+    """A count of parameters (or tokens) as people write it: 1.23B, 124.4M, 12.3K, 832."""
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= size * 0.9995:  # what rounds to 1 or more of the unit
+            return f"{count / size:.3g}{unit}"
+    return str(count)
+
+
+def mfu_unknown(device_name: str) -> str:
+    """Why perf/mfu is not reported on `device_name`, and the fix."""
+    return f"no peak FLOP/s is known for {device_name}; set hardware.peak_flops"
+
+
 def peak_flops(device_name: str, mixed_precision: str) -> float | None:
     """The table's peak FLOP/s of one `device_name` device in `mixed_precision`, or None if not listed."""
     for name, peaks in PEAK_FLOPS.items():

@@ -12,7 +12,7 @@ from runner.config import CheckpointingMode, CompileScope
 from runner.data.base import DataSource
 from runner.hardware.base import Strategy
 from runner.hardware.parallelize import apply_ac, blocks_of
-from runner.perf import count_flops, kept_for_backward
+from runner.perf import count_flops, count_text, kept_for_backward, mfu_unknown, peak_flops
 
 MB = 1024**2
 
@@ -28,11 +28,13 @@ def describe(
 ) -> str:
     """The plan of one job, one line per aspect: `strategy` is the validated hardware, `launcher` the
     launcher's own line; `data` and `model` (on meta) those the checks built, else built here."""
-    precision = strategy.setup_precision(instantiate(cfg.precision)).mixed_precision
+    plugin = strategy.setup_precision(instantiate(cfg.precision))
+    precision = plugin.mixed_precision
     data = build_data(cfg) if data is None else data
     model = build_on_meta(cfg, data) if model is None else model
     parameters = sum(p.numel() for p in model.parameters())  # tied weights once
     trainer = cfg.trainer
+    peak = strategy.peak_flops or peak_flops(strategy.device_name(), precision)
     batch = cfg.data.get("batch_size")
     if batch and trainer.split_batches:
         batch //= world_size
@@ -45,7 +47,7 @@ def describe(
         "hardware": f"{cfg.hardware._target_} {hardware}",
         "layout": strategy.layout(world_size),
         "stages": strategy.describe_stages(model),
-        "precision": precision,
+        "precision": plugin.name,
         "batch": (
             f"{batch} per device x {world_size} device(s) x {trainer.gradient_accumulation_steps} accumulation "
             f"step(s) = {batch * world_size * trainer.gradient_accumulation_steps} samples per optimizer step"
@@ -59,11 +61,12 @@ def describe(
         "checkpoints": (
             f"every {trainer.checkpoint_every} steps"
             if trainer.checkpoint_every
-            else "on SIGTERM/SIGUSR1/SIGUSR2 only"
+            else "only when stopped (Ctrl-C, SIGTERM, SIGUSR1, SIGUSR2)"
         )
         + f", keep {trainer.keep_checkpoints}; resume from {resume_from or 'nothing (a fresh start)'}",
         "tracker": _tracker(cfg),
-        "model": f"{cfg.model._target_}, {parameters / 1e6:.2f}M parameters",
+        "model": f"{cfg.model._target_}, {count_text(parameters)} parameters",
+        "perf/mfu": None if peak else f"not reported: {mfu_unknown(strategy.device_name())}",
         "memory/device": _memory(parameters, strategy, world_size, cfg.optimizer),
         "compute": _compute(strategy),
         "activations": _activations(cfg, model, data, world_size, strategy),

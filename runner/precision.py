@@ -41,6 +41,11 @@ class Precision:
     mixed_precision = "no"
     autocast_kwargs = AutocastKwargs()
 
+    @property
+    def name(self) -> str:
+        """How logs and messages name it: the precision group's name ("fp32" for Accelerate's "no")."""
+        return "fp32" if self.mixed_precision == "no" else self.mixed_precision
+
     def setup(self, device: torch.device) -> None:
         """Bind to the device this process trains on."""
         self.check_device(device)

@@ -29,13 +29,28 @@ from runner.build import (
     meta_training_step,
 )
 from runner.checkpoint.checkpointer import ProjectConfiguration
-from runner.checkpoint.resume import resume_checkpoint, resume_hint
+from runner.checkpoint.resume import (
+    RESOLVED,
+    record_finished,
+    resume_checkpoint,
+    resume_hint,
+    resume_override,
+)
 from runner.data.base import DataSource
 from runner.engine import Engine
 from runner.errors import ConfigError, TrainingDiverged, TrainingInterrupted, signal_name
 from runner.handlers import DataLoaderConfiguration, GradientAccumulationPlugin
 from runner.hardware.base import Strategy
-from runner.perf import Throughput, count_flops, memory_snapshot_on_oom, peak_flops, profiled
+from runner.logging import FILE_ONLY
+from runner.perf import (
+    Throughput,
+    count_flops,
+    count_text,
+    memory_snapshot_on_oom,
+    mfu_unknown,
+    peak_flops,
+    profiled,
+)
 from runner.rng import rng_kept, set_seed
 from runner.task import Task, batch_units, trains_by_loss
 
@@ -126,6 +141,7 @@ class Trainer:
         advances = 1 if trainer.split_batches else engine.state.data_parallel_size
         scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=self.total_steps * advances)
         num_parameters = sum(p.numel() for p in model.parameters())  # before a backend partitions them
+        model_name = type(model).__name__  # before a backend wraps it (FSDP2 changes its class)
         self.model, self.optimizer, self.scheduler = engine.prepare(model, optimizer, scheduler)
         # The loss of a batch, for `backward`: by the task's `loss` the strategy computes it (pipeline
         # parallel runs its schedule there), else by the task's own `training_step`.
@@ -137,8 +153,9 @@ class Trainer:
         self.done = Progress(window_loss=torch.zeros((), device=engine.device))
         engine.register_for_checkpointing(self.done)
         self.resume()
+        self.config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
         if engine.is_main_process:
-            (output_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            (output_dir / RESOLVED).write_text(OmegaConf.to_yaml(cfg, resolve=True))
         if tracker is not None:
             run_tags = {
                 "hardware": type(engine.strategy).__name__,
@@ -147,17 +164,18 @@ class Trainer:
             }
             engine.init_trackers(
                 cfg.tracker.experiment_name,
-                config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
-                init_kwargs={tracker.name: {"tags": run_tags}},
+                config=self.config,
+                # resumed: the steps past the checkpoint that the stopped run logged come again
+                init_kwargs={tracker.name: {"tags": run_tags, "resumed_at": self.resumed_at}},
             )
         log.info(
-            "training %s (%.2fM parameters) for %d steps on %s, %d process(es), precision %s",
-            type(engine.unwrap_model(self.model)).__name__,
-            num_parameters / 1e6,
+            "training %s (%s parameters) for %d steps on %s, %d process(es), precision %s",
+            model_name,
+            count_text(num_parameters),
             self.total_steps,
             engine.device,
             engine.num_processes,
-            engine.mixed_precision,
+            engine.precision.name,
         )
         if engine.num_processes > 1:
             log.info("layout: %s", engine.strategy.layout(engine.num_processes))
@@ -167,7 +185,8 @@ class Trainer:
             initial=self.done.step,
             desc="train",
             dynamic_ncols=True,
-            disable=not (trainer.progress_bar and engine.is_local_main_process),
+            # None: drawn on a terminal only (piped to a file, a bar's redraws would be hundreds of lines)
+            disable=None if trainer.progress_bar and engine.is_local_main_process else True,
         )
 
     def resume(self) -> None:
@@ -175,6 +194,7 @@ class Trainer:
         `check_resume`, for every rank), with the configured learning rate."""
         chosen = resume_checkpoint(self.settings.resume, self.output_dir)
         resumed = self.engine.broadcast_object_list([str(chosen or "")])[0]
+        self.resumed_at: int | None = None
         if resumed:
             self.engine.step = self.checkpointer.resume(Path(resumed))
             done = self.done
@@ -185,6 +205,7 @@ class Trainer:
                     f"trainer.max_steps>={done.step} to continue it, or start a new run (another hydra.run.dir, or "
                     "trainer.resume=null)."
                 )
+            self.resumed_at = done.step
             log.info(
                 "resumed from %s at step %d (epoch %d, batch %d)",
                 resumed,
@@ -276,14 +297,14 @@ class Trainer:
         self.metrics.update(evaluated)
         self.check_finite()
         self.engine.log(evaluated, step=self.done.step)
-        log.info("step %d/%d: %s", self.done.step, self.total_steps, _fmt(self.metrics))
+        log.info("step %d/%d: %s", self.done.step, self.total_steps, _fmt(evaluated))
 
     def check_finite(self) -> None:
         check_finite(
             self.metrics,
             self.done.step,
             self.settings,
-            self.engine.mixed_precision,
+            self.engine.precision.name,
             self.checkpointer.project.checkpoints_dir,
         )
 
@@ -298,7 +319,7 @@ class Trainer:
             signum = received[0] if received else None  # None: another rank was signalled
             raise TrainingInterrupted(
                 f"stopped by {signal_name(signum)} at step {step}/{self.total_steps}; checkpoint {path}. Run the same "
-                f"command with the same output dir ({self.output_dir}) to resume.",
+                f"command with {resume_override(self.output_dir)} to resume.",
                 signum=signum,
             )
 
@@ -334,8 +355,12 @@ class Trainer:
             model_config = getattr(engine.unwrap_model(self.model), "config", None)
             if engine.is_main_process and hasattr(model_config, "save_pretrained"):
                 model_config.save_pretrained(output_dir / "model")
+        engine.wait_for_checkpoint()  # one of the last step, written in the background, is whole
+        if engine.is_main_process:  # the results are whole: a run in this dir now finds them finished
+            final = self.checkpointer.latest_at(engine.step)
+            record_finished(output_dir, self.done.step, self.config, self.metrics, final)
         for run_tracker in engine.trackers:  # the main process's
-            for artifact in (output_dir / "resolved_config.yaml", *output_dir.glob("*.log")):  # and Hydra's
+            for artifact in (output_dir / RESOLVED, *output_dir.glob("*.log")):  # and Hydra's
                 run_tracker.log_artifact(str(artifact))
             if run_tracker.log_model and self.settings.save_model:
                 run_tracker.log_artifact(str(output_dir / "model"), "model")
@@ -373,10 +398,11 @@ def throughput_meter(cfg: DictConfig, data: DataSource, engine: Engine) -> Throu
         )
     strategy = engine.strategy
     peak = strategy.peak_flops or peak_flops(strategy.device_name(), engine.mixed_precision)
-    if peak is None:
+    if peak is None:  # said by plan=true; here in the log file only (every CPU run would say it)
         log.info(
-            "perf/mfu is not reported: no peak FLOP/s is known for %s; set hardware.peak_flops",
-            strategy.device_name(),
+            "perf/mfu is not reported: %s",
+            mfu_unknown(strategy.device_name()),
+            extra=FILE_ONLY,
         )
     return Throughput(unit, flops_per_unit, peak, devices_per_batch=engine.num_processes // data_parallel)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import re
-import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +45,7 @@ TARGET_NODES = (
 UNTYPED_NODES = ("model", "data", "task", "optimizer", "scheduler")
 OPTIONAL_NODES = ("tracker",)  # `_target_: null` turns them off
 # Nodes cheap to build in the launching process; building them checks their values (devices, files).
-BUILT_NODES = ("hardware", "launcher", "data")
+BUILT_NODES = ("hardware", "launcher", "tracker", "data")
 _HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
 
@@ -145,8 +145,8 @@ def _target_problems(cfg: DictConfig) -> list[str]:
             obj = locate(target)
         except ImportError as err:
             problems.append(
-                f"{node}._target_={target!r} cannot be imported ({err}; searched sys.path: "
-                f"{', '.join(p or '.' for p in sys.path)}). Check the spelling, run from the directory that holds "
+                f"{node}._target_={target!r} cannot be imported ({err}; looked in the working directory "
+                f"{os.getcwd()} and the installed packages). Check the spelling, run from the directory that holds "
                 "your package (it is importable from there), or install the package that provides it; "
                 f"`runner --help` lists the {node} options that ship with runner."
             )
@@ -200,28 +200,33 @@ def _trainer_problems(trainer: DictConfig) -> list[str]:
 def _range_problems(cfg: DictConfig) -> list[str]:
     """Every numeric setting against the range its declaration gives (`config.declared_ranges`): a typed
     node's from its schema, an untyped node's from the signature of what it instantiates, where a value
-    of the wrong type is named too."""
-    declarations = [(node, node_cfg, OmegaConf.get_type(node_cfg)) for node, node_cfg in _typed_nodes(cfg)]
-    for node in UNTYPED_NODES:
+    of the wrong type is named too, also for a plain int, float, bool, str or Literal annotation."""
+    declarations = [
+        (node, node_cfg, declared_ranges(OmegaConf.get_type(node_cfg)))
+        for node, node_cfg in _typed_nodes(cfg)
+    ]
+    for node in UNTYPED_NODES:  # no schema types them: the plain annotations of what they build too
         try:
-            declarations.append((node, cfg[node], locate(cfg[node].get("_target_"))))
+            declarations.append(
+                (node, cfg[node], declared_ranges(locate(cfg[node].get("_target_")), plain=True))
+            )
         except ImportError:  # _target_problems names it
             continue
     return [
         problem
-        for node, node_cfg, declared_by in declarations
-        for key, declared in declared_ranges(declared_by).items()
-        if (problem := declared.problem(f"{node}.{key}", node_cfg.get(key))) is not None
+        for node, node_cfg, declared in declarations
+        for key, accepts in declared.items()
+        if key in node_cfg and (problem := accepts.problem(f"{node}.{key}", node_cfg.get(key))) is not None
     ]
 
 
 def _build_problems(cfg: DictConfig, built: dict[str, Any], skip: set[str]) -> list[str]:
-    """Build the hardware, the launcher and the data source into `built` (not those in `skip`, whose
-    settings are known to be wrong): their constructors check what only they know (process counts against
-    the GPUs here, files that must exist). Then ask the hardware whether it can run the precision."""
+    """Build the hardware, the launcher, the tracker and the data source into `built` (not those in
+    `skip`, whose settings are known to be wrong): their constructors check what only they know (process
+    counts against the GPUs here, files that must exist, a tracking URI). Then ask the hardware whether it can run the precision."""
     problems = []
     for node in BUILT_NODES:
-        if node in skip:
+        if node in skip or (node in OPTIONAL_NODES and not cfg[node].get("_target_")):
             continue
         try:
             built[node] = instantiate(cfg[node])

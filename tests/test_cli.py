@@ -277,7 +277,8 @@ def test_plan_prints_what_the_run_would_do_and_starts_nothing(run_cli):
     )
     assert plan["steps"].startswith("200 optimizer steps") and "resume from nothing" in plan["checkpoints"]
     assert plan["tracker"].startswith("mlflow -> ")
-    assert plan["model"] == "runner.models.MLP, 0.20M parameters"
+    assert plan["model"] == "runner.models.MLP, 202K parameters"
+    assert plan["perf/mfu"] == "not reported: no peak FLOP/s is known for cpu; set hardware.peak_flops"
     assert (
         "optimizer 0.8 MB (sharded)" in plan["memory/device"]
     )  # AdamW's 2 fp32 states, 0.2M params, 2 ranks
@@ -333,7 +334,7 @@ def test_a_loss_that_becomes_nan_stops_the_run_naming_step_lr_and_precision(run_
     assert proc.returncode == 1, proc.stderr
     message = proc.stderr.strip().splitlines()[-1]
     assert message.startswith("Training stopped: train/loss=nan at step "), message
-    assert "learning rate" in message and "precision no" in message and "Lower optimizer.lr" in message
+    assert "learning rate" in message and "precision fp32" in message and "Lower optimizer.lr" in message
     assert "Traceback" not in proc.stderr
     assert not (proc.run_dir / "metrics.json").exists()  # no final metrics: the run failed
     step = int(message.split(" at step ")[1].split()[0])
@@ -443,3 +444,22 @@ def test_a_file_where_a_directory_goes_is_refused_in_one_paragraph(tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert message.startswith("Configuration error: ") and expected in message, message
         assert "Traceback" not in proc.stderr and "\n" not in message
+
+
+def test_a_run_piped_to_a_file_says_each_thing_once_in_the_users_words(run_cli):
+    """Piped (no terminal): no progress-bar frames, no MFU warning (plan=true says it), one line per
+    step and eval, the user's model's name and size, fp32 named as such, under FSDP's wrapper too."""
+    proc = run_cli(
+        "hardware=fsdp", "hardware.num_processes=2", "model.hidden_size=16", "model.num_layers=1",
+        "trainer.max_steps=20", "trainer.log_every=10", "trainer.eval_every=10", "trainer.progress_bar=true",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    console = proc.stderr
+    assert "\r" not in console and "train:" not in console  # tqdm's frames
+    assert "perf/mfu" not in console and "no peak FLOP/s" in (proc.run_dir / "runner.log").read_text()
+    # one hidden layer of 16 over the regression data's 16 features: 16*16+16 + 16+1 = 289 parameters
+    assert "training MLP (289 parameters) for 20 steps on cpu, 2 process(es), precision fp32" in console
+    steps = [line.split(":")[0] for line in console.splitlines() if line.startswith("step ")]
+    assert steps == ["step 10/20"] * 2 + ["step 20/20"] * 2  # the train line, then the eval line
+    eval_lines = [line for line in console.splitlines() if line.startswith("step ") and "eval/loss" in line]
+    assert all("train/loss" not in line for line in eval_lines)

@@ -87,7 +87,11 @@ def test_unknown_group_option_is_refused():
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["model._target_=nope.Model"], "model._target_='nope.Model' cannot be imported"),
+        (
+            ["model._target_=nope.Model"],
+            "model._target_='nope.Model' cannot be imported (no module named 'nope'; "
+            "looked in the working directory ",
+        ),
         (["+model.hiden=3"], "runner.models.MLP does not accept these settings"),
         (["data=table"], "data.path: no value was given"),
         (["data=table", "data.path=missing.csv", "data.target=y"], "data.path='missing.csv': no such file"),
@@ -108,6 +112,14 @@ def test_unknown_group_option_is_refused():
             ["trainer.compile.scope=model", "trainer.compile.options=3"],
             "trainer.compile.options=3: expected a mapping of the backend's options",
         ),
+        (["tracker.uri=not-a-uri"], "tracker.uri='not-a-uri' (or $MLFLOW_TRACKING_URI): not a store MLflow"),
+        (
+            ["tracker.uri=':::garbage:::'"],
+            "tracker.uri=':::garbage:::' (or $MLFLOW_TRACKING_URI): not a store",
+        ),
+        (["tracker.uri=file:///tmp/store"], "MLflow's file store (a plain path or file://) is not taken"),
+        (["tracker.experiment_name=''"], "tracker.experiment_name='': an MLflow experiment needs a name"),
+        (["tracker=tensorboard", "tracker.logging_dir=/proc/1/tb"], "/proc/1 cannot be written here"),
     ],
 )
 def test_validation_names_the_key(overrides, expected, tmp_path, monkeypatch):
@@ -116,6 +128,55 @@ def test_validation_names_the_key(overrides, expected, tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as info:
         validate(cfg)
     assert expected in str(info.value)
+
+
+class ResMLP(torch.nn.Module):
+    """A user's model with plain annotations (no Range): its settings' types are checked before launch."""
+
+    def __init__(
+        self,
+        in_features: int | None = None,
+        out_features: int | None = None,
+        width: int = 64,
+        activation: typing.Literal["relu", "gelu"] = "relu",
+        dropout: float | None = None,
+        norm: bool = True,
+        names: list[str] | None = None,
+        hidden_size: int = 8,  # the mlp option's other settings
+        num_layers: int = 1,
+    ) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(in_features or 1, out_features or 1)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("model.width=abc", "model.width='abc': expected an integer."),
+        ("model.width=1.5", "model.width=1.5: expected an integer."),
+        ("model.dropout=high", "model.dropout='high': expected a number."),
+        ("model.norm=3", "model.norm=3: expected true or false."),
+        ("model.activation=tanh", "model.activation='tanh': expected one of 'relu', 'gelu'."),
+        ("model.names=[a,1]", "model.names[1]=1: expected a string."),
+        ("model.names=a", "model.names='a': expected a list of strings."),
+    ],
+)
+def test_a_user_classes_plain_annotations_are_checked_before_launch(
+    override, expected, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    cfg = compose("config", overrides=["model._target_=test_config.ResMLP", f"++{override}"])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert expected in str(info.value)
+    fine = [
+        "++model.width=32",
+        "++model.activation=gelu",
+        "++model.dropout=0",
+        "++model.names=[a,b]",
+        "++model.norm=false",
+    ]
+    validate(compose("config", overrides=["model._target_=test_config.ResMLP", *fine]))
 
 
 def test_validation_reports_every_problem_at_once():

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from conftest import cli_env
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -104,3 +107,40 @@ def test_a_command_with_a_misspelt_key_does_not_compose():
     """The check above can fail: a key that is not there is refused."""
     with pytest.raises(Exception, match="max_step"):
         compose("config", overrides=first_of_each_sweep(["trainer.max_step=5"]))
+
+
+def quoted_sessions() -> list[tuple[str, str, list[str]]]:
+    """(page, command, the output it quotes) of every `$ command` line in the docs' `text` blocks."""
+    found: list[tuple[str, str, list[str]]] = []
+    for page in PAGES:
+        language = None
+        for line in page.read_text().splitlines():
+            if fence := FENCE.match(line):
+                language = fence.group(1) if language is None else None
+                continue
+            if language != "text":
+                continue
+            if line.startswith("$ "):
+                found.append((page.name, line[2:], []))
+            elif found and found[-1][0] == page.name and line.strip():
+                found[-1][2].append(line.strip())
+    return found
+
+
+SESSIONS = quoted_sessions()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("page", "command", "quoted"), SESSIONS, ids=[c for _, c, _ in SESSIONS])
+def test_a_quoted_message_is_what_the_command_prints(tmp_path, page, command, quoted):
+    """What the docs show a command printing is what it prints today (run here, on the CPU)."""
+    proc = subprocess.run(
+        [sys.executable, *shlex.split(command, comments=True)[1:]],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    printed = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert printed == quoted, f"{page}: `{command}` prints\n" + "\n".join(printed)
+
+
+def test_the_docs_quote_messages():
+    assert len(SESSIONS) >= 4 and all(quoted for _, _, quoted in SESSIONS)

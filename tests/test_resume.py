@@ -69,7 +69,8 @@ def test_a_stop_signal_checkpoints_exits_75_and_a_rerun_finishes_identically(
     os.kill(proc.pid, stop)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 75, stderr
-    assert "Training interrupted" in stderr and "to resume" in stderr and "Traceback" not in stderr
+    assert "Training interrupted" in stderr and "Traceback" not in stderr
+    assert f"Run the same command with hydra.run.dir={tmp_path} to resume." in stderr  # the line to paste
     rerun = run(tmp_path, *TRAIN, *RANKS[ranks])
     assert rerun.returncode == 0, rerun.stderr
     assert "resumed from" in (tmp_path / "runner.log").read_text()
@@ -92,7 +93,9 @@ def test_a_ctrl_c_in_a_terminal_counts_once_in_every_rank(tmp_path):
     assert proc.returncode == 75, stderr
     message = stderr.strip().splitlines()[-1]
     # The launcher's words or, when the ranks stopped before its SIGINT came, theirs: Ctrl-C either way.
-    assert message.startswith("Training interrupted: stopped by Ctrl-C") and "; checkpoint " in message, stderr
+    assert message.startswith("Training interrupted: stopped by Ctrl-C") and "; checkpoint " in message, (
+        stderr
+    )
     assert (tmp_path / "checkpoints" / "checkpoint_0").is_dir()
 
 
@@ -136,11 +139,26 @@ def test_kill_9_after_a_checkpoint_then_rerun_finishes_identically(tmp_path, uni
     rerun = run(tmp_path, *TRAIN, *RANKS[ranks])
     assert rerun.returncode == 0, rerun.stderr
     assert (tmp_path / "model" / "model.safetensors").read_bytes() == uninterrupted[ranks]
+    # The steps after the checkpoint, logged by the killed run and again by the rerun, are in its MLflow
+    # run once (in the store when the rerun exits).
+    assert_each_step_logged_once(tmp_path, "train/loss", list(range(10, 301, 10)))
+
+
+def assert_each_step_logged_once(run_dir: Path, metric: str, steps: list[int]) -> None:
+    from mlflow import MlflowClient
+
+    run_id = json.loads((run_dir / "tracking" / "delivered.json").read_text())["run_id"]
+    history = MlflowClient(cli_env()["MLFLOW_TRACKING_URI"]).get_metric_history(run_id, metric)
+    assert sorted(m.step for m in history) == steps
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused_before_training(tmp_path):
     first = run(tmp_path, "trainer.max_steps=20", "trainer.checkpoint_every=10", "model.hidden_size=64")
     assert first.returncode == 0, first.stderr
+    # Its dir as a run killed right after its checkpoint of step 20 leaves it: not finished (a finished
+    # run's dir refuses other settings before any checkpoint is looked at).
+    (tmp_path / "finished.json").unlink()
+    (tmp_path / "metrics.json").unlink()
     checkpoint = tmp_path / "checkpoints" / "checkpoint_1"
     cases = {
         ("model.hidden_size=128",): "does not fit this run",
@@ -372,9 +390,9 @@ def results_of(metrics_file: Path) -> dict[str, float]:
 
 
 def test_a_finished_runs_results_are_replaced_only_by_a_run_that_continues_it(tmp_path):
-    """Run again into a finished run's dir: the same settings, or one that resumes its checkpoint, go on;
-    other settings that would start over are refused before anything runs (its files untouched), unless
-    trainer.overwrite=true, which moves them into replaced-<time>/ first."""
+    """Run again into a finished run's dir: the same settings train nothing; other settings are refused
+    before anything runs (its files untouched), unless trainer.overwrite=true, which moves them into
+    replaced-<time>/ first."""
     quick = ["tracker=none", "trainer.max_steps=20", "trainer.eval_every=0"]
     first = run(tmp_path, *quick)
     assert first.returncode == 0, first.stderr
@@ -384,16 +402,59 @@ def test_a_finished_runs_results_are_replaced_only_by_a_run_that_continues_it(tm
     changed = run(tmp_path, *quick, "optimizer.lr=0.01")
     assert changed.returncode == 2, changed.stderr
     assert (
-        "holds a finished run" in changed.stderr and "optimizer.lr=0.001 there, 0.01 here" in changed.stderr
+        "holds a run that finished" in changed.stderr
+        and "optimizer.lr=0.001 there, 0.01 here" in changed.stderr
     )
     assert "trainer.overwrite=true" in changed.stderr and "Traceback" not in changed.stderr
     assert {name: (tmp_path / name).read_bytes() for name in results} == results
     same = run(tmp_path, *quick, "trainer.progress_bar=false")  # not a setting of the results
     assert same.returncode == 0, same.stderr
-    assert results_of(tmp_path / "metrics.json") == results_of(first_metrics)  # deterministic: the same run
+    assert "nothing to train" in same.stderr
+    assert {name: (tmp_path / name).read_bytes() for name in results} == results
     replaced = run(tmp_path, *quick, "optimizer.lr=0.01", "trainer.overwrite=true")
     assert replaced.returncode == 0, replaced.stderr
     (aside,) = tmp_path.glob("replaced-*")
     assert (aside / "model" / "model.safetensors").read_bytes() == results["model/model.safetensors"]
     assert results_of(aside / "metrics.json") == results_of(first_metrics)
     assert results_of(tmp_path / "metrics.json") != results_of(first_metrics)
+
+
+def test_a_run_interrupted_resumed_and_finished_is_never_rewound(tmp_path):
+    """Stopped at a logging step (checkpoint written), resumed to its end without a final checkpoint
+    (trainer.checkpoint_every=0), the run records that it finished: the same command again trains
+    nothing and exits 0, a changed setting is refused naming it (the old checkpoint never resumes), the
+    finished results stay byte-identical, and the MLflow run holds each logged step once."""
+    steps = ["trainer.max_steps=300", "trainer.log_every=10", "trainer.eval_every=0"]
+    proc = start(tmp_path, *steps)
+    for line in proc.stderr:  # type: ignore[union-attr]
+        if line.startswith("step 100/"):
+            break
+    os.kill(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 75, stderr
+    finished = run(tmp_path, *steps)
+    assert finished.returncode == 0, finished.stderr
+    results = {name: (tmp_path / name).read_bytes() for name in ("metrics.json", "model/model.safetensors")}
+    record = json.loads((tmp_path / "finished.json").read_text())
+    assert record["step"] == 300 and len(record["settings_digest"]) == 64
+    log_before = (tmp_path / "runner.log").read_text()
+
+    again = run(tmp_path, *steps, "trainer.progress_bar=false")
+    assert again.returncode == 0, again.stderr
+    assert "finished at step 300" in again.stderr and "nothing to train" in again.stderr
+    assert "final metrics" in again.stderr and "resumed from" not in again.stderr
+    assert "resumed from" not in (tmp_path / "runner.log").read_text()[len(log_before) :]
+
+    changed = run(tmp_path, *steps, "optimizer.lr=0.01")
+    assert changed.returncode == 2, changed.stderr
+    assert (
+        "finished at step 300" in changed.stderr and "optimizer.lr=0.001 there, 0.01 here" in changed.stderr
+    )
+    assert "trainer.overwrite=true" in changed.stderr and "Traceback" not in changed.stderr
+    # Longer: its only checkpoint (step 110) is older than its end, so it cannot be continued in place.
+    longer = run(tmp_path, "trainer.max_steps=400", *steps[1:])
+    assert longer.returncode == 2, longer.stderr
+    assert "trainer.max_steps=300 there, 400 here" in longer.stderr and "is older than its end" in longer.stderr
+    assert {name: (tmp_path / name).read_bytes() for name in results} == results
+
+    assert_each_step_logged_once(tmp_path, "train/loss", list(range(10, 301, 10)))

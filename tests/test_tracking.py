@@ -124,7 +124,7 @@ def test_a_two_rank_run_logs_params_tags_metrics_and_artifacts_to_a_server(run_c
     assert len(client.search_runs([run.info.experiment_id])) == 1  # rank 1 logged nothing
 
 
-def test_the_default_store_is_local_inside_outputs(tmp_path):
+def test_the_default_store_is_local_inside_outputs_and_whole_when_the_run_exits(tmp_path):
     env = cli_env()
     env.pop("MLFLOW_TRACKING_URI", None)
     proc = subprocess.Popen(
@@ -132,16 +132,20 @@ def test_the_default_store_is_local_inside_outputs(tmp_path):
         cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     proc.wait(timeout=300)
-    # Its stderr is a pipe (as under `| tee` or in a CI log): it ends with the run's process; the sender,
-    # which delivers the records to this local store afterwards, holds no copy of it.
+    # Its stderr is a pipe (as under `| tee` or in a CI log): it ends with the run's process; the sender
+    # holds no copy of it.
     exited = time.monotonic()
     stderr = proc.stderr.read()
     assert time.monotonic() - exited < 0.5, "the pipe stayed open after the run's process exited"
     assert proc.returncode == 0, stderr
-    run_id = run_id_of(tmp_path / "run")  # delivered (a client made earlier would create the store itself)
+    # Every record is in the store when the process has exited (read at once, nothing waited for).
+    state = json.loads((tmp_path / "run" / "tracking" / "delivered.json").read_text())
+    events = (tmp_path / "run" / "tracking" / "events.jsonl").read_text().splitlines()
+    assert state["delivered"] == state["closed"] == len(events)
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
-    run = client.get_run(run_id)
-    assert run.data.metrics["eval/loss"] < 0.5
+    run = client.get_run(state["run_id"])
+    assert run.info.status == "FINISHED" and run.data.metrics["eval/loss"] < 0.5
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [5, 10, 15, 20, 25, 30]
     assert run.info.artifact_uri.startswith(str(tmp_path / "outputs" / "mlartifacts"))
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"resolved_config.yaml", "runner.log"}
     # Creating the store logs MLflow's INFO lines: in the sender's log, not on the console.
@@ -150,6 +154,36 @@ def test_the_default_store_is_local_inside_outputs(tmp_path):
         in (tmp_path / "run" / "tracking" / "sender.log").read_text()
     )
     assert "mlflow" not in stderr.lower() and "alembic" not in stderr.lower()
+
+
+ACCELERATE_SCRIPT = """
+import sys
+from runner import Accelerator
+accelerator = Accelerator(cpu=True, log_with="all", project_dir=sys.argv[1])
+accelerator.init_trackers("ported", config={"lr": 0.1})
+for step in range(3):
+    accelerator.log({"loss": 1.0 / (step + 1)}, step=step)
+if sys.argv[2] == "end":
+    accelerator.end_training()
+"""
+
+
+@pytest.mark.parametrize("ending", ["end", "exit"])
+def test_a_ported_scripts_records_are_in_the_store_when_it_exits(tmp_path, ending):
+    """`Accelerator(log_with="all")`: once `end_training()` returns, or the script simply exits, every
+    record is in the MLflow store (as under Accelerate), the run FINISHED."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    script = tmp_path / "script.py"
+    script.write_text(ACCELERATE_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "project"), ending],
+        env=cli_env() | {"MLFLOW_TRACKING_URI": store}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    client = MlflowClient(store)
+    (run,) = client.search_runs([client.get_experiment_by_name("ported").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params == {"lr": "0.1"}
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "loss")] == [1.0, 0.5, 1 / 3]
 
 
 def test_a_run_stopped_by_a_signal_ends_killed_and_its_resumption_finished(tmp_path):
@@ -299,7 +333,7 @@ def test_a_server_that_is_not_there_costs_one_warning_and_keeps_everything(run_c
         closed = s.getsockname()[1]
     proc = run_cli(*TRAIN, f"tracker.uri=http://127.0.0.1:{closed}")
     assert proc.returncode == 0, proc.stderr
-    # The sender's one warning, on the run's stderr (the pipe stays open until the sender is done).
+    # One warning, from the run that waited for its records: the error and the upload command.
     assert proc.stderr.count("MLflow at") == 1 and "python -m runner.trackers.upload" in proc.stderr
     events = (proc.run_dir / "tracking" / "events.jsonl").read_text().splitlines()
     assert [json.loads(line)["op"] for line in events].count(
@@ -317,7 +351,7 @@ def test_a_detached_run_exits_before_its_records_are_sent_and_the_sender_deliver
         server.pause()
         with open(tmp_path / "stderr", "w") as stderr:  # a file: the sender's copy of it holds no pipe open
             code = subprocess.run(
-                runner_command(run_dir, *TRAIN, f"tracker.uri={server.uri}"),
+                runner_command(run_dir, *TRAIN, f"tracker.uri={server.uri}", "tracker.detach=true"),
                 env=env,
                 stderr=stderr,
                 timeout=240,
@@ -337,7 +371,8 @@ def test_a_detached_run_exits_before_its_records_are_sent_and_the_sender_deliver
 
 
 def test_a_waiting_run_waits_for_its_records_at_most_finish_timeout_s(server, tmp_path):
-    """`tracker.detach=false`: the run waits for the sender, and says so when the server does not answer."""
+    """`tracker.detach=false` (the default): the run waits for the sender, and says so when the server does
+    not answer."""
     env = cli_env() | {"MLFLOW_HTTP_REQUEST_TIMEOUT": "300"}
     run_dir = tmp_path / "run"
     try:
@@ -403,3 +438,6 @@ def test_tracker_tensorboard_writes_the_runs_metrics_into_its_directory(run_cli)
     assert [e.step for e in losses] == [5, 10, 15, 20, 25, 30]
     assert losses[-1].value < losses[0].value
     assert f"{metrics_of(proc)['train/loss']:.4f}" == f"{losses[-1].value:.4f}"
+    # The config as hyperparameters, in the run's one event file (not a second, empty one beside it).
+    assert "_hparams_/session_start_info" in events.PluginTagToContent("hparams")
+    assert len(list((proc.run_dir / "tb").glob("events.out.tfevents.*"))) == 1

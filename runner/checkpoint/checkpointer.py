@@ -35,6 +35,7 @@ from runner.checkpoint.files import (
     mark_latest,
     numbered_checkpoints,
     prune,
+    read_meta,
     save_torch,
     staging_path,
     start_staging,
@@ -484,6 +485,11 @@ class Checkpointer:
             hook(models, str(directory))
         left = {id(m) for m in models}
         return [prepared for prepared, m in zip(self.models, unwrapped, strict=True) if id(m) in left]
+
+    def latest_at(self, step: int) -> Path | None:
+        """The project's latest checkpoint when it holds the state at `step` (the engine's), else None."""
+        latest = latest_checkpoint(self.project.checkpoints_dir) if self.project.project_dir else None
+        return latest if latest is not None and read_meta(latest).get("step") == step else None
 
     def _latest(self) -> Path:
         latest = latest_checkpoint(self.project.checkpoints_dir) if self.project.project_dir else None

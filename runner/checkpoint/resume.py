@@ -1,7 +1,8 @@
 """The resume policy: which checkpoint a run continues from (`trainer.resume`: null, auto, a directory),
 whether it fits this run (format, ranks, data layout, optimizer), what a resumed run keeps from its
-config (the learning rate), what a diverged run is told to resume from (`last_finite`), and that a run
-starting over does not replace a finished run's results (`check_finished_run`).
+config (the learning rate), what a diverged run is told to resume from (`last_finite`), and what a run
+finds in the dir of a finished one (`record_finished`, `check_finished_run`): nothing to train when
+its settings are the same, a refusal when they differ; its results are never replaced unasked.
 
 Checked once before any rank starts (`check_resume`, from the launching process) and again by every
 rank's `Checkpointer.load`.
@@ -9,8 +10,14 @@ rank's `Checkpointer.load`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import math
+import os
+import shlex
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +26,7 @@ import yaml
 
 from runner.checkpoint.files import (
     DAMAGED,
+    atomic_write_text,
     damage,
     latest_checkpoint,
     mark_latest,
@@ -30,6 +38,7 @@ from runner.errors import ConfigError
 log = logging.getLogger(__name__)
 
 FINISHED = "metrics.json"  # in a run dir: the run finished (its final metrics)
+FINISHED_RECORD = "finished.json"  # a training run ran to its end: its step, settings digest, metrics
 RESOLVED = "resolved_config.yaml"  # in a run dir: the settings it ran with
 # Settings that change neither the trained weights nor the final metrics: a finished run re-run with
 # other values of these only is not another run.
@@ -48,6 +57,15 @@ NOT_RESULTS = (
 LOG_FILE = "runner.log"
 LAST_FINITE = "last_finite"  # in <output dir>/checkpoints: trainer.checkpoint_last_finite's state
 CANDIDATE = ".last_finite.candidate"  # the newest state, until the next window's losses show it finite
+
+
+def resume_override(output_dir: Path) -> str:
+    """The override that runs a command again in `output_dir` (relative to the working dir when inside
+    it), which resumes a stopped run there: what its user is told to add."""
+    shown = (
+        os.path.relpath(output_dir) if Path(output_dir).resolve().is_relative_to(Path.cwd()) else output_dir
+    )
+    return f"hydra.run.dir={shlex.quote(str(shown))}"
 
 
 def damaged_error(checkpoint: Path, problems: list[str], key: str = "trainer.resume") -> ConfigError:
@@ -237,37 +255,170 @@ def check_same_data(checkpoint: Path, settings: dict[str, Any]) -> None:
         )
 
 
-def check_finished_run(
-    output_dir: Path, settings: dict[str, Any], overwrite: bool, dry_run: bool = False
+@dataclass(frozen=True)
+class FinishedRun:
+    """A training run that ran to its end in `output_dir`: its last step (None where an earlier version
+    wrote only `metrics.json`), its final metrics, and its checkpoint of that step (None: it has none,
+    so its latest, if any, is older than its end)."""
+
+    output_dir: Path
+    step: int | None
+    metrics: dict[str, float | None]
+    final_checkpoint: Path | None = None
+
+    def describe(self) -> str:
+        at = f" at step {self.step}" if self.step is not None else ""
+        return f"{self.output_dir} holds a run that finished{at} ({FINISHED}, model/)"
+
+
+def settings_digest(settings: dict[str, Any]) -> str:
+    """SHA-256 of the settings that make a run's results (NOT_RESULTS left out), key order aside."""
+    return hashlib.sha256(json.dumps(_flat(settings), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def finite_metrics(metrics: dict[str, float]) -> dict[str, float | None]:
+    """`metrics` as JSON can hold them: NaN and infinities (JSON has neither) as null."""
+    return {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()}
+
+
+def record_finished(
+    output_dir: Path,
+    step: int,
+    settings: dict[str, Any],
+    metrics: dict[str, float],
+    final_checkpoint: Path | None,
 ) -> None:
-    """A finished training run's results (`metrics.json`, `model/`, its checkpoints) are replaced only by a
-    run that continues it from one of its checkpoints. Called when a training run resumes none: in the dir
-    of a finished run with other `settings` (the resolved config), a ConfigError naming the difference; with `overwrite`,
-    the finished run's files are moved into `replaced-<time>/` first (not with `dry_run`: plan=true)."""
-    written = output_dir / RESOLVED
-    if not (output_dir / FINISHED).is_file() or not written.is_file():
-        return
-    before = yaml.safe_load(written.read_text()) or {}
-    changes = _differences(_flat(before), _flat(settings))
-    if not changes:
-        return
+    """Record, once the final results are written, that the training run in `output_dir` ran to `step`
+    with `settings` (the resolved config), and its checkpoint of that step if it wrote one: a later run
+    in the dir reads it in `check_finished_run`."""
+    record = {
+        "step": step,
+        "settings_digest": settings_digest(settings),
+        "final_checkpoint": str(final_checkpoint.relative_to(output_dir)) if final_checkpoint else None,
+        "metrics": finite_metrics(metrics),
+    }
+    atomic_write_text(output_dir / FINISHED_RECORD, json.dumps(record, indent=2, allow_nan=False))
+
+
+def finished_run(output_dir: Path) -> FinishedRun | None:
+    """The finished training run in `output_dir` (its `finished.json`, or from earlier versions its
+    `metrics.json` next to its resolved config), or None."""
+    record = output_dir / FINISHED_RECORD
+    if record.is_file():
+        written = json.loads(record.read_text())
+        final = written["final_checkpoint"]
+        return FinishedRun(output_dir, written["step"], written["metrics"], final and output_dir / final)
+    if (output_dir / FINISHED).is_file() and (output_dir / RESOLVED).is_file():
+        return FinishedRun(output_dir, None, json.loads((output_dir / FINISHED).read_text()))
+    return None
+
+
+def check_finished_run(
+    output_dir: Path,
+    settings: dict[str, Any],
+    resume: str | None,
+    overwrite: bool,
+    dry_run: bool = False,
+) -> FinishedRun | None:
+    """What a training run with `settings` (the resolved config) may do in the dir of a finished one,
+    whose results (`metrics.json`, `model/`, its checkpoints) it would replace. The same settings and
+    `resume` null or auto: the FinishedRun (nothing to train; none of its checkpoints, which may be older
+    than its end, resumes). Other settings, or a checkpoint named in `resume`: a ConfigError naming them
+    and the ways out. With `overwrite`: its files are moved into `replaced-<time>/` (not with `dry_run`:
+    plan=true) and None is returned, as in a dir without a finished run."""
+    finished = finished_run(output_dir)
+    if finished is None:
+        return None
+    changes = _changes_since(finished, settings)
     shown = "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
+    named = resume not in (None, "auto")
+    if resume == "auto" and changes and _only_longer(changes, finished, settings):
+        if finished.final_checkpoint is not None and finished.final_checkpoint == latest_checkpoint(
+            output_dir / "checkpoints"
+        ):
+            log.info("continuing the run that finished at step %s (%s)", finished.step, shown)
+            return None  # trainer.resume=auto takes its checkpoint of that step
+        if not overwrite:
+            latest = latest_checkpoint(output_dir / "checkpoints")
+            older = (
+                f"its latest checkpoint, {latest}, is older than its end"
+                if latest
+                else "it has no checkpoint"
+            )
+            raise ConfigError(
+                f"{finished.describe()}; this run trains longer ({shown}), but {older}: it would train again from "
+                "there and replace the finished results, so nothing was run. Continue from that checkpoint in a new "
+                "dir (trainer.resume=<its checkpoint> hydra.run.dir=<new dir>), or set trainer.overwrite=true to move "
+                "its files into replaced-<time>/ and start over here. A run that writes a checkpoint at its last step "
+                "(trainer.checkpoint_every dividing trainer.max_steps) can be continued in its dir."
+            )
     if not overwrite:
+        ways_out = (
+            "Start the new run in another dir (leave hydra.run.dir out, or give another one); continue the finished "
+            "one from a checkpoint in a new dir (trainer.resume=<its checkpoints/checkpoint_n> hydra.run.dir=<new "
+            "dir>); or set trainer.overwrite=true to move its files into replaced-<time>/ and run here."
+        )
+        if changes:
+            raise ConfigError(
+                f"{finished.describe()} with other settings ({shown}); this run would replace its results, so "
+                f"nothing was run. {ways_out}"
+            )
+        if named:
+            raise ConfigError(
+                f"trainer.resume={resume}: {finished.describe()}; training again from that checkpoint would replace "
+                f"its results, so nothing was run. {ways_out}"
+            )
+        return finished
+    if named and Path(resume).resolve().is_relative_to(output_dir.resolve()):  # type: ignore[arg-type]
         raise ConfigError(
-            f"{output_dir} holds a finished run ({FINISHED}, its model and checkpoints) with other settings "
-            f"({shown}), and this run would start over in it, replacing its results. Start the new run in "
-            "another dir (leave hydra.run.dir out, or give another one); continue the finished one from its "
-            "checkpoint in a new dir (trainer.resume=<its checkpoints/checkpoint_n> hydra.run.dir=<new dir>); "
-            "or set trainer.overwrite=true to move its files into replaced-<time>/ and start over here."
+            f"trainer.resume={resume} lies in the dir of the finished run that trainer.overwrite=true moves into "
+            f"{output_dir}/replaced-<time>/. Continue from it in a new dir instead (hydra.run.dir=<new dir>), "
+            "without trainer.overwrite."
         )
     if dry_run:
-        return
+        return None
     aside = output_dir / time.strftime("replaced-%Y%m%d-%H%M%S")
     aside.mkdir()
     for entry in output_dir.iterdir():
         if entry.name != LOG_FILE and not entry.name.startswith("replaced-"):
             entry.rename(aside / entry.name)
-    log.warning("trainer.overwrite=true: the finished run in %s (%s) moved to %s", output_dir, shown, aside)
+    log.warning(
+        "trainer.overwrite=true: the finished run in %s%s moved to %s",
+        output_dir,
+        f" ({shown})" if shown else "",
+        aside,
+    )
+    return None
+
+
+LENGTH = ("trainer.max_steps", "trainer.max_epochs")  # a finished run given more of these trains on
+
+
+def _only_longer(changes: list[str], finished: FinishedRun, settings: dict[str, Any]) -> bool:
+    """Whether the only `changes` since the finished run are a larger trainer.max_steps or max_epochs."""
+    before = _flat(yaml.safe_load((finished.output_dir / RESOLVED).read_text()) or {})
+    now = _flat(settings)
+    changed = {change.split("=", 1)[0] for change in changes}
+    return changed <= set(LENGTH) and all(
+        isinstance(now.get(key), int) and isinstance(before.get(key), int) and now[key] > before[key]
+        for key in changed
+    )
+
+
+def _changes_since(finished: FinishedRun, settings: dict[str, Any]) -> list[str]:
+    """The result-making settings that differ between the finished run (its resolved config) and
+    `settings`: empty when its recorded digest is theirs."""
+    record = finished.output_dir / FINISHED_RECORD
+    if record.is_file() and json.loads(record.read_text())["settings_digest"] == settings_digest(settings):
+        return []
+    written = finished.output_dir / RESOLVED
+    before = (yaml.safe_load(written.read_text()) or {}) if written.is_file() else {}
+    changes = _differences(_flat(before), _flat(settings))
+    if not changes and record.is_file():  # the digest differs and the resolved config does not: it was edited
+        changes = [
+            f"the settings digest in {FINISHED_RECORD} differs from this run's ({RESOLVED} was changed since)"
+        ]
+    return changes
 
 
 def _flat(node: Any, prefix: str = "") -> dict[str, Any]:

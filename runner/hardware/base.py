@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -99,6 +99,12 @@ class Strategy(ABC):
     compile_config: CompileConfig = CompileConfig()
     checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     peak_flops: float | None = None  # hardware.peak_flops: one device's peak FLOP/s, over runner.perf's table
+
+    @classmethod
+    def states_sharded_by(cls, settings: Mapping[str, Any]) -> frozenset[str]:
+        """What `sharded_states` is for these settings (the hardware group's), read without building the
+        strategy, whose backend need not be installed (`runner.estimate_memory`)."""
+        return cls.sharded_states
 
     def device_name(self) -> str:
         """The name of this process's device, as `runner.perf.PEAK_FLOPS` knows devices."""

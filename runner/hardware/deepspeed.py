@@ -10,7 +10,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -64,7 +64,11 @@ class DeepSpeed(ParallelStrategy):
 
     @property
     def sharded_states(self) -> frozenset[str]:  # type: ignore[override]
-        return frozenset(["optimizer", "gradients", "weights"][: self.zero_stage])
+        return _sharded_at(self.zero_stage)
+
+    @classmethod
+    def states_sharded_by(cls, settings: Mapping[str, Any]) -> frozenset[str]:
+        return _sharded_at(settings.get("zero_stage") or 2)  # unset: DeepSpeed's stage 2
 
     @checked("hardware")
     def __init__(
@@ -442,3 +446,8 @@ def _fill(user: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
         elif user.get(key, "auto") == "auto":
             user[key] = ours
     return user
+
+
+def _sharded_at(zero_stage: int) -> frozenset[str]:
+    """The states ZeRO stage `zero_stage` partitions: the optimizer's, then the gradients, then the weights."""
+    return frozenset(["optimizer", "gradients", "weights"][:zero_stage])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 import traceback
@@ -16,7 +15,8 @@ from typing import Any
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from runner.checkpoint.files import LATEST, CheckpointDiscarded, latest_checkpoint
+from runner.checkpoint.files import LATEST, CheckpointDiscarded, atomic_write_text, latest_checkpoint
+from runner.checkpoint.resume import FINISHED, finite_metrics, resume_override
 from runner.cluster import launched_environment
 from runner.errors import ConfigError, RendezvousError, TrainingInterrupted, TrainingStopped, write_failure
 from runner.hardware.base import Strategy
@@ -79,14 +79,11 @@ def interrupted(cause: str, output_dir: Path, since: float) -> str:
     checkpoints = output_dir / "checkpoints"
     latest = latest_checkpoint(checkpoints)
     if latest is not None and (checkpoints / LATEST).stat().st_mtime >= since:
-        return (
-            f"stopped by {cause}; checkpoint {latest}. Run the same command with the same output dir ({output_dir}) "
-            "to resume."
-        )
+        return f"stopped by {cause}; checkpoint {latest}. Run the same command with {resume_override(output_dir)} to resume."
     if latest is not None:
         return (
-            f"stopped by {cause} before this run wrote a checkpoint: the same command with the same output dir "
-            f"({output_dir}) resumes from {latest}, written earlier."
+            f"stopped by {cause} before this run wrote a checkpoint: the same command with {resume_override(output_dir)} "
+            f"resumes from {latest}, written earlier."
         )
     return f"stopped by {cause} before any checkpoint was written: there is nothing to resume from."
 
@@ -107,9 +104,10 @@ def run_rank(job: Job) -> dict[str, float]:
             "the run another dir (hydra.run.dir=...); checkpoints completed before are intact, and the metrics logged "
             "so far are in the log above."
         ) from err
-    if rank == 0:  # JSON has no NaN or infinity: those are written as null
-        finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()}
-        (job.output_dir / "metrics.json").write_text(json.dumps(finite, indent=2, allow_nan=False))
+    if rank == 0:
+        atomic_write_text(
+            job.output_dir / FINISHED, json.dumps(finite_metrics(metrics), indent=2, allow_nan=False)
+        )
     return metrics
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from enum import Enum
@@ -38,7 +39,7 @@ def flatten(values: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, 
 
 def directory_setting(path: str | None, key: str) -> str | None:
     """`path` (a directory a tracker writes under, made when missing) unless it, or a directory it would
-    be made in, is a file: then a ConfigError naming `key`, before any run starts."""
+    be made in, is a file or cannot be written: then a ConfigError naming `key`, before any run starts."""
     if path is None:
         return None
     for part in (Path(path).expanduser().absolute(), *Path(path).expanduser().absolute().parents):
@@ -46,6 +47,11 @@ def directory_setting(path: str | None, key: str) -> str | None:
             if not part.is_dir():
                 raise ConfigError(
                     f"{key}={path}: {part} is a file, not a directory. Give a directory (it is made if missing)."
+                )
+            if not os.access(part, os.W_OK):
+                raise ConfigError(
+                    f"{key}={path}: {part} cannot be written here (read-only, or not this user's). Give a directory "
+                    "this run can write (it is made if missing)."
                 )
             break
     return path
@@ -76,9 +82,12 @@ class Tracker(ABC):
         project_name: str | None = None,
         logging_dir: str | None = None,
         tags: dict[str, Any] | None = None,
+        resumed_at: int | None = None,
     ) -> None:
         """Open the run (`Accelerator.init_trackers` does, on the main process): `logging_dir` is where a
-        tracker that has none of its own keeps local files, `tags` are added to its own."""
+        tracker that has none of its own keeps local files, `tags` are added to its own. `resumed_at`: the
+        run continues its earlier records from this step (a restart after a checkpoint), so the steps
+        after it that the earlier process logged come again: the run must not hold them twice."""
 
     @abstractmethod
     def store_init_configuration(self, values: dict[str, Any]) -> None:
@@ -119,7 +128,7 @@ class BlankTracker(Tracker):
 
     name = "blank"
 
-    def start(self, project_name=None, logging_dir=None, tags=None) -> None:
+    def start(self, project_name=None, logging_dir=None, tags=None, resumed_at=None) -> None:
         """Nothing to open."""
 
     def store_init_configuration(self, values: dict[str, Any]) -> None:

@@ -1,10 +1,12 @@
 """`tracker=mlflow`: one MLflow run per job. Every record goes to a local journal first; a sender
 process (`python -m runner.trackers.upload --serve`, one per process, shared by a sweep's jobs) delivers
 it to MLflow, so neither MLflow's start-up nor a slow or unreachable server costs the training process
-time, at any step or at exit."""
+time at any step. At the end the run waits for its records to be in the store (at most
+`finish_timeout_s`), unless it was told to `detach`."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -18,6 +20,7 @@ from typing import Any
 
 from runner.cluster import slurm_job_id
 from runner.config import NonNegativeFloat, PythonOnly, checked
+from runner.errors import ConfigError
 from runner.trackers.base import Tracker, directory_setting, flatten
 from runner.trackers.journal import Journal
 
@@ -52,9 +55,10 @@ class MLflowTracker(Tracker):
         parent_run_id: make the run a child of this one (a sweep's jobs).
         log_model: also attach the final model files.
         logging_dir: where the journal goes (`<logging_dir>/tracking/`); None: the working directory.
-        detach: True: the process exits without waiting for its records to be sent (the sender goes on
-            alone); False: `finish` waits for them; None: detach, except in a SLURM job (whose end kills
-            every process it started).
+        detach: False: `finish` (`end_training`, or the process's exit if nothing called it) returns once
+            every record is in the store, or after `finish_timeout_s`, naming what was not sent and the
+            upload command; True: the process exits at once and the sender delivers the rest alone (it
+            dies with the process's container or job).
         finish_timeout_s: how long `finish` waits when it waits, and `run_id` for the run to exist.
     """
 
@@ -70,15 +74,20 @@ class MLflowTracker(Tracker):
         parent_run_id: str | None = None,
         log_model: bool = False,
         logging_dir: PythonOnly[str | None] = None,
-        detach: bool | None = None,
+        detach: bool = False,
         finish_timeout_s: NonNegativeFloat = 120.0,
     ) -> None:
+        if not experiment_name.strip():
+            raise ConfigError(
+                f"tracker.experiment_name={experiment_name!r}: an MLflow experiment needs a name. Give one "
+                "(tracker.experiment_name=mnist), or leave it out for 'runner'."
+            )
         self.experiment_name = experiment_name
         self.artifact_location: str | None = None
         uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or None
         if uri is None:
             uri, self.artifact_location = local_store()
-        self.uri = uri
+        self.uri = check_uri(uri)
         self.run_name = run_name
         self.tags = {key: str(value) for key, value in (tags or {}).items()}
         self.parent_run_id = parent_run_id
@@ -88,8 +97,9 @@ class MLflowTracker(Tracker):
         self.finish_timeout_s = finish_timeout_s
         self.journal: Journal | None = None
         self._client: Any = None
-        self._detached = self._sent = self._ended = False
+        self._detached = self._sent = self._ended = self._said_logged = False
         self._started = 0.0
+        self._logged_to: dict[str, int] = {}  # resumed: each metric's last step in the journal
 
     @property
     def run_id(self) -> str | None:
@@ -114,12 +124,17 @@ class MLflowTracker(Tracker):
         project_name: str | None = None,
         logging_dir: str | None = None,
         tags: dict[str, Any] | None = None,
+        resumed_at: int | None = None,
     ) -> None:
-        """Open the journal and record the run's start. Detached, the sender starts with the first record
-        `SENDER_DELAY_S` later, or at `finish`: a short run never shares the CPU with it."""
+        """Open the journal and record the run's start (resumed: the journal's run goes on, and a metric is
+        not logged again at a step its journal holds: MLflow cannot replace a logged value). The sender starts now, so that MLflow's start-up
+        overlaps the training; detached, with the first record `SENDER_DELAY_S` later, or at `finish`:
+        a short run never shares the CPU with it. A run not detached and not finished by the process's
+        exit is finished then (FAILED after an uncaught exception), as MLflow's own runs are."""
         self.journal = Journal(Path(self.logging_dir or logging_dir or ".") / JOURNAL_DIR)
         self.journal.drop_torn_line()
-        self._detached = self.detach if self.detach is not None else slurm_job_id() is None
+        self._logged_to = {} if resumed_at is None else last_steps(self.journal.events)
+        self._detached = self.detach
         self._started = time.monotonic()
         self._sent = self._ended = False
         self._record(
@@ -133,47 +148,63 @@ class MLflowTracker(Tracker):
         )
         if not self._detached:
             self._send()
+            atexit.register(self._finish_at_exit)
+
+    def _finish_at_exit(self) -> None:
+        self.finish("FAILED" if hasattr(sys, "last_value") else "FINISHED")
 
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         params = {key: str(value)[:MAX_PARAM_LENGTH] for key, value in flatten(values)}
         self._record(op="params", params=params)
 
     def log(self, values: dict[str, Any], step: int | None = None) -> None:
-        metrics = {key: float(value) for key, value in values.items()}
-        self._record(op="metrics", metrics=metrics, step=step or 0, timestamp=int(time.time() * 1000))
+        step = step or 0
+        metrics = {key: float(value) for key, value in values.items() if step > self._logged_to.get(key, -1)}
+        if len(metrics) < len(values) and not self._said_logged:
+            self._said_logged = True
+            log.info(
+                "MLflow: the run had logged up to step %d before its restart; steps up to there are not logged again",
+                max(self._logged_to.values()),
+            )
+        if metrics:
+            self._record(op="metrics", metrics=metrics, step=step, timestamp=int(time.time() * 1000))
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         self._record(op="artifact", path=str(Path(path).resolve()), artifact_path=artifact_path)
 
     def finish(self, status: str = "FINISHED") -> None:
         """Close the run as `status`. Detached, return at once: the sender delivers the rest, also after
-        this process exits. Otherwise wait (at most `finish_timeout_s`) for it; what it could not send stays
-        in the journal, and its one warning (on this process's stderr) says how to upload it."""
+        this process exits. Otherwise wait (at most `finish_timeout_s`) until every record is in the store;
+        what could not be sent stays in the journal, and one warning says so and how to upload it."""
         if self.journal is None or self._ended:
             return
         self._record(op="end", status=status)
         self._ended = True
+        atexit.unregister(self._finish_at_exit)
         self._send()
         if self._detached:
             return
-        if not self._wait_for(lambda state: state.get("closed", 0) >= len(self.journal.events)):
+        journal = self.journal
+        upload = f"`{UPLOAD} {journal.directory.parent}`"
+        if not self._wait_for(lambda state: state.get("closed", 0) >= len(journal.events)):
             log.warning(
-                "MLflow: the records of this run are still being sent to %s after %.0f s; the sender goes on, "
-                "and what it cannot send stays in %s (upload it with `%s %s`).",
+                "MLflow: the records of this run are still being sent to %s after %.0f s "
+                "(tracker.finish_timeout_s); the sender goes on, and what it cannot send stays in %s (upload it "
+                "with %s).",
                 self.uri,
                 self.finish_timeout_s,
-                self.journal.directory,
-                UPLOAD,
-                self.journal.directory.parent,
+                journal.directory,
+                upload,
             )
-        elif pending := self.journal.pending:
-            (log.info if "error" in self.journal.state else log.warning)(  # the sender warned on failing
-                "MLflow: %d record(s) of this run are not at %s; they are kept in %s. Upload them with `%s %s`.",
-                pending,
+        elif pending := journal.pending:
+            log.warning(
+                "MLflow at %s failed (%s): %d record(s) of this run are not in it; they are kept in %s. Upload "
+                "them with %s.",
                 self.uri,
-                self.journal.directory,
-                UPLOAD,
-                self.journal.directory.parent,
+                journal.state.get("error", "the sender stopped"),
+                pending,
+                journal.directory,
+                upload,
             )
 
     def parent_for_sweep(self, sweep_dir: Path) -> str | None:
@@ -232,11 +263,11 @@ class MLflowTracker(Tracker):
         if self._sent:
             return
         directory = self.journal.directory
-        remote = remote_store(self.uri)
+        warns = self._detached and remote_store(self.uri)  # a waiting run warns itself
         try:
-            Sender.shared(directory / SENDER_LOG, remote).follow(directory, self.uri)
+            Sender.shared(directory / SENDER_LOG, warns).follow(directory, self.uri)
         except BrokenPipeError:  # it had just exited: a new one
-            Sender.shared(directory / SENDER_LOG, remote).follow(directory, self.uri)
+            Sender.shared(directory / SENDER_LOG, warns).follow(directory, self.uri)
         self._sent = True
 
     def _wait_for(self, condition: Callable[[dict[str, Any]], bool]) -> bool:
@@ -297,6 +328,37 @@ class Sender:
         assert self.process.stdin is not None
         self.process.stdin.write((json.dumps({"journal": str(directory), "uri": uri}) + "\n").encode())
         self.process.stdin.flush()
+
+
+def last_steps(events: list[dict[str, Any]]) -> dict[str, int]:
+    """Each metric's last logged step among a journal's `events`."""
+    last: dict[str, int] = {}
+    for event in events:
+        if event["op"] == "metrics":
+            last |= dict.fromkeys(event["metrics"], event["step"])
+    return last
+
+
+# What MLflow stores runs in: a tracking server, or a database (a SQLAlchemy URL, `+driver` allowed).
+SERVER_SCHEMES = ("http", "https", "databricks")
+DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+
+
+def check_uri(uri: str) -> str:
+    """`uri` when MLflow can track to it, else a ConfigError naming `tracker.uri` (or the environment
+    variable it came from), before any run starts: a known scheme, and for SQLite a directory this run
+    can write the database in. Whether a server answers is found out by the sender."""
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if "://" in uri else ""
+    if scheme not in SERVER_SCHEMES + DATABASE_SCHEMES:
+        raise ConfigError(
+            f"tracker.uri={uri!r} (or $MLFLOW_TRACKING_URI): not a store MLflow tracks to. Give a server "
+            "(http://host:5000), a local database (sqlite:///path/to/mlflow.db: nothing to start) or another "
+            "database URL (postgresql://..., mysql://...); MLflow's file store (a plain path or file://) is not "
+            "taken. Leave it out for the local store outputs/mlflow.db."
+        )
+    if scheme == "sqlite" and (database := uri.split(":///", 1)[-1]) and database != ":memory:":
+        directory_setting(str(Path(database).parent), "tracker.uri")
+    return uri
 
 
 def remote_store(uri: str) -> bool:

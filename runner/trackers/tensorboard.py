@@ -46,7 +46,10 @@ class TensorBoardTracker(Tracker):
         project_name: str | None = None,
         logging_dir: str | None = None,
         tags: dict[str, Any] | None = None,
+        resumed_at: int | None = None,
     ) -> None:
+        """Open the event file; resumed, TensorBoard drops the earlier files' events after `resumed_at`
+        (`purge_step`): the steps logged again replace them."""
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where it is used
 
         root = self.logging_dir or logging_dir
@@ -55,8 +58,9 @@ class TensorBoardTracker(Tracker):
                 'log_with="tensorboard" needs a directory: Accelerator(project_dir=...) or '
                 "logging_dir=..., or TensorBoardTracker(logging_dir=...)."
             )
+        purge = {} if resumed_at is None else {"purge_step": resumed_at + 1}
         self.writer = SummaryWriter(
-            str(Path(root) / (project_name or self.experiment_name)), **self.writer_kwargs
+            str(Path(root) / (project_name or self.experiment_name)), **purge, **self.writer_kwargs
         )
         if tags:
             self.writer.add_text("tags", ", ".join(f"{k}={v}" for k, v in sorted(tags.items())))
@@ -68,7 +72,12 @@ class TensorBoardTracker(Tracker):
             key: value if isinstance(value, (bool, int, float, str)) else str(value)
             for key, value in flatten(values)
         }
-        self.writer.add_hparams(flat, metric_dict={}, run_name=".")
+        from torch.utils.tensorboard.summary import hparams
+
+        # Into the run's own event file (`add_hparams` would open a second one beside it).
+        file_writer = self.writer._get_file_writer()
+        for summary in hparams(flat, metric_dict={}):
+            file_writer.add_summary(summary)
         self.writer.flush()
 
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
