@@ -38,7 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hydra_plugins.runner_launcher.launcher import RunnerLauncher
 from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
 from runner.build import is_inference, locate
-from runner.checkpoint.resume import FinishedRun, check_finished_run, check_resume
+from runner.checkpoint.resume import LAST, RUNS_DIR, FinishedRun, check_finished_run, check_resume, latest_run
 from runner.cluster import RankEnvironment, launched_environment
 from runner.config import CONF_SEARCH_PATH
 from runner.errors import (
@@ -266,6 +266,7 @@ def run() -> None:
     sys.argv[1:] = options_first(sys.argv[1:])
     try:
         check_intervals(sys.argv[1:])
+        sys.argv[1:] = resume_last(sys.argv[1:])
     except ConfigError as err:
         print(f"Configuration error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -338,6 +339,35 @@ def options_first(arguments: list[str]) -> list[str]:
         else:
             rest.append(argument)
     return options + rest
+
+
+def resume_last(arguments: list[str]) -> list[str]:
+    """`trainer.resume=last` (as Lightning's `ckpt_path="last"`): the command runs again in the newest dir
+    of outputs/runs that a run of the same `experiment=` wrote, resuming its latest checkpoint (a changed
+    setting is refused there as in any resume, a finished run trains nothing); ConfigError where there is
+    none, or with a sweep or a run dir of its own."""
+    asked = f"trainer.resume={LAST}"
+    if asked not in arguments:
+        return arguments
+    if any(a.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in arguments) or {
+        "-m",
+        "--multirun",
+    } & set(arguments):
+        raise ConfigError(
+            f"{asked} picks the run dir itself (the newest of {RUNS_DIR}); it takes no hydra.run.dir and no sweep "
+            "(-m: a sweep resumes with its own command). Give trainer.resume=auto hydra.run.dir=<the run's dir> instead."
+        )
+    chosen = [a.split("=", 1)[1] for a in arguments if a.startswith("experiment=")]
+    experiment = chosen[-1] if chosen else None
+    run = latest_run(Path(RUNS_DIR), experiment)
+    if run is None:
+        raise ConfigError(
+            f"{asked}: {Path(RUNS_DIR).absolute()} holds no run of "
+            f"{f'experiment={experiment}' if experiment else 'the default experiment'} to resume. Run it first "
+            "(without trainer.resume), or name a checkpoint: trainer.resume=<dir>."
+        )
+    print(f"{asked}: resuming {run}", file=sys.stderr)
+    return [a for a in arguments if a != asked] + ["trainer.resume=auto", f"hydra.run.dir={run}"]
 
 
 def check_intervals(arguments: list[str]) -> None:

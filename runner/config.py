@@ -294,7 +294,7 @@ class TrainerConfig:
     checkpoint_last_finite: bool = False
     # write checkpoints in the background: the loop waits only for the copy into host memory
     async_checkpoint: bool = False
-    resume: str | None = "auto"  # auto: the output dir's latest checkpoint, if any | a checkpoint dir | null
+    resume: str | None = "auto"  # auto: the output dir's latest checkpoint, if any | last (runner.cli) | a dir | null
     # a run that would start over in the dir of a finished run with other settings: move that run's files
     # into replaced-<time>/ first (false: refuse)
     overwrite: bool = False

@@ -822,3 +822,36 @@ def test_a_deepspeed_plugins_parameter_offload_below_stage_3_is_left_to_deepspee
     assert settings.zero_stage == 2 and not settings.offload_params
     assert settings.config["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert DeepSpeedPlugin(zero_stage=3, offload_param_device="cpu").settings().offload_params
+
+
+def test_every_accelerate_utils_name_imports_from_runner_utils_or_is_named_in_the_docs():
+    """The installed Accelerate's public `accelerate.utils` names: each is in `runner.utils`, or the docs
+    name it with the reason it is left out (and nothing they name is in fact there)."""
+    import accelerate.utils
+
+    import runner.utils
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "accelerate.md").read_text()
+    section = page.split("## `accelerate.utils` names that runner leaves out", 1)[1]
+    left_out = set(re.findall(r"`(\w+)`", "\n".join(line.split(" | ")[0] for line in section.splitlines())))
+    public = {name for name in dir(accelerate.utils) if not name.startswith("_")}
+    missing = sorted(name for name in public - left_out if not hasattr(runner.utils, name))
+    assert not missing, f"ported scripts cannot import these from runner.utils: {missing}"
+    assert not sorted(name for name in left_out & public if hasattr(runner.utils, name))
+    assert len(public - left_out) >= 120
+
+
+def test_the_availability_checks_answer_as_accelerates_here():
+    import accelerate.utils
+
+    import runner.utils
+
+    checks = sorted(
+        name for name in dir(accelerate.utils) if name.startswith("is_") and name.endswith("_available")
+    )
+    assert len(checks) > 50
+    theirs = {name: bool(getattr(accelerate.utils, name)()) for name in checks}
+    ours = {name: getattr(runner.utils, name)() for name in checks}
+    assert ours == theirs and all(isinstance(value, bool) for value in ours.values())
+    assert runner.utils.is_torch_version(">=", "2.4") and not runner.utils.is_torch_version("<", "2.0")
+    assert runner.utils.compare_versions("torch", ">=", "2.4")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,12 +21,49 @@ pytestmark = pytest.mark.slow
 TESTS = Path(__file__).parent
 
 
-def test_default_experiment_trains_and_leaves_config_and_log(run_cli):
+def in_a_terminal(command: list[str], cwd: Path) -> tuple[int, str]:
+    """Run `command` with its stderr on a pseudo-terminal (as in an interactive shell): its exit code and
+    what it wrote there."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    reader, writer = pty.openpty()
+    fcntl.ioctl(writer, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # 24 rows of 120 columns
+    proc = subprocess.Popen(command, cwd=cwd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=writer)
+    os.close(writer)
+    chunks: list[bytes] = []
+
+    def read() -> None:
+        while True:
+            try:
+                chunk = os.read(reader, 65536)
+            except OSError:  # the terminal closed with the process
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    code = proc.wait(timeout=300)
+    thread.join(timeout=30)
+    os.close(reader)
+    return code, b"".join(chunks).decode(errors="replace")
+
+
+def test_default_experiment_trains_and_leaves_config_and_log(run_cli, tmp_path):
     proc = run_cli("trainer.progress_bar=true")
     assert proc.returncode == 0, proc.stderr
     metrics = metrics_of(proc)
     assert metrics["eval/loss"] < 0.2 and metrics["train/loss"] < 0.2  # the target variance is ~0.4
-    assert "train: 100%" in proc.stderr  # the progress bar ran
+    assert "train:" not in proc.stderr  # piped: no progress bar
+    code, terminal = in_a_terminal(
+        runner_command(tmp_path / "tty", "trainer.progress_bar=true", "tracker=none"), tmp_path
+    )
+    assert code == 0 and "train: 100%" in terminal  # on a terminal the progress bar ran
     files = {p.name for p in proc.run_dir.iterdir()}
     assert {"resolved_config.yaml", "runner.log", ".hydra"} <= files
     log = (proc.run_dir / "runner.log").read_text()

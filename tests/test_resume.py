@@ -9,6 +9,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -454,7 +455,32 @@ def test_a_run_interrupted_resumed_and_finished_is_never_rewound(tmp_path):
     # Longer: its only checkpoint (step 110) is older than its end, so it cannot be continued in place.
     longer = run(tmp_path, "trainer.max_steps=400", *steps[1:])
     assert longer.returncode == 2, longer.stderr
-    assert "trainer.max_steps=300 there, 400 here" in longer.stderr and "is older than its end" in longer.stderr
+    assert (
+        "trainer.max_steps=300 there, 400 here" in longer.stderr and "is older than its end" in longer.stderr
+    )
     assert {name: (tmp_path / name).read_bytes() for name in results} == results
 
     assert_each_step_logged_once(tmp_path, "train/loss", list(range(10, 301, 10)))
+
+
+def test_resume_last_continues_the_newest_run_of_the_same_experiment_in_its_dir(tmp_path):
+    """`trainer.resume=last` finds the newest run of the same experiment in outputs/runs and continues it
+    there (here, a finished run trained longer from its checkpoint of its last step)."""
+
+    def runner(*overrides: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "runner", "trainer.progress_bar=false", "tracker=none", *overrides],
+            cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    first = runner("trainer.max_steps=20", "trainer.checkpoint_every=10")
+    assert first.returncode == 0, first.stderr
+    (run_dir,) = (tmp_path / "outputs" / "runs").iterdir()
+    longer = runner("trainer.max_steps=30", "trainer.checkpoint_every=10", "trainer.resume=last")
+    assert longer.returncode == 0, longer.stderr
+    assert f"trainer.resume=last: resuming outputs/runs/{run_dir.name}" in longer.stderr
+    assert f"resumed from {run_dir / 'checkpoints' / 'checkpoint_1'} at step 20" in longer.stderr
+    assert json.loads((run_dir / "finished.json").read_text())["step"] == 30
+    assert len(list((tmp_path / "outputs" / "runs").iterdir())) == 1  # no new run dir
+    other = runner("experiment=gpt_sonnets", "trainer.resume=last")
+    assert other.returncode == 2 and "holds no run of experiment=gpt_sonnets to resume" in other.stderr

@@ -68,6 +68,26 @@ def resume_override(output_dir: Path) -> str:
     return f"hydra.run.dir={shlex.quote(str(shown))}"
 
 
+RUNS_DIR = "outputs/runs"  # where runs go by default (hydra.run.dir in conf/config.yaml)
+LAST = "last"  # trainer.resume=last: the latest run of the same experiment, in its own dir
+
+
+def latest_run(runs_dir: Path, experiment: str | None) -> Path | None:
+    """The newest run dir in `runs_dir` (by its name: a date and time) whose command chose the same
+    `experiment=` (None: none), or None."""
+    for run in sorted((d for d in runs_dir.glob("*") if d.is_dir()), key=lambda d: d.name, reverse=True):
+        overrides = run / ".hydra" / "overrides.yaml"
+        if overrides.is_file():
+            chosen = [
+                o.split("=", 1)[1]
+                for o in yaml.safe_load(overrides.read_text()) or []
+                if o.startswith("experiment=")
+            ]
+            if (chosen[-1] if chosen else None) == experiment:
+                return run
+    return None
+
+
 def damaged_error(checkpoint: Path, problems: list[str], key: str = "trainer.resume") -> ConfigError:
     return ConfigError(
         f"{key}: {checkpoint} is damaged: {'; '.join(problems)}. It cannot be resumed. Resume from another "
