@@ -15,6 +15,11 @@ def _stopped_while_starting(signum: int, frame: object) -> None:
 
 signal.signal(signal.SIGTERM, _stopped_while_starting)  # before the imports, which are most of the start
 
+from runner.trackers.mlflow import Sender  # noqa: E402  (no torch: it imports MLflow beside torch's import)
+
+if __name__ == "__main__":
+    Sender.start_early(sys.argv[1:])
+
 from runner.cli import leave_the_heap, run  # noqa: E402
 
 

@@ -96,6 +96,8 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
             log.info("%s: nothing to train.%s", finished.describe(), AGAIN)
             metrics = {k: v for k, v in finished.metrics.items() if v is not None}
         else:
+            if built.tracker is not None and (env is None or env.rank == 0):
+                built.tracker.warm_up(output_dir)
             metrics = built.launcher.launch(_job(cfg, hydra_cfg, output_dir, env, built))
     except (ConfigError, InstantiationException) as err:
         cause = err.__cause__ if isinstance(err.__cause__, ConfigError) else err

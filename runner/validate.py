@@ -23,6 +23,7 @@ from runner.data.base import DataSource
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
 from runner.hardware.device_map import BigModel
+from runner.trackers.base import Tracker
 from runner.weights import DamagedFileError, checkpoint_tensors
 
 T = TypeVar("T")
@@ -57,6 +58,7 @@ class Built:
     launcher: Any  # a runner.launchers.Launcher (a layer above this one)
     data: DataSource | None = None  # the training checks' data and model on meta (None: not built)
     model: torch.nn.Module | None = None
+    tracker: Tracker | None = None  # None: tracker._target_ is null
 
 
 def validate(cfg: DictConfig) -> Built:
@@ -65,7 +67,7 @@ def validate(cfg: DictConfig) -> Built:
     built, problems = _validate(cfg)
     if problems:
         raise ConfigError("\n\n".join(problems))
-    return Built(hardware=built["hardware"], launcher=built["launcher"])
+    return Built(hardware=built["hardware"], launcher=built["launcher"], tracker=built.get("tracker"))
 
 
 def _validate(cfg: DictConfig) -> tuple[dict[str, Any], list[str]]:
@@ -281,7 +283,8 @@ def check_job(cfg: DictConfig) -> tuple[Built, int]:
     if problems:
         raise ConfigError("\n\n".join(problems), details="\n".join(details) or None)
     data, model = checked
-    return Built(hardware=built["hardware"], launcher=built["launcher"], data=data, model=model), world_size
+    built_job = Built(built["hardware"], built["launcher"], data, model, built.get("tracker"))
+    return built_job, world_size
 
 
 def validate_for_world(

@@ -68,6 +68,10 @@ class Tracker(ABC):
     log_model: bool = False  # whether the runner attaches the final model files
     main_process_only: bool = True  # False: every process starts it and logs to it
 
+    def warm_up(self, logging_dir: Path) -> None:
+        """Called by the launching process once a run passed its checks, before its ranks start (which
+        give `logging_dir` to `start`): get ready, so that the run's end waits less. Nothing by default."""
+
     def open(self, project_name: str, logging_dir: str | None, init_kwargs: dict[str, Any]) -> None:
         """What `Accelerator.init_trackers` calls: `start`, with the tracker's `init_kwargs`."""
         self.start(project_name, logging_dir=logging_dir, **init_kwargs)

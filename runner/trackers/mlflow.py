@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from runner.cluster import slurm_job_id
+from runner.cluster import launched_environment, slurm_job_id
 from runner.config import NonNegativeFloat, PythonOnly, checked
 from runner.errors import ConfigError
 from runner.trackers.base import Tracker, directory_setting, flatten
@@ -118,6 +118,15 @@ class MLflowTracker(Tracker):
         if self._client is None:
             self._client = mlflow_client(self.uri)
         return self._client
+
+    def warm_up(self, logging_dir: Path) -> None:
+        """Start this process's sender now and have it import MLflow and open the store (seconds) while the
+        run starts up; ranks forked from this process deliver through it."""
+        if self.detach:
+            return
+        directory = Path(self.logging_dir or logging_dir) / JOURNAL_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        Sender.shared(directory / SENDER_LOG, False).warm(self.uri)
 
     def start(
         self,
@@ -294,13 +303,16 @@ class Sender:
 
     _shared: Sender | None = None
 
-    def __init__(self, log_file: Path, warn_on_console: bool) -> None:
+    def __init__(self, log_file: Path | None, warn_on_console: bool) -> None:
+        self.owner = os.getpid()  # a process forked from it shares the sender (its stdin pipe)
+        self.log_file = log_file  # None: started early, its output to nowhere until `shared` names a file
+        self.warns = warn_on_console
         console = os.dup(sys.stderr.fileno()) if warn_on_console and _has_fileno(sys.stderr) else None
         command = [sys.executable, "-m", "runner.trackers.upload", "--serve"]
         if console is not None:
             command += ["--console-fd", str(console)]
         try:
-            with open(log_file, "ab") as output:
+            with open(log_file or os.devnull, "ab") as output:
                 self.process = subprocess.Popen(
                     command,
                     stdin=subprocess.PIPE,
@@ -314,19 +326,56 @@ class Sender:
                 os.close(console)
 
     @classmethod
+    def start_early(cls, arguments: list[str]) -> None:
+        """Start this process's sender before `python -m runner` imports torch, so that its import of
+        MLflow (seconds) runs beside the command's own start instead of beside its training; skipped where
+        the command cannot track (a plan, help, another tracker, a rank other than 0). A guess: a sender
+        that is given nothing to deliver exits with this process."""
+        skip = {"init", "--help", "-h", "--cfg", "--info", "plan=true", "tracker=none", "tracker=tensorboard"}
+        rank = launched_environment()
+        if skip & set(arguments) or (rank is not None and rank.rank != 0):
+            return
+        try:
+            cls._shared = cls(None, False)
+        except OSError:  # no process could be started: the run starts one when it needs it
+            cls._shared = None
+
+    @classmethod
     def shared(cls, log_file: Path | None = None, warn_on_console: bool = False) -> Sender | None:
-        """This process's sender; where none is running, one started with output to `log_file`, if given
-        (and a copy of stderr where `warn_on_console`)."""
-        if cls._shared is not None and cls._shared.process.poll() is not None:
+        """This process's sender; where none is running (or it holds no console where `warn_on_console`
+        wants one), one started with output to `log_file`, if given (and a copy of stderr where
+        `warn_on_console`). One started early writes to the first `log_file` named."""
+        if cls._shared is not None and (
+            not cls._shared.running() or (warn_on_console and not cls._shared.warns)
+        ):
             cls._shared = None
         if cls._shared is None and log_file is not None:
             cls._shared = cls(log_file, warn_on_console)
+        elif cls._shared is not None and cls._shared.log_file is None and log_file is not None:
+            cls._shared.log_file = log_file
+            cls._shared._request({"log": str(log_file)})
         return cls._shared
+
+    def running(self) -> bool:
+        if os.getpid() == self.owner:
+            return self.process.poll() is None
+        try:  # in a forked rank: not this process's child, but the same sender
+            os.kill(self.process.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def warm(self, uri: str) -> None:
+        """Import MLflow and open the store of `uri` now, before any journal is named."""
+        self._request({"warm": uri})
 
     def follow(self, directory: Path, uri: str) -> None:
         """Deliver the journal in `directory` to `uri` until its run ends."""
+        self._request({"journal": str(directory), "uri": uri})
+
+    def _request(self, request: dict[str, str]) -> None:
         assert self.process.stdin is not None
-        self.process.stdin.write((json.dumps({"journal": str(directory), "uri": uri}) + "\n").encode())
+        self.process.stdin.write((json.dumps(request) + "\n").encode())
         self.process.stdin.flush()
 
 

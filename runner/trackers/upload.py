@@ -9,6 +9,7 @@ its stdin which journals to follow.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import IO
 
 from runner.trackers.journal import Journal
-from runner.trackers.mlflow import JOURNAL_DIR, SENDER_LOG, UPLOAD, Delivery, remote_store
+from runner.trackers.mlflow import JOURNAL_DIR, SENDER_LOG, UPLOAD, Delivery, mlflow_client, remote_store
 
 log = logging.getLogger(__name__)
 
@@ -114,9 +115,13 @@ class Followed:
 def serve(requests: IO[bytes], console: IO[str] | None) -> int:
     """Follow the journals named on `requests` (one JSON line each: `journal`, `uri`), delivering each
     until its run ends; return when `requests` is closed (the writing process exited or died) and every
-    journal is done. Runs at the lowest CPU priority: the training process comes first."""
+    journal is done. Runs at the lowest CPU priority (SCHED_IDLE): the training process comes first."""
     console_handler = _log_to(console)
-    os.nice(19)
+    try:  # runs only on a CPU nothing else wants: a training rank's threads preempt it at once
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux
+        os.nice(19)
+    threading.Thread(target=importlib.import_module, args=("mlflow",), daemon=True).start()  # needed anyway
     named = Requests()
     threading.Thread(target=_read_requests, args=(requests, named), daemon=True).start()
     followed: list[Followed] = []
@@ -127,6 +132,15 @@ def serve(requests: IO[bytes], console: IO[str] | None) -> int:
             request = named.get()
             if request is None:
                 writer_gone = True
+                continue
+            if "log" in request:  # started early: its output goes to this run's log from now on
+                output = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+                os.dup2(output, 1)
+                os.dup2(output, 2)
+                os.close(output)
+                continue
+            if "warm" in request:  # MLflow imported and the store opened before the first journal
+                warm(request["warm"])
                 continue
             journal = Journal(Path(request["journal"]))
             followed.append(Followed(journal, Delivery(journal, request["uri"])))
@@ -162,6 +176,15 @@ def serve(requests: IO[bytes], console: IO[str] | None) -> int:
         console_handler.close()
         console.close()  # type: ignore[union-attr]
     return 1 if failed else 0
+
+
+def warm(uri: str) -> None:
+    """Import MLflow and open the store at `uri` (a client made later for it reuses the open store);
+    a failure is the first delivery's to report."""
+    try:
+        mlflow_client(uri).search_experiments(max_results=1)
+    except Exception as err:
+        log.info("MLflow at %s: not ready yet (%s)", uri, err)
 
 
 class Requests(queue.Queue):
