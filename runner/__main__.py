@@ -17,7 +17,7 @@ signal.signal(signal.SIGTERM, _stopped_while_starting)  # before the imports, wh
 
 from runner.trackers.mlflow import Sender  # noqa: E402  (no torch: it imports MLflow beside torch's import)
 
-if __name__ == "__main__":
+if __name__ != "__mp_main__":  # `python -m runner` or the `runner` command, not a rank it spawned
     Sender.start_early(sys.argv[1:])
 
 from runner.cli import leave_the_heap, run  # noqa: E402

@@ -339,6 +339,11 @@ class Sender:
             cls._shared = cls(None, False)
         except OSError:  # no process could be started: the run starts one when it needs it
             cls._shared = None
+            return
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or local_store()[0]
+        named = any(a.lstrip("+").startswith("tracker.uri=") for a in arguments)
+        if not named and (remote_store(uri) or Path(uri.removeprefix("sqlite:///")).is_file()):
+            cls._shared.warm(uri)  # the likely store, when that creates nothing (its config may name another)
 
     @classmethod
     def shared(cls, log_file: Path | None = None, warn_on_console: bool = False) -> Sender | None:
