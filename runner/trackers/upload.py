@@ -121,9 +121,14 @@ def serve(requests: IO[bytes], console: IO[str] | None) -> int:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux
         os.nice(19)
-    threading.Thread(target=importlib.import_module, args=("mlflow",), daemon=True).start()  # needed anyway
     named = Requests()
     threading.Thread(target=_read_requests, args=(requests, named), daemon=True).start()
+    try:  # needed for any delivery: imported now, beside the start of the command that started this sender
+        importlib.import_module(
+            "mlflow"
+        )  # (in this thread: MLflow's protobuf modules cannot be imported from two)
+    except Exception as err:  # the first delivery reports it
+        log.info("MLflow could not be imported: %s", err)
     followed: list[Followed] = []
     writer_gone = False
     failed = False
