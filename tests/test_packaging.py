@@ -163,7 +163,7 @@ def test_a_users_mistakes_in_an_installed_runner_are_one_paragraph(venv, tmp_pat
         (["--config-dir", "./nope", "experiment=example"], "--config-dir"),
         (
             ["--config-dir", "conf", "experiment=example", "model._target_=proj.nets.Net"],
-            "sys.path: " + str(project),
+            f"looked in the working directory {project} and the installed packages",
         ),
         (["--config-dir", "conf", "experiment=mine"], "add experiment/mine.yaml to your config dir"),
         (["hydra.searchpath=[file://confs]", "experiment=example"], "hydra.searchpath: 'confs' is not there"),
