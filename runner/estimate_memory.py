@@ -42,11 +42,9 @@ def estimate(overrides: list[str], num_processes: int) -> str:
     with initialize_config_module(CONF_PACKAGE, version_base="1.3"):
         cfg = compose("config", overrides=overrides)
         model = build_on_meta(cfg)
-        sharded = {
-            name: get_class(hardware._target_).states_sharded_by(hardware)
-            for name, extra in GROUPS.items()
-            for hardware in [_hardware(overrides, extra, num_processes)]
-        }
+        hardware = {name: _hardware(overrides, extra, num_processes) for name, extra in GROUPS.items()}
+        # Each strategy says what it shards, without being built (DeepSpeed need not be installed).
+        sharded = {name: get_class(hw._target_).states_sharded_by(hw) for name, hw in hardware.items()}
     parameters = sum(p.numel() for p in model.parameters())
     sizes = compute_module_sizes(model)
     leaves = {

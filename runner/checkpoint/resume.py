@@ -416,7 +416,8 @@ LENGTH = ("trainer.max_steps", "trainer.max_epochs")  # a finished run given mor
 
 def _only_longer(changes: list[str], finished: FinishedRun, settings: dict[str, Any]) -> bool:
     """Whether the only `changes` since the finished run are a larger trainer.max_steps or max_epochs."""
-    before = _flat(yaml.safe_load((finished.output_dir / RESOLVED).read_text()) or {})
+    written = finished.output_dir / RESOLVED
+    before = _flat((yaml.safe_load(written.read_text()) or {}) if written.is_file() else {})
     now = _flat(settings)
     changed = {change.split("=", 1)[0] for change in changes}
     return changed <= set(LENGTH) and all(
