@@ -9,7 +9,7 @@ the same random tokens with fused AdamW under bf16 autocast, in a fresh process 
 script or `python -m runner` would run. `cli-hf-fsdp` trains a Hugging Face Llama from scratch through
 `python -m runner model=hf_causal_lm hardware=fsdp` on one device (`1b`: TinyLlama's shape, 22 x 2048, 32
 heads, 4 key-value heads, vocabulary 32000, 1.1B parameters; `124m`: 12 x 768, 12 heads, vocabulary 50304),
-eager, with no plain reference (its ratio is n/a). The loops (plain, plain again as the
+eager (`cli-hf-fsdp-regional`: each decoder layer compiled), with no plain reference (its ratio is n/a). The loops (plain, plain again as the
 A/A control, runner's Accelerator, Accelerate) are warmed up, then `--steps` steps are timed between two
 device synchronisations. `python -m runner` (data=random_tokens, the same model and batch) is timed from
 its own log: from its "step W/N" line to its "step N/N" line, W the warm-up steps, so that start-up,
@@ -112,6 +112,9 @@ MODES = {
     "cli-regional": Mode("runner, compile regional", "cli", "regional", reference="plain-compiled"),
     "cli-fp8": Mode("runner, fp8, compile model", "cli", "model", "fp8", reference="plain-compiled"),
     "cli-hf-fsdp": Mode("runner, HF Llama, fsdp", "cli", reference=None, model="llama"),
+    "cli-hf-fsdp-regional": Mode(
+        "runner, HF Llama, fsdp, compile regional", "cli", "regional", reference=None, model="llama"
+    ),
 }
 
 SIZES = ("tiny", "124m", "1b")
