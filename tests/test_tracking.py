@@ -21,6 +21,8 @@ from mlflow import MlflowClient
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from runner.trackers.mlflow import Sender
+
 pytestmark = pytest.mark.slow
 
 TRAIN = ("trainer.max_steps=30", "trainer.log_every=5", "trainer.eval_every=10")
@@ -184,6 +186,25 @@ def test_a_ported_scripts_records_are_in_the_store_when_it_exits(tmp_path, endin
     (run,) = client.search_runs([client.get_experiment_by_name("ported").experiment_id])
     assert run.info.status == "FINISHED" and run.data.params == {"lr": "0.1"}
     assert [m.value for m in client.get_metric_history(run.info.run_id, "loss")] == [1.0, 0.5, 1 / 3]
+
+
+def test_the_sender_that_a_runs_end_waits_for_runs_at_the_normal_priority(tmp_path):
+    """The run's end waits for its sender, so the sender must not run at idle priority: inside a job's
+    CPU cgroup (SLURM's, a Kubernetes pod's) with the other processes keeping every core busy, one at
+    SCHED_IDLE got a tenth of a core, and a ported script's exit waited out `finish_timeout_s` (40 s)
+    where one at the normal priority was done in 14 s."""
+    sender = Sender(tmp_path / "sender.log", False)
+    sender.warm("no-such-scheme://store")  # refused, and logged, once MLflow is imported
+    deadline = time.monotonic() + 60
+    while "not ready yet" not in (tmp_path / "sender.log").read_text():
+        assert sender.running() and time.monotonic() < deadline, (tmp_path / "sender.log").read_text()
+        time.sleep(0.1)
+    try:
+        assert os.sched_getscheduler(sender.process.pid) == os.SCHED_OTHER
+        assert os.getpriority(os.PRIO_PROCESS, sender.process.pid) == os.getpriority(os.PRIO_PROCESS, 0)
+    finally:
+        sender.process.stdin.close()
+        sender.process.wait(timeout=30)
 
 
 def test_a_run_stopped_by_a_signal_ends_killed_and_its_resumption_finished(tmp_path):

@@ -115,12 +115,9 @@ class Followed:
 def serve(requests: IO[bytes], console: IO[str] | None) -> int:
     """Follow the journals named on `requests` (one JSON line each: `journal`, `uri`), delivering each
     until its run ends; return when `requests` is closed (the writing process exited or died) and every
-    journal is done. Runs at the lowest CPU priority (SCHED_IDLE): the training process comes first."""
+    journal is done. It runs at the normal priority: the run's end waits for it, and inside a job's CPU
+    cgroup a sender at idle priority got a tenth of a core while the other processes kept the cores busy."""
     console_handler = _log_to(console)
-    try:  # runs only on a CPU nothing else wants: a training rank's threads preempt it at once
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux
-        os.nice(19)
     named = Requests()
     threading.Thread(target=_read_requests, args=(requests, named), daemon=True).start()
     try:  # needed for any delivery: imported now, beside the start of the command that started this sender
