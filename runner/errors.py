@@ -25,8 +25,18 @@ class ConfigError(ValueError):
         self.details = details
 
 
-# Config group options that Hydra plugins provide: the package that brings each.
-HYDRA_PLUGINS = {"optuna": "hydra-optuna-sweeper>=1.2"}
+# This project's name on PyPI (pyproject's project.name); the import package and the command are `runner`.
+DISTRIBUTION = "runner-ml"
+
+
+def install_command(extra: str, *flags: str) -> str:
+    """The command that adds the packages of this project's `extra`, as every message gives it. With this
+    project installed (from PyPI, a wheel or a checkout, editable too), pip reads the extra from it."""
+    return " ".join(["pip install", *flags, f"'{DISTRIBUTION}[{extra}]'"])
+
+
+# Config group options that Hydra plugins provide: the extra that brings each.
+HYDRA_PLUGINS = {"optuna": "sweeps"}
 
 # Hydra plugins' options that runner does its own way, installed or not: what to use instead.
 REPLACED_OPTIONS = {
@@ -62,7 +72,7 @@ def describe_compose_error(err: Exception) -> str:
         if option in HYDRA_PLUGINS:
             return (
                 f"{group}={option}: that option comes from a Hydra plugin that is not installed. Install it with "
-                f"`pip install '{HYDRA_PLUGINS[option]}'` (or this project's extra, see README)."
+                f"`{install_command(HYDRA_PLUGINS[option])}`."
             )
         return (
             f"{group}={option}: there is no option {option!r} in the config group {group!r}. "

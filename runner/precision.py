@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import torch
 
 from runner.config import Fraction, PositiveFloat, PositiveInt, Range, checked
-from runner.errors import ConfigError
+from runner.errors import ConfigError, install_command
 from runner.handlers import AutocastKwargs, GradScalerKwargs
 from runner.ops import convert_to_fp32
 
@@ -185,7 +185,7 @@ class ShardedMixedPrecision(UpcastingPrecision):
         return self.precision.convert_module(module)
 
 
-FP8_REQUIREMENT = "pip install 'runner[fp8]' (torchao)"
+FP8_REQUIREMENT = f"{install_command('fp8')} (torchao)"
 
 
 class Float8Precision(MixedPrecision):

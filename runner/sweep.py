@@ -1,11 +1,12 @@
 """Multiruns (`python -m runner -m ...`): every job checked before the first runs; after the last, the
 swept values against each job's final metrics, printed and saved in the sweep's dir as `summary.csv` and
-`summary.png`; the sweep's parent run (one per sweep in the tracker) gets both and is closed. The sweeper
+`summary.png` (with the `plots` extra, matplotlib); the sweep's parent run (one per sweep in the tracker) gets both and is closed. The sweeper
 that resumes a sweep is a Hydra plugin: `hydra_plugins/runner_sweeper`."""
 
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import logging
 import math
@@ -25,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.checkpoint.resume import FINISHED
 from runner.cli import FAILED, JOB_CONFIG_DIR
-from runner.errors import REPLACED_OPTIONS, ConfigError, describe_compose_error
+from runner.errors import REPLACED_OPTIONS, ConfigError, describe_compose_error, install_command
 from runner.validate import check_job
 
 log = logging.getLogger("runner")
@@ -101,7 +102,11 @@ class SweepSummary(Callback):
         header = ["job", *swept, *status, *metrics]
         with open(sweep_dir / "summary.csv", "w", newline="") as f:
             csv.writer(f).writerows([header, *rows])
-        if metrics:  # not when every job failed
+        if metrics and importlib.util.find_spec("matplotlib") is None:
+            log.warning(
+                "summary.png is not drawn: matplotlib is not installed (%s).", install_command("plots")
+            )
+        elif metrics:  # not when every job failed
             plot(jobs, swept, metrics, sweep_dir / "summary.png")
         log.info("sweep summary (%s):\n%s", sweep_dir, format_table(header, rows))
         if config.tracker.get("_target_"):

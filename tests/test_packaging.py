@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from runner.errors import DISTRIBUTION
 from tests.conftest import metrics_of
 
 pytestmark = pytest.mark.slow
@@ -32,7 +34,7 @@ def _run(command: list[str | Path], cwd: Path | None = None, **kwargs) -> subpro
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", out, REPO])
-    (built,) = out.glob("runner-*.whl")
+    (built,) = out.glob("runner_ml-*.whl")
     return built
 
 
@@ -114,10 +116,19 @@ def test_an_installed_runner_resumes_a_sweep_with_its_own_sweeper(venv, tmp_path
     ]
     first = _run(sweep, cwd=tmp_path, env=env)
     assert "Launching 2 jobs locally" in first.stdout
+    # matplotlib is the `plots` extra: the summary table is written, the plot is not, and the message
+    # gives the command that adds it; that command, run as given, installs it.
+    hint = "matplotlib is not installed (pip install 'runner-ml[plots]')"
+    assert hint in first.stdout + first.stderr
+    assert (tmp_path / "sweep" / "summary.csv").is_file() and not (
+        tmp_path / "sweep" / "summary.png"
+    ).exists()
+    _run([venv / "python", "-m", "pip", "install", "-q", "runner-ml[plots]"])  # the registry's settings kept
     (tmp_path / "sweep" / "1" / "metrics.json").unlink()  # as if job 1 had been interrupted
     again = _run(sweep, cwd=tmp_path, env=env)
     assert "job(s) 0 finished before and are not run again" in again.stdout
     assert "Launching 1 jobs locally" in again.stdout and "#1 : " in again.stdout
+    assert (tmp_path / "sweep" / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_runner_init_writes_a_project_that_trains_on_1_and_2_processes(venv, tmp_path):
@@ -182,3 +193,37 @@ def test_a_users_mistakes_in_an_installed_runner_are_one_paragraph(venv, tmp_pat
     again = subprocess.run(["runner", "init", "proj"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert again.returncode == 2 and "not empty" in again.stderr
     assert sorted(p.name for p in project.iterdir()) == ["README.md", "conf", "data", "outputs", "proj"]
+
+
+HINT = re.compile(r"pip install(?: -\S+)*\s+(\S*?)\[([\w,]+)\]")
+
+
+def test_every_install_hint_names_the_distribution_and_an_extra_it_has():
+    """Every `pip install ...[extra]` in runner's messages, its configs and its docs reads
+    `pip install 'runner-ml[extra]'` (PyPI's `runner` is another project), naming an extra that
+    pyproject.toml declares; the README's test command alone installs the checkout (`-e ".[...]"`)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["name"] == DISTRIBUTION
+    files = [
+        *(REPO / "runner").rglob("*.py"),
+        *(REPO / "conf").rglob("*.yaml"),
+        *(REPO / "docs").glob("*.md"),
+    ]
+    hints = [
+        (path.relative_to(REPO), m)
+        for path in [*files, REPO / "README.md"]
+        for m in HINT.finditer(path.read_text())
+    ]
+    test_command = [m for path, m in hints if m.group(1) == '".' and path.name == "README.md"]
+    assert len(test_command) == 1 and "test" in test_command[0].group(2)
+    wrong = [
+        f"{path}: {m.group(0)}"
+        for path, m in hints
+        if m not in test_command
+        and (
+            m.group(1) != f"'{DISTRIBUTION}"
+            or not set(m.group(2).split(",")) <= set(project["optional-dependencies"])
+        )
+    ]
+    assert not wrong and len(hints) > 15, wrong

@@ -246,7 +246,7 @@ def test_without_submitit_launcher_slurm_names_the_pip_install(tmp_path):
     proc = run(tmp_path / "run", "launcher=slurm", env=cli_env(hidden))
     assert proc.returncode == 2, proc.stderr
     assert "launcher=slurm needs submitit, which is not installed" in proc.stderr
-    assert "pip install 'submitit>=1.5'" in proc.stderr
+    assert "pip install 'runner-ml[slurm]'" in proc.stderr
 
 
 def test_slurm_time_limits_and_gres_are_read_as_sinfo_prints_them():

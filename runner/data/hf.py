@@ -20,7 +20,7 @@ from runner.data.base import (
     random_split,
 )
 from runner.data.table import check_class_labels, label_order
-from runner.errors import ConfigError
+from runner.errors import ConfigError, install_command
 
 try:
     import datasets
@@ -28,7 +28,7 @@ try:
     from transformers import AutoTokenizer
 except ImportError as err:
     raise ImportError(
-        f"{err}: data=hf needs the `hf` extra: pip install 'runner[hf]' (transformers, datasets)"
+        f"{err}: data=hf needs the `hf` extra: {install_command('hf')} (transformers, datasets)"
     ) from err
 
 log = logging.getLogger(__name__)

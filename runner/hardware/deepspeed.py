@@ -20,13 +20,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.cluster import export_local_rank
 from runner.config import PositiveFloat, PositiveInt, PythonOnly, Range, checked
-from runner.errors import ConfigError
+from runner.errors import ConfigError, install_command
 from runner.handlers import DummyOptim, DummyScheduler, fill_auto
 from runner.hardware.process_group import ParallelStrategy
 from runner.precision import Float16MixedPrecision, MixedPrecision, Precision, refuse_fp8
 from runner.state import DistributedType, ProcessState
 
-INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation 'deepspeed>=0.16,<0.20'"
+# DS_BUILD_OPS=0: DeepSpeed compiles its ops when one is first used, not while installing
+INSTALL = f"DS_BUILD_OPS=0 {install_command('deepspeed', '--no-build-isolation')}"
 CHECKPOINT_DIR, CHECKPOINT_TAG = "deepspeed", "state"  # inside a save_state directory
 
 

@@ -12,14 +12,14 @@ import numpy as np
 import torch
 
 from runner.config import ActivationCheckpointingConfig, CompileConfig, PositiveFloat, checked
-from runner.errors import ConfigError
+from runner.errors import ConfigError, install_command
 from runner.hardware.base import Strategy
 from runner.hardware.parallelize import refuse_compute
 from runner.ops import apply_to_tensors
 from runner.precision import Precision, refuse_fp8, refuse_fp16
 from runner.state import DistributedType, ProcessState
 
-XLA_REQUIREMENT = "pip install -e '.[tpu]' in its own environment (torch_xla 2.9 needs torch 2.9)"
+XLA_REQUIREMENT = f"{install_command('tpu')} in its own environment (torch_xla 2.9 needs torch 2.9)"
 
 
 class XLA(Strategy):

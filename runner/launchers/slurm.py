@@ -25,13 +25,12 @@ from omegaconf import DictConfig, open_dict
 
 from runner.cluster import launched_environment, slurm_job_id, slurm_step_nodes
 from runner.config import NonNegativeInt, PositiveFloat, PositiveInt, checked
-from runner.errors import ConfigError, TrainingInterrupted
+from runner.errors import ConfigError, TrainingInterrupted, install_command
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher, RankFailedError, report_failure, reported_failure, run_rank
 
 log = logging.getLogger(__name__)
 
-SUBMITIT_REQUIREMENT = "submitit>=1.5"
 PREEMPTION_SIGNAL = signal.SIGUSR2  # what submitit asks SLURM to send before the time limit
 REQUEUE_WAIT_S = 120.0  # how long a rank other than 0 waits for the requeue to stop it
 NODE_CHECK_INTERVAL_S = 5.0  # how often a job not running is checked for a lost node
@@ -317,8 +316,7 @@ def require_slurm(what: str) -> None:
         import submitit  # noqa: F401
     except ImportError:
         raise ConfigError(
-            f"{what} needs submitit, which is not installed. Install it with "
-            f"`pip install '{SUBMITIT_REQUIREMENT}'` (or this project's `slurm` extra)."
+            f"{what} needs submitit, which is not installed. Install it with `{install_command('slurm')}`."
         ) from None
     if shutil.which("sbatch") is None:
         raise ConfigError(

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from runner.config import PositiveInt
-from runner.errors import ConfigError
+from runner.errors import ConfigError, install_command
 from runner.weights import DamagedFileError, checkpoint_tensors
 
 try:
@@ -19,7 +19,7 @@ try:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 except ImportError as err:  # the module names the extra to install instead of a bare import error
     raise ImportError(
-        f"{err}: Hugging Face models need the `hf` extra: pip install 'runner[hf]' (transformers, datasets)"
+        f"{err}: Hugging Face models need the `hf` extra: {install_command('hf')} (transformers, datasets)"
     ) from err
 
 

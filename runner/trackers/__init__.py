@@ -2,6 +2,7 @@
 
 import importlib.util
 
+from runner.errors import install_command
 from runner.trackers.base import BlankTracker, GeneralTracker, LoggerType, Tracker
 from runner.trackers.mlflow import MLflowTracker
 from runner.trackers.tensorboard import TensorBoardTracker
@@ -16,9 +17,9 @@ __all__ = [
     "trackers_from_name",
 ]
 
-# What each name needs installed, and builds.
+# What each name builds, and the extra (its module too) that it needs installed; None: a dependency.
 _TRACKERS = {
-    LoggerType.MLFLOW: ("mlflow", MLflowTracker),
+    LoggerType.MLFLOW: (None, MLflowTracker),
     LoggerType.TENSORBOARD: ("tensorboard", TensorBoardTracker),
 }
 
@@ -31,13 +32,17 @@ def trackers_from_name(name: str | LoggerType) -> list[Tracker]:
     except ValueError:
         kind = None
     if kind is LoggerType.ALL:
-        return [tracker() for module, tracker in _TRACKERS.values() if importlib.util.find_spec(module)]
+        return [
+            tracker()
+            for extra, tracker in _TRACKERS.values()
+            if extra is None or importlib.util.find_spec(extra)
+        ]
     if kind not in _TRACKERS:
         raise ValueError(
             f"log_with={name!r}: runner has the trackers 'mlflow' and 'tensorboard' (or 'all'); for another, "
             "pass an instance of your own runner.trackers.GeneralTracker subclass."
         )
-    module, tracker = _TRACKERS[kind]
-    if importlib.util.find_spec(module) is None:
-        raise ValueError(f"log_with={name!r} needs {module}: pip install {module}.")
+    extra, tracker = _TRACKERS[kind]
+    if extra is not None and importlib.util.find_spec(extra) is None:
+        raise ValueError(f"log_with={name!r} needs {extra}: {install_command(extra)}.")
     return [tracker()]

@@ -1,5 +1,5 @@
 """`tracker=tensorboard` and `log_with="tensorboard"`: TensorBoard event files through torch's
-`SummaryWriter` (an extra: `pip install 'runner[tensorboard]'`)."""
+`SummaryWriter` (an extra: `pip install 'runner-ml[tensorboard]'`)."""
 
 from __future__ import annotations
 
