@@ -223,6 +223,15 @@ def test_broken_datasets_are_refused_naming_the_key(files, tmp_path):
     image = truncated / "class_1" / "3.png"
     image.write_bytes(image.read_bytes()[: len(image.read_bytes()) // 2])
     cases.append((lambda: ImageFolder(str(truncated)).setup(), "3.png: not a readable image"))
+    # An eval folder with a class that the training folder lacks (its images would be left out).
+    shutil.copytree(files / "images", tmp_path / "eval_images")
+    shutil.copytree(files / "images" / "class_0", tmp_path / "eval_images" / "class_9")
+    cases.append(
+        (
+            lambda: ImageFolder(str(files / "images"), eval_path=str(tmp_path / "eval_images")).setup(),
+            "holds the class folder(s) ['class_9'] that data.path lacks",
+        )
+    )
     # Label columns that are not classes, an empty file, a tokenizer that cannot be loaded.
     rows = {
         "null": [{"text": "a b", "label": None if i == 3 else i % 2} for i in range(20)],

@@ -136,6 +136,15 @@ class ImageFolder(DataSource):
             train_samples = [samples[i] for i in train_part.indices]
             eval_samples = [samples[i] for i in eval_part.indices]
         else:
+            unseen = sorted(
+                {entry.name for entry in self.eval_root.iterdir() if entry.is_dir()} - set(classes)
+            )
+            if unseen:  # its images would be skipped, and the eval metrics read as if they were all there
+                raise ConfigError(
+                    f"data.eval_path={str(self.eval_root)!r}: holds the class folder(s) {unseen} that data.path "
+                    f"lacks; the model learns only data.path's classes ({', '.join(classes)}). Remove them from "
+                    "the eval folder, or add them, with images, to data.path."
+                )
             train_samples, eval_samples = samples, self._samples(self.eval_root, classes)
         train, eval_ = self._images(train_samples, self.random_flip), self._images(eval_samples, flip=False)
         channels = len(self.mode)
