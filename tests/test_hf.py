@@ -282,3 +282,24 @@ def test_a_transformers_step_runs_on_meta_so_layout_mistakes_are_found_before_la
     assert model.config._attn_implementation == "sdpa"  # restored
     with value_free_attention(wrong), pytest.raises(RuntimeError, match="must match the size"):
         LanguageModeling().training_step(wrong, {"input_ids": ids, "attention_mask": mask})
+
+
+def test_a_sequence_longer_than_the_models_learned_positions_is_refused_by_its_shape():
+    """GPT-2 with `n_positions=8` on sequences of 16: the step on meta (the checks before launch) fails
+    naming the key and both ways out, and so does a real step, instead of an IndexError inside the
+    embedding; a model with rotary positions (Llama) has no such limit."""
+    gpt2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4, "n_positions": 8}
+    expected = re.escape("16 tokens long, and the model has 8 learned positions (GPT2Config.n_positions=8)")
+    for device in ("meta", "cpu"):
+        ids = torch.zeros(2, 16, dtype=torch.long, device=device)
+        with torch.device(device):
+            model = causal_lm(vocab_size=50, config=gpt2)
+            llama = causal_lm(vocab_size=50, config=LLAMA | {"max_position_embeddings": 8})
+        with value_free_attention(model), pytest.raises(ValueError, match=expected):
+            LanguageModeling().training_step(model, {"input_ids": ids, "labels": ids})
+        assert (
+            LanguageModeling().training_step(model, {"input_ids": ids[:, :8], "labels": ids[:, :8]}).shape
+            == ()
+        )
+        with value_free_attention(llama):
+            assert LanguageModeling().training_step(llama, {"input_ids": ids, "labels": ids}).shape == ()

@@ -88,8 +88,10 @@ def _build(
         if load_weights:
             check_weight_files(directory, f"model.pretrained={pretrained!r}")
             if torch.get_default_device().type != "meta":  # on meta (runner's checks): the shapes only
-                return auto_class.from_pretrained(directory, config=stored, local_files_only=True)
-        return auto_class.from_config(stored)
+                return limit_positions(
+                    auto_class.from_pretrained(directory, config=stored, local_files_only=True)
+                )
+        return limit_positions(auto_class.from_config(stored))
     settings = dict(config or {})
     model_type = settings.pop("model_type", None)
     if model_type is None:
@@ -107,7 +109,37 @@ def _build(
         ) from None
     _check_settings(default, settings, "model.config")
     _check_settings(default, overrides, "model")
-    return auto_class.from_config(AutoConfig.for_model(model_type, **(settings | overrides)))
+    return limit_positions(auto_class.from_config(AutoConfig.for_model(model_type, **(settings | overrides))))
+
+
+def limit_positions(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """`model`, refusing an input longer than its table of learned positions (GPT-2's `wpe`, BERT's
+    `position_embeddings`: an embedding other than the tokens' with `max_position_embeddings` rows), from
+    the input's shape: on meta tensors (runner's checks before launch) as in training, instead of an
+    IndexError inside the embedding after launch. Rotary positions (Llama) have no such table."""
+    config = model.config
+    limit = getattr(config, "max_position_embeddings", None)
+    tokens = model.get_input_embeddings()
+    tables = [
+        module
+        for module in model.modules()
+        if isinstance(module, torch.nn.Embedding) and module is not tokens and module.num_embeddings == limit
+    ]
+    if not isinstance(limit, int) or not tables:
+        return model
+    key = config.attribute_map.get("max_position_embeddings", "max_position_embeddings")
+
+    def check(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and ids.shape[-1] > limit:
+            raise ValueError(
+                f"the sequences are {ids.shape[-1]} tokens long, and the model has {limit} learned positions "
+                f"({type(config).__name__}.{key}={limit}): set data.seq_len to at most {limit}, or give the model "
+                f"more positions ({key})"
+            )
+
+    model.register_forward_pre_hook(check, with_kwargs=True)
+    return model
 
 
 def _check_settings(config: Any, settings: Mapping[str, Any], node: str) -> None:
