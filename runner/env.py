@@ -12,12 +12,13 @@ import torch.distributed as dist
 
 from runner.cluster import available_cores, rank_variables
 from runner.config import CONF_DIR, CONF_SEARCH_PATH
+from runner.errors import DISTRIBUTION
 
 # Distribution name -> what it gives runner (the extra that installs it, if any).
 INTEGRATIONS = {
     "hydra-core": "config composition",
     "omegaconf": "config objects",
-    "mlflow": "tracker=mlflow",
+    "mlflow-skinny": "tracker=mlflow (the client; the `mlflow` package adds the UI and server)",
     "deepspeed": "hardware=deepspeed (extra: deepspeed)",
     "hydra-optuna-sweeper": "hydra/sweeper=optuna (extra: sweeps)",
     "safetensors": "model files",
@@ -29,7 +30,7 @@ def report() -> str:
     """The report, as Markdown."""
     lines = [
         "## runner environment",
-        f"- runner: {_version('runner')} ({os.path.dirname(os.path.abspath(__file__))})",
+        f"- runner: {_version(DISTRIBUTION)} ({os.path.dirname(os.path.abspath(__file__))})",
         f"- Python: {sys.version.split()[0]} ({sys.executable}); platform: {platform.platform()}",
         f"- CPU cores available: {available_cores()}",
         f"- torch: {torch.__version__} (CUDA build: {torch.version.cuda or 'none'})",

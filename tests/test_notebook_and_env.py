@@ -68,5 +68,6 @@ def test_env_report_names_versions_backends_and_the_config_path():
     report = proc.stdout
     assert f"- torch: {torch.__version__}" in report
     assert f"  - deepspeed: {importlib.metadata.version('deepspeed')}" in report
-    assert f"  - mlflow: {importlib.metadata.version('mlflow')}" in report
+    assert f"  - mlflow-skinny: {importlib.metadata.version('mlflow-skinny')}" in report
+    assert f"- runner: {importlib.metadata.version('runner-ml')} (" in report
     assert "gloo yes" in report and f"config search path: pkg://runner.conf ({CONF_DIR})" in report
