@@ -13,5 +13,6 @@ if [ ! -x "$env_dir/bin/python" ] || ! "$env_dir/bin/python" -c "import torch_xl
     python -m venv "$env_dir"
     "$env_dir/bin/pip" install -q torch==2.9.0 torch_xla==2.9.0
 fi
+"$env_dir/bin/pip" uninstall -q -y runner 2>/dev/null || true  # the distribution's name before runner-ml
 "$env_dir/bin/pip" install -q -e ".[test,tpu]"
 PJRT_DEVICE=CPU "$env_dir/bin/python" -m pytest tests/test_tpu.py -p no:cacheprovider
