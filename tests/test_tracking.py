@@ -207,6 +207,21 @@ def test_the_sender_that_a_runs_end_waits_for_runs_at_the_normal_priority(tmp_pa
         sender.process.wait(timeout=30)
 
 
+def test_a_sender_that_was_given_nothing_to_send_exits_with_its_command():
+    """`python -m runner` starts its sender before it knows whether it will track (a refused command, a
+    plan): once the command is gone without naming a journal, the sender exits at once instead of
+    finishing MLflow's import first (seconds of CPU after every refusal)."""
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import mlflow"], check=True)
+    import_s = time.monotonic() - started
+    sender = Sender(None, False)
+    started = time.monotonic()
+    sender.process.stdin.close()  # the command exits
+    sender.process.wait(timeout=60)
+    assert sender.process.returncode == 0
+    assert time.monotonic() - started < 0.25 * import_s, (time.monotonic() - started, import_s)  # 0.4 s, 5 s
+
+
 def test_a_run_stopped_by_a_signal_ends_killed_and_its_resumption_finished(tmp_path):
     run_dir = tmp_path / "run"
     command = runner_command(run_dir, "trainer.max_steps=100000", "trainer.checkpoint_every=50")

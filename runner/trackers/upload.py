@@ -199,8 +199,13 @@ class Requests(queue.Queue):
 
 
 def _read_requests(requests: IO[bytes], named: Requests) -> None:
+    journals = 0
     for line in requests:
-        named.put(json.loads(line))
+        request = json.loads(line)
+        journals += "journal" in request
+        named.put(request)
+    if not journals:  # the command tracked nothing (refused, a plan): MLflow's import is of no use
+        os._exit(0)
     named.put(None)  # end of file: the writing process is gone
     named.wake.set()
 
