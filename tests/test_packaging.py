@@ -75,12 +75,12 @@ def test_the_wheel_holds_configs_tasks_and_the_starter_project(wheel):
     } <= names
     # Nothing at the top level that could shadow (or be shadowed by) a user's `tasks` or `conf`; the
     # sweeper is in Hydra's namespace package for plugins, which has no __init__.py of its own.
-    assert {name.split("/")[0] for name in names} == {"runner", "hydra_plugins", "runner-0.1.0.dist-info"}
+    assert {name.split("/")[0] for name in names} == {"runner", "hydra_plugins", "runner_ml-0.1.0.dist-info"}
     assert (
         "hydra_plugins/runner_sweeper/resumable_sweeper.py" in names
         and "hydra_plugins/__init__.py" not in names
     )
-    entry_points = zipfile.ZipFile(wheel).read("runner-0.1.0.dist-info/entry_points.txt").decode()
+    entry_points = zipfile.ZipFile(wheel).read("runner_ml-0.1.0.dist-info/entry_points.txt").decode()
     assert "runner = runner.__main__:main" in entry_points
 
 
