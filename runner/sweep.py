@@ -1,7 +1,7 @@
 """Multiruns (`python -m runner -m ...`): every job checked before the first runs; after the last, the
 swept values against each job's final metrics, printed and saved in the sweep's dir as `summary.csv` and
-`summary.png` (with the `plots` extra, matplotlib); the sweep's parent run (one per sweep in the tracker) gets both and is closed. The sweeper
-that resumes a sweep is a Hydra plugin: `hydra_plugins/runner_sweeper`."""
+`summary.png` (with the `plots` extra, matplotlib); the sweep's parent run (one per sweep in the tracker)
+gets both and is closed. The sweeper that resumes a sweep is a Hydra plugin: `hydra_plugins/runner_sweeper`."""
 
 from __future__ import annotations
 
