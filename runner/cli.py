@@ -183,6 +183,7 @@ def _checked(
             optimizer_class=locate(cfg.optimizer._target_) if training else None,
             verify=verify,
             settings=settings if verify and training else None,  # type: ignore[arg-type]
+            max_steps=cfg.trainer.max_steps if training else None,
         )
     return built, world_size, checkpoint, None
 

@@ -31,6 +31,7 @@ from runner.build import (
 from runner.checkpoint.checkpointer import ProjectConfiguration
 from runner.checkpoint.resume import (
     RESOLVED,
+    check_not_past,
     record_finished,
     resume_checkpoint,
     resume_hint,
@@ -38,7 +39,7 @@ from runner.checkpoint.resume import (
 )
 from runner.data.base import DataSource
 from runner.engine import Engine
-from runner.errors import ConfigError, TrainingDiverged, TrainingInterrupted, signal_name
+from runner.errors import TrainingDiverged, TrainingInterrupted, signal_name
 from runner.handlers import DataLoaderConfiguration, GradientAccumulationPlugin
 from runner.hardware.base import Strategy
 from runner.logging import FILE_ONLY
@@ -198,13 +199,7 @@ class Trainer:
         if resumed:
             self.engine.step = self.checkpointer.resume(Path(resumed))
             done = self.done
-            if done.step > self.total_steps:
-                raise ConfigError(
-                    f"trainer.max_steps={self.total_steps}: {resumed} was written at step {done.step}, past it, so "
-                    f"this run would train nothing and report that step's results as its own. Set "
-                    f"trainer.max_steps>={done.step} to continue it, or start a new run (another hydra.run.dir, or "
-                    "trainer.resume=null)."
-                )
+            check_not_past(resumed, done.step, self.total_steps)  # a length in epochs: known here
             self.resumed_at = done.step
             log.info(
                 "resumed from %s at step %d (epoch %d, batch %d)",

@@ -185,9 +185,11 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_training(tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert message.startswith("Configuration error: ") and expected in message, message
         assert "starting 2 ranks" not in proc.stderr and "step 30" not in proc.stderr
-    # The optimizer's kind is checked before launch too: the job's .hydra/ (written at launch) is untouched.
+    # The optimizer's kind and a length short of the checkpoint are checked before launch too: the job's
+    # .hydra/ (written at launch) is untouched.
     launched = (tmp_path / ".hydra" / "config.yaml").stat().st_mtime_ns
     assert run(tmp_path, "model.hidden_size=64", "optimizer=sgd").returncode == 2
+    assert run(tmp_path, "model.hidden_size=64", "trainer.max_steps=15").returncode == 2
     assert (tmp_path / ".hydra" / "config.yaml").stat().st_mtime_ns == launched
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == checkpoint.name  # nothing was lost
 

@@ -225,11 +225,13 @@ def check_resume(
     optimizer_class: type | None,
     verify: bool,
     settings: dict[str, Any] | None = None,
+    max_steps: int | None = None,
 ) -> Path | None:
     """Before any rank starts: the checkpoint `trainer.resume` names (see `resume_checkpoint`; `verify`
     reads its files), refused with a ConfigError when it does not fit this run (`check_checkpoint_fits`),
-    holds another optimizer's state (`optimizer_class`: the run's; None for inference), or was written
-    by a run with other data (`settings`: this run's resolved config; see `check_same_data`)."""
+    holds another optimizer's state (`optimizer_class`: the run's; None for inference), was written
+    by a run with other data (`settings`: this run's resolved config; see `check_same_data`), or past
+    `max_steps` (`check_not_past`; a length in epochs is checked once the ranks know the data)."""
     checkpoint = resume_checkpoint(resume, output_dir, verify=verify)
     if checkpoint is not None and settings is not None:
         check_same_data(checkpoint, settings)
@@ -244,7 +246,20 @@ def check_resume(
         )
         if optimizer_class is not None:
             check_optimizer_classes(checkpoint, meta, [qualified_name(optimizer_class)])
+        if max_steps is not None and meta.get("step") is not None:
+            check_not_past(checkpoint, meta["step"], max_steps)
     return checkpoint
+
+
+def check_not_past(checkpoint: Path | str, step: int, total_steps: int) -> None:
+    """ConfigError when `checkpoint`, written at `step`, is past this run's `total_steps`: the run would
+    train nothing and report that step's results as its own."""
+    if step > total_steps:
+        raise ConfigError(
+            f"trainer.max_steps={total_steps}: {checkpoint} was written at step {step}, past it, so this run "
+            f"would train nothing and report that step's results as its own. Set trainer.max_steps>={step} to "
+            "continue it, or start a new run (another hydra.run.dir, or trainer.resume=null)."
+        )
 
 
 # Data settings that change neither the samples nor their order: a resumed run may change them.
