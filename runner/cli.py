@@ -55,6 +55,7 @@ from runner.errors import (
     signal_name,
     write_failure,
 )
+from runner.help import help_text
 from runner.inference import infer
 from runner.launchers import Job, RankFailedError
 from runner.launchers.base import interrupted
@@ -282,6 +283,9 @@ def run() -> None:
         with warnings.catch_warnings():
             # Hydra only warns about a search path entry that is not there; its options then go missing.
             warnings.filterwarnings("error", message=SEARCH_PATH_MISSING, category=UserWarning)
+            if HELP_FLAGS & set(sys.argv[1:]):
+                print(help_text(sys.argv[1:], width=shutil.get_terminal_size().columns))
+                return
             main()
     except UserWarning as err:
         print(f"Configuration error: {describe_missing_search_path(str(err))}", file=sys.stderr)
@@ -314,6 +318,7 @@ def run() -> None:
         sys.exit(2)
 
 
+HELP_FLAGS = {"--help", "-h"}  # runner's own help (runner.help); --hydra-help is Hydra's
 # Hydra's options that take a value, and --info's optional one.
 VALUE_OPTIONS = (
     *("--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp"),

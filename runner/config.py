@@ -45,8 +45,12 @@ class Range:
         high = (self.le is None or value <= self.le) and (self.lt is None or value < self.lt)
         if low and high:
             return None
+        return f"{key}={value}: must be {self}."
+
+    def __str__(self) -> str:
+        """The bounds as `runner --help` and the range errors write them: ">= 0 and < 1"."""
         bounds = ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
-        return f"{key}={value}: must be {' and '.join(f'{op} {b}' for op, b in bounds if b is not None)}."
+        return " and ".join(f"{op} {bound}" for op, bound in bounds if bound is not None)
 
 
 # A numeric setting declares its range in its annotation, e.g. `batch_size: PositiveInt = 64`, checked

@@ -66,6 +66,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.cli",
             "runner.env",
             "runner.estimate_memory",
+            "runner.help",
             "runner.scaffold",
             "runner.schemas",
             "runner.sweep",
