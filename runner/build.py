@@ -65,6 +65,17 @@ def meta_training_step(
         return instantiate(cfg.task).training_step(model.train(), batch)
 
 
+def meta_eval_metrics(cfg: DictConfig, model: torch.nn.Module, data: DataSource) -> list[str]:
+    """The final eval metrics the configured task reports (`eval/<name>`): its evaluation step on the
+    first batch on the meta device (the names, no values), then its summary of those names."""
+    batch = send_to_device(first_batch(data), torch.device("meta"))
+    task = instantiate(cfg.task)
+    with value_free_attention(model), torch.no_grad():
+        names = task.evaluation_step(model.eval(), batch)
+    model.train()
+    return [f"eval/{name}" for name in task.summarize(dict.fromkeys(names, 1.0))]
+
+
 @contextmanager
 def value_free_attention(model: torch.nn.Module) -> Iterator[None]:
     """A transformers model's attention in its eager implementation while inside: the SDPA path asks

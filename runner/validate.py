@@ -17,7 +17,14 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner.build import build_data, build_on_meta, is_inference, locate, meta_training_step
+from runner.build import (
+    build_data,
+    build_on_meta,
+    is_inference,
+    locate,
+    meta_eval_metrics,
+    meta_training_step,
+)
 from runner.config import CheckpointingMode, RunConfig, declared_ranges
 from runner.data.base import DataSource
 from runner.errors import ConfigError
@@ -311,12 +318,18 @@ def validate_for_world(
             hardware.check_model,
             lambda model, _: hardware.check_compute(model),
             lambda _, world: _check_training(cfg, hardware, world, data),
+            lambda _, world: hardware.check_batches(
+                (batch_size or 1) // (world if cfg.trainer.split_batches else 1),
+                cfg.trainer.gradient_accumulation_steps,
+                world,
+            ),
         ):
             try:
                 check(model, world_size)
             except ConfigError as err:
                 problems.append(str(err))
         problems += _step_problems(cfg, model, data, world_size if cfg.trainer.split_batches else 1)
+        problems += _objective_problems(cfg, model, data)
         problems += _optimizer_problems(cfg, model)
         step_samples = (batch_size or 1) * (1 if cfg.trainer.split_batches else world_size)
         if batch_size and len(data.train_set) < step_samples:
@@ -392,6 +405,31 @@ def _step_problems(cfg: DictConfig, model: torch.nn.Module, data: DataSource, pe
             "agree."
         ]
     return []
+
+
+# The final metrics the loop reports beside the task's `eval/*`: the training loss and learning rate.
+TRAINING_METRICS = ("train/loss", "train/lr")
+
+
+def _objective_problems(cfg: DictConfig, model: torch.nn.Module, data: DataSource) -> list[str]:
+    """`trainer.objective` must name a final metric: an `eval/` one the task reports (its names from
+    its evaluation step on meta; not checked for a task that reads values), `train/loss`, `train/lr` or
+    a `perf/` one."""
+    objective = cfg.trainer.objective
+    if objective is None:
+        return []
+    try:
+        reported = meta_eval_metrics(cfg, model, data)
+    except Exception:  # a task that reads values, or one that fails: the training step reports it
+        reported = []
+    if objective in (*reported, *TRAINING_METRICS) or objective.startswith("perf/"):
+        return []
+    if objective.startswith("eval/") and not reported:
+        return []
+    return [
+        f"trainer.objective={objective}: the run reports no such metric; its final metrics are "
+        f"{', '.join([*reported, *TRAINING_METRICS])} and perf/*. Name one of them, or null to return them all."
+    ]
 
 
 def _optimizer_problems(cfg: DictConfig, model: torch.nn.Module) -> list[str]:

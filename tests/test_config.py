@@ -120,6 +120,8 @@ def test_unknown_group_option_is_refused():
         (["tracker.uri=file:///tmp/store"], "MLflow's file store (a plain path or file://) is not taken"),
         (["tracker.experiment_name=''"], "tracker.experiment_name='': an MLflow experiment needs a name"),
         (["tracker=tensorboard", "tracker.logging_dir=/proc/1/tb"], "/proc/1 cannot be written here"),
+        # a directory access() lets root write, where no file can be made
+        (["tracker=tensorboard", "tracker.logging_dir=/proc/tb"], "/proc cannot be written here"),
     ],
 )
 def test_validation_names_the_key(overrides, expected, tmp_path, monkeypatch):
@@ -645,6 +647,26 @@ def test_hydra_options_move_before_the_overrides():
             ["hardware=deepspeed", "precision=bf16", "+hardware.config.bf16.enabled=false"],
             "hardware.config.bf16.enabled=False contradicts the run's value True (from the precision group)",
         ),
+        (
+            ["hardware=deepspeed", "+hardware.config.train_micro_batch_size_per_gpu=4"],
+            "hardware.config.train_micro_batch_size_per_gpu=4 contradicts the run's value 64 (from data.batch_size",
+        ),
+        (
+            ["hardware=deepspeed", "+hardware.config.train_batch_size=64"],
+            "hardware.config.train_batch_size=64 contradicts the run's value 128 (from data.batch_size x "
+            "trainer.gradient_accumulation_steps x 2 ranks)",
+        ),
+        (
+            ["hardware=fsdp", "hardware.shard_modules=[Linear,NoSuchClass]"],
+            "hardware.shard_modules=['Linear', 'NoSuchClass']: MLP has no submodule of class NoSuchClass. Its "
+            "classes are: Dropout, GELU, Linear, Sequential.",
+        ),
+        (
+            ["trainer.objective=eval/accurcy"],
+            "trainer.objective=eval/accurcy: the run reports no such metric; its final metrics are eval/loss, "
+            "eval/mae, train/loss, train/lr and perf/*.",
+        ),
+        (["trainer.objective=train/los"], "trainer.objective=train/los: the run reports no such metric"),
     ],
 )
 def test_bad_input_is_refused_in_one_paragraph_before_launch(overrides, expected):

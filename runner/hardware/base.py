@@ -303,6 +303,10 @@ class Strategy(ABC):
         `batch_size` rows per data-parallel rank, of samples like `sample` (the training set's first;
         None where none is known)."""
 
+    def check_batches(self, batch_size: int, gradient_accumulation_steps: int, world_size: int) -> None:
+        """Before launch: ConfigError where this backend's own config contradicts the run's batches
+        (`batch_size` rows per process, accumulated over `gradient_accumulation_steps`, `world_size` ranks)."""
+
     def training_loss(
         self,
         module: torch.nn.Module,

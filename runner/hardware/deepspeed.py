@@ -172,22 +172,40 @@ class DeepSpeed(ParallelStrategy):
         export_local_rank(state.local_process_index)  # its engine asserts LOCAL_RANK, even in a group of one
         return state
 
+    def check_batches(self, batch_size: int, gradient_accumulation_steps: int, world_size: int) -> None:
+        """The user's JSON against the run's micro batch (`micro_batch_size`, else `batch_size`),
+        accumulation and global batch."""
+        micro = self.micro_batch_size or batch_size
+        _check_agreement(
+            self.user_config,
+            {
+                "train_micro_batch_size_per_gpu": micro,
+                "gradient_accumulation_steps": gradient_accumulation_steps,
+            },
+            "hardware.config",
+            "data.batch_size per process and trainer.gradient_accumulation_steps",
+        )
+        _check_agreement(
+            self.user_config,
+            {"train_batch_size": micro * gradient_accumulation_steps * world_size},
+            "hardware.config",
+            f"data.batch_size x trainer.gradient_accumulation_steps x {world_size} ranks",
+        )
+
     def deepspeed_config(
         self, micro_batch_size: int | None, gradient_accumulation_steps: int, world_size: int
     ) -> dict[str, Any]:
         """The config the engine is built with on `world_size` ranks: the user's JSON with the run's settings
         filled in (after `setup_precision`)."""
+        micro = self.micro_batch_size or micro_batch_size or 1
+        self.check_batches(micro, gradient_accumulation_steps, world_size)
         run = {
-            "train_micro_batch_size_per_gpu": self.micro_batch_size or micro_batch_size or 1,
+            "train_micro_batch_size_per_gpu": micro,
             "gradient_accumulation_steps": gradient_accumulation_steps,
             **self.precision_config,
             **self._settings_from_yaml(),
         }
         _check_agreement(self.user_config, run, "hardware.config", "the run's settings")
-        global_batch = run["train_micro_batch_size_per_gpu"] * gradient_accumulation_steps * world_size
-        _check_agreement(
-            self.user_config, {"train_batch_size": global_batch}, "hardware.config", "the run's settings"
-        )
         config = _fill(copy.deepcopy(self.user_config), run)
         config.pop("train_batch_size", None)  # DeepSpeed derives it: micro batch x accumulation x ranks
         config.setdefault("steps_per_print", 2**62)  # the runner logs progress itself

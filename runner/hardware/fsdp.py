@@ -10,7 +10,7 @@ import torch
 
 from runner.config import PositiveInt, ShardDegree, checked
 from runner.hardware.mesh import MeshStrategy, ParallelDims
-from runner.hardware.parallelize import ShardedState, apply_cp, apply_fsdp, sharding_units
+from runner.hardware.parallelize import ShardedState, apply_cp, apply_fsdp, check_units, sharding_units
 from runner.precision import MixedPrecision, Precision, ShardedMixedPrecision, refuse_fp16
 from runner.state import DistributedType
 
@@ -74,6 +74,10 @@ class FSDP(ShardedState, MeshStrategy):
             self.mp_policy = MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=torch.float32)
             return ShardedMixedPrecision(precision)
         return precision
+
+    def check_model(self, model: torch.nn.Module, world_size: int) -> None:
+        super().check_model(model, world_size)
+        check_units(model, self.shard_modules or [])
 
     def block_classes(self, module: torch.nn.Module) -> list[str]:
         return sharding_units(module, self.shard_modules)

@@ -18,6 +18,7 @@ from runner.hardware.parallelize import (
     apply_cp,
     apply_fsdp,
     apply_tp,
+    check_units,
     compute_settings,
     declared_tp_plan,
     sharding_units,
@@ -127,6 +128,7 @@ class TensorParallel(ShardedState, MeshStrategy):
 
     def check_model(self, model: torch.nn.Module, world_size: int) -> None:
         super().check_model(model, world_size)
+        check_units(model, self.shard_modules or [])
         if self.pp_size > 1 and self.dims.cp > 1:
             raise ConfigError(
                 f"hardware.pp_size={self.pp_size} with hardware.cp_size={self.dims.cp}: context parallel is not "

@@ -75,15 +75,24 @@ def apply_fsdp(
         "offload_policy": offload_policy,
     }
     units = [m for m in module.modules() if type(m).__name__ in shard_modules and m is not module]
-    if shard_modules and not units:
-        classes = sorted({type(m).__name__ for m in module.modules()})
-        raise ConfigError(
-            f"hardware.shard_modules={shard_modules}: {type(module).__name__} has no module of those "
-            f"classes. Its classes are: {', '.join(classes)}. Name one of them, or null to shard the root only."
-        )
+    if shard_modules and not units:  # a pipeline stage may hold some of the classes, not none
+        check_units(module, shard_modules)
     for unit in units:
         fully_shard(unit, **options)
     fully_shard(module, **options)  # outputs as computed: the precision's forward upcasts them
+
+
+def check_units(module: torch.nn.Module, shard_modules: list[str]) -> None:
+    """ConfigError naming each class of `shard_modules` (`hardware.shard_modules`) that no submodule of
+    `module` is an instance of (on meta before launch, as in the ranks)."""
+    classes = sorted({type(m).__name__ for m in module.modules() if m is not module})
+    missing = [name for name in shard_modules if name not in classes]
+    if missing:
+        raise ConfigError(
+            f"hardware.shard_modules={list(shard_modules)}: {type(module).__name__} has no submodule of class "
+            f"{', '.join(missing)}. Its classes are: {', '.join(classes)}. Name the blocks among them, [] to shard "
+            "the root module only, or null for the blocks the model declares (_no_split_modules)."
+        )
 
 
 def sharding_units(module: torch.nn.Module, asked: list[str] | None) -> list[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from enum import Enum
@@ -48,11 +48,14 @@ def directory_setting(path: str | None, key: str) -> str | None:
                 raise ConfigError(
                     f"{key}={path}: {part} is a file, not a directory. Give a directory (it is made if missing)."
                 )
-            if not os.access(part, os.W_OK):
+            try:  # a file made and removed: what access() cannot tell root (/proc, a read-only bind mount)
+                with tempfile.NamedTemporaryFile(dir=part):
+                    pass
+            except OSError:
                 raise ConfigError(
                     f"{key}={path}: {part} cannot be written here (read-only, or not this user's). Give a directory "
                     "this run can write (it is made if missing)."
-                )
+                ) from None
             break
     return path
 
