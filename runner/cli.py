@@ -185,6 +185,7 @@ def _checked(
             verify=verify,
             settings=settings if verify and training else None,  # type: ignore[arg-type]
             max_steps=cfg.trainer.max_steps if training else None,
+            model=built.model,
         )
     return built, world_size, checkpoint, None
 

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from runner import Accelerator, ProjectConfiguration, load_checkpoint_in_model
 from runner.checkpoint.files import damage, file_digest, latest_checkpoint, load_torch, read_meta
 from runner.checkpoint.formats import batches_handed_out, torchdata_position
-from runner.checkpoint.resume import check_checkpoint_fits, resume_checkpoint
+from runner.checkpoint.resume import check_checkpoint_fits, check_model_fits, resume_checkpoint
 from runner.errors import ConfigError
 from runner.hardware import FSDP
 from runner.models import GPT
@@ -188,6 +188,28 @@ def test_resume_argument_checks(tmp_path):
         ConfigError, match="holds 'full' model state and this run's hardware reads 'deepspeed'"
     ):
         check_checkpoint_fits(saved, 1, "deepspeed")
+
+
+@pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
+def test_a_checkpoint_of_another_model_is_refused_from_its_headers(tmp_path, checkpoint_format):
+    """Before launch, from the files' headers: the sharded (DCP) format would fail only inside the ranks."""
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    if checkpoint_format == "full":
+        save_file(model.state_dict(), tmp_path / "model_0.safetensors")
+    else:
+        dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "model_0", no_dist=True)
+    with torch.device("meta"):
+        same = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        wider = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 2))
+        other = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 8)), torch.nn.Linear(8, 2))
+    check_model_fits(tmp_path, checkpoint_format, same)
+    with pytest.raises(ConfigError, match=r"another shape: 0.weight \(8, 4\) there, \(16, 4\) here; 0.bias"):
+        check_model_fits(tmp_path, checkpoint_format, wider)
+    with pytest.raises(ConfigError, match="none of its tensor names is the model's"):
+        check_model_fits(tmp_path, checkpoint_format, torch.nn.Linear(1, 1, device="meta"))
+    check_model_fits(tmp_path, checkpoint_format, other)  # some names in common, none of another shape
 
 
 def _save_forever(project_dir: str, ready) -> None:

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from runner.checkpoint.files import META, load_torch, save_torch
-from runner.weights import load_weights
+from runner.weights import checkpoint_tensors, load_weights
 
 
 def write_full(
@@ -196,6 +196,28 @@ def load_sharded(directory: Path, models: list[torch.nn.Module], optimizers: lis
         state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
         dcp.load(state, checkpoint_id=path)
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+
+
+def model_shapes(
+    directory: Path, checkpoint_format: str, index: int = 0
+) -> dict[str, tuple[int, ...]] | None:
+    """The shape of each tensor of the `index`-th model in a checkpoint, from its headers (nothing loaded);
+    None where there is no such file to read (an Accelerate-written checkpoint, DeepSpeed's partitions)."""
+    if checkpoint_format == "full" and (directory / runner_file("model", index)).is_file():
+        return {
+            name: tuple(t.shape)
+            for name, t in checkpoint_tensors(directory / runner_file("model", index)).items()
+        }
+    if checkpoint_format == "sharded" and (directory / f"model_{index}").is_dir():
+        import torch.distributed.checkpoint as dcp
+
+        written = dcp.FileSystemReader(directory / f"model_{index}").read_metadata().state_dict_metadata
+        return {
+            name.removeprefix("model."): tuple(entry.size)
+            for name, entry in written.items()
+            if hasattr(entry, "size")  # tensors, not the bytes of other objects
+        }
+    return None
 
 
 def _by_parameter_name() -> Any:

@@ -33,6 +33,7 @@ from runner.checkpoint.files import (
     numbered_checkpoints,
     read_meta,
 )
+from runner.checkpoint.formats import model_shapes
 from runner.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,32 @@ def check_checkpoint_fits(
     return meta
 
 
+def check_model_fits(checkpoint: Path, checkpoint_format: str, model: torch.nn.Module) -> None:
+    """ConfigError when the model state in `checkpoint` is another model's than `model` (the run's, on
+    meta): a tensor of another shape under one of its names, or none of its names. Read from the files'
+    headers, before any rank starts; the ranks' load would fail on it."""
+    stored = model_shapes(checkpoint, checkpoint_format)
+    if not stored:
+        return
+    own = {name: tuple(tensor.shape) for name, tensor in model.state_dict(keep_vars=True).items()}
+    wrong = [
+        f"{name} {stored[name]} there, {shape} here"
+        for name, shape in own.items()
+        if stored.get(name, shape) != shape
+    ]
+    if not wrong and own.keys() & stored.keys():
+        return
+    found = (
+        f"another shape: {'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}"
+        if wrong
+        else f"none of its tensor names is the model's (it has {', '.join(sorted(stored)[:3])}, ...)"
+    )
+    raise ConfigError(
+        f"trainer.resume: {checkpoint} holds the state of another model than this run's {type(model).__name__} "
+        f"({found}). Resume with the model settings it was written with, or start fresh (trainer.resume=null)."
+    )
+
+
 def check_optimizer_classes(checkpoint: Path, meta: dict[str, Any], classes: list[str]) -> None:
     """Refuse a checkpoint whose optimizer state another kind of optimizer wrote (`classes`: this run's,
     as "module.QualName"); checkpoints of earlier versions do not record theirs."""
@@ -226,12 +253,14 @@ def check_resume(
     verify: bool,
     settings: dict[str, Any] | None = None,
     max_steps: int | None = None,
+    model: torch.nn.Module | None = None,
 ) -> Path | None:
     """Before any rank starts: the checkpoint `trainer.resume` names (see `resume_checkpoint`; `verify`
     reads its files), refused with a ConfigError when it does not fit this run (`check_checkpoint_fits`),
     holds another optimizer's state (`optimizer_class`: the run's; None for inference), was written
-    by a run with other data (`settings`: this run's resolved config; see `check_same_data`), or past
-    `max_steps` (`check_not_past`; a length in epochs is checked once the ranks know the data)."""
+    by a run with other data (`settings`: this run's resolved config; see `check_same_data`), holds
+    another model's state than `model` (the run's on meta; `check_model_fits`), or is past `max_steps`
+    (`check_not_past`; a length in epochs is checked once the ranks know the data)."""
     checkpoint = resume_checkpoint(resume, output_dir, verify=verify)
     if checkpoint is not None and settings is not None:
         check_same_data(checkpoint, settings)
@@ -244,6 +273,8 @@ def check_resume(
             readers=readers,
             split_batches=split_batches,
         )
+        if model is not None:
+            check_model_fits(checkpoint, checkpoint_format, model)
         if optimizer_class is not None:
             check_optimizer_classes(checkpoint, meta, [qualified_name(optimizer_class)])
         if max_steps is not None and meta.get("step") is not None:
