@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -49,6 +50,7 @@ from runner.errors import (
     TrainingInterrupted,
     TrainingStopped,
     describe_compose_error,
+    describe_exception,
     describe_missing_search_path,
     describe_yaml_error,
     raise_terminated,
@@ -108,6 +110,8 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
         sys.exit(2)
     except RankFailedError as err:
         log.error("Training failed: %s", err)
+        if err.details:
+            log.info("%s", err.details, extra=FILE_ONLY)
         _failed(hydra_cfg, output_dir, f"Training failed: {err}")
     except TrainingInterrupted as err:
         log.warning("Training interrupted: %s", err)
@@ -125,6 +129,10 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
             reason,
         )
         sys.exit(1)
+    except Exception as err:  # the one rank this process ran raised: the user's frames; the rest in the log
+        log.error("Training failed: %s", describe_exception(err))
+        log.info("%s", "".join(traceback.format_exception(err)), extra=FILE_ONLY)
+        _failed(hydra_cfg, output_dir, f"Training failed: {type(err).__name__}: {err}")
     except KeyboardInterrupt as err:
         # A Ctrl-C or SIGTERM before the loop started, or a second Ctrl-C: no checkpoint now.
         signum = getattr(err, "signum", signal.SIGINT)

@@ -9,6 +9,9 @@ import errno
 import os
 import re
 import signal
+import sysconfig
+import traceback
+from pathlib import Path
 
 import yaml
 from hydra.errors import MissingConfigException
@@ -209,4 +212,35 @@ def describe_yaml_error(err: yaml.YAMLError) -> str:
     return (
         f"{where}: not valid YAML ({problem}{'; ' + context if context else ''}). Fix the syntax there (a bracket or "
         "quote left open, a tab for indentation, a missing space after a colon)."
+    )
+
+
+# Where runner's and the libraries' code lives: a traceback's frames outside these are the user's.
+LIBRARY_DIRS = tuple(
+    {
+        str(Path(__file__).resolve().parent) + os.sep,  # runner's package
+        *(str(Path(p).resolve()) + os.sep for p in sysconfig.get_paths().values()),  # stdlib, site-packages
+    }
+)
+
+
+def is_library_file(filename: str) -> bool:
+    """Whether a traceback's `filename` is runner's, Python's or an installed library's code."""
+    return filename.startswith("<") or str(Path(filename).resolve()).startswith(LIBRARY_DIRS)
+
+
+def describe_exception(err: BaseException) -> str:
+    """What a user is told of an exception raised while training: where it passed through the user's own
+    code (a model, a task, a data source), from the first frame of it down to where it was raised, with its
+    notes (the step); runner's and the libraries' frames above it left out. An exception that passed
+    through no user code (runner's own, or a library's) keeps its whole traceback."""
+    frames = traceback.extract_tb(err.__traceback__)
+    first = next((i for i, frame in enumerate(frames) if not is_library_file(frame.filename)), None)
+    if first is None:
+        return "".join(traceback.format_exception(err)).rstrip()
+    kept = traceback.StackSummary.from_list(frames[first:])
+    notes = "".join(f"\n{note}" for note in getattr(err, "__notes__", []))
+    return (
+        f"{type(err).__qualname__}: {err}{notes}\nRaised in your code:\n{''.join(kept.format()).rstrip()}\n"
+        "(runner's and the libraries' frames above it are in the run's log)"
     )

@@ -218,7 +218,13 @@ class Trainer:
             while done.step < self.total_steps:
                 self.train_loader.set_epoch(done.epoch)
                 for batch in self.batches_left_in_epoch():
-                    self.train_step(batch)
+                    try:
+                        self.train_step(batch)
+                    except Exception as err:  # which step, for the user's report of it (describe_exception)
+                        err.add_note(
+                            f"(at optimizer step {done.step + 1} of {self.total_steps}, epoch {done.epoch})"
+                        )
+                        raise
                     if not engine.sync_gradients:
                         continue  # a micro-batch of an accumulation
                     done.step += 1

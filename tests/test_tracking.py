@@ -246,6 +246,10 @@ def test_a_run_stopped_by_a_signal_ends_killed_and_its_resumption_finished(tmp_p
 def test_a_run_that_raises_ends_failed(run_cli):
     proc = run_cli(*TRAIN, "task._target_=faulty_tasks.RaiseAtThirdStep", pythonpath=Path(__file__).parent)
     assert proc.returncode == 1 and "injected failure at step 3" in proc.stderr
+    # one process: the same report as a rank's, the user's frames only; the whole traceback in the log
+    assert "Training failed: RuntimeError: injected failure at step 3\n(at optimizer step 3 of" in proc.stderr
+    assert 'faulty_tasks.py", line' in proc.stderr and "Traceback" not in proc.stderr
+    assert "runner/train.py" in (proc.run_dir / "runner.log").read_text()
     client = MlflowClient(cli_env()["MLFLOW_TRACKING_URI"])
     assert client.get_run(run_id_of(proc.run_dir)).info.status == "FAILED"
 

@@ -18,7 +18,14 @@ from omegaconf import DictConfig
 from runner.checkpoint.files import LATEST, CheckpointDiscarded, atomic_write_text, latest_checkpoint
 from runner.checkpoint.resume import FINISHED, finite_metrics, resume_override
 from runner.cluster import launched_environment
-from runner.errors import ConfigError, RendezvousError, TrainingInterrupted, TrainingStopped, write_failure
+from runner.errors import (
+    ConfigError,
+    RendezvousError,
+    TrainingInterrupted,
+    TrainingStopped,
+    describe_exception,
+    write_failure,
+)
 from runner.hardware.base import Strategy
 from runner.logging import configure_rank_logging
 
@@ -51,7 +58,12 @@ class Job:
 
 
 class RankFailedError(RuntimeError):
-    """A rank of the job raised or was killed; the other ranks were stopped."""
+    """A rank of the job raised or was killed; the other ranks were stopped. `details` (the whole
+    traceback) go to the run's log file, not to the console."""
+
+    def __init__(self, message: str, details: str | None = None) -> None:
+        super().__init__(message)
+        self.details = details
 
 
 class Launcher(ABC):
@@ -141,6 +153,7 @@ def report_failure(error_dir: Path, rank: int, err: BaseException) -> None:
         "message": str(err),
         "signum": getattr(err, "signum", None),  # TrainingInterrupted's: the signal that stopped the rank
         "traceback": traceback.format_exc(),
+        "summary": describe_exception(err),
     }
     error_dir.mkdir(parents=True, exist_ok=True)
     (error_dir / f"rank{rank}.json").write_text(json.dumps(report))
@@ -165,6 +178,8 @@ def reported_failure(error_dir: Path, causes_only: bool = False) -> Exception | 
         return error
     others = sorted(set(reports) - {rank})
     also = f" (rank {', '.join(map(str, others))} failed too)" if others else ""
+    report = reports[rank]
     return RankFailedError(
-        f"rank {rank} raised; the other ranks were stopped{also}. Its traceback:\n{reports[rank]['traceback']}"
+        f"rank {rank} raised; the other ranks were stopped{also}.\n{report.get('summary') or report['traceback']}",
+        details=report["traceback"],
     )
