@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 
 import yaml
-from hydra.errors import MissingConfigException
+from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -59,8 +59,12 @@ REPLACED_OPTIONS = {
 
 
 def describe_compose_error(err: Exception) -> str:
-    """One paragraph for an error Hydra raised while composing the config."""
-    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
+    """One paragraph for an error Hydra raised while composing the config (naming the YAML file for one
+    found in a file: "In 'experiment/mine': ...")."""
+    cause = _omegaconf_cause(err) or err
+    in_file = re.match(r"In '([^']+)': ", str(err))
+    if in_file and cause is not err:
+        return f"{in_file.group(1)}.yaml: {_describe_omegaconf_error(cause)}"
     missing_dir = re.fullmatch(r"Additional config directory '(.*)' not found", str(err))
     if missing_dir:
         return (
@@ -68,6 +72,8 @@ def describe_compose_error(err: Exception) -> str:
             "(model/, data/, experiment/, ...), relative to the directory you run in, e.g. `runner --config-dir "
             "./conf experiment=mine`; `runner init <dir>` writes a starter project with one."
         )
+    if isinstance(err, OverrideParseException):
+        return _unparsed_override(err)
     if isinstance(err, MissingConfigException) and err.options is not None:
         group, _, option = (err.missing_cfg_file or "").rpartition("/")
         if f"{group}={option}" in REPLACED_OPTIONS:
@@ -81,6 +87,36 @@ def describe_compose_error(err: Exception) -> str:
             f"{group}={option}: there is no option {option!r} in the config group {group!r}. "
             f"Available: {', '.join(sorted(err.options))}. Pick one of those, or add {group}/{option}.yaml to your config dir (`runner --config-dir ./conf ...`)."
         )
+    return _describe_omegaconf_error(cause)
+
+
+def _unparsed_override(err: OverrideParseException) -> str:
+    """An override Hydra's grammar cannot read: a value with non-ASCII letters, `=`, spaces or quotes
+    needs quotes of its own, inside the shell's."""
+    reason = " ".join(err.message.split()).split(" See https://")[0]
+    key, sep, value = err.override.partition("=")
+    if not sep or value[:1] in ("'", '"'):
+        return f"{err.override}: Hydra cannot read this override ({reason}). See {OVERRIDE_GRAMMAR}."
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    return (
+        f"{err.override}: Hydra cannot read this value unquoted ({reason}): a value holding letters beyond "
+        f"ASCII, `=`, spaces or quotes must be quoted for Hydra, inside the shell's quotes: "
+        f"'{key}=\"{escaped}\"'. See {OVERRIDE_GRAMMAR}."
+    )
+
+
+OVERRIDE_GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
+
+
+def _omegaconf_cause(err: BaseException) -> OmegaConfBaseException | None:
+    """The OmegaConf error that `err` was raised from or while handling (Hydra wraps them), if any."""
+    seen = err.__cause__ or err.__context__
+    while seen is not None and not isinstance(seen, OmegaConfBaseException):
+        seen = seen.__cause__ or seen.__context__
+    return seen
+
+
+def _describe_omegaconf_error(cause: BaseException) -> str:
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
         return _unknown_key(cause)
     if isinstance(cause, ValidationError) and cause.full_key:
@@ -88,7 +124,7 @@ def describe_compose_error(err: Exception) -> str:
         return (
             f"{cause.full_key}: {expected}. Give a value of the type the schema declares in runner/config.py."
         )
-    return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    return " ".join(line.strip() for line in str(cause).splitlines() if line.strip())
 
 
 SEARCH_PATH_MISSING = r"provider=.*, path=.* is not available\."  # what Hydra warns

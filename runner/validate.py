@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runner.build import (
     build_data,
@@ -80,7 +81,7 @@ def validate(cfg: DictConfig) -> Built:
 def _validate(cfg: DictConfig) -> tuple[dict[str, Any], list[str]]:
     """What could be built (hardware, launcher, data source) and every problem found: the settings
     checked, then each node built whose settings no problem names."""
-    problems = _missing_values(cfg)
+    problems = _shape_problems(cfg) or _missing_values(cfg)
     if problems:  # interpolations and builds would fail on them
         return {}, problems
     problems = [
@@ -98,6 +99,22 @@ def named_nodes(problems: list[str]) -> set[str]:
     """The nodes the problems are about (each message starts with the key it names: `data.path=...`,
     `model._target_=...`, `optimizer: ...`)."""
     return {node for node in TARGET_NODES for p in problems if re.match(rf"{node}[.=:\[ ]", p)}
+
+
+def _shape_problems(cfg: DictConfig) -> list[str]:
+    """A `_target_` node whose YAML is not a mapping (a list, a scalar at its top level)."""
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    problems = []
+    for node in TARGET_NODES:
+        value = cfg._get_node(node)
+        if not isinstance(value, DictConfig):
+            kind = "a list" if isinstance(value, ListConfig) else f"the value {value._value()!r}"
+            source = f"the YAML of {node}={choices[node]}" if node in choices else f"the YAML of {node}"
+            problems.append(
+                f"{node}: {source} holds {kind} at its top level, not a mapping. A config option holds `key: value` "
+                f"lines: `_target_: <module.Class>` and its settings."
+            )
+    return problems
 
 
 def _missing_values(cfg: DictConfig) -> list[str]:

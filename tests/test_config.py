@@ -753,3 +753,38 @@ def test_every_runner_path_in_conf_resolves():
     assert len(paths) > 30
     for where, path in sorted(paths):
         assert locate(path) is not None, f"conf/{where}: {path}"
+
+
+def test_a_typo_in_your_experiment_yaml_names_the_file_and_the_key(tmp_path):
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\ntrainer:\n  max_step: 5\n")
+    with pytest.raises(HydraException) as info:
+        compose("config", overrides=[f"hydra.searchpath=[file://{tmp_path}]", "experiment=mine"])
+    assert describe_compose_error(info.value).startswith(
+        "experiment/mine.yaml: trainer.max_step: there is no key 'max_step' in 'trainer'. Did you mean "
+        "trainer.max_steps?"
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "quoted"),
+    [
+        ("data.path=dönnées/p.csv", """'data.path="dönnées/p.csv"'"""),
+        ("data.path=data/a=b.csv", """'data.path="data/a=b.csv"'"""),
+    ],
+)
+def test_an_override_hydra_cannot_read_says_how_to_quote_it(override, quoted):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    with pytest.raises(HydraException) as info:
+        OverridesParser.create().parse_overrides([override])
+    message = describe_compose_error(info.value)
+    assert message.startswith(f"{override}: Hydra cannot read this value unquoted") and quoted in message
+
+
+def test_a_yaml_whose_top_level_is_a_list_is_named(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "listy.yaml").write_text("- 1\n- 2\n")
+    cfg = compose("config", overrides=[f"hydra.searchpath=[file://{tmp_path}]", "model=listy", "tracker=none"])
+    with pytest.raises(ConfigError, match="model: the YAML of model holds a list at its top level, not a mapping"):
+        validate(cfg)
