@@ -162,7 +162,8 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_training(tmp_path):
     (tmp_path / "metrics.json").unlink()
     checkpoint = tmp_path / "checkpoints" / "checkpoint_1"
     cases = {
-        ("model.hidden_size=128",): "does not fit this run",
+        ("model.hidden_size=128",): "holds the state of another model than this run's MLP (another shape: "
+        "net.0.weight (64, 16) there, (128, 16) here;",
         ("hardware=multi_gpu", "hardware.num_processes=2"): "was written by 1 process(es) and this run has 2",
         (
             "hardware=deepspeed",
@@ -185,9 +186,10 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_training(tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert message.startswith("Configuration error: ") and expected in message, message
         assert "starting 2 ranks" not in proc.stderr and "step 30" not in proc.stderr
-    # The optimizer's kind and a length short of the checkpoint are checked before launch too: the job's
-    # .hydra/ (written at launch) is untouched.
+    # The model's shapes, the optimizer's kind and a length short of the checkpoint are checked before
+    # launch too: the job's .hydra/ (written at launch) is untouched.
     launched = (tmp_path / ".hydra" / "config.yaml").stat().st_mtime_ns
+    assert run(tmp_path, "model.hidden_size=128").returncode == 2
     assert run(tmp_path, "model.hidden_size=64", "optimizer=sgd").returncode == 2
     assert run(tmp_path, "model.hidden_size=64", "trainer.max_steps=15").returncode == 2
     assert (tmp_path / ".hydra" / "config.yaml").stat().st_mtime_ns == launched
