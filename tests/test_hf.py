@@ -233,6 +233,15 @@ def test_transformers_batches_and_outputs_reach_the_tasks():
             "model.config.model_type='lama': not a transformers model type; did you mean",
         ),
         ({"config": None}, "model.config.model_type"),
+        (
+            {"config": LLAMA | {"num_key_value_heads": 3}},
+            "model.config.num_key_value_heads=3 must divide model.config.num_attention_heads=4",
+        ),
+        ({"config": LLAMA | {"hidden_size": -1}}, "model.config.hidden_size=-1: must be >= 1."),
+        (
+            {"config": LLAMA | {"hidden_size": 66}},
+            "model.config: transformers refuses this llama config (Class validation error",
+        ),
         ({"pretrained": "no/such/dir"}, "not a model directory (no config.json"),
     ],
 )
@@ -273,15 +282,14 @@ def test_a_transformers_step_runs_on_meta_so_layout_mistakes_are_found_before_la
     mask, labels = torch.ones_like(ids), torch.zeros(2, dtype=torch.long, device="meta")
     with torch.device("meta"):
         model = sequence_classification(vocab_size=50, num_labels=2, config=LLAMA | {"pad_token_id": 0})
-        wrong = causal_lm(vocab_size=50, config=LLAMA | {"num_key_value_heads": 3})  # 4 heads
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     with pytest.raises(RuntimeError, match="meta"):
         Classification().training_step(model, batch)
     with value_free_attention(model):
         assert Classification().training_step(model, batch).shape == ()
     assert model.config._attn_implementation == "sdpa"  # restored
-    with value_free_attention(wrong), pytest.raises(RuntimeError, match="must match the size"):
-        LanguageModeling().training_step(wrong, {"input_ids": ids, "attention_mask": mask})
+    with value_free_attention(model), pytest.raises(ValueError, match="to match target batch_size"):  # a mistake
+        Classification().training_step(model, batch | {"input_ids": ids[:1]})
 
 
 def test_a_sequence_longer_than_the_models_learned_positions_is_refused_by_its_shape():

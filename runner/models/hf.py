@@ -84,6 +84,7 @@ def _build(
         stored = AutoConfig.from_pretrained(directory, local_files_only=True)
         _check_vocab(stored, overrides)
         _check_settings(stored, overrides, "model")
+        _check_architecture(stored.to_dict() | overrides, {key: f"model.{key}" for key in overrides})
         stored.update(overrides)
         if load_weights:
             check_weight_files(directory, f"model.pretrained={pretrained!r}")
@@ -109,7 +110,51 @@ def _build(
         ) from None
     _check_settings(default, settings, "model.config")
     _check_settings(default, overrides, "model")
-    return limit_positions(auto_class.from_config(AutoConfig.for_model(model_type, **(settings | overrides))))
+    keys = {key: f"model.config.{key}" for key in settings} | {key: f"model.{key}" for key in overrides}
+    _check_architecture(default.to_dict() | settings | overrides, keys)
+    try:
+        built = AutoConfig.for_model(model_type, **(settings | overrides))
+    except Exception as err:  # transformers' own validation (huggingface_hub's StrictDataclass errors, ValueError)
+        reason = " ".join(str(err).split()) or type(err).__name__
+        given = ", ".join(f"{keys[key]}={value}" for key, value in (settings | overrides).items())
+        raise ConfigError(
+            f"model.config: transformers refuses this {model_type} config ({reason}). Fix the settings ({given})."
+        ) from None
+    return limit_positions(auto_class.from_config(built))
+
+
+# The sizes of a transformers architecture, each a count of at least one.
+SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "vocab_size",
+)
+
+
+def _check_architecture(values: Mapping[str, Any], keys: Mapping[str, str]) -> None:
+    """ConfigError naming the key (`keys`: where each that was set was set) of a size set below one, or
+    key/value heads set to a number that does not divide the attention heads: what transformers would
+    refuse without naming the key, or only a forward would fail on."""
+
+    def named(key: str) -> str:
+        return f"{keys[key]}={values[key]}" if key in keys else f"{key}={values[key]} (transformers' default)"
+
+    for key in SIZES:
+        if key in keys and isinstance(values.get(key), int) and values[key] < 1:
+            raise ConfigError(f"{named(key)}: must be >= 1.")
+    # a default of the key/value heads follows the heads (None, or derived when the config was made)
+    heads, kv_heads = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    given = "num_key_value_heads" in keys
+    if given and isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
+        raise ConfigError(
+            f"{named('num_key_value_heads')} must divide {named('num_attention_heads')}: each key/value head "
+            "serves a group of query heads (grouped-query attention). Use a divisor, e.g. "
+            f"{max(d for d in range(1, kv_heads + 1) if heads % d == 0)}."
+        )
 
 
 def limit_positions(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
