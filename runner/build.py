@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,7 +33,7 @@ def build_data(cfg: DictConfig) -> DataSource:
 def build_model(cfg: DictConfig, data: DataSource) -> torch.nn.Module:
     """The configured model, with the sizes the (set up) data determines (see `model_dims`); built on the
     current default device (`with torch.device("meta")`, `init_empty_weights()` ...)."""
-    return instantiate(cfg.model, **model_dims(cfg.model, data.dims))
+    return instantiate(cfg.model, **model_dims(cfg.model, data.dims, data.withheld))
 
 
 def build_on_meta(cfg: DictConfig, data: DataSource | None = None) -> torch.nn.Module:
@@ -112,9 +112,12 @@ def is_inference(task_target: str) -> bool:
     return isinstance(task, type) and issubclass(task, InferenceTask)
 
 
-def model_dims(model_cfg: DictConfig, dims: dict[str, int]) -> dict[str, int]:
+def model_dims(
+    model_cfg: DictConfig, dims: dict[str, int], withheld: Mapping[str, str] | None = None
+) -> dict[str, int]:
     """The model arguments the data determines: fill those left null or not given (where the model takes
-    them), refuse those that contradict it."""
+    them), refuse those that contradict it, and those left null that the data does not provide (saying
+    why, where its settings withhold one: `DataSource.withheld`)."""
     parameters = inspect.signature(locate(model_cfg._target_)).parameters
     filled = {}
     for key, value in dims.items():
@@ -134,6 +137,9 @@ def model_dims(model_cfg: DictConfig, dims: dict[str, int]) -> dict[str, int]:
         for p in parameters.values()
         if p.default is p.empty and model_cfg.get(p.name, 0) is None and p.name not in filled
     ]
+    reasons = withheld or {}
+    if unset and unset[0] in reasons:
+        raise ConfigError(f"model.{unset[0]} is null and the data does not provide it: {reasons[unset[0]]}.")
     if unset:
         raise ConfigError(
             f"model.{unset[0]} is null and the data does not provide it (it provides {sorted(dims) or 'nothing'}). "

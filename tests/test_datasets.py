@@ -16,10 +16,12 @@ import datasets
 import pytest
 import torch
 from conftest import run_to_end
+from omegaconf import OmegaConf
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from runner.build import model_dims
 from runner.data.hf import HFDataset
 from runner.data.image_folder import ImageFolder
 from runner.errors import ConfigError
@@ -187,8 +189,16 @@ def test_image_folder_samples_follow_the_transforms(files):
     assert (
         sample["inputs"].shape == (1, 8, 8) and 0.0 <= sample["inputs"].min() <= sample["inputs"].max() <= 1.0
     )
-    assert data.dims == {"in_features": 64, "in_channels": 1, "out_features": 3, "num_classes": 3}
+    # image tensors have no `in_features`: an MLP on them is told about data.flatten
+    assert data.dims == {"in_channels": 1, "out_features": 3, "num_classes": 3}
     assert len(data.train_set) + len(data.eval_set) == 60
+    mlp = OmegaConf.create({"_target_": "runner.models.MLP", "in_features": None, "out_features": None})
+    with pytest.raises(ConfigError, match=re.escape("data.flatten=false gives 1 x 8 x 8 image tensors")):
+        model_dims(mlp, data.dims, data.withheld)
+    flat = ImageFolder(str(files / "images"), image_size=8, grayscale=True)
+    flat.setup()
+    assert flat.eval_set[0]["inputs"].shape == (64,) and flat.dims["in_features"] == 64
+    assert model_dims(mlp, flat.dims, flat.withheld) == {"in_features": 64, "out_features": 3}
 
 
 def test_broken_datasets_are_refused_naming_the_key(files, tmp_path):
@@ -236,6 +246,7 @@ def test_broken_datasets_are_refused_naming_the_key(files, tmp_path):
     rows = {
         "null": [{"text": "a b", "label": None if i == 3 else i % 2} for i in range(20)],
         "fractions": [{"text": "a b", "label": i * 0.37} for i in range(20)],
+        "null_text": [{"text": None if i == 4 else "a b", "label": i % 2} for i in range(20)],
     }
     for name, content in rows.items():
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in content))
@@ -267,6 +278,10 @@ def test_broken_datasets_are_refused_naming_the_key(files, tmp_path):
             "holds numbers with fractions (0.37, 0.74, 1.11, ...: 20 distinct values in 20 rows)",
         ),
         (lambda: HFDataset(str(tmp_path / "empty.jsonl"), tokenizer).setup(), "the file is empty"),
+        (
+            lambda: HFDataset(str(tmp_path / "null_text.jsonl"), tokenizer).setup(),
+            f"data.text_column='text': row 5 of {tmp_path / 'null_text.jsonl'} holds None, not a text",
+        ),
         (
             lambda: HFDataset(str(files / "lines.parquet"), str(tmp_path / "bad_tokenizer")).setup(),
             "data.tokenizer=" + repr(str(tmp_path / "bad_tokenizer")) + ": the tokenizer cannot be loaded",

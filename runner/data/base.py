@@ -68,6 +68,9 @@ class DataSource(ABC):
         self.num_workers = num_workers
         self.drop_last = drop_last
         self.dims: dict[str, int] = {}
+        # dims this source's settings withhold, and why (an image source that does not flatten has no
+        # `in_features`): what a model that needs one is told
+        self.withheld: dict[str, str] = {}
 
     @abstractmethod
     def load(self) -> tuple[Dataset, Dataset, dict[str, int]]:

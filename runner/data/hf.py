@@ -222,6 +222,14 @@ class HFDataset(DataSource):
                 )
         if len(rows) == 0:
             raise ConfigError(f"data.path={str(self.path)!r}: the dataset holds no rows.")
+        texts = rows[self.text_column]
+        missing = next((i for i, text in enumerate(texts) if not isinstance(text, str)), None)
+        if missing is not None:
+            raise ConfigError(
+                f"data.text_column={self.text_column!r}: row {missing + 1} of {self.path} holds "
+                f"{texts[missing]!r}, not a text (a null or missing value, or another type). Give every row a text, "
+                "or drop the rows without one."
+            )
         return rows
 
     def _blocks(self, tokenizer: Any, rows: datasets.Dataset, _: Any) -> tuple[TensorDictDataset, dict]:

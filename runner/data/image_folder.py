@@ -148,16 +148,16 @@ class ImageFolder(DataSource):
             train_samples, eval_samples = samples, self._samples(self.eval_root, classes)
         train, eval_ = self._images(train_samples, self.random_flip), self._images(eval_samples, flip=False)
         channels = len(self.mode)
-        return (
-            train,
-            eval_,
-            {
-                "in_features": channels * self.image_size**2,
-                "in_channels": channels,
-                "out_features": len(classes),
-                "num_classes": len(classes),
-            },
-        )
+        dims = {"in_channels": channels, "out_features": len(classes), "num_classes": len(classes)}
+        if self.flatten:
+            dims["in_features"] = channels * self.image_size**2
+        else:
+            self.withheld["in_features"] = (
+                f"data.flatten=false gives {channels} x {self.image_size} x {self.image_size} image tensors (for a "
+                "model that takes images, a CNN), not vectors of features. Set data.flatten=true for a model that "
+                "takes vectors (model=mlp)"
+            )
+        return train, eval_, dims
 
     def _images(self, samples: list[tuple[Path, int]], flip: bool) -> ImageFiles:
         return ImageFiles(
