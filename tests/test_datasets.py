@@ -201,7 +201,7 @@ def test_image_folder_samples_follow_the_transforms(files):
     assert model_dims(mlp, flat.dims, flat.withheld) == {"in_features": 64, "out_features": 3}
 
 
-def test_broken_datasets_are_refused_naming_the_key(files, tmp_path):
+def test_broken_datasets_are_refused_naming_the_key(files, tmp_path, monkeypatch):
     tokenizer = str(files / "tokenizer")
     cases = [
         (lambda: HFDataset(str(tmp_path / "none.parquet"), tokenizer), "data.path="),
@@ -233,6 +233,16 @@ def test_broken_datasets_are_refused_naming_the_key(files, tmp_path):
     image = truncated / "class_1" / "3.png"
     image.write_bytes(image.read_bytes()[: len(image.read_bytes()) // 2])
     cases.append((lambda: ImageFolder(str(truncated)).setup(), "3.png: not a readable image"))
+    # An image past Pillow's pixel limit (a decompression bomb): here the limit is lowered below the images.
+    bombs = tmp_path / "bombs"
+    shutil.copytree(files / "images", bombs)
+
+    def bomb() -> None:
+        with monkeypatch.context() as patched:
+            patched.setattr(Image, "MAX_IMAGE_PIXELS", 10)
+            ImageFolder(str(bombs)).setup()
+
+    cases.append((bomb, f"{bombs / 'class_0' / '0.png'}: too large to decode"))
     # An eval folder with a class that the training folder lacks (its images would be left out).
     shutil.copytree(files / "images", tmp_path / "eval_images")
     shutil.copytree(files / "images" / "class_0", tmp_path / "eval_images" / "class_9")

@@ -204,6 +204,11 @@ def decode_once(files: Iterable[Path]) -> None:
                 image.load()
         except (UnidentifiedImageError, OSError, SyntaxError) as err:  # SyntaxError: PIL's broken chunk
             raise ConfigError(f"{file}: not a readable image ({err}). Remove or replace it.") from None
+        except Image.DecompressionBombError as err:
+            raise ConfigError(
+                f"{file}: too large to decode ({err}). Shrink or remove it; if you trust the file, raise Pillow's "
+                "limit (PIL.Image.MAX_IMAGE_PIXELS) in your own code."
+            ) from None
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
