@@ -304,6 +304,12 @@ def check_job(cfg: DictConfig) -> tuple[Built, int]:
         except ConfigError as err:
             problems.append(str(err))
             details += [err.details] if err.details else []
+    else:  # the hardware or the launcher is refused: the checks that need neither, as for one rank
+        try:
+            validate_for_world(cfg, 1, None, named_nodes(problems))
+        except ConfigError as err:
+            problems.append(str(err))
+            details += [err.details] if err.details else []
     if problems:
         raise ConfigError("\n\n".join(problems), details="\n".join(details) or None)
     data, model = checked
@@ -312,10 +318,11 @@ def check_job(cfg: DictConfig) -> tuple[Built, int]:
 
 
 def validate_for_world(
-    cfg: DictConfig, world_size: int, hardware: Strategy, skip: set[str] = frozenset()
+    cfg: DictConfig, world_size: int, hardware: Strategy | None, skip: set[str] = frozenset()
 ) -> tuple[DataSource | None, torch.nn.Module | None]:
     """The checks that need the number of ranks the launcher will start (ConfigError listing all): the
-    data read, the model built on meta, one training step on meta, the optimizer and schedule built; not
+    data read, the model built on meta, one training step on meta, the optimizer and schedule built, and
+    the `hardware`'s own checks of them (None: a hardware group that was refused; those are left out); not
     when a node they build is in `skip` (its settings are known to be wrong). The data and the meta model
     they built (None where none was: an inference task, or settings known to be wrong)."""
     problems = []
@@ -331,16 +338,21 @@ def validate_for_world(
     if not skip & set(UNTYPED_NODES) and not is_inference(cfg.task._target_):
         data = _run_user_code("data", cfg.data, "to read its data", lambda: build_data(cfg))
         model = _run_user_code("model", cfg.model, "to build the model", lambda: build_on_meta(cfg, data))
-        for check in (
-            hardware.check_model,
-            lambda model, _: hardware.check_compute(model),
-            lambda _, world: _check_training(cfg, hardware, world, data),
-            lambda _, world: hardware.check_batches(
-                (batch_size or 1) // (world if cfg.trainer.split_batches else 1),
-                cfg.trainer.gradient_accumulation_steps,
-                world,
-            ),
-        ):
+        hardware_checks = (
+            ()
+            if hardware is None
+            else (
+                hardware.check_model,
+                lambda model, _: hardware.check_compute(model),
+                lambda _, world: _check_training(cfg, hardware, world, data),
+                lambda _, world: hardware.check_batches(
+                    (batch_size or 1) // (world if cfg.trainer.split_batches else 1),
+                    cfg.trainer.gradient_accumulation_steps,
+                    world,
+                ),
+            )
+        )
+        for check in hardware_checks:
             try:
                 check(model, world_size)
             except ConfigError as err:

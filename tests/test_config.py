@@ -788,3 +788,16 @@ def test_a_yaml_whose_top_level_is_a_list_is_named(tmp_path):
     cfg = compose("config", overrides=[f"hydra.searchpath=[file://{tmp_path}]", "model=listy", "tracker=none"])
     with pytest.raises(ConfigError, match="model: the YAML of model holds a list at its top level, not a mapping"):
         validate(cfg)
+
+
+def test_a_refused_hardware_group_leaves_the_data_and_model_checks_to_report_too():
+    """A problem of the hardware group does not hide those of the data, the model and the objective: they
+    are checked as for one rank (what fails there fails on any number)."""
+    overrides = ["hardware.num_threads=0", "data.batch_size=5000", "trainer.objective=eval/x", "tracker=none"]
+    with pytest.raises(ConfigError) as info:
+        check_job(compose("config", overrides=overrides))
+    paragraphs = str(info.value).split("\n\n")
+    assert paragraphs[0] == "hardware.num_threads=0: must be >= 1."
+    assert paragraphs[1].startswith("trainer.objective=eval/x: the run reports no such metric")
+    assert paragraphs[2].startswith("data.batch_size=5000: the training set has 3686 sample(s)")
+    assert len(paragraphs) == 3
