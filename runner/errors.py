@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import errno
+import functools
+import importlib.util
 import os
 import re
 import signal
@@ -251,18 +253,25 @@ def describe_yaml_error(err: yaml.YAMLError) -> str:
     )
 
 
-# Where runner's and the libraries' code lives: a traceback's frames outside these are the user's.
-LIBRARY_DIRS = tuple(
-    {
-        str(Path(__file__).resolve().parent) + os.sep,  # runner's package
-        *(str(Path(p).resolve()) + os.sep for p in sysconfig.get_paths().values()),  # stdlib, site-packages
-    }
-)
+@functools.cache
+def library_dirs() -> tuple[str, ...]:
+    """Where runner's code (its package, and its shipped tasks: a folder of their own in a checkout) and
+    the libraries' live: a traceback's frames outside these are the user's."""
+    tasks = importlib.util.find_spec("runner.tasks")
+    return tuple(
+        str(Path(directory).resolve()) + os.sep
+        for directory in {
+            Path(__file__).parent,  # runner's package
+            *(tasks.submodule_search_locations or [] if tasks else []),
+            # the standard library and site-packages (not the prefix: a container's /usr holds apps too)
+            *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")),
+        }
+    )
 
 
 def is_library_file(filename: str) -> bool:
     """Whether a traceback's `filename` is runner's, Python's or an installed library's code."""
-    return filename.startswith("<") or str(Path(filename).resolve()).startswith(LIBRARY_DIRS)
+    return filename.startswith("<") or str(Path(filename).resolve()).startswith(library_dirs())
 
 
 def describe_exception(err: BaseException) -> str:
