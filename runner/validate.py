@@ -32,7 +32,7 @@ from runner.errors import ConfigError
 from runner.hardware.base import Strategy
 from runner.hardware.device_map import BigModel
 from runner.trackers.base import Tracker
-from runner.weights import DamagedFileError, checkpoint_tensors
+from runner.weights import DamagedFileError, check_against_model, checkpoint_tensors
 
 T = TypeVar("T")
 
@@ -359,6 +359,7 @@ def validate_for_world(
                 problems.append(str(err))
         problems += _step_problems(cfg, model, data, world_size if cfg.trainer.split_batches else 1)
         problems += _objective_problems(cfg, model, data)
+        problems += _start_weights_problems(cfg, model)
         problems += _optimizer_problems(cfg, model)
         step_samples = (batch_size or 1) * (1 if cfg.trainer.split_batches else world_size)
         if batch_size and len(data.train_set) < step_samples:
@@ -433,6 +434,20 @@ def _step_problems(cfg: DictConfig, model: torch.nn.Module, data: DataSource, pe
             f"{cfg.task._target_} fails ({type(err).__name__}: {message}). Make the model, data and task settings "
             "agree."
         ]
+    return []
+
+
+def _start_weights_problems(cfg: DictConfig, model: torch.nn.Module) -> list[str]:
+    """`checkpoint=`'s names and shapes against the model's on meta, from the files' headers (what the
+    ranks' load checks again); a missing or damaged file is `_checkpoint_problems`'s."""
+    if cfg.checkpoint is None or not Path(cfg.checkpoint).exists():
+        return []
+    try:
+        check_against_model(model, cfg.checkpoint, checkpoint_tensors(cfg.checkpoint), strict=True)
+    except DamagedFileError:
+        return []
+    except (ValueError, FileNotFoundError) as err:
+        return [f"checkpoint={cfg.checkpoint}: {err}"]
     return []
 
 

@@ -801,3 +801,16 @@ def test_a_refused_hardware_group_leaves_the_data_and_model_checks_to_report_too
     assert paragraphs[1].startswith("trainer.objective=eval/x: the run reports no such metric")
     assert paragraphs[2].startswith("data.batch_size=5000: the training set has 3686 sample(s)")
     assert len(paragraphs) == 3
+
+
+def test_start_weights_of_another_shape_are_refused_before_launch(tmp_path):
+    """`checkpoint=` against the model built on meta, from the file's header: refused before any rank
+    starts (under hardware=multi_gpu the ranks' load would be the first to see it)."""
+    from runner.models import MLP
+
+    weights = tmp_path / "model.safetensors"
+    save_file(MLP(16, 1, hidden_size=64, num_layers=2).state_dict(), weights)
+    common = [f"checkpoint={weights}", "model.num_layers=2", "tracker=none", "hardware=multi_gpu"]
+    check_job(compose("config", overrides=[*common, "model.hidden_size=64"]))
+    with pytest.raises(ConfigError, match=r"does not match MLP \(with another shape: net.0.weight \(64, 16\)"):
+        check_job(compose("config", overrides=[*common, "model.hidden_size=32"]))
