@@ -28,6 +28,7 @@ from hydra._internal.hydra import Hydra
 from hydra._internal.utils import create_automatic_config_search_path, get_args_parser
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.object_type import ObjectType
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import SearchPathException
 from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig
@@ -70,10 +71,11 @@ class Section:
 def help_text(arguments: list[str], width: int = 100) -> str:
     """What `runner <arguments> --help` prints (`arguments` as given, the help flag among them)."""
     args = get_args_parser().parse_args(arguments)
+    overrides = first_job(args.overrides) if args.multirun else args.overrides
     hydra = _hydra(args.config_dir)
     try:
-        cfg = hydra.compose_config("config", args.overrides, run_mode=RunMode.RUN)
-        comments = _comments(hydra, args.overrides)
+        cfg = hydra.compose_config("config", overrides, run_mode=RunMode.RUN)
+        comments = _comments(hydra, overrides)
         groups = [g for g in hydra.list_all_config_groups() if not g.startswith(INTERNAL_GROUPS)]
         options = {g: hydra.config_loader.get_group_options(g, ObjectType.CONFIG) for g in groups}
     finally:
@@ -108,6 +110,18 @@ def help_text(arguments: list[str], width: int = 100) -> str:
                     setting.description, width, initial_indent=" " * 6, subsequent_indent=" " * 6
                 )
     return "\n".join(lines)
+
+
+def first_job(overrides: list[str]) -> list[str]:
+    """A sweep's overrides (`-m`) as its first job has them: each list of values its first; a range that
+    a sweeper samples (`interval(...)`) left at the config's value."""
+    job = []
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if not override.is_sweep_override():
+            job.append(override.input_line or "")
+        elif override.is_discrete_sweep():
+            job.append(f"{override.get_key_element()}={next(iter(override.sweep_string_iterator()))}")
+    return job
 
 
 def sections(cfg: DictConfig, choices: Mapping[str, str], comments: Mapping[str, str]) -> list[Section]:

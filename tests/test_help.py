@@ -11,7 +11,7 @@ import pytest
 from hydra.core.object_type import ObjectType
 from hydra.errors import HydraException
 
-from runner.help import docstring_args, help_text, sections, type_text, yaml_comments
+from runner.help import docstring_args, first_job, help_text, sections, type_text, yaml_comments
 from runner.scaffold import init_project
 from runner.schemas import register_configs
 from tests.conftest import cli_env
@@ -192,3 +192,12 @@ def test_type_text(hint, text):
     from runner.config import Fraction, PositiveInt  # noqa: F401
 
     assert type_text(eval(hint)) == text
+
+
+def test_a_sweeps_help_shows_its_first_job():
+    assert first_job(["optimizer.lr=1e-3,1e-2", "trainer.seed=range(3)", "model.hidden_size=8"]) == [
+        "optimizer.lr=0.001",
+        "trainer.seed=0",
+        "model.hidden_size=8",
+    ]
+    assert first_job(["optimizer.lr=interval(1e-4,1e-2)", "+data.x=1"]) == ["+data.x=1"]  # sampled: left out
