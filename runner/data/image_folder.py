@@ -152,11 +152,13 @@ class ImageFolder(DataSource):
         if self.flatten:
             dims["in_features"] = channels * self.image_size**2
         else:
-            self.withheld["in_features"] = (
-                f"data.flatten=false gives {channels} x {self.image_size} x {self.image_size} image tensors (for a "
-                "model that takes images, a CNN), not vectors of features. Set data.flatten=true for a model that "
-                "takes vectors (model=mlp)"
-            )
+            self.withheld = {
+                "in_features": (
+                    f"data.flatten=false gives {channels} x {self.image_size} x {self.image_size} image tensors (for a "
+                    "model that takes images, a CNN), not vectors of features. Set data.flatten=true for a model that "
+                    "takes vectors (model=mlp)"
+                )
+            }
         return train, eval_, dims
 
     def _images(self, samples: list[tuple[Path, int]], flip: bool) -> ImageFiles:
