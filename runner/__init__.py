@@ -9,7 +9,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runner.accelerator import Accelerator
+    from runner.accelerate.accelerator import Accelerator
+    from runner.accelerate.memory import find_executable_batch_size
+    from runner.accelerate.utils import synchronize_rng_states
     from runner.big_modeling import (
         cpu_offload,
         cpu_offload_with_hook,
@@ -38,11 +40,9 @@ if TYPE_CHECKING:
         ProfileKwargs,
     )
     from runner.launchers.notebook import notebook_launcher
-    from runner.memory import find_executable_batch_size
     from runner.process_control import PartialState
     from runner.rng import set_seed
     from runner.state import DistributedType
-    from runner.utils import synchronize_rng_states
 
 # public name -> the module that defines it
 EXPORTS = {
@@ -60,11 +60,11 @@ EXPORTS = {
     "GradientAccumulationPlugin": "runner.handlers",
     "FullyShardedDataParallelPlugin": "runner.handlers",
     "DeepSpeedPlugin": "runner.handlers",
-    "ParallelismConfig": "runner.parallelism_config",
+    "ParallelismConfig": "runner.accelerate.parallelism_config",
     "DistributedType": "runner.state",
-    "find_executable_batch_size": "runner.memory",
-    "synchronize_rng_states": "runner.utils",
-    "Accelerator": "runner.accelerator",
+    "find_executable_batch_size": "runner.accelerate.memory",
+    "synchronize_rng_states": "runner.accelerate.utils",
+    "Accelerator": "runner.accelerate.accelerator",
     "ActivationCheckpointingConfig": "runner.config",
     "CompileConfig": "runner.config",
     "ProjectConfiguration": "runner.checkpoint.checkpointer",

@@ -61,8 +61,8 @@ from runner.help import help_text
 from runner.inference import infer
 from runner.launchers import Job, RankFailedError
 from runner.launchers.base import interrupted
-from runner.logging import FILE_ONLY, configure_rank_logging
 from runner.plan import describe as describe_plan
+from runner.run_log import FILE_ONLY, configure_rank_logging
 from runner.scaffold import main as init_project_command
 from runner.schemas import register_configs
 from runner.train import train

@@ -4,8 +4,8 @@ It prepares models, optimizers, dataloaders and schedulers, runs the training st
 (accumulation, backward, clipping), the collectives over nested tensors, checkpoints (through its
 `Checkpointer`) and the trackers. Every call is forwarded once to the injected `Strategy` (process
 group, wrapping, collectives) or `Precision` (autocast, loss scaling); nothing here asks which backend
-or precision is in use. The `Trainer` runs on it; `runner.accelerator.Accelerator` adapts Hugging Face
-Accelerate's public API onto it.
+or precision is in use. The `Trainer` runs on it; the `Accelerator` of `runner.accelerate` adapts
+Hugging Face Accelerate's public API onto it.
 """
 
 from __future__ import annotations

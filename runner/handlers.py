@@ -1,7 +1,7 @@
 """Accelerate's configuration objects for `Accelerator(...)`: the kwargs handlers (`kwargs_handlers=[...]`),
 `DataLoaderConfiguration`, `GradientAccumulationPlugin`, `TorchDynamoPlugin`,
 `FullyShardedDataParallelPlugin` and `DeepSpeedPlugin`, with Accelerate's names, fields and defaults
-(the layout of the ranks, `ParallelismConfig`, is in `runner.parallelism_config`).
+(the layout of the ranks, `ParallelismConfig`, is in `runner.accelerate.parallelism_config`).
 
 The Accelerator hands each handler to what it configures: the process group and DDP to the hardware
 strategy, loss scaling and autocast to the precision plugin; the profiler it runs itself."""

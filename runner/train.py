@@ -42,7 +42,6 @@ from runner.engine import Engine
 from runner.errors import TrainingDiverged, TrainingInterrupted, signal_name
 from runner.handlers import DataLoaderConfiguration, GradientAccumulationPlugin
 from runner.hardware.base import Strategy
-from runner.logging import FILE_ONLY
 from runner.perf import (
     Throughput,
     count_flops,
@@ -53,6 +52,7 @@ from runner.perf import (
     profiled,
 )
 from runner.rng import rng_kept, set_seed
+from runner.run_log import FILE_ONLY
 from runner.task import Task, batch_units, trains_by_loss
 
 log = logging.getLogger(__name__)

@@ -637,7 +637,7 @@ def test_a_parallelism_config_must_lay_out_the_world_and_refuses_what_has_no_mea
 def test_a_parallelism_config_picks_the_strategy_of_its_layout():
     """On 4 ranks (as torchrun would say): replicas only DDP, shards FSDP/HSDP, tp_size tensor parallel with
     FSDP over the rest; an FSDP plugin's HYBRID_SHARD replicates across nodes and shards within one."""
-    from runner.accelerator import _plugin_strategy
+    from runner.accelerate.accelerator import _plugin_strategy
     from runner.hardware import TensorParallel
 
     world = {

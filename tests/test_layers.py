@@ -4,6 +4,7 @@ level (no function-level import of runner code, the way cycles hide), and the im
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The Accelerate-compatible surface is an adapter over the core: nothing outside it imports it, but for the
+# facade and the names the import rename of a ported script gives its modules (`accelerate.utils` ->
+# `runner.utils`), each of which is the adapter's module under a second name.
+ADAPTER = "runner.accelerate"
+PORTING_NAMES = {
+    "runner.accelerator": "runner.accelerate.accelerator",
+    "runner.local_sgd": "runner.accelerate.local_sgd",
+    "runner.logging": "runner.accelerate.logging",
+    "runner.parallelism_config": "runner.accelerate.parallelism_config",
+    "runner.utils": "runner.accelerate.utils",
+}
+
 # Lowest first. A module belongs to the first layer one of whose prefixes names it or its package.
 LAYERS: list[tuple[str, list[str]]] = [
     (
@@ -19,15 +32,13 @@ LAYERS: list[tuple[str, list[str]]] = [
         [
             "runner.errors",
             "runner.handlers",
-            "runner.parallelism_config",
             "runner.ops",
             "runner.state",
             "runner.cluster",
             "runner.rendezvous",
-            "runner.logging",
+            "runner.run_log",
             "runner.config",
             "runner.perf",
-            "runner.memory",
             "runner.rng",
             "runner.checkpoint.files",
             "runner.checkpoint.formats",
@@ -53,10 +64,9 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.checkpoint",
             "runner.trackers",
             "runner.engine",
-            "runner.accelerator",
-            "runner.local_sgd",
         ],
     ),
+    ("the Accelerate adapter", ["runner.accelerate"]),
     ("building from config", ["runner.build", "runner.validate"]),
     ("loops and the plan", ["runner.train", "runner.inference", "runner.plan"]),
     ("launchers", ["runner.launchers"]),
@@ -70,10 +80,10 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.scaffold",
             "runner.schemas",
             "runner.sweep",
-            "runner.utils",
             "runner.__main__",
         ],
     ),
+    ("Accelerate's module names, for ported scripts", list(PORTING_NAMES)),
 ]
 # The package's public face re-exports from every layer; nothing inside the package imports it.
 FACADE = "runner"
@@ -192,9 +202,35 @@ def test_no_import_cycles():
     assert find_cycle(edges) is None
 
 
+def in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def adapter_importers(graph: dict[str, list[tuple[str, bool]]]) -> list[str]:
+    """The modules of `graph` outside the adapter (and its porting names) that import from it."""
+    return sorted(
+        module
+        for module, imports in graph.items()
+        if module != FACADE and module not in PORTING_NAMES and not in_package(module, ADAPTER)
+        if any(in_package(imported, ADAPTER) for imported, _ in imports)
+    )
+
+
+def test_the_core_does_not_import_the_accelerate_adapter():
+    assert adapter_importers(GRAPH) == []
+
+
+def test_accelerates_module_names_are_the_adapters_modules():
+    """`from runner.utils import set_seed` in a ported script reaches the adapter's own module object."""
+    for name, target in PORTING_NAMES.items():
+        assert importlib.import_module(name) is importlib.import_module(target), name
+
+
 def test_the_checks_can_fail():
-    """A strategy importing the loop, a lazy import and an import of the facade are flagged; a cycle is found."""
+    """A strategy importing the loop, a lazy import and an import of the facade are flagged; a cycle is found;
+    the loop importing the adapter is found."""
     assert violations("runner.hardware.base", [("runner.train", True)])
+    assert adapter_importers({"runner.train": [("runner.accelerate.utils", True)]}) == ["runner.train"]
     assert violations("runner.train", [("runner.ops", False)])
     assert violations("runner.ops", [("runner", True)])
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]

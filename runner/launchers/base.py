@@ -27,7 +27,7 @@ from runner.errors import (
     write_failure,
 )
 from runner.hardware.base import Strategy
-from runner.logging import configure_rank_logging
+from runner.run_log import configure_rank_logging
 
 # What a rank runs: (resolved config, job dir, the strategy when one was built in this process) -> metrics.
 Entry = Callable[[DictConfig, Path, Strategy | None], dict[str, float]]
