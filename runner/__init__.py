@@ -10,7 +10,20 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from runner.accelerate.accelerator import Accelerator
+    from runner.accelerate.handlers import (
+        AutocastKwargs,
+        DataLoaderConfiguration,
+        DeepSpeedPlugin,
+        DistributedDataParallelKwargs,
+        FullyShardedDataParallelPlugin,
+        GradientAccumulationPlugin,
+        GradScalerKwargs,
+        InitProcessGroupKwargs,
+        ProfileKwargs,
+    )
     from runner.accelerate.memory import find_executable_batch_size
+    from runner.accelerate.parallelism_config import ParallelismConfig
+    from runner.accelerate.partial_state import PartialState
     from runner.accelerate.utils import synchronize_rng_states
     from runner.big_modeling import (
         cpu_offload,
@@ -26,21 +39,8 @@ if TYPE_CHECKING:
     from runner.checkpoint.checkpointer import ProjectConfiguration
     from runner.config import ActivationCheckpointingConfig, CompileConfig
     from runner.data_loader import skip_first_batches
-    from runner.handlers import (
-        AutocastKwargs,
-        DataLoaderConfiguration,
-        DDPCommunicationHookType,
-        DeepSpeedPlugin,
-        DistributedDataParallelKwargs,
-        FullyShardedDataParallelPlugin,
-        GradientAccumulationPlugin,
-        GradScalerKwargs,
-        InitProcessGroupKwargs,
-        ParallelismConfig,
-        ProfileKwargs,
-    )
+    from runner.hardware.parallelize import DDPCommunicationHookType
     from runner.launchers.notebook import notebook_launcher
-    from runner.process_control import PartialState
     from runner.rng import set_seed
     from runner.state import DistributedType
 
@@ -50,16 +50,16 @@ EXPORTS = {
     "disk_offload": "runner.big_modeling",
     "cpu_offload_with_hook": "runner.big_modeling",
     "skip_first_batches": "runner.data_loader",
-    "AutocastKwargs": "runner.handlers",
-    "DDPCommunicationHookType": "runner.handlers",
-    "DataLoaderConfiguration": "runner.handlers",
-    "DistributedDataParallelKwargs": "runner.handlers",
-    "GradScalerKwargs": "runner.handlers",
-    "InitProcessGroupKwargs": "runner.handlers",
-    "ProfileKwargs": "runner.handlers",
-    "GradientAccumulationPlugin": "runner.handlers",
-    "FullyShardedDataParallelPlugin": "runner.handlers",
-    "DeepSpeedPlugin": "runner.handlers",
+    "AutocastKwargs": "runner.accelerate.handlers",
+    "DDPCommunicationHookType": "runner.hardware.parallelize",
+    "DataLoaderConfiguration": "runner.accelerate.handlers",
+    "DistributedDataParallelKwargs": "runner.accelerate.handlers",
+    "GradScalerKwargs": "runner.accelerate.handlers",
+    "InitProcessGroupKwargs": "runner.accelerate.handlers",
+    "ProfileKwargs": "runner.accelerate.handlers",
+    "GradientAccumulationPlugin": "runner.accelerate.handlers",
+    "FullyShardedDataParallelPlugin": "runner.accelerate.handlers",
+    "DeepSpeedPlugin": "runner.accelerate.handlers",
     "ParallelismConfig": "runner.accelerate.parallelism_config",
     "DistributedType": "runner.state",
     "find_executable_batch_size": "runner.accelerate.memory",
@@ -75,7 +75,7 @@ EXPORTS = {
     "load_checkpoint_and_dispatch": "runner.big_modeling",
     "load_checkpoint_in_model": "runner.big_modeling",
     "notebook_launcher": "runner.launchers.notebook",
-    "PartialState": "runner.process_control",
+    "PartialState": "runner.accelerate.partial_state",
     "set_seed": "runner.rng",
 }
 

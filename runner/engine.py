@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -30,18 +31,8 @@ from runner.data_loader import (
     per_process_batch_size,
     shard_dataloader,
 )
-from runner.handlers import (
-    AutocastKwargs,
-    DataLoaderConfiguration,
-    DistributedDataParallelKwargs,
-    DummyOptim,
-    DummyScheduler,
-    GradientAccumulationPlugin,
-    GradScalerKwargs,
-    InitProcessGroupKwargs,
-    KwargsHandler,
-)
 from runner.hardware import Strategy
+from runner.hardware.base import DummyOptim, DummyScheduler
 from runner.ops import apply_to_tensors, is_tensor_structure
 from runner.precision import Precision
 from runner.prepared import AcceleratedOptimizer, AcceleratedScheduler
@@ -51,6 +42,44 @@ from runner.trackers import Tracker
 from runner.weights import save_model_files, set_module_tensor
 
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """Gradient accumulation: `steps` micro-batches make an optimizer step.
+
+    adjust_scheduler: on a micro-step, count a scheduler step without taking it (`_step_count`, which
+        bounds OneCycleLR).
+    sync_with_dataloader: the last batch of a dataloader always completes an optimizer step.
+    sync_each_batch: all-reduce the gradients of every micro-batch (less memory under FSDP; slower).
+    """
+
+    steps: int = 1
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+
+@dataclass(frozen=True)
+class Loading:
+    """How prepared dataloaders shard and deliver batches.
+
+    split_batches: the loader's batch size is the global one, split across processes.
+    even_batches: every process gets as many batches (the last ones completed from the start).
+    seeded_sampler: one process alone shuffles from a generator of its own too (several always do: it is
+        synchronised from process 0 before each pass).
+    data_seed: seed of that generator (None: from the global seed).
+    non_blocking: copy batches to the device asynchronously (from pinned memory, on CUDA).
+    stateful: prepared loaders resume by themselves after a checkpoint is loaded, and the checkpoint
+        records their position.
+    """
+
+    split_batches: bool = False
+    even_batches: bool = True
+    seeded_sampler: bool = False
+    data_seed: int | None = None
+    non_blocking: bool = False
+    stateful: bool = False
 
 
 def _is_model(obj: Any) -> bool:
@@ -67,10 +96,9 @@ class Engine(ProcessControl):
     Args:
         strategy: the hardware backend (what `conf/hardware` builds).
         precision: the precision plugin (what `conf/precision` builds).
-        gradient_accumulation: micro-batches per optimizer step and how they sync (driven by
-            `accumulate()`); None: one.
-        dataloader_config: how prepared dataloaders shard and deliver batches (split_batches,
-            even_batches, data_seed, non_blocking).
+        accumulation: micro-batches per optimizer step and how they sync (driven by `accumulate()`);
+            None: one.
+        loading: how prepared dataloaders shard and deliver batches.
         project_config: where `save_state()` without a directory writes, and how it names checkpoints.
         trackers: what `init_trackers` starts and `log` writes to, on the main process (unless a tracker
             says `main_process_only = False`).
@@ -78,8 +106,6 @@ class Engine(ProcessControl):
             applied by the strategy before it wraps the model; None: eager.
         activation_checkpointing: recompute each block's activations in backward
             (`ActivationCheckpointingConfig`), applied like `compile`; None: keep them.
-        kwargs_handlers: options for the strategy (`InitProcessGroupKwargs`, `DistributedDataParallelKwargs`)
-            and the precision (`AutocastKwargs`, `GradScalerKwargs`).
         device_placement: move prepared models and batches to `device`.
         step_scheduler_with_optimizer: step prepared schedulers only on real optimizer steps.
         rng_types: RNGs that processes synchronise (from process 0) before each pass over a prepared
@@ -90,35 +116,27 @@ class Engine(ProcessControl):
         self,
         strategy: Strategy,
         precision: Precision,
-        gradient_accumulation: GradientAccumulationPlugin | None = None,
-        dataloader_config: DataLoaderConfiguration | None = None,
+        accumulation: Accumulation | None = None,
+        loading: Loading | None = None,
         project_config: ProjectConfiguration | None = None,
         trackers: list[Tracker] | None = None,
         compile: CompileConfig | None = None,
         activation_checkpointing: ActivationCheckpointingConfig | None = None,
-        kwargs_handlers: list[KwargsHandler] | None = None,
         device_placement: bool = True,
         step_scheduler_with_optimizer: bool = True,
         rng_types: list[str] | None = None,
     ) -> None:
-        handlers = kwargs_handlers or []
         self.strategy = strategy
-        for handler in handlers:
-            if isinstance(handler, (InitProcessGroupKwargs, DistributedDataParallelKwargs)):
-                strategy.use_kwargs(handler)
         self.state = strategy.setup_environment()
         activate(strategy, self.state)
         self.precision = strategy.setup_precision(precision)
-        for handler in handlers:
-            if isinstance(handler, (AutocastKwargs, GradScalerKwargs)):
-                self.precision.use_kwargs(handler)
         self.precision.setup(self.state.device)
         strategy.setup_compute(
             compile or CompileConfig(), activation_checkpointing or ActivationCheckpointingConfig()
         )
-        accumulation = gradient_accumulation or GradientAccumulationPlugin(num_steps=1)
+        accumulation = accumulation or Accumulation()
         self.gradient_state = GradientState(
-            num_steps=accumulation.num_steps,
+            num_steps=accumulation.steps,
             adjust_scheduler=accumulation.adjust_scheduler,
             sync_with_dataloader=accumulation.sync_with_dataloader,
             sync_each_batch=accumulation.sync_each_batch,
@@ -127,7 +145,7 @@ class Engine(ProcessControl):
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = ["generator"] if rng_types is None else list(rng_types)
         rng_generators(self.rng_types, self.device)  # a ValueError for an unknown one, now
-        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
+        self.loading = loading or Loading()
         self.step = 0
         self._trigger = False
         self._micro_batch_size: int | None = None  # per process, of the first prepared dataloader
@@ -141,15 +159,15 @@ class Engine(ProcessControl):
 
     @property
     def split_batches(self) -> bool:
-        return self.dataloader_config.split_batches
+        return self.loading.split_batches
 
     @property
     def even_batches(self) -> bool:
-        return self.dataloader_config.even_batches
+        return self.loading.even_batches
 
     @property
     def non_blocking(self) -> bool:
-        return self.dataloader_config.non_blocking
+        return self.loading.non_blocking
 
     @property
     def logging_dir(self) -> str | None:
@@ -269,8 +287,8 @@ class Engine(ProcessControl):
         dataloader = data_loader
         place = device_placement if device_placement is not None else self.device_placement
         readers, reader = self.state.data_parallel_size, self.state.data_parallel_index
-        config = self.dataloader_config
-        seeded = readers > 1 or config.data_seed is not None or config.use_seedable_sampler
+        config = self.loading
+        seeded = readers > 1 or config.data_seed is not None or config.seeded_sampler
         generators, global_rng = order_generators(dataloader, seeded_sampler=seeded)
         if config.data_seed is not None:
             for generator in generators:
@@ -297,7 +315,7 @@ class Engine(ProcessControl):
             generators=generators,
             place=partial(self.strategy.device_batches, non_blocking=self.non_blocking),
             global_rng=global_rng,
-            stateful=config.use_stateful_dataloader,
+            stateful=config.stateful,
         )
         self.checkpointer.dataloaders.append(wrapped)
         return wrapped

@@ -20,7 +20,6 @@ import torch
 
 from runner.config import Fraction, PositiveFloat, PositiveInt, Range, checked
 from runner.errors import ConfigError, install_command
-from runner.handlers import AutocastKwargs, GradScalerKwargs
 from runner.ops import convert_to_fp32
 
 log = logging.getLogger(__name__)
@@ -35,11 +34,24 @@ class PrecisionType(str, Enum):
     BF16 = "bf16"
 
 
+@dataclasses.dataclass(frozen=True)
+class Autocast:
+    """`torch.autocast`'s switches beside the device and dtype: `enabled` (False: compute in fp32) and
+    `cache_enabled` (None: torch's default)."""
+
+    enabled: bool = True
+    cache_enabled: bool | None = None
+
+    def arguments(self) -> dict[str, Any]:
+        cache = {} if self.cache_enabled is None else {"cache_enabled": self.cache_enabled}
+        return {"enabled": self.enabled, **cache}
+
+
 class Precision:
     """Full fp32 (the `fp32` group): no autocast, no loss scaling."""
 
     mixed_precision = "no"
-    autocast_kwargs = AutocastKwargs()
+    autocast_settings = Autocast()
 
     @property
     def name(self) -> str:
@@ -62,21 +74,21 @@ class Precision:
         """Prepare a model for this precision (mixed precision runs its forward under autocast)."""
         return self.convert_module(module)
 
-    def use_kwargs(self, handler: AutocastKwargs | GradScalerKwargs) -> None:
-        """Apply Accelerate's `AutocastKwargs` (to every autocast of this precision) or `GradScalerKwargs`
-        (to fp16's loss scaling: a warning elsewhere, as there is no scaler to configure)."""
-        if isinstance(handler, AutocastKwargs):
-            self.autocast_kwargs = handler
-        elif isinstance(handler, GradScalerKwargs):
-            log.warning(
-                "GradScalerKwargs configures fp16 loss scaling; mixed_precision=%r has none, so it changes nothing.",
-                self.mixed_precision,
-            )
-        else:
-            raise TypeError(f"{type(handler).__name__} does not configure a precision.")
+    def use_autocast(self, settings: Autocast) -> None:
+        """Compute every autocast of this precision with `settings`."""
+        self.autocast_settings = settings
 
-    def autocast(self, handler: AutocastKwargs | None = None) -> AbstractContextManager:
-        """The context that computes in this precision (`handler` overrides `AutocastKwargs`)."""
+    def use_loss_scaling(self, **scaler: Any) -> None:
+        """`torch.amp.GradScaler`'s arguments for fp16's loss scaling (a warning elsewhere: there is no
+        scaler to configure)."""
+        log.warning(
+            "Loss-scaling settings (%s) change nothing: precision %s has no loss scaling.",
+            ", ".join(scaler),
+            self.name,
+        )
+
+    def autocast(self, settings: Autocast | None = None) -> AbstractContextManager:
+        """The context that computes in this precision (`settings` for this block only)."""
         return nullcontext()
 
     def outputs_in_compute_dtype(self) -> AbstractContextManager:
@@ -164,9 +176,9 @@ class MixedPrecision(UpcastingPrecision):
     def forward_context(self) -> AbstractContextManager:
         return self.autocast()
 
-    def autocast(self, handler: AutocastKwargs | None = None) -> AbstractContextManager:
-        settings = (handler or self.autocast_kwargs).to_kwargs()
-        return torch.autocast(self.device.type, dtype=self.dtype, **settings)
+    def autocast(self, settings: Autocast | None = None) -> AbstractContextManager:
+        arguments = (settings or self.autocast_settings).arguments()
+        return torch.autocast(self.device.type, dtype=self.dtype, **arguments)
 
 
 class ShardedMixedPrecision(UpcastingPrecision):
@@ -293,11 +305,8 @@ class Float16MixedPrecision(MixedPrecision):
             growth_interval=growth_interval,
         )
 
-    def use_kwargs(self, handler: AutocastKwargs | GradScalerKwargs) -> None:
-        if isinstance(handler, GradScalerKwargs):
-            self.scaler_kwargs.update(handler.to_kwargs())
-        else:
-            super().use_kwargs(handler)
+    def use_loss_scaling(self, **scaler: Any) -> None:
+        self.scaler_kwargs.update(scaler)
 
     def setup(self, device: torch.device) -> None:
         super().setup(device)

@@ -1,9 +1,6 @@
-"""`PartialState`: a process's place in its job and the ways to order work across processes, without
-the training machinery (Accelerate's light handle for inference scripts), and the strategy that the
-function forms in `runner.utils` (`gather`, `wait_for_everyone`, ...) run through.
-
-The process group is the process's one shared resource: the first `Accelerator` or `PartialState` to
-set it up becomes the active one; every later `PartialState()` is a handle on it."""
+"""A process's place in its job and the ways to order work across processes (`ProcessControl`, which the
+Engine and Accelerate's `PartialState` share), and the one strategy of the process that set up its process
+group: the first Engine (or `PartialState`) to do so becomes the active one."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ from typing import Any
 import torch
 
 import runner.collectives as collectives
-from runner.hardware import Strategy, default_strategy
+from runner.hardware import Strategy
 from runner.state import DistributedType, ProcessState
 
 _active: tuple[Strategy, ProcessState] | None = None
@@ -25,6 +22,11 @@ def activate(strategy: Strategy, state: ProcessState) -> None:
     """Make `strategy` (already set up, at `state`) the one `PartialState()` and `runner.utils` use."""
     global _active
     _active = (strategy, state)
+
+
+def active() -> tuple[Strategy, ProcessState] | None:
+    """The strategy the process's `Engine` set up (and its place), or None where none has yet."""
+    return _active
 
 
 def deactivate(strategy: Strategy) -> None:
@@ -160,35 +162,3 @@ def _run_on(function: Callable, here: bool) -> Callable:
         return function(*args, **kwargs) if here else None
 
     return wrapper
-
-
-class PartialState(ProcessControl):
-    """This process's place in its job (Accelerate's `PartialState`): a handle on the process group that
-    an `Accelerator` set up, else on one it sets up itself as `Accelerator()` would (`cpu` forces the
-    CPU). Every instance in a process shares it."""
-
-    def __init__(self, cpu: bool = False) -> None:
-        if _active is None:
-            strategy = default_strategy(cpu)
-            activate(strategy, strategy.setup_environment())
-        assert _active is not None
-        self.strategy, self.state = _active
-
-    @property
-    def initialized(self) -> bool:
-        return _active is not None and _active[0] is self.strategy
-
-    @property
-    def default_device(self) -> torch.device:
-        return self.device
-
-    def destroy_process_group(self) -> None:
-        """Leave the process group (every process together); a later `PartialState()` joins a new one."""
-        self.strategy.teardown()
-        deactivate(self.strategy)
-
-
-def active_strategy() -> Strategy:
-    """The strategy of the process's `Accelerator` or `PartialState` (set up as `PartialState()` would
-    where there is none yet)."""
-    return PartialState().strategy

@@ -34,8 +34,6 @@ class ProcessState:
     # is split over several processes that then read the same batches (tensor parallel).
     data_parallel_index: int | None = None
     data_parallel_size: int | None = None
-    # Accelerate's DeepSpeedPlugin the strategy was built from (scripts read `accelerator.state.deepspeed_plugin`).
-    deepspeed_plugin: Any = None
 
     def __post_init__(self) -> None:
         if self.data_parallel_index is None:
@@ -62,7 +60,7 @@ class GradientState:
 
     num_steps: int = 1
     sync_gradients: bool = True
-    adjust_scheduler: bool = True  # GradientAccumulationPlugin's settings
+    adjust_scheduler: bool = True  # the Engine's `Accumulation` settings
     sync_with_dataloader: bool = True
     sync_each_batch: bool = False
     active_dataloaders: list[Any] = field(default_factory=list)

@@ -38,9 +38,8 @@ from runner.checkpoint.resume import (
     resume_override,
 )
 from runner.data.base import DataSource
-from runner.engine import Engine
+from runner.engine import Accumulation, Engine, Loading
 from runner.errors import TrainingDiverged, TrainingInterrupted, signal_name
-from runner.handlers import DataLoaderConfiguration, GradientAccumulationPlugin
 from runner.hardware.base import Strategy
 from runner.perf import (
     Throughput,
@@ -109,8 +108,8 @@ class Trainer:
         self.engine = engine = Engine(
             strategy or instantiate(cfg.hardware),
             instantiate(cfg.precision),
-            gradient_accumulation=GradientAccumulationPlugin(num_steps=trainer.gradient_accumulation_steps),
-            dataloader_config=DataLoaderConfiguration(split_batches=trainer.split_batches),
+            accumulation=Accumulation(steps=trainer.gradient_accumulation_steps),
+            loading=Loading(split_batches=trainer.split_batches),
             project_config=ProjectConfiguration(
                 automatic_checkpoint_naming=True, total_limit=trainer.keep_checkpoints
             ),

@@ -17,12 +17,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.data import DataLoader, TensorDataset
 
 from runner import Accelerator, PartialState
+from runner.accelerate.handlers import apply_handlers
 from runner.cluster import accelerate_launch_settings
 from runner.collectives import split_between_processes
 from runner.config import CompileConfig, CompileScope
 from runner.data_loader import DataLoaderShard, shard_dataloader
 from runner.errors import ConfigError
 from runner.hardware import DDP, FSDP, DeepSpeed
+from runner.precision import Precision
 from runner.state import GradientState
 from runner.trackers import GeneralTracker, LoggerType, MLflowTracker, TensorBoardTracker
 from runner.utils import (
@@ -116,7 +118,7 @@ def test_ddp_and_process_group_kwargs_reach_ddp(accelerator_made):
 
 def test_handlers_are_refused_where_they_configure_nothing_or_twice(accelerator_made):
     with pytest.raises(ConfigError, match="DistributedDataParallelKwargs configures what FSDP"):
-        FSDP(device="cpu", num_processes=1).use_kwargs(DistributedDataParallelKwargs())
+        apply_handlers([DistributedDataParallelKwargs()], FSDP(device="cpu", num_processes=1), Precision())
     with pytest.raises(ValueError, match="one GradScalerKwargs"):
         accelerator_made(cpu=True, kwargs_handlers=[GradScalerKwargs(), GradScalerKwargs()])
     with pytest.raises(ValueError, match="is not one of"):

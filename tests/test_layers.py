@@ -31,7 +31,6 @@ LAYERS: list[tuple[str, list[str]]] = [
         "state, files and components",
         [
             "runner.errors",
-            "runner.handlers",
             "runner.ops",
             "runner.state",
             "runner.cluster",

@@ -19,13 +19,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 import runner.collectives as collectives
-from runner.accelerate.logging import get_logger
-from runner.accelerate.parallelism_config import ParallelismConfig
-from runner.checkpoint.checkpointer import ProjectConfiguration
-from runner.cluster import AccelerateLaunchSettings, accelerate_launch_settings, launched_environment
-from runner.config import ActivationCheckpointingConfig, CheckpointingMode, CompileConfig
-from runner.engine import Engine
-from runner.handlers import (
+from runner.accelerate.handlers import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DeepSpeedPlugin,
@@ -39,15 +33,30 @@ from runner.handlers import (
     KwargsHandler,
     ProfileKwargs,
     TorchDynamoPlugin,
+    apply_handlers,
 )
+from runner.accelerate.logging import get_logger
+from runner.accelerate.parallelism_config import ParallelismConfig
+from runner.checkpoint.checkpointer import ProjectConfiguration
+from runner.cluster import AccelerateLaunchSettings, accelerate_launch_settings, launched_environment
+from runner.config import ActivationCheckpointingConfig, CheckpointingMode, CompileConfig
+from runner.engine import Engine
 from runner.hardware import DDP, FSDP, DeepSpeed, Strategy, TensorParallel, default_strategy
 from runner.precision import Precision
 from runner.precision import from_name as precision_from_name
-from runner.state import DistributedType
+from runner.state import DistributedType, ProcessState
 from runner.trackers import BlankTracker, LoggerType, Tracker, trackers_from_name
 from runner.weights import save_object
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceleratorState(ProcessState):
+    """`accelerator.state`: the process's place in its job, and the `DeepSpeedPlugin` the strategy was built
+    from (scripts read `accelerator.state.deepspeed_plugin.deepspeed_config`)."""
+
+    deepspeed_plugin: DeepSpeedPlugin | None = None
 _process_log = get_logger(__name__)  # Accelerate's warning_once
 
 
@@ -82,7 +91,7 @@ class Accelerator(Engine):
         strategy: the hardware backend (what `conf/hardware` builds); default DDP when a launcher started
             several ranks (torchrun, srun), else one process on CUDA when available, else the CPU.
         fsdp_plugin: Accelerate's `FullyShardedDataParallelPlugin`: runner's `FSDP` strategy with its
-            settings (`runner.handlers.FullyShardedDataParallelPlugin` says how each maps).
+            settings (`runner.accelerate.handlers.FullyShardedDataParallelPlugin` says how each maps).
         deepspeed_plugin: Accelerate's `DeepSpeedPlugin`: runner's `DeepSpeed` strategy with the config it
             describes; a gradient accumulation that config fixes is the Accelerator's, and without a
             `mixed_precision` its bf16/fp16 block gives it.
@@ -166,27 +175,30 @@ class Accelerator(Engine):
         accumulation = _accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
         handlers = _one_of_each(kwargs_handlers or [])
         entries = log_with if isinstance(log_with, list) else [] if log_with is None else [log_with]
+        strategy = strategy or default_strategy(cpu or launch.cpu)
+        if not isinstance(mixed_precision, Precision):
+            mixed_precision = precision_from_name(mixed_precision or launch.mixed_precision)
+        apply_handlers(handlers, strategy, mixed_precision)
+        self.dataloader_config = dataloader_config or DataLoaderConfiguration(
+            split_batches=split_batches, even_batches=even_batches
+        )
         super().__init__(
-            strategy or default_strategy(cpu or launch.cpu),
-            mixed_precision
-            if isinstance(mixed_precision, Precision)
-            else precision_from_name(mixed_precision or launch.mixed_precision),
-            gradient_accumulation=accumulation,
-            dataloader_config=dataloader_config
-            or DataLoaderConfiguration(split_batches=split_batches, even_batches=even_batches),
+            strategy,
+            mixed_precision,
+            accumulation=accumulation.accumulation(),
+            loading=self.dataloader_config.loading(),
             project_config=project_config
             or ProjectConfiguration(project_dir=project_dir, logging_dir=logging_dir),
             trackers=[t for e in entries for t in (trackers_from_name(e) if isinstance(e, str) else [e])],
             compile=compile,
             activation_checkpointing=activation_checkpointing,
-            kwargs_handlers=handlers,
             device_placement=device_placement,
             step_scheduler_with_optimizer=step_scheduler_with_optimizer,
             rng_types=rng_types,
         )
         self.profile_handler = next((h for h in handlers if isinstance(h, ProfileKwargs)), None)
-        if deepspeed_plugin is not None:  # scripts read `accelerator.state.deepspeed_plugin.deepspeed_config`
-            self.state = dataclasses.replace(self.state, deepspeed_plugin=deepspeed_plugin)
+        place = {f.name: getattr(self.state, f.name) for f in dataclasses.fields(ProcessState)}
+        self.state = AcceleratorState(**place, deepspeed_plugin=deepspeed_plugin)
 
     @property
     def deepspeed_plugin(self) -> DeepSpeedPlugin | None:
@@ -291,7 +303,7 @@ class Accelerator(Engine):
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> AbstractContextManager:
         """The precision's autocast context (prepared models already run their forward in it);
         `autocast_handler` overrides the `AutocastKwargs` given to the Accelerator."""
-        return self.precision.autocast(autocast_handler)
+        return self.precision.autocast(autocast_handler.settings() if autocast_handler else None)
 
     def trigger_sync_in_backward(self, model: torch.nn.Module) -> AbstractContextManager:
         """Synchronise gradients in the next backward, after forwards run under `no_sync`."""

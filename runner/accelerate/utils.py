@@ -18,8 +18,23 @@ from packaging.version import Version
 from torch.nn.parallel import DistributedDataParallel
 
 import runner.collectives as collectives
+from runner.accelerate.handlers import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DeepSpeedPlugin,
+    DistributedDataParallelKwargs,
+    DynamoBackend,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    ProfileKwargs,
+    TorchDynamoPlugin,
+)
 from runner.accelerate.memory import find_executable_batch_size, release_memory
 from runner.accelerate.parallelism_config import ParallelismConfig, TorchContextParallelConfig
+from runner.accelerate.partial_state import PartialState, active_strategy
 from runner.big_modeling import (
     check_device_map,
     compute_module_sizes,
@@ -30,26 +45,10 @@ from runner.big_modeling import (
 )
 from runner.checkpoint.checkpointer import ProjectConfiguration
 from runner.cluster import patch_environment
-from runner.handlers import (
-    AutocastKwargs,
-    DataLoaderConfiguration,
-    DDPCommunicationHookType,
-    DeepSpeedPlugin,
-    DistributedDataParallelKwargs,
-    DummyOptim,
-    DummyScheduler,
-    DynamoBackend,
-    FullyShardedDataParallelPlugin,
-    GradientAccumulationPlugin,
-    GradScalerKwargs,
-    InitProcessGroupKwargs,
-    KwargsHandler,
-    ProfileKwargs,
-    TorchDynamoPlugin,
-)
+from runner.hardware.base import DummyOptim, DummyScheduler
+from runner.hardware.parallelize import DDPCommunicationHookType
 from runner.ops import apply_to_tensors, concatenate, convert_to_fp32, find_batch_size, send_to_device
 from runner.precision import PrecisionType
-from runner.process_control import PartialState, active_strategy
 from runner.rng import RNGType, set_seed
 from runner.state import DistributedType
 from runner.trackers import LoggerType

@@ -6,6 +6,8 @@ import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +16,8 @@ import torch
 from runner.checkpoint.formats import load_full, write_full
 from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
-from runner.handlers import DummyOptim, DummyScheduler, KwargsHandler
 from runner.hardware.parallelize import (
+    DDPOptions,
     apply_ac,
     apply_compile,
     blocks_of,
@@ -29,6 +31,51 @@ from runner.precision import Precision
 from runner.state import DistributedType, ProcessState
 from runner.task import model_outputs
 from runner.weights import distinct_tensors
+
+
+@dataclass(frozen=True)
+class ProcessGroupOptions:
+    """Settings of the process group a strategy forms (None: the strategy's own): torch.distributed's
+    `backend`, where the ranks meet (`init_method`) and how long a collective waits (`timeout`)."""
+
+    backend: str | None = None
+    init_method: str | None = None
+    timeout: timedelta | None = None
+
+
+class DummyOptim:
+    """Accelerate's stand-in for the optimizer a DeepSpeed config declares (its `optimizer` block): under a
+    `DeepSpeedPlugin`, `prepare` has the engine build that optimizer over `params` (parameters or groups),
+    the block's "auto" `lr` and `weight_decay` taken from here, and returns it prepared."""
+
+    def __init__(self, params: Any, lr: float = 0.001, weight_decay: float = 0, **kwargs: Any) -> None:
+        params = list(params)
+        self.params = params
+        self.lr, self.weight_decay, self.kwargs = lr, weight_decay, kwargs
+        grouped = bool(params) and isinstance(params[0], dict)
+        self.param_groups = [dict(g) for g in params] if grouped else [{"params": params}]
+        self.scheduler: DummyScheduler | None = None  # the DummyScheduler over this one, if any
+
+
+class DummyScheduler:
+    """Accelerate's stand-in for the learning-rate schedule a DeepSpeed config declares (its `scheduler`
+    block; "auto" `warmup_min_lr` 0, `warmup_max_lr` the optimizer's lr, `warmup_num_steps`,
+    `total_num_steps` per process, from here), or for `lr_scheduler_callable(optimizer)`: the engine builds
+    it over its optimizer and steps it with each optimizer step. Prepare it with its `DummyOptim`."""
+
+    def __init__(
+        self,
+        optimizer: DummyOptim,
+        total_num_steps: int | None = None,
+        warmup_num_steps: int = 0,
+        lr_scheduler_callable: Callable | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.optimizer = optimizer
+        self.total_num_steps, self.warmup_num_steps = total_num_steps, warmup_num_steps
+        self.lr_scheduler_callable, self.kwargs = lr_scheduler_callable, kwargs
+        if isinstance(optimizer, DummyOptim):
+            optimizer.scheduler = self  # the engine, built with the optimizer, needs the schedule then
 
 
 def one_process_state(device: torch.device, num_threads: int | None) -> ProcessState:
@@ -145,11 +192,19 @@ class Strategy(ABC):
         """`loss_fn` compiled with the model's settings (`trainer.compile.loss`), else itself."""
         return compile_loss(loss_fn, self.compile_config)
 
-    def use_kwargs(self, handler: KwargsHandler) -> None:
-        """Apply an Accelerate kwargs handler that configures this backend (before `setup_environment`);
-        ConfigError for one it has no use for."""
+    def use_process_group(self, options: ProcessGroupOptions) -> None:
+        """Apply `options` to the process group this strategy forms (before `setup_environment`);
+        ConfigError where it forms none that takes them."""
+        self._refuse(options)
+
+    def use_ddp(self, options: DDPOptions) -> None:
+        """Apply DistributedDataParallel's `options` (before `prepare`); ConfigError where this strategy
+        does not wrap models in DDP."""
+        self._refuse(options)
+
+    def _refuse(self, options: object) -> None:
         raise ConfigError(
-            f"kwargs_handlers: {type(handler).__name__} configures what {type(self).__name__} "
+            f"{type(options).__name__} configures what {type(self).__name__} "
             f"(DistributedType.{self.distributed_type.value}) does not use: remove it, or run the backend it "
             "is meant for."
         )

@@ -6,8 +6,8 @@ import torch
 
 from runner.config import PositiveFloat, PositiveInt, checked
 from runner.errors import ConfigError
-from runner.handlers import DistributedDataParallelKwargs, InitProcessGroupKwargs, KwargsHandler
-from runner.hardware.base import Strategy, one_process_state
+from runner.hardware.base import ProcessGroupOptions, Strategy, one_process_state
+from runner.hardware.parallelize import DDPOptions
 from runner.state import ProcessState
 
 
@@ -31,11 +31,12 @@ class SingleDevice(Strategy):
         self.num_threads = num_threads
         self.peak_flops = peak_flops
 
-    def use_kwargs(self, handler: KwargsHandler) -> None:
-        """The process-group and DDP handlers have nothing to configure in a one-process job (Accelerate
-        takes them there too, so that one script runs alone and launched)."""
-        if not isinstance(handler, (InitProcessGroupKwargs, DistributedDataParallelKwargs)):
-            super().use_kwargs(handler)
+    def use_process_group(self, options: ProcessGroupOptions) -> None:
+        """Nothing to configure: a one-process job forms no group (Accelerate takes the settings there too,
+        so that one script runs alone and launched)."""
+
+    def use_ddp(self, options: DDPOptions) -> None:
+        """Nothing to configure: one process has no replicas to keep in sync."""
 
     def setup_environment(self) -> ProcessState:
         return one_process_state(self.device, self.num_threads)

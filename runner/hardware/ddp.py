@@ -11,8 +11,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from runner.config import PositiveFloat, checked
-from runner.handlers import DDPCommunicationHookType, DistributedDataParallelKwargs, KwargsHandler
-from runner.hardware.parallelize import apply_ddp, register_comm_hook
+from runner.hardware.parallelize import DDPOptions, apply_ddp, register_comm_hook
 from runner.hardware.process_group import ParallelStrategy
 
 
@@ -43,28 +42,16 @@ class DDP(ParallelStrategy):
         }
         if bucket_cap_mb is not None:
             self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
-        # DistributedDataParallelKwargs' comm_hook, comm_wrapper, comm_state_option
-        self.comm_hook: tuple[DDPCommunicationHookType, DDPCommunicationHookType, dict[str, Any]] = (
-            DDPCommunicationHookType.NO,
-            DDPCommunicationHookType.NO,
-            {},
-        )
+        self.comm = DDPOptions()  # the communication hook
 
-    def use_kwargs(self, handler: KwargsHandler) -> None:
-        if not isinstance(handler, DistributedDataParallelKwargs):
-            return super().use_kwargs(handler)
-        settings = handler.to_kwargs()
-        self.comm_hook = (
-            settings.pop("comm_hook", DDPCommunicationHookType.NO),
-            settings.pop("comm_wrapper", DDPCommunicationHookType.NO),
-            settings.pop("comm_state_option", {}),
-        )
-        self.ddp_kwargs.update(settings)
+    def use_ddp(self, options: DDPOptions) -> None:
+        self.ddp_kwargs.update(options.module)
+        self.comm = options
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         self.apply_compute(module)
         wrapped = apply_ddp(module, self.device, **self.ddp_kwargs)
-        register_comm_hook(wrapped, *self.comm_hook)
+        register_comm_hook(wrapped, self.comm.comm_hook, self.comm.comm_wrapper, self.comm.comm_state)
         return wrapped
 
     @contextmanager

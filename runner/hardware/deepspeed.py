@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.cluster import export_local_rank
 from runner.config import PositiveFloat, PositiveInt, PythonOnly, Range, checked
 from runner.errors import ConfigError, install_command
-from runner.handlers import DummyOptim, DummyScheduler, fill_auto
+from runner.hardware.base import DummyOptim, DummyScheduler
 from runner.hardware.process_group import ParallelStrategy
 from runner.precision import Float16MixedPrecision, MixedPrecision, Precision, refuse_fp8
 from runner.state import DistributedType, ProcessState
@@ -470,3 +470,21 @@ def _fill(user: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
 def _sharded_at(zero_stage: int) -> frozenset[str]:
     """The states ZeRO stage `zero_stage` partitions: the optimizer's, then the gradients, then the weights."""
     return frozenset(["optimizer", "gradients", "weights"][:zero_stage])
+
+
+def fill_auto(config: dict[str, Any], values: dict[str, Any]) -> None:
+    """Set each dotted key of `values` in the DeepSpeed `config` where the config says "auto" (Accelerate's
+    rule: a key the config leaves out stays out, and DeepSpeed's default applies)."""
+    for key, value in values.items():
+        node, leaf = config_node(config, key)
+        if node is not None and node.get(leaf) == "auto":
+            node[leaf] = value
+
+
+def config_node(config: dict[str, Any], key: str) -> tuple[dict[str, Any] | None, str]:
+    """The dict holding dotted `key`'s last part (None where a block on the way is missing), and that part."""
+    *path, leaf = key.split(".")
+    node: Any = config
+    for part in path:
+        node = node.get(part) if isinstance(node, dict) else None
+    return (node if isinstance(node, dict) else None), leaf

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +29,6 @@ from runner.config import (
     CompileScope,
 )
 from runner.errors import ConfigError
-from runner.handlers import DDPCommunicationHookType
 from runner.hardware.context_parallel import ContextParallel
 from runner.models.sequence_shares import share_model
 from runner.ops import host_copy
@@ -272,6 +273,28 @@ def compile_options(config: CompileConfig) -> dict[str, Any]:
     }
 
 
+class DDPCommunicationHookType(str, Enum):
+    """How DDP compresses gradients before its all-reduce (`DDPOptions.comm_hook`)."""
+
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+
+@dataclass(frozen=True)
+class DDPOptions:
+    """DistributedDataParallel's own arguments (`module`) and a communication hook: `comm_hook`, optionally
+    wrapped by `comm_wrapper` (an fp16/bf16 cast of what PowerSGD sends); `comm_state`: PowerSGDState's
+    arguments."""
+
+    module: dict[str, Any] = field(default_factory=dict)
+    comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_state: dict[str, Any] = field(default_factory=dict)
+
+
 def apply_ddp(module: torch.nn.Module, device: torch.device, **options: Any) -> DistributedDataParallel:
     """A replica of `module` per rank whose gradients are averaged during backward (DDP's `options`)."""
     device_ids = [device.index] if device.type == "cuda" else None
@@ -304,7 +327,7 @@ def register_comm_hook(
         return
     if wrapper is not DDPCommunicationHookType.NO and wrapper not in wrappers:
         raise ValueError(
-            f"DistributedDataParallelKwargs.comm_wrapper={wrapper.value!r}: expected 'no', 'fp16' or 'bf16'."
+            f"DDP's comm_wrapper={wrapper.value!r}: expected 'no', 'fp16' or 'bf16'."
         )
     function = hooks[hook]
     if wrapper in wrappers:

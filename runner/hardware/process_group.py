@@ -14,8 +14,7 @@ import torch.distributed as dist
 from runner.cluster import available_cores, launched_environment
 from runner.config import PositiveFloat, PositiveInt, checked
 from runner.errors import ConfigError
-from runner.handlers import InitProcessGroupKwargs, KwargsHandler
-from runner.hardware.base import Strategy
+from runner.hardware.base import ProcessGroupOptions, Strategy
 from runner.rendezvous import rendezvous
 from runner.state import DistributedType, ProcessState
 
@@ -89,13 +88,10 @@ class ParallelStrategy(Strategy):
     def distributed_type(self) -> DistributedType:  # type: ignore[override]
         return DistributedType.MULTI_GPU if self.device_type == "cuda" else DistributedType.MULTI_CPU
 
-    def use_kwargs(self, handler: KwargsHandler) -> None:
-        if not isinstance(handler, InitProcessGroupKwargs):
-            return super().use_kwargs(handler)
-        settings = handler.to_kwargs()
-        self.backend = settings.get("backend", self.backend)
-        self.init_method = settings.get("init_method", self.init_method)
-        self.timeout = settings.get("timeout", self.timeout)
+    def use_process_group(self, options: ProcessGroupOptions) -> None:
+        self.backend = options.backend or self.backend
+        self.init_method = options.init_method or self.init_method
+        self.timeout = options.timeout or self.timeout
 
     def setup_environment(self) -> ProcessState:
         env = launched_environment()

@@ -25,8 +25,8 @@ from runner import (
     init_empty_weights,
     load_checkpoint_and_dispatch,
 )
+from runner.accelerate.handlers import DataLoaderConfiguration
 from runner.big_modeling import compute_module_sizes
-from runner.handlers import DataLoaderConfiguration
 from runner.models import GPT
 from runner.weights import save_model_files
 

@@ -3,8 +3,10 @@
 `FullyShardedDataParallelPlugin` and `DeepSpeedPlugin`, with Accelerate's names, fields and defaults
 (the layout of the ranks, `ParallelismConfig`, is in `runner.accelerate.parallelism_config`).
 
-The Accelerator hands each handler to what it configures: the process group and DDP to the hardware
-strategy, loss scaling and autocast to the precision plugin; the profiler it runs itself."""
+Each translates into the core's own options: a kwargs handler into the strategy's (`ProcessGroupOptions`,
+`DDPOptions`) or the precision's (`Autocast`, loss scaling), `GradientAccumulationPlugin` and
+`DataLoaderConfiguration` into the Engine's `Accumulation` and `Loading`; the profiler the Accelerator
+runs itself."""
 
 from __future__ import annotations
 
@@ -23,6 +25,13 @@ import torch
 
 from runner.cluster import env_flag
 from runner.config import CompileConfig, CompileScope
+from runner.engine import Accumulation, Loading
+from runner.errors import ConfigError
+from runner.hardware import Strategy
+from runner.hardware.base import ProcessGroupOptions
+from runner.hardware.deepspeed import config_node, fill_auto
+from runner.hardware.parallelize import DDPCommunicationHookType, DDPOptions
+from runner.precision import Autocast, Precision
 
 
 class KwargsHandler:
@@ -37,15 +46,21 @@ class KwargsHandler:
             if getattr(self, f.name) != getattr(default, f.name)
         }
 
+    def apply(self, strategy: Strategy, precision: Precision) -> None:
+        """Hand these settings to what they configure (before the Engine sets either up): nothing here."""
 
-class DDPCommunicationHookType(str, Enum):
-    """How DDP compresses gradients before its all-reduce (`DistributedDataParallelKwargs.comm_hook`)."""
 
-    NO = "no"
-    FP16 = "fp16"
-    BF16 = "bf16"
-    POWER_SGD = "power_sgd"
-    BATCHED_POWER_SGD = "batched_power_sgd"
+def apply_handlers(handlers: list[KwargsHandler], strategy: Strategy, precision: Precision) -> None:
+    """Apply each of `kwargs_handlers`; a ConfigError naming the handler where it configures nothing."""
+    for handler in handlers:
+        try:
+            handler.apply(strategy, precision)
+        except ConfigError:
+            raise ConfigError(
+                f"kwargs_handlers: {type(handler).__name__} configures what {type(strategy).__name__} "
+                f"(DistributedType.{strategy.distributed_type.value}) does not use: remove it, or run the "
+                "backend it is meant for."
+            ) from None
 
 
 @dataclass
@@ -64,6 +79,11 @@ class DistributedDataParallelKwargs(KwargsHandler):
     comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
     comm_state_option: dict[str, Any] = field(default_factory=dict)
 
+    def apply(self, strategy: Strategy, precision: Precision) -> None:
+        module = {k: v for k, v in self.to_kwargs().items() if not k.startswith("comm_")}
+        hook = DDPOptions(module, self.comm_hook, self.comm_wrapper, dict(self.comm_state_option))
+        strategy.use_ddp(hook)
+
 
 @dataclass
 class InitProcessGroupKwargs(KwargsHandler):
@@ -73,6 +93,9 @@ class InitProcessGroupKwargs(KwargsHandler):
     backend: str | None = "nccl"
     init_method: str | None = None
     timeout: timedelta | None = None
+
+    def apply(self, strategy: Strategy, precision: Precision) -> None:
+        strategy.use_process_group(ProcessGroupOptions(**self.to_kwargs()))
 
 
 @dataclass
@@ -85,6 +108,9 @@ class GradScalerKwargs(KwargsHandler):
     growth_interval: int = 2000
     enabled: bool = True
 
+    def apply(self, strategy: Strategy, precision: Precision) -> None:
+        precision.use_loss_scaling(**self.to_kwargs())
+
 
 @dataclass
 class AutocastKwargs(KwargsHandler):
@@ -92,6 +118,12 @@ class AutocastKwargs(KwargsHandler):
 
     enabled: bool = True
     cache_enabled: bool | None = None
+
+    def settings(self) -> Autocast:
+        return Autocast(self.enabled, self.cache_enabled)
+
+    def apply(self, strategy: Strategy, precision: Precision) -> None:
+        precision.use_autocast(self.settings())
 
 
 @dataclass
@@ -157,6 +189,17 @@ class DataLoaderConfiguration:
     non_blocking: bool = False
     use_stateful_dataloader: bool = False
 
+    def loading(self) -> Loading:
+        """What the Engine takes of it."""
+        return Loading(
+            split_batches=self.split_batches,
+            even_batches=self.even_batches,
+            seeded_sampler=self.use_seedable_sampler,
+            data_seed=self.data_seed,
+            non_blocking=self.non_blocking,
+            stateful=self.use_stateful_dataloader,
+        )
+
     def __post_init__(self) -> None:
         if self.dispatch_batches:
             raise ValueError(
@@ -181,6 +224,12 @@ class GradientAccumulationPlugin(KwargsHandler):
     adjust_scheduler: bool = True
     sync_with_dataloader: bool = True
     sync_each_batch: bool = False
+
+    def accumulation(self) -> Accumulation:
+        """What the Engine takes of it (`num_steps` checked by the Accelerator)."""
+        return Accumulation(
+            self.num_steps or 1, self.adjust_scheduler, self.sync_with_dataloader, self.sync_each_batch
+        )
 
 
 # FSDP1's sharding strategies (Accelerate's names and numbers): (reshard after forward, how ranks hold the model).
@@ -549,7 +598,7 @@ class DeepSpeedPlugin:
             },
         )
         for name, key in DEEPSPEED_FIELDS.items():
-            node, leaf = _config_node(config, key)
+            node, leaf = config_node(config, key)
             value = None if node is None else node.get(leaf)
             if value is not None and value != "auto":
                 setattr(self, name, value)
@@ -621,56 +670,3 @@ DEEPSPEED_FIELDS = {
     "offload_optimizer_nvme_path": "zero_optimization.offload_optimizer.nvme_path",
     "zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 }
-
-
-def fill_auto(config: dict[str, Any], values: dict[str, Any]) -> None:
-    """Set each dotted key of `values` in the DeepSpeed `config` where the config says "auto" (Accelerate's
-    rule: a key the config leaves out stays out, and DeepSpeed's default applies)."""
-    for key, value in values.items():
-        node, leaf = _config_node(config, key)
-        if node is not None and node.get(leaf) == "auto":
-            node[leaf] = value
-
-
-def _config_node(config: dict[str, Any], key: str) -> tuple[dict[str, Any] | None, str]:
-    """The dict holding dotted `key`'s last part (None where a block on the way is missing), and that part."""
-    *path, leaf = key.split(".")
-    node: Any = config
-    for part in path:
-        node = node.get(part) if isinstance(node, dict) else None
-    return (node if isinstance(node, dict) else None), leaf
-
-
-class DummyOptim:
-    """Accelerate's stand-in for the optimizer a DeepSpeed config declares (its `optimizer` block): under a
-    `DeepSpeedPlugin`, `prepare` has the engine build that optimizer over `params` (parameters or groups),
-    the block's "auto" `lr` and `weight_decay` taken from here, and returns it prepared."""
-
-    def __init__(self, params: Any, lr: float = 0.001, weight_decay: float = 0, **kwargs: Any) -> None:
-        params = list(params)
-        self.params = params
-        self.lr, self.weight_decay, self.kwargs = lr, weight_decay, kwargs
-        grouped = bool(params) and isinstance(params[0], dict)
-        self.param_groups = [dict(g) for g in params] if grouped else [{"params": params}]
-        self.scheduler: DummyScheduler | None = None  # the DummyScheduler over this one, if any
-
-
-class DummyScheduler:
-    """Accelerate's stand-in for the learning-rate schedule a DeepSpeed config declares (its `scheduler`
-    block; "auto" `warmup_min_lr` 0, `warmup_max_lr` the optimizer's lr, `warmup_num_steps`,
-    `total_num_steps` per process, from here), or for `lr_scheduler_callable(optimizer)`: the engine builds
-    it over its optimizer and steps it with each optimizer step. Prepare it with its `DummyOptim`."""
-
-    def __init__(
-        self,
-        optimizer: DummyOptim,
-        total_num_steps: int | None = None,
-        warmup_num_steps: int = 0,
-        lr_scheduler_callable: Callable | None = None,
-        **kwargs: Any,
-    ) -> None:
-        self.optimizer = optimizer
-        self.total_num_steps, self.warmup_num_steps = total_num_steps, warmup_num_steps
-        self.lr_scheduler_callable, self.kwargs = lr_scheduler_callable, kwargs
-        if isinstance(optimizer, DummyOptim):
-            optimizer.scheduler = self  # the engine, built with the optimizer, needs the schedule then
