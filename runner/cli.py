@@ -47,19 +47,21 @@ from runner.errors import (
     SEARCH_PATH_MISSING,
     ConfigError,
     JobFailed,
+    RankFailedError,
     TrainingInterrupted,
     TrainingStopped,
     describe_compose_error,
     describe_exception,
     describe_missing_search_path,
     describe_yaml_error,
+    ending,
     raise_terminated,
     signal_name,
     write_failure,
 )
 from runner.help import help_text
 from runner.inference import infer
-from runner.launchers import Job, RankFailedError
+from runner.launchers import Job
 from runner.launchers.base import interrupted
 from runner.plan import describe as describe_plan
 from runner.run_log import FILE_ONLY, configure_rank_logging
@@ -102,23 +104,18 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
             if built.tracker is not None and (env is None or env.rank == 0):
                 built.tracker.warm_up(output_dir)
             metrics = built.launcher.launch(_job(cfg, hydra_cfg, output_dir, env, built))
-    except (ConfigError, InstantiationException) as err:
-        cause = err.__cause__ if isinstance(err.__cause__, ConfigError) else err
-        log.error("Configuration error: %s", cause)
-        if getattr(cause, "details", None):
-            log.info("%s", cause.details, extra=FILE_ONLY)
-        sys.exit(2)
-    except RankFailedError as err:
-        log.error("Training failed: %s", err)
-        if err.details:
-            log.info("%s", err.details, extra=FILE_ONLY)
-        _failed(hydra_cfg, output_dir, f"Training failed: {err}")
-    except TrainingInterrupted as err:
-        log.warning("Training interrupted: %s", err)
-        sys.exit(EXIT_INTERRUPTED)
-    except TrainingStopped as err:  # diverged, or the disk full
-        log.error("Training stopped: %s", err)
-        _failed(hydra_cfg, output_dir, f"Training stopped: {err}")
+    except (
+        ConfigError,
+        InstantiationException,
+        RankFailedError,
+        TrainingInterrupted,
+        TrainingStopped,
+    ) as err:
+        if isinstance(err.__cause__, ConfigError):  # a class the config names refused its arguments
+            err = err.__cause__
+        _ended(
+            ConfigError(str(err)) if isinstance(err, InstantiationException) else err, hydra_cfg, output_dir
+        )
     except OSError as err:  # the job's own files (its config, metrics) on a full or read-only disk
         if (reason := write_failure(err)) is None:
             raise
@@ -246,6 +243,18 @@ def _objective(cfg: DictConfig, metrics: dict[str, float]) -> float | dict[str, 
     return metrics[objective]
 
 
+def _ended(err: BaseException, hydra_cfg: DictConfig, output_dir: Path) -> NoReturn:
+    """End the job that `err` stopped: its one paragraph (the whole traceback, `details`, to the log file
+    only) and its exit status (`runner.errors.ENDINGS`); a failure goes through `_failed`."""
+    heading, status = ending(err)
+    log.log(logging.WARNING if status == EXIT_INTERRUPTED else logging.ERROR, "%s: %s", heading, err)
+    if details := getattr(err, "details", None):
+        log.info("%s", details, extra=FILE_ONLY)
+    if status == 1:
+        _failed(hydra_cfg, output_dir, f"{heading}: {err}")
+    sys.exit(status)
+
+
 def _failed(hydra_cfg: DictConfig, output_dir: Path, message: str) -> NoReturn:
     """End a job whose training failed: exit 1; a job of a sweep records why in its dir (`failed.json`,
     for the sweep's summary) and raises JobFailed instead, so that the sweep goes on to its next job."""
@@ -270,8 +279,7 @@ def run() -> None:
         try:
             init_project_command(sys.argv[2:])
         except ConfigError as err:
-            print(f"Configuration error: {err}", file=sys.stderr)
-            sys.exit(2)
+            _end_command(err)
         return
     register_configs()
     for plugin in (ResumableSweeper, RunnerLauncher):
@@ -281,8 +289,7 @@ def run() -> None:
         check_intervals(sys.argv[1:])
         sys.argv[1:] = resume_last(sys.argv[1:])
     except ConfigError as err:
-        print(f"Configuration error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _end_command(err)
     _importable_cwd()
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra raise instead of printing its own report
     env = launched_environment()
@@ -297,34 +304,32 @@ def run() -> None:
                 return
             main()
     except UserWarning as err:
-        print(f"Configuration error: {describe_missing_search_path(str(err))}", file=sys.stderr)
-        sys.exit(2)
-    # What a sweep's launcher raises (`runner.launchers.slurm.launch_sweep`): its jobs refused before any is
-    # queued, a job whose tasks died on SLURM, or the wait for them stopped.
-    except ConfigError as err:
-        print(f"Configuration error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except (RankFailedError, TrainingStopped) as err:
-        print(f"Training failed: {err}", file=sys.stderr)
-        sys.exit(1)
-    except TrainingInterrupted as err:
-        print(f"Training interrupted: {err}", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
+        _end_command(ConfigError(describe_missing_search_path(str(err))))
     except (HydraException, OmegaConfBaseException) as err:
-        print(f"Configuration error: {describe_compose_error(err)}", file=sys.stderr)
-        sys.exit(2)
+        _end_command(ConfigError(describe_compose_error(err)))
     except yaml.YAMLError as err:  # a config file of the search path (the user's --config-dir) is not YAML
-        print(f"Configuration error: {describe_yaml_error(err)}", file=sys.stderr)
-        sys.exit(2)
+        _end_command(ConfigError(describe_yaml_error(err)))
     except OSError as err:  # Hydra making the job's dir: a file in its place, a read-only or full disk
         if err.errno not in (errno.EEXIST, errno.ENOTDIR, errno.EACCES, errno.EROFS, errno.ENOSPC):
             raise
-        print(
-            f"Configuration error: the run's dir cannot be made at {err.filename} ({err.strerror}). Give "
-            "hydra.run.dir (hydra.sweep.dir with -m) a directory you can write, or a new one.",
-            file=sys.stderr,
+        _end_command(
+            ConfigError(
+                f"the run's dir cannot be made at {err.filename} ({err.strerror}). Give hydra.run.dir "
+                "(hydra.sweep.dir with -m) a directory you can write, or a new one."
+            )
         )
-        sys.exit(2)
+    # What a sweep's launcher raises (`Launcher.launch_sweep`): its jobs refused before any is queued, a
+    # job whose tasks died on SLURM, or the wait for them stopped.
+    except (ConfigError, RankFailedError, TrainingInterrupted, TrainingStopped) as err:
+        _end_command(err)
+
+
+def _end_command(err: BaseException) -> NoReturn:
+    """The command's end for what stopped it before or after its jobs: one paragraph on stderr, the exit
+    status of `runner.errors.ENDINGS`."""
+    heading, status = ending(err)
+    print(f"{heading}: {err}", file=sys.stderr)
+    sys.exit(status)
 
 
 HELP_FLAGS = {"--help", "-h"}  # runner's own help (runner.help); --hydra-help is Hydra's

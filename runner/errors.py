@@ -215,6 +215,34 @@ class RendezvousError(TrainingStopped):
     """The ranks of a job did not all meet: which did not, and on which hosts."""
 
 
+class RankFailedError(RuntimeError):
+    """A rank of the job raised or was killed; the other ranks were stopped. `details` (the whole
+    traceback) go to the run's log file, not to the console."""
+
+    def __init__(self, message: str, details: str | None = None) -> None:
+        super().__init__(message)
+        self.details = details
+
+
+# What ended a command -> the heading of the one paragraph that says so, and the command's exit status:
+# 2, the command is wrong and nothing ran; 75 (EX_TEMPFAIL), stopped after a checkpoint: run it again;
+# 1, the training failed. The first kind an error is decides.
+ENDINGS: tuple[tuple[type[BaseException], str, int], ...] = (
+    (ConfigError, "Configuration error", 2),
+    (TrainingInterrupted, "Training interrupted", EXIT_INTERRUPTED),
+    (RankFailedError, "Training failed", 1),
+    (TrainingStopped, "Training stopped", 1),
+)
+
+
+def ending(err: BaseException) -> tuple[str, int]:
+    """The heading and exit status of a command that `err` ended (`ENDINGS`; any other: a failure)."""
+    return next(
+        ((heading, status) for kind, heading, status in ENDINGS if isinstance(err, kind)),
+        ("Training failed", 1),
+    )
+
+
 _WRITE_FAILURES = {
     errno.ENOSPC: "the disk is full",
     errno.EDQUOT: "the disk quota is exceeded",

@@ -15,7 +15,10 @@ import torch
 from conftest import cli_env, metrics_of, runner_command
 from omegaconf import OmegaConf
 
+from hydra_plugins.runner_launcher.launcher import RunnerLauncher
 from runner import load_checkpoint_in_model
+from runner.launchers.base import Sweep
+from runner.launchers.local import LocalLauncher
 from runner.models import GPT
 from runner.weights import read_weights
 
@@ -140,6 +143,31 @@ def test_deepspeed_zero3_from_a_users_json_trains_resumes_and_saves_fp32_weights
         | {"vocab_size": weights["tok_emb.weight"].shape[0]}
     )
     load_checkpoint_in_model(model, proc.run_dir / "model")
+
+
+class SweepRecorder(LocalLauncher):
+    """A launcher that queues a sweep's jobs nowhere: it records the sweep it is handed."""
+
+    swept: list[Sweep] = []
+
+    @classmethod
+    def launch_sweep(cls, sweep: Sweep) -> list:
+        cls.swept.append(sweep)
+        return [
+            f"job {number}: {' '.join(overrides)}" for number, overrides in enumerate(sweep.job_overrides)
+        ]
+
+
+def test_runners_hydra_launcher_hands_a_sweep_to_the_launch_sweep_of_its_launcher():
+    """No launcher is named in the plugin: any `Launcher` subclass that overrides `launch_sweep` gets the
+    sweep (SLURM's arrays are one; the default runs the jobs one after another, as below)."""
+    plugin = RunnerLauncher()
+    config = OmegaConf.create({"launcher": {"_target_": f"{__name__}.SweepRecorder"}})
+    context = object()
+    plugin.setup(hydra_context=context, task_function=print, config=config)  # type: ignore[arg-type]
+    assert plugin.launch([["seed=1"], ["seed=2"]], 3) == ["job 0: seed=1", "job 1: seed=2"]
+    (sweep,) = SweepRecorder.swept
+    assert sweep.config is config and sweep.hydra_context is context and sweep.initial_job_idx == 3
 
 
 def test_multirun_gives_each_job_its_own_rank_group_and_dir(run_cli, tmp_path):

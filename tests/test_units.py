@@ -17,12 +17,20 @@ import torch
 from runner.checkpoint.files import CheckpointDiscarded, PendingWrite, save_torch
 from runner.checkpoint.resume import keep_configured_lr
 from runner.cli import leave_the_heap
-from runner.errors import ConfigError, TrainingDiverged, TrainingInterrupted, TrainingStopped
+from runner.errors import (
+    ConfigError,
+    RankFailedError,
+    RendezvousError,
+    TrainingDiverged,
+    TrainingInterrupted,
+    TrainingStopped,
+    ending,
+)
 from runner.hardware.base import ParameterMap
 from runner.hardware.cpu import SingleDevice
 from runner.hardware.mesh import ParallelDims
 from runner.hardware.pipeline import check_pipeline, local_stage_indices, stage_blocks
-from runner.launchers.base import RankFailedError, lost_a_peer, report_failure, reported_failure
+from runner.launchers.reports import lost_a_peer, report_failure, reported_failure
 from runner.models import GPT
 
 
@@ -267,7 +275,7 @@ def test_a_device_this_machine_lacks_is_refused_naming_what_it_has(name, message
 def test_a_part_written_into_a_discarded_checkpoint_is_reported_after_the_cause(tmp_path, monkeypatch):
     """Rank 1 writes its part while rank 0, whose own write failed (a full disk), removes the staging dir:
     rank 1's error is a consequence, so rank 0's report is the one raised."""
-    monkeypatch.setattr("runner.launchers.base.LOST_PEER_GRACE_S", 0.0)
+    monkeypatch.setattr("runner.launchers.reports.LOST_PEER_GRACE_S", 0.0)
     with pytest.raises(CheckpointDiscarded) as discarded:
         save_torch({"x": torch.ones(1)}, tmp_path / "gone" / "random_states_1.pt")
     assert lost_a_peer(discarded.value)
@@ -306,3 +314,13 @@ def test_the_command_leaves_the_heap_to_exit_after_finalising_its_garbage(tmp_pa
         assert (tmp_path / "closed").read_text() == "finalised"
     finally:
         gc.unfreeze()
+
+
+def test_every_way_a_command_ends_has_one_heading_and_exit_status():
+    """One table (runner.errors.ENDINGS) for the job and the command around it: 2 where nothing ran, 75
+    where a rerun resumes, 1 for a failure, whatever raised it."""
+    assert ending(ConfigError("x")) == ("Configuration error", 2)
+    assert ending(TrainingInterrupted("x")) == ("Training interrupted", 75)
+    assert ending(RankFailedError("x")) == ("Training failed", 1)
+    assert ending(TrainingDiverged("x")) == ending(RendezvousError("x")) == ("Training stopped", 1)
+    assert ending(RuntimeError("x")) == ("Training failed", 1)

@@ -57,6 +57,8 @@ class AcceleratorState(ProcessState):
     from (scripts read `accelerator.state.deepspeed_plugin.deepspeed_config`)."""
 
     deepspeed_plugin: DeepSpeedPlugin | None = None
+
+
 _process_log = get_logger(__name__)  # Accelerate's warning_once
 
 

@@ -326,9 +326,7 @@ def register_comm_hook(
     if hook is DDPCommunicationHookType.NO:
         return
     if wrapper is not DDPCommunicationHookType.NO and wrapper not in wrappers:
-        raise ValueError(
-            f"DDP's comm_wrapper={wrapper.value!r}: expected 'no', 'fp16' or 'bf16'."
-        )
+        raise ValueError(f"DDP's comm_wrapper={wrapper.value!r}: expected 'no', 'fp16' or 'bf16'.")
     function = hooks[hook]
     if wrapper in wrappers:
         function = wrappers[wrapper](function)

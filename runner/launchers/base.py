@@ -1,29 +1,24 @@
-"""What a launcher is given (a `Job`) and what each rank it starts runs (`run_rank`)."""
+"""The launcher contract: what a launcher is given (a `Job`, or a `Sweep` of them), and what each rank it
+starts runs (`run_rank`)."""
 
 from __future__ import annotations
 
 import json
-import re
-import time
-import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-from omegaconf import DictConfig
+from hydra.core.utils import JobReturn
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, open_dict
 
-from runner.checkpoint.files import LATEST, CheckpointDiscarded, atomic_write_text, latest_checkpoint
+from runner.checkpoint.files import LATEST, atomic_write_text, latest_checkpoint
 from runner.checkpoint.resume import FINISHED, finite_metrics, resume_override
 from runner.cluster import launched_environment
 from runner.errors import (
-    ConfigError,
-    RendezvousError,
-    TrainingInterrupted,
     TrainingStopped,
-    describe_exception,
     write_failure,
 )
 from runner.hardware.base import Strategy
@@ -57,21 +52,44 @@ class Job:
         return replace(self, strategy=None)
 
 
-class RankFailedError(RuntimeError):
-    """A rank of the job raised or was killed; the other ranks were stopped. `details` (the whole
-    traceback) go to the run's log file, not to the console."""
+@dataclass(frozen=True)
+class Sweep:
+    """A sweep's jobs, as Hydra hands them to runner's launcher plugin (`hydra/launcher=runner`), which
+    passes them to the `launch_sweep` of the sweep's `launcher`."""
 
-    def __init__(self, message: str, details: str | None = None) -> None:
-        super().__init__(message)
-        self.details = details
+    hydra_context: HydraContext
+    task_function: TaskFunction
+    config: DictConfig
+    job_overrides: Sequence[Sequence[str]]
+    initial_job_idx: int
+
+    def jobs(self) -> Iterator[tuple[int, list[str], DictConfig]]:
+        """Each job's number, overrides and config, composed as Hydra's launchers compose it."""
+        for number, overrides in enumerate(self.job_overrides, start=self.initial_job_idx):
+            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            with open_dict(cfg):
+                cfg.hydra.job.num = cfg.hydra.job.id = number
+            yield number, list(overrides), cfg
 
 
 class Launcher(ABC):
-    """Starts the ranks of a job and returns rank 0's metrics. `strategy` is the job's hardware, built once
-    by the launching process."""
+    """Starts the ranks of a job and returns rank 0's metrics; runs a sweep's jobs. `strategy` is the job's
+    hardware, built once by the launching process."""
 
     @abstractmethod
     def launch(self, job: Job) -> dict[str, float]: ...
+
+    @classmethod
+    def launch_sweep(cls, sweep: Sweep) -> Sequence[JobReturn]:
+        """Run the jobs of a sweep launched with this class: here, one after another in this process, as
+        Hydra's basic launcher runs them (each job's `launch` starts its ranks). A launcher that queues
+        jobs elsewhere overrides it (SLURM: arrays)."""
+        # Hydra's plugin scan executes its plugins' modules again: take the class as it is now.
+        from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+
+        basic = BasicLauncher()
+        basic.setup(hydra_context=sweep.hydra_context, task_function=sweep.task_function, config=sweep.config)
+        return basic.launch(sweep.job_overrides, sweep.initial_job_idx)
 
     @abstractmethod
     def world_size(self, cfg: DictConfig, strategy: Strategy) -> int:
@@ -121,65 +139,3 @@ def run_rank(job: Job) -> dict[str, float]:
             job.output_dir / FINISHED, json.dumps(finite_metrics(metrics), indent=2, allow_nan=False)
         )
     return metrics
-
-
-# What a rank raised, written for the launcher (the local launcher's ranks, a SLURM job's tasks): the
-# exceptions raised again as they are, by class name; any other is reported with its traceback.
-REPORTED_AS_IS = {  # the most specific first: a rank's error is reported as the first it is an instance of
-    error.__name__: error for error in (ConfigError, TrainingInterrupted, RendezvousError, TrainingStopped)
-}
-LOST_PEER_GRACE_S = 2.0
-
-
-def lost_a_peer(err: BaseException) -> bool:
-    """Whether `err` is a consequence of another rank's failure, not a cause: a collective failing because
-    that rank went away, or the checkpoint being written discarded by it."""
-    return isinstance(err, (dist.DistError, CheckpointDiscarded)) or bool(
-        re.search(r"(closed|reset) by peer|remote worker|communicator was aborted", str(err))
-    )
-
-
-def report_failure(error_dir: Path, rank: int, err: BaseException) -> None:
-    """Write what rank `rank` raised into `<error_dir>/rank<rank>.json` (after a moment when its collective
-    merely lost a peer, so that the peer's own failure is seen first)."""
-    lost_peer = lost_a_peer(err)
-    if lost_peer:
-        time.sleep(LOST_PEER_GRACE_S)
-    kind = next((name for name, error in REPORTED_AS_IS.items() if isinstance(err, error)), None)
-    report = {
-        "time": time.time(),
-        "lost_peer": lost_peer,
-        "kind": kind,
-        "message": str(err),
-        "signum": getattr(err, "signum", None),  # TrainingInterrupted's: the signal that stopped the rank
-        "traceback": traceback.format_exc(),
-        "summary": describe_exception(err),
-    }
-    error_dir.mkdir(parents=True, exist_ok=True)
-    (error_dir / f"rank{rank}.json").write_text(json.dumps(report))
-
-
-def reported_failure(error_dir: Path, causes_only: bool = False) -> Exception | None:
-    """What to raise for the ranks' reports in `error_dir` (None: none reported): the first rank that raised
-    (ranks that merely lost a peer last), its exception again when it is one of REPORTED_AS_IS, else a
-    RankFailedError with its traceback. `causes_only`: None too when every report is of a lost peer (the
-    rank that failed first wrote none: it was killed)."""
-    reports = {
-        int(path.stem.removeprefix("rank")): json.loads(path.read_text())
-        for path in error_dir.glob("rank*.json")
-    }
-    if not reports or (causes_only and all(report["lost_peer"] for report in reports.values())):
-        return None
-    rank = min(reports, key=lambda r: (reports[r]["lost_peer"], reports[r]["time"]))
-    if (kind := reports[rank]["kind"]) is not None:
-        error = REPORTED_AS_IS[kind](reports[rank]["message"])
-        if kind == TrainingInterrupted.__name__:
-            error.signum = reports[rank].get("signum")
-        return error
-    others = sorted(set(reports) - {rank})
-    also = f" (rank {', '.join(map(str, others))} failed too)" if others else ""
-    report = reports[rank]
-    return RankFailedError(
-        f"rank {rank} raised; the other ranks were stopped{also}.\n{report.get('summary') or report['traceback']}",
-        details=report["traceback"],
-    )

@@ -28,17 +28,10 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from runner.cluster import available_cores, launched_environment
 from runner.config import NonNegativeFloat, PositiveFloat, checked
-from runner.errors import EXIT_INTERRUPTED, ConfigError, TrainingInterrupted, signal_name
+from runner.errors import EXIT_INTERRUPTED, ConfigError, RankFailedError, TrainingInterrupted, signal_name
 from runner.hardware.base import Strategy
-from runner.launchers.base import (
-    Job,
-    Launcher,
-    RankFailedError,
-    interrupted,
-    report_failure,
-    reported_failure,
-    run_rank,
-)
+from runner.launchers.base import Job, Launcher, interrupted, run_rank
+from runner.launchers.reports import report_failure, reported_failure
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 
 from runner.cluster import patch_environment
-from runner.launchers.base import RankFailedError
+from runner.errors import RankFailedError
 from runner.launchers.local import single_node_config
 
 

@@ -1,5 +1,5 @@
 """`launcher=slurm`: the job on a SLURM cluster through submitit, one task per rank; a sweep's jobs as SLURM
-arrays with the same keys (`launch_sweep`); and what a job running under SLURM does on the preemption or
+arrays with the same keys (`SlurmLauncher.launch_sweep`); and what a job running under SLURM does on the preemption or
 time-limit signal (checkpoint, requeue, resume)."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +24,10 @@ from omegaconf import DictConfig, open_dict
 
 from runner.cluster import launched_environment, slurm_job_id, slurm_step_nodes
 from runner.config import NonNegativeInt, PositiveFloat, PositiveInt, checked
-from runner.errors import ConfigError, TrainingInterrupted, install_command
+from runner.errors import ConfigError, RankFailedError, TrainingInterrupted, install_command
 from runner.hardware.base import Strategy
-from runner.launchers.base import Job, Launcher, RankFailedError, report_failure, reported_failure, run_rank
+from runner.launchers.base import Job, Launcher, Sweep, run_rank
+from runner.launchers.reports import report_failure, reported_failure
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +193,65 @@ class SlurmLauncher(Launcher):
             raise RankFailedError(
                 f"SLURM job {submitted.job_id} ended {submitted.state} without a result. Rank 0's log: "
                 f"{rank0.paths.stderr}; the others' are next to it.\n{err}"
+            ) from None
+
+    @classmethod
+    def launch_sweep(cls, sweep: Sweep) -> list[JobReturn]:
+        """A sweep's jobs on SLURM (`python -m runner -m launcher=slurm ...`, through runner's Hydra launcher):
+        each run of consecutive jobs that ask the same of the cluster is one array, one array task per job with
+        `launcher.nodes` x tasks per node SLURM tasks (one per rank), queued together, then waited for. Every
+        job was checked before (`runner.sweep.SweepCheck`, the cluster's limits included). The jobs' results,
+        in order; a job whose tasks died without one is FAILED with what its ranks reported."""
+        import submitit
+
+        arrays: list[tuple[tuple[dict[str, Any], Path, int], list[tuple[list[str], int, Path]]]] = []
+        config = sweep.config
+        for number, overrides, cfg in sweep.jobs():
+            launcher = instantiate(cfg.launcher)
+            if not isinstance(launcher, cls):
+                raise ConfigError(
+                    f"job {number} ({' '.join(overrides)}) runs with launcher={cfg.launcher._target_}, the sweep with "
+                    "launcher=slurm: a sweep runs all its jobs on SLURM or all here. Do not sweep over launcher."
+                )
+            if not launcher.wait:
+                raise ConfigError(
+                    "launcher.wait=false in a sweep: the sweep waits for its jobs to record which finished (a sweep "
+                    "run again resumes from that). Leave launcher.wait=true, and run the sweep where it may wait "
+                    "(tmux, nohup, or a small SLURM job of its own)."
+                )
+            parameters = launcher.sbatch_parameters(launcher.tasks_per_node(cfg, instantiate(cfg.hardware)))
+            folder = Path(launcher.folder) if launcher.folder else Path(config.hydra.sweep.dir) / "slurm"
+            asks = (parameters, folder, launcher.max_timeouts)
+            job = (list(overrides), number, Path(config.hydra.sweep.dir) / str(cfg.hydra.sweep.subdir))
+            if arrays and arrays[-1][0] == asks:
+                arrays[-1][1].append(job)
+            else:
+                arrays.append((asks, [job]))
+        task = SweepTask(sweep.hydra_context, sweep.task_function, config)
+        queued = []
+        for (parameters, folder, max_timeouts), jobs in arrays:
+            executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_timeouts)
+            executor.update_parameters(**parameters)
+            overrides, numbers, dirs = zip(*jobs, strict=True)
+            for job_dir in dirs:  # what a job's tasks raised, for this launch only
+                shutil.rmtree(job_dir / "slurm" / RANK_ERRORS, ignore_errors=True)
+            submitted = executor.map_array(task, overrides, numbers, [Singleton.get_state()] * len(jobs))
+            log.info(
+                "submitted SLURM array %s: job(s) %s of the sweep, each %d node(s) x %d task(s); logs in %s",
+                submitted[0].job_id.partition("_")[0],
+                ", ".join(map(str, numbers)),
+                parameters["nodes"],
+                parameters["ntasks_per_node"],
+                folder,
+            )
+            queued += zip(jobs, submitted, strict=True)
+        try:
+            return [_sweep_result(*job, submitted) for job, submitted in queued]
+        except KeyboardInterrupt:
+            ids = " ".join(sorted({submitted.job_id.partition("_")[0] for _, submitted in queued}))
+            raise TrainingInterrupted(
+                f"stopped waiting; the sweep's SLURM arrays go on (`scancel {ids}` stops them). The same command "
+                "resumes the sweep: it skips the jobs that finished."
             ) from None
 
     def sbatch_parameters(self, tasks_per_node: int) -> dict[str, Any]:
@@ -489,73 +548,6 @@ def follow(submitted: Any, log_file: Path, poll_interval_s: float, output_dir: P
         if done:
             return
         time.sleep(poll_interval_s)
-
-
-def launch_sweep(
-    hydra_context: HydraContext,
-    task_function: TaskFunction,
-    config: DictConfig,
-    job_overrides: Sequence[Sequence[str]],
-    initial_job_idx: int,
-) -> list[JobReturn]:
-    """A sweep's jobs on SLURM (`python -m runner -m launcher=slurm ...`, through runner's Hydra launcher):
-    each run of consecutive jobs that ask the same of the cluster is one array, one array task per job with
-    `launcher.nodes` x tasks per node SLURM tasks (one per rank), queued together, then waited for. Every
-    job was checked before (`runner.sweep.SweepCheck`, the cluster's limits included). The jobs' results,
-    in order; a job whose tasks died without one is FAILED with what its ranks reported."""
-    import submitit
-
-    arrays: list[tuple[tuple[dict[str, Any], Path, int], list[tuple[list[str], int, Path]]]] = []
-    for number, overrides in enumerate(job_overrides, start=initial_job_idx):
-        cfg = hydra_context.config_loader.load_sweep_config(config, list(overrides))
-        with open_dict(cfg):
-            cfg.hydra.job.num = cfg.hydra.job.id = number
-        launcher = instantiate(cfg.launcher)
-        if not isinstance(launcher, SlurmLauncher):
-            raise ConfigError(
-                f"job {number} ({' '.join(overrides)}) runs with launcher={cfg.launcher._target_}, the sweep with "
-                "launcher=slurm: a sweep runs all its jobs on SLURM or all here. Do not sweep over launcher."
-            )
-        if not launcher.wait:
-            raise ConfigError(
-                "launcher.wait=false in a sweep: the sweep waits for its jobs to record which finished (a sweep "
-                "run again resumes from that). Leave launcher.wait=true, and run the sweep where it may wait "
-                "(tmux, nohup, or a small SLURM job of its own)."
-            )
-        parameters = launcher.sbatch_parameters(launcher.tasks_per_node(cfg, instantiate(cfg.hardware)))
-        folder = Path(launcher.folder) if launcher.folder else Path(config.hydra.sweep.dir) / "slurm"
-        asks = (parameters, folder, launcher.max_timeouts)
-        job = (list(overrides), number, Path(config.hydra.sweep.dir) / str(cfg.hydra.sweep.subdir))
-        if arrays and arrays[-1][0] == asks:
-            arrays[-1][1].append(job)
-        else:
-            arrays.append((asks, [job]))
-    task = SweepTask(hydra_context, task_function, config)
-    queued = []
-    for (parameters, folder, max_timeouts), jobs in arrays:
-        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_timeouts)
-        executor.update_parameters(**parameters)
-        overrides, numbers, dirs = zip(*jobs, strict=True)
-        for job_dir in dirs:  # what a job's tasks raised, for this launch only
-            shutil.rmtree(job_dir / "slurm" / RANK_ERRORS, ignore_errors=True)
-        submitted = executor.map_array(task, overrides, numbers, [Singleton.get_state()] * len(jobs))
-        log.info(
-            "submitted SLURM array %s: job(s) %s of the sweep, each %d node(s) x %d task(s); logs in %s",
-            submitted[0].job_id.partition("_")[0],
-            ", ".join(map(str, numbers)),
-            parameters["nodes"],
-            parameters["ntasks_per_node"],
-            folder,
-        )
-        queued += zip(jobs, submitted, strict=True)
-    try:
-        return [_sweep_result(*job, submitted) for job, submitted in queued]
-    except KeyboardInterrupt:
-        ids = " ".join(sorted({submitted.job_id.partition("_")[0] for _, submitted in queued}))
-        raise TrainingInterrupted(
-            f"stopped waiting; the sweep's SLURM arrays go on (`scancel {ids}` stops them). The same command "
-            "resumes the sweep: it skips the jobs that finished."
-        ) from None
 
 
 def _sweep_result(overrides: list[str], number: int, job_dir: Path, submitted: Any) -> JobReturn:

@@ -1,0 +1,84 @@
+"""Rank failure reports as files in a directory that every rank and its launcher share: how the local and
+SLURM launchers hear what a rank raised (a launcher whose ranks share no filesystem hears it its own
+way; the contract is only that `launch` raises what the first failed rank raised)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+
+from runner.checkpoint.files import CheckpointDiscarded
+from runner.errors import (
+    ConfigError,
+    RankFailedError,
+    RendezvousError,
+    TrainingInterrupted,
+    TrainingStopped,
+    describe_exception,
+)
+
+# What a rank raised, written for the launcher (the local launcher's ranks, a SLURM job's tasks): the
+# exceptions raised again as they are, by class name; any other is reported with its traceback.
+REPORTED_AS_IS = {  # the most specific first: a rank's error is reported as the first it is an instance of
+    error.__name__: error for error in (ConfigError, TrainingInterrupted, RendezvousError, TrainingStopped)
+}
+LOST_PEER_GRACE_S = 2.0
+
+
+def lost_a_peer(err: BaseException) -> bool:
+    """Whether `err` is a consequence of another rank's failure, not a cause: a collective failing because
+    that rank went away, or the checkpoint being written discarded by it."""
+    return isinstance(err, (dist.DistError, CheckpointDiscarded)) or bool(
+        re.search(r"(closed|reset) by peer|remote worker|communicator was aborted", str(err))
+    )
+
+
+def report_failure(error_dir: Path, rank: int, err: BaseException) -> None:
+    """Write what rank `rank` raised into `<error_dir>/rank<rank>.json` (after a moment when its collective
+    merely lost a peer, so that the peer's own failure is seen first)."""
+    lost_peer = lost_a_peer(err)
+    if lost_peer:
+        time.sleep(LOST_PEER_GRACE_S)
+    kind = next((name for name, error in REPORTED_AS_IS.items() if isinstance(err, error)), None)
+    report = {
+        "time": time.time(),
+        "lost_peer": lost_peer,
+        "kind": kind,
+        "message": str(err),
+        "signum": getattr(err, "signum", None),  # TrainingInterrupted's: the signal that stopped the rank
+        "traceback": traceback.format_exc(),
+        "summary": describe_exception(err),
+    }
+    error_dir.mkdir(parents=True, exist_ok=True)
+    (error_dir / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def reported_failure(error_dir: Path, causes_only: bool = False) -> Exception | None:
+    """What to raise for the ranks' reports in `error_dir` (None: none reported): the first rank that raised
+    (ranks that merely lost a peer last), its exception again when it is one of REPORTED_AS_IS, else a
+    RankFailedError with its traceback. `causes_only`: None too when every report is of a lost peer (the
+    rank that failed first wrote none: it was killed)."""
+    reports = {
+        int(path.stem.removeprefix("rank")): json.loads(path.read_text())
+        for path in error_dir.glob("rank*.json")
+    }
+    if not reports or (causes_only and all(report["lost_peer"] for report in reports.values())):
+        return None
+    rank = min(reports, key=lambda r: (reports[r]["lost_peer"], reports[r]["time"]))
+    if (kind := reports[rank]["kind"]) is not None:
+        error = REPORTED_AS_IS[kind](reports[rank]["message"])
+        if kind == TrainingInterrupted.__name__:
+            error.signum = reports[rank].get("signum")
+        return error
+    others = sorted(set(reports) - {rank})
+    also = f" (rank {', '.join(map(str, others))} failed too)" if others else ""
+    report = reports[rank]
+    return RankFailedError(
+        f"rank {rank} raised; the other ranks were stopped{also}.\n{report.get('summary') or report['traceback']}",
+        details=report["traceback"],
+    )
