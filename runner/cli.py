@@ -40,7 +40,7 @@ from hydra_plugins.runner_launcher.launcher import RunnerLauncher
 from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
 from runner.build import is_inference, locate
 from runner.checkpoint.resume import LAST, RUNS_DIR, FinishedRun, check_finished_run, check_resume, latest_run
-from runner.cluster import RankEnvironment, launched_environment
+from runner.cluster import ClusterEnvironment, launched_environment
 from runner.config import CONF_SEARCH_PATH
 from runner.errors import (
     EXIT_INTERRUPTED,
@@ -151,7 +151,7 @@ AGAIN = (
 
 
 def _checked(
-    cfg: DictConfig, output_dir: Path, env: RankEnvironment | None
+    cfg: DictConfig, output_dir: Path, env: ClusterEnvironment | None
 ) -> tuple[Built, int, Path | None, FinishedRun | None]:
     """Every check before launch (the config, the hardware and the launcher built; a finished run in the
     dir, which is neither replaced nor trained again; the checkpoint to resume from): what was built, the
@@ -209,7 +209,7 @@ def _print_plan(
 
 
 def _job(
-    cfg: DictConfig, hydra_cfg: DictConfig, output_dir: Path, env: RankEnvironment | None, built: Built
+    cfg: DictConfig, hydra_cfg: DictConfig, output_dir: Path, env: ClusterEnvironment | None, built: Built
 ) -> Job:
     """The job the launcher runs; its config saved in its dir (by rank 0), and a sweep's parent run made."""
     if env is None or env.rank == 0:

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from runner import Accelerator, PartialState
 from runner.accelerate.handlers import apply_handlers
-from runner.cluster import accelerate_launch_settings
+from runner.accelerate.launch import accelerate_launch_settings
 from runner.collectives import split_between_processes
 from runner.config import CompileConfig, CompileScope
 from runner.data_loader import DataLoaderShard, shard_dataloader

@@ -5,8 +5,13 @@ from __future__ import annotations
 import os
 
 import pytest
+from omegaconf import OmegaConf
 
-from runner.cluster import first_host, launched_environment
+from runner.cluster import launched_environment
+from runner.cluster.slurm import first_host
+from runner.errors import ConfigError
+from runner.hardware import DDP
+from runner.launchers.local import LocalLauncher
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SLURM_VARS = (
@@ -21,7 +26,7 @@ SLURM_VARS = (
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    """No launcher variables, and whatever a test sets (`RankEnvironment.export` too) is undone after."""
+    """No launcher variables, and whatever a test sets (`ClusterEnvironment.export` too) is undone after."""
     for name in (*LAUNCHER_VARS, *SLURM_VARS, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         monkeypatch.setenv(name, "")  # records the original state, which undo restores
         monkeypatch.delenv(name)
@@ -41,6 +46,17 @@ def test_torchrun_variables(clean_env):
     env = launched_environment()
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 1, 2)
     assert (env.master_addr, env.master_port) == ("10.0.0.5", 29400)
+
+
+SRUN = {
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "6",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "2",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x3)",
+    "SLURM_JOB_NODELIST": "gpu[07-09]",
+    "SLURM_JOB_ID": "12345",
+}
 
 
 def test_srun_variables(clean_env):
@@ -68,3 +84,16 @@ def test_srun_variables(clean_env):
 )
 def test_first_host(nodelist, host):
     assert first_host(nodelist) == host
+
+
+def test_a_slurm_step_started_by_hand_must_have_the_ranks_per_node_the_hardware_asks(clean_env):
+    """`srun --ntasks-per-node 2 python -m runner hardware.num_processes=4`: each task is one rank, so the
+    hardware's 4 per node cannot be; refused before the ranks meet (torchrun's ranks are not checked)."""
+    for name, value in SRUN.items():
+        clean_env.setenv(name, value)
+    launcher, cfg = LocalLauncher(), OmegaConf.create({"hardware": {"num_processes": 4}})
+    with pytest.raises(ConfigError, match=r"SLURM started 2 task\(s\) on this node \(6 in all\)"):
+        launcher.check(cfg, DDP(device="cpu", num_processes=4, oversubscribe=True))
+    launcher.check(cfg, DDP(device="cpu", num_processes=2, oversubscribe=True))
+    assert launched_environment().ranks_per_node_problem(2) is None
+

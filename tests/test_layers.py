@@ -34,7 +34,6 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.ops",
             "runner.state",
             "runner.cluster",
-            "runner.rendezvous",
             "runner.run_log",
             "runner.config",
             "runner.perf",
@@ -250,11 +249,11 @@ def test_the_facade_imports_a_module_only_when_one_of_its_names_is_used():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_only_cluster_reads_the_rank_and_slurm_variables():
-    """`runner/cluster.py` is the one place that reads SLURM's variables (and writes torch's rank ones)."""
+def test_only_the_slurm_environment_reads_slurms_variables():
+    """`runner/cluster/slurm.py` (SLURM's `ClusterEnvironment`) is the one place that reads SLURM's variables."""
     readers = sorted(
         str(path.relative_to(ROOT))
         for path in (ROOT / "runner").rglob("*.py")
-        if path.name != "cluster.py" and "SLURM_" in path.read_text()
+        if path != ROOT / "runner" / "cluster" / "slurm.py" and "SLURM_" in path.read_text()
     )
     assert readers == []

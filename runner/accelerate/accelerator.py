@@ -35,10 +35,11 @@ from runner.accelerate.handlers import (
     TorchDynamoPlugin,
     apply_handlers,
 )
+from runner.accelerate.launch import AccelerateLaunchSettings, accelerate_launch_settings
 from runner.accelerate.logging import get_logger
 from runner.accelerate.parallelism_config import ParallelismConfig
 from runner.checkpoint.checkpointer import ProjectConfiguration
-from runner.cluster import AccelerateLaunchSettings, accelerate_launch_settings, launched_environment
+from runner.cluster import launched_environment
 from runner.config import ActivationCheckpointingConfig, CheckpointingMode, CompileConfig
 from runner.engine import Engine
 from runner.hardware import DDP, FSDP, DeepSpeed, Strategy, TensorParallel, default_strategy

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from runner.cluster import env_flag
+from runner.accelerate.launch import env_flag
 from runner.config import CompileConfig, CompileScope
 from runner.engine import Accumulation, Loading
 from runner.errors import ConfigError

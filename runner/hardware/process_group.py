@@ -15,7 +15,6 @@ from runner.cluster import available_cores, launched_environment
 from runner.config import PositiveFloat, PositiveInt, checked
 from runner.errors import ConfigError
 from runner.hardware.base import ProcessGroupOptions, Strategy
-from runner.rendezvous import rendezvous
 from runner.state import DistributedType, ProcessState
 
 # all_reduce's `op` names ("mean" sums, then divides by the group's size)
@@ -108,15 +107,20 @@ class ParallelStrategy(Strategy):
                 dist.init_process_group(
                     self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout
                 )
-            elif env.slurm_hosts and self.init_method == "env://":  # srun's tasks: our own rendezvous
-                env.export()
-                store = rendezvous(env, self.timeout)
-                dist.init_process_group(
-                    self.backend, store=store, rank=env.rank, world_size=env.world_size, timeout=self.timeout
-                )
             else:
                 env.export()
-                dist.init_process_group(self.backend, init_method=self.init_method, timeout=self.timeout)
+                # where the environment has its own rendezvous (SLURM's tasks), unless an init_method was given
+                store = env.rendezvous(self.timeout) if self.init_method == "env://" else None
+                if store is not None:
+                    dist.init_process_group(
+                        self.backend,
+                        store=store,
+                        rank=env.rank,
+                        world_size=env.world_size,
+                        timeout=self.timeout,
+                    )
+                else:
+                    dist.init_process_group(self.backend, init_method=self.init_method, timeout=self.timeout)
             # A script that never calls end_training() still leaves the group before the interpreter
             # tears down (the backend's threads otherwise abort the process at exit).
             atexit.register(_release_process_group)

@@ -89,15 +89,11 @@ class LocalLauncher(Launcher):
         """CPU ranks beyond this machine's cores share cores and wait on each other at every collective
         (64 ranks on 2 cores make no step in minutes): refused unless `hardware.oversubscribe`."""
         env = launched_environment()
-        # a task of a SLURM step started by hand (`srun python -m runner`): one rank of srun's tasks per node
-        tasks = env.local_world_size if env is not None and env.slurm_hosts else None
-        if tasks is not None and "num_processes" in cfg.hardware and tasks != strategy.num_processes:
-            raise ConfigError(
-                f"hardware.num_processes={strategy.num_processes} ranks per node, but SLURM started {tasks} "
-                f"task(s) on this node ({env.world_size} in all), each one rank. Set "  # type: ignore[union-attr]
-                "srun's tasks per node (--ntasks-per-node) to hardware.num_processes, or use launcher=slurm, which "
-                "asks SLURM for them."
-            )
+        # ranks that something else started on this node (a SLURM step started by hand): as many as asked?
+        if env is not None and "num_processes" in cfg.hardware:
+            problem = env.ranks_per_node_problem(strategy.num_processes)
+            if problem is not None:
+                raise ConfigError(problem)
         cores = available_cores()
         ranks = strategy.cpu_ranks() if env is None else 0  # none started: already a rank
         if ranks > cores and not strategy.oversubscribe:

@@ -22,7 +22,8 @@ from hydra.types import HydraContext, TaskFunction
 from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
-from runner.cluster import launched_environment, slurm_job_id, slurm_step_nodes
+from runner.cluster import launched_environment
+from runner.cluster.slurm import slurm_job_id, slurm_step_nodes
 from runner.config import NonNegativeInt, PositiveFloat, PositiveInt, checked
 from runner.errors import ConfigError, RankFailedError, TrainingInterrupted, install_command
 from runner.hardware.base import Strategy

@@ -18,7 +18,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from runner.cluster import launched_environment, slurm_job_id
+from runner.cluster import launched_environment
+from runner.cluster.slurm import slurm_job_id
 from runner.config import NonNegativeFloat, PythonOnly, checked
 from runner.errors import ConfigError
 from runner.trackers.base import Tracker, directory_setting, flatten
