@@ -250,7 +250,7 @@ def test_without_submitit_launcher_slurm_names_the_pip_install(tmp_path):
 
 
 def test_slurm_time_limits_and_gres_are_read_as_sinfo_prints_them():
-    from runner.launchers.slurm import _gpus, _minutes
+    from runner.launchers.slurm.partitions import _gpus, _minutes
 
     assert [_minutes(t) for t in ("infinite", "30", "30:00", "2:00:00", "1-00:00:00", "1-12", "0:30")] == [
         None, 30, 30, 120, 1440, 2160, 1,
