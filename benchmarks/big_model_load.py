@@ -111,7 +111,7 @@ def main() -> None:
         print(json.dumps(measure(args.measure, work / "checkpoint", work, model_config, size)))
         return
 
-    from runner.weights import save_model_files
+    from runner.checkpoint.weights import save_model_files
 
     with tempfile.TemporaryDirectory(prefix="big-model-") as tmp:
         work = Path(tmp)

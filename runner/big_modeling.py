@@ -24,8 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from runner.ops import send_to_device
-from runner.weights import (
+from runner.checkpoint.weights import (
     StoredTensor,
     check_against_model,
     checkpoint_tensors,
@@ -40,6 +39,7 @@ from runner.weights import (
     tensor_aliases,
     tensor_owner,
 )
+from runner.ops import send_to_device
 
 Device = int | str
 AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")

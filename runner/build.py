@@ -14,11 +14,11 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from runner.checkpoint.weights import load_weights
 from runner.data.base import DataSource
 from runner.errors import ConfigError
 from runner.ops import apply_to_tensors, send_to_device
 from runner.task import InferenceTask
-from runner.weights import load_weights
 
 log = logging.getLogger(__name__)
 

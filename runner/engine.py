@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 import runner.collectives as collectives
 from runner.checkpoint.checkpointer import Checkpointer, ProjectConfiguration
+from runner.checkpoint.weights import save_model_files, set_module_tensor
 from runner.collectives import rng_generators
 from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.data_loader import (
@@ -39,7 +40,6 @@ from runner.prepared import AcceleratedOptimizer, AcceleratedScheduler
 from runner.process_control import ProcessControl, activate, deactivate
 from runner.state import GradientState
 from runner.trackers import Tracker
-from runner.weights import save_model_files, set_module_tensor
 
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
 

@@ -26,13 +26,13 @@ from runner.build import (
     meta_eval_metrics,
     meta_training_step,
 )
+from runner.checkpoint.weights import DamagedFileError, check_against_model, checkpoint_tensors
 from runner.config import CheckpointingMode, RunConfig, declared_ranges
 from runner.data.base import DataSource
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
 from runner.hardware.device_map import BigModel
 from runner.trackers.base import Tracker
-from runner.weights import DamagedFileError, check_against_model, checkpoint_tensors
 
 T = TypeVar("T")
 

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from torch.utils.flop_counter import FlopCounterMode
 
 from runner import Accelerator
+from runner.checkpoint.weights import load_weights
 from runner.config import CONF_DIR, ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
 from runner.hardware import SingleDevice
@@ -34,7 +35,6 @@ from runner.precision import Float8Precision
 from runner.schemas import register_configs
 from runner.task import batch_units
 from runner.validate import check_job
-from runner.weights import load_weights
 
 TESTS = Path(__file__).parent
 

@@ -17,10 +17,10 @@ from omegaconf import OmegaConf
 
 from hydra_plugins.runner_launcher.launcher import RunnerLauncher
 from runner import load_checkpoint_in_model
+from runner.checkpoint.weights import read_weights
 from runner.launchers.base import Sweep
 from runner.launchers.local import LocalLauncher
 from runner.models import GPT
-from runner.weights import read_weights
 
 pytestmark = pytest.mark.slow
 

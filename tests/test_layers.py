@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.checkpoint.files",
             "runner.checkpoint.formats",
             "runner.checkpoint.resume",
-            "runner.weights",
+            "runner.checkpoint.weights",
             "runner.big_modeling",
             "runner.schedulers",
             "runner.models",

@@ -9,8 +9,8 @@ from conftest import metrics_of
 from omegaconf import OmegaConf
 
 from runner import load_checkpoint_in_model
+from runner.checkpoint.weights import read_weights
 from runner.models import GPT
-from runner.weights import read_weights
 
 pytestmark = pytest.mark.slow
 

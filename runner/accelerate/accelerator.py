@@ -39,6 +39,7 @@ from runner.accelerate.launch import AccelerateLaunchSettings, accelerate_launch
 from runner.accelerate.logging import get_logger
 from runner.accelerate.parallelism_config import ParallelismConfig
 from runner.checkpoint.checkpointer import ProjectConfiguration
+from runner.checkpoint.weights import save_object
 from runner.cluster import launched_environment
 from runner.config import ActivationCheckpointingConfig, CheckpointingMode, CompileConfig
 from runner.engine import Engine
@@ -47,7 +48,6 @@ from runner.precision import Precision
 from runner.precision import from_name as precision_from_name
 from runner.state import DistributedType, ProcessState
 from runner.trackers import BlankTracker, LoggerType, Tracker, trackers_from_name
-from runner.weights import save_object
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from runner.checkpoint.files import META, load_torch, save_torch
-from runner.weights import checkpoint_tensors, load_weights
+from runner.checkpoint.weights import checkpoint_tensors, load_weights
 
 
 def write_full(

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from runner.checkpoint.formats import load_full, write_full
+from runner.checkpoint.weights import distinct_tensors
 from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
 from runner.hardware.parallelize import (
@@ -30,7 +31,6 @@ from runner.ops import host_copy, on_device, send_to_device
 from runner.precision import Precision
 from runner.state import DistributedType, ProcessState
 from runner.task import model_outputs
-from runner.weights import distinct_tensors
 
 
 @dataclass(frozen=True)

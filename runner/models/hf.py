@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
+from runner.checkpoint.weights import DamagedFileError, checkpoint_tensors
 from runner.config import PositiveInt
 from runner.errors import ConfigError, install_command
-from runner.weights import DamagedFileError, checkpoint_tensors
 
 try:
     import transformers

@@ -27,8 +27,8 @@ from runner import (
 )
 from runner.accelerate.handlers import DataLoaderConfiguration
 from runner.big_modeling import compute_module_sizes
+from runner.checkpoint.weights import save_model_files
 from runner.models import GPT
-from runner.weights import save_model_files
 
 pytestmark = [
     pytest.mark.cuda,
