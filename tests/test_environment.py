@@ -60,16 +60,7 @@ SRUN = {
 
 
 def test_srun_variables(clean_env):
-    values = {
-        "SLURM_PROCID": "5",
-        "SLURM_NTASKS": "6",
-        "SLURM_LOCALID": "1",
-        "SLURM_NODEID": "2",
-        "SLURM_STEP_TASKS_PER_NODE": "2(x3)",
-        "SLURM_JOB_NODELIST": "gpu[07-09]",
-        "SLURM_JOB_ID": "12345",
-    }
-    for name, value in values.items():
+    for name, value in SRUN.items():
         clean_env.setenv(name, value)
     env = launched_environment()
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 6, 1, 2)
