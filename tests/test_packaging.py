@@ -82,6 +82,14 @@ def test_the_wheel_holds_configs_tasks_and_the_starter_project(wheel):
     )
     entry_points = zipfile.ZipFile(wheel).read("runner_ml-0.1.0.dist-info/entry_points.txt").decode()
     assert "runner = runner.__main__:main" in entry_points
+    # every module of the source tree, a new subpackage's too (pyproject lists the packages by name)
+    root = Path(__file__).resolve().parents[1]
+    sources = {
+        str(path.relative_to(root))
+        for path in (root / "runner").rglob("*.py")
+        if "__pycache__" not in path.parts
+    }
+    assert sorted(sources - names) == []
 
 
 def test_installed_runner_runs_the_default_experiment_from_an_empty_dir(venv, tmp_path):
