@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import logging
@@ -41,6 +42,18 @@ def build_on_meta(cfg: DictConfig, data: DataSource | None = None) -> torch.nn.M
     data = data or build_data(cfg)
     with torch.device("meta"):
         return build_model(cfg, data)
+
+
+def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` whose parameters and buffers are meta tensors of the same shapes and dtypes (tied
+    ones stay tied): its modules copied, not constructed again, and no memory allocated for its values;
+    what it caches while it runs stays in the copy."""
+    copies: dict[int, Any] = {
+        id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for p in model.parameters()
+    }
+    copies |= {id(b): torch.empty_like(b, device="meta") for b in model.buffers()}
+    return copy.deepcopy(model, copies)
 
 
 def first_batch(data: DataSource, per_device: int = 1) -> Any:

@@ -23,9 +23,9 @@ from tqdm.auto import tqdm
 from runner.build import (
     build_data,
     build_model,
-    build_on_meta,
     first_batch,
     load_start_weights,
+    meta_copy,
     meta_training_step,
 )
 from runner.checkpoint.checkpointer import ProjectConfiguration
@@ -129,8 +129,8 @@ class Trainer:
         self.train_loader, self.eval_loader = engine.prepare(
             data.train_dataloader(seed=trainer.seed), data.eval_dataloader()
         )
-        self.throughput = throughput_meter(cfg, data, engine)
         model = build_model(cfg, data)
+        self.throughput = throughput_meter(cfg, data, model, engine)
         if cfg.checkpoint is not None:  # fine-tune from these weights
             load_start_weights(model, cfg.checkpoint)
         self.task: Task = instantiate(cfg.task)
@@ -376,18 +376,19 @@ class Trainer:
 PROGRESS_BAR = ("perf/tokens_per_s", "perf/samples_per_s", "perf/mfu")
 
 
-def throughput_meter(cfg: DictConfig, data: DataSource, engine: Engine) -> Throughput:
+def throughput_meter(cfg: DictConfig, data: DataSource, model: torch.nn.Module, engine: Engine) -> Throughput:
     """What `perf/*` is measured with: the unit (tokens for batches of token ids, else samples), the
-    model's training FLOPs per unit, counted once by torch's FLOP counter on a meta-device copy (forward
-    and backward of the first batch: the model's FLOPs, without activation recomputation), and one
-    device's peak FLOP/s (`hardware.peak_flops`, else `runner.perf`'s table)."""
+    model's training FLOPs per unit, counted once by torch's FLOP counter on a meta copy of `model` (the
+    built model, not yet prepared: forward and backward of the first batch, the model's FLOPs without
+    activation recomputation), and one device's peak FLOP/s (`hardware.peak_flops`, else `runner.perf`'s
+    table)."""
     data_parallel = engine.state.data_parallel_size
     per_device = data_parallel if cfg.trainer.split_batches else 1
     unit, units = batch_units(first_batch(data, per_device))
     flops_per_unit = None
     try:
-        with torch.random.fork_rng(devices=[]):  # whatever the user's model draws at init
-            meta_model = build_on_meta(cfg, data)
+        meta_model = meta_copy(model)
+        with torch.random.fork_rng(devices=[]):  # whatever the user's forward draws
             flops_per_unit = (
                 count_flops(lambda: meta_training_step(cfg, meta_model, data, per_device)) / units
             )

@@ -1,11 +1,13 @@
 """Probes for the option tests: a task and an optimizer that record what the training loop did to them, so
-that a test fails when an option is silently ignored, and strategies that count how often they are built (imported by `python -m runner` through PYTHONPATH).
+that a test fails when an option is silently ignored, and a strategy and a model that count how often they are
+built (imported by `python -m runner` through PYTHONPATH).
 
 Each rank appends to `<record>.rank<N>.<kind>`; `read` collects them.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from runner.hardware import DDP, SingleDevice
+from runner.models.mlp import MLP
 from runner.tasks.language_modeling import LanguageModeling
 from runner.tasks.regression import Regression
 
@@ -85,10 +88,11 @@ class NormRecordingSGD(NormRecording, torch.optim.SGD):
     pass
 
 
-def _count_construction() -> None:
-    """One line per strategy built, naming the process that built it ($PROBE_BUILDS)."""
-    with open(os.environ["PROBE_BUILDS"], "a") as file:
-        file.write(f"{os.getpid()}\n")
+def _count_construction(variable: str = "PROBE_BUILDS", device: str = "") -> None:
+    """One line per object built, naming the process that built it (and the device of its parameters) in
+    the file $`variable`."""
+    with open(os.environ[variable], "a") as file:
+        file.write(f"{os.getpid()}{device and ':' + device}\n")
 
 
 class CountedSingleDevice(SingleDevice):
@@ -101,6 +105,15 @@ class CountedDDP(DDP):
     def __init__(self, **settings: Any) -> None:
         _count_construction()
         super().__init__(**settings)
+
+
+class CountedMLP(MLP):
+    """runner's MLP, counting its constructions in $PROBE_MODELS (with the device it was built on)."""
+
+    @functools.wraps(MLP.__init__)  # its signature, for the sizes the data fills in
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _count_construction("PROBE_MODELS", next(self.parameters()).device.type)
 
 
 class LossRecordingRegression(Regression):

@@ -269,25 +269,38 @@ def test_under_torchrun_ranks_train_without_spawning_and_share_one_dir(tmp_path)
     assert not [p for p in scratch.iterdir() if p.name.startswith("runner-rank")]  # the scratch dir is gone
 
 
-@pytest.mark.parametrize(("hardware", "processes"), [("cpu", 1), ("multi_gpu", 2)])
-def test_the_launching_process_builds_the_hardware_once(tmp_path, hardware, processes):
+@pytest.mark.parametrize(
+    ("hardware", "processes", "plan"), [("cpu", 1, False), ("multi_gpu", 2, False), ("multi_gpu", 2, True)]
+)
+def test_the_launching_process_builds_the_hardware_and_the_model_once(tmp_path, hardware, processes, plan):
     """Validation, the launcher, the checkpoint check and a rank running in the launching process share
-    one strategy object; each started rank builds its own."""
-    builds = tmp_path / "builds"
+    one strategy object; each started rank builds its own. The model is built once on the meta device by
+    the checks (which `plan=true` reuses), then once for real by each rank, and by nothing else (the FLOP
+    count of perf/mfu included)."""
+    builds, models = tmp_path / "builds", tmp_path / "models"
     overrides = [
         f"hardware={hardware}",
         f"hardware._target_=probes.Counted{'DDP' if processes > 1 else 'SingleDevice'}",
         *([f"hardware.num_processes={processes}"] if processes > 1 else []),
+        "model._target_=probes.CountedMLP",
         "trainer.max_steps=3",
         "tracker=none",
+        f"plan={str(plan).lower()}",
     ]
     proc = subprocess.run(
         runner_command(tmp_path / "run", *overrides),
-        env=cli_env(TESTS) | {"PROBE_BUILDS": str(builds)},
+        env=cli_env(TESTS) | {"PROBE_BUILDS": str(builds), "PROBE_MODELS": str(models)},
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr
     pids = builds.read_text().split()
-    assert len(pids) == len(set(pids)) == processes + (processes > 1)  # once per process
+    ranks = 0 if plan else processes
+    assert len(pids) == len(set(pids)) == 1 + ranks - (ranks == 1)  # once per process
+    launching = pids[0]
+    built = [line.split(":") for line in models.read_text().split()]
+    assert built[0] == [launching, "meta"]  # the checks' model
+    real = [pid for pid, device in built[1:] if device == "cpu"]
+    assert len(built) == 1 + ranks and len(real) == ranks  # then one real model per rank
+    assert set(real) == ({launching} if ranks == 1 else set(pids[1:]))
