@@ -18,10 +18,10 @@ from hydra.utils import get_class
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.big_modeling import compute_module_sizes
 from runner.build import build_on_meta
 from runner.config import CONF_PACKAGE
 from runner.errors import ConfigError, describe_compose_error
+from runner.hardware.big_modeling import compute_module_sizes
 from runner.plan import MB, optimizer_states, state_memory
 from runner.schemas import register_configs
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner.big_modeling import init_empty_weights
 from runner.build import build_data, build_model
+from runner.hardware.big_modeling import init_empty_weights
 from runner.hardware.device_map import BigModel
 from runner.task import InferenceTask
 

@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from runner import Accelerator, PartialState
 from runner.accelerate.handlers import apply_handlers
 from runner.accelerate.launch import accelerate_launch_settings
-from runner.collectives import split_between_processes
 from runner.config import CompileConfig, CompileScope
-from runner.data_loader import DataLoaderShard, shard_dataloader
+from runner.engine.collectives import split_between_processes
+from runner.engine.data_loader import DataLoaderShard, shard_dataloader
 from runner.errors import ConfigError
 from runner.hardware import DDP, FSDP, DeepSpeed
 from runner.precision import Precision

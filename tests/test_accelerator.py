@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from runner import Accelerator, set_seed
+from runner.engine.prepared import AcceleratedOptimizer, AcceleratedScheduler
 from runner.models import MLP
-from runner.prepared import AcceleratedOptimizer, AcceleratedScheduler
 
 
 def make_setup(num_samples: int = 100, batch_size: int = 8):

@@ -27,9 +27,9 @@ from runner import (
     load_checkpoint_in_model,
     skip_first_batches,
 )
-from runner.big_modeling import UserCpuOffloadHook, compute_module_sizes
 from runner.checkpoint.weights import save_model_files
 from runner.estimate_memory import main as estimate_memory
+from runner.hardware.big_modeling import UserCpuOffloadHook, compute_module_sizes
 from runner.models import GPT
 
 SIZE = {"vocab_size": 97, "max_seq_len": 32, "d_model": 64, "n_layers": 4, "n_heads": 4}

@@ -7,7 +7,7 @@ import torch
 from rank_checks import Stream
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
-from runner.data_loader import (
+from runner.engine.data_loader import (
     BatchSamplerShard,
     IterableDatasetShard,
     SkipBatchSampler,

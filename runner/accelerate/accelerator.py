@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-import runner.collectives as collectives
+import runner.engine.collectives as collectives
 from runner.accelerate.handlers import (
     AutocastKwargs,
     DataLoaderConfiguration,

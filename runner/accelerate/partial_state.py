@@ -3,14 +3,14 @@ training machinery (Accelerate's light handle for inference scripts), and the st
 forms in `runner.utils` (`gather`, `wait_for_everyone`, ...) run through.
 
 The process group is the process's one shared resource: the first `Accelerator` or `PartialState` to set
-it up becomes the active one (`runner.process_control`); every later `PartialState()` is a handle on it."""
+it up becomes the active one (`runner.engine.process_control`); every later `PartialState()` is a handle on it."""
 
 from __future__ import annotations
 
 import torch
 
+from runner.engine.process_control import ProcessControl, activate, active, deactivate
 from runner.hardware import Strategy, default_strategy
-from runner.process_control import ProcessControl, activate, active, deactivate
 
 
 class PartialState(ProcessControl):

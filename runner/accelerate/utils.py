@@ -17,7 +17,7 @@ import torch
 from packaging.version import Version
 from torch.nn.parallel import DistributedDataParallel
 
-import runner.collectives as collectives
+import runner.engine.collectives as collectives
 from runner.accelerate.handlers import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -35,7 +35,10 @@ from runner.accelerate.handlers import (
 from runner.accelerate.memory import find_executable_batch_size, release_memory
 from runner.accelerate.parallelism_config import ParallelismConfig, TorchContextParallelConfig
 from runner.accelerate.partial_state import PartialState, active_strategy
-from runner.big_modeling import (
+from runner.checkpoint.checkpointer import ProjectConfiguration
+from runner.cluster import patch_environment
+from runner.hardware.base import DummyOptim, DummyScheduler
+from runner.hardware.big_modeling import (
     check_device_map,
     compute_module_sizes,
     get_balanced_memory,
@@ -43,9 +46,6 @@ from runner.big_modeling import (
     infer_auto_device_map,
     load_checkpoint_in_model,
 )
-from runner.checkpoint.checkpointer import ProjectConfiguration
-from runner.cluster import patch_environment
-from runner.hardware.base import DummyOptim, DummyScheduler
 from runner.hardware.parallelize import DDPCommunicationHookType
 from runner.ops import apply_to_tensors, concatenate, convert_to_fp32, find_batch_size, send_to_device
 from runner.precision import PrecisionType

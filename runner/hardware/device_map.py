@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.big_modeling import AUTO_MAPS, get_max_memory, load_checkpoint_and_dispatch
 from runner.config import ActivationCheckpointingConfig, CompileConfig, PositiveInt, checked
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy, one_process_state
+from runner.hardware.big_modeling import AUTO_MAPS, get_max_memory, load_checkpoint_and_dispatch
 from runner.hardware.parallelize import refuse_compute
 from runner.state import ProcessState
 

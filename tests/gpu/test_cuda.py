@@ -26,8 +26,8 @@ from runner import (
     load_checkpoint_and_dispatch,
 )
 from runner.accelerate.handlers import DataLoaderConfiguration
-from runner.big_modeling import compute_module_sizes
 from runner.checkpoint.weights import save_model_files
+from runner.hardware.big_modeling import compute_module_sizes
 from runner.models import GPT
 
 pytestmark = [

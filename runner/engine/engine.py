@@ -20,24 +20,24 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-import runner.collectives as collectives
+import runner.engine.collectives as collectives
 from runner.checkpoint.checkpointer import Checkpointer, ProjectConfiguration
 from runner.checkpoint.weights import save_model_files, set_module_tensor
-from runner.collectives import rng_generators
 from runner.config import ActivationCheckpointingConfig, CompileConfig
-from runner.data_loader import (
+from runner.engine.collectives import rng_generators
+from runner.engine.data_loader import (
     DataLoaderShard,
     last_batch_remainder,
     order_generators,
     per_process_batch_size,
     shard_dataloader,
 )
+from runner.engine.prepared import AcceleratedOptimizer, AcceleratedScheduler
+from runner.engine.process_control import ProcessControl, activate, deactivate
 from runner.hardware import Strategy
 from runner.hardware.base import DummyOptim, DummyScheduler
 from runner.ops import apply_to_tensors, is_tensor_structure
 from runner.precision import Precision
-from runner.prepared import AcceleratedOptimizer, AcceleratedScheduler
-from runner.process_control import ProcessControl, activate, deactivate
 from runner.state import GradientState
 from runner.trackers import Tracker
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-import runner.collectives as collectives
+import runner.engine.collectives as collectives
 from runner.hardware import Strategy
 from runner.state import DistributedType, ProcessState
 
@@ -96,7 +96,7 @@ class ProcessControl:
 
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Any:
         """Context manager giving this process its contiguous share of `inputs` (list, tuple, tensor, or a
-        dict of them); see `runner.collectives.split_between_processes`."""
+        dict of them); see `runner.engine.collectives.split_between_processes`."""
         return collectives.split_between_processes(
             inputs, self.num_processes, self.process_index, apply_padding
         )
