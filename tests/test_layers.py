@@ -33,8 +33,6 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.perf",
             "runner.rng",
             "runner.checkpoint.files",
-            "runner.checkpoint.formats",
-            "runner.checkpoint.resume",
             "runner.checkpoint.weights",
             "runner.hardware.big_modeling",
             "runner.schedulers",

@@ -4,9 +4,8 @@ It keeps the registry of stateful objects (the prepared models, optimizers, sche
 the objects registered with `register_for_checkpointing`), writes them with every process's RNG state
 and the precision's loss scaler into one directory (`save`: blocking, or staged into host memory and
 written in the background), commits it atomically, marks it `latest` and keeps the last k (`files`), and
-loads it back after checking that it fits (`resume`). The strategy answers only for its model and
-optimizer state (`Strategy.save_checkpoint`, `stage_checkpoint`, `load_checkpoint`, in the format of
-`runner.checkpoint.formats` it names). `Accelerator.save_state`/`load_state` and the training loop call it.
+loads it back after checking that it fits (`resume`). Models and optimizers are written in the format the
+strategy names (`runner.checkpoint.formats`), from the state only the strategy can give (full weights). `Accelerator.save_state`/`load_state` and the training loop call it.
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ from runner.checkpoint.formats import (
     accelerate_dataloader_file,
     accelerate_file,
     batches_handed_out,
+    format_of,
     is_accelerate_checkpoint,
     link_accelerate_names,
     load_full,
@@ -126,6 +126,7 @@ class Checkpointer:
         self.state = state
         self.project = project
         self.split_batches = split_batches
+        self.format = format_of(strategy)
         # The registry, in the order objects were prepared or registered: a checkpoint loads into the
         # same objects in the same order. Optimizers are prepared ones (`.optimizer`: the torch one).
         self.models: list[torch.nn.Module] = []
@@ -240,17 +241,17 @@ class Checkpointer:
     def _writer(self, staging: Path, step: int, blocking: bool) -> Callable[[], None]:
         """What writes every process's part of a checkpoint into `staging`, then the main process's
         `meta.json` (once every part is there). Blocking, the weights are written here; else they and
-        the other states are copied into host memory here (`Strategy.stage_checkpoint`), and the writer
+        the other states are copied into host memory here (`CheckpointFormat.stage`), and the writer
         runs in a background thread, its collectives over a process group of its own."""
         main = self.state.is_main_process
         optimizers = [opt.optimizer for opt in self.optimizers]
         models = self._models_to_save(staging)
         if blocking:
-            self.strategy.save_checkpoint(staging, models, optimizers, main)
+            self.format.save(staging, models, optimizers, main)
             write_weights, copy, barrier = (lambda: None), (lambda state: state), self.strategy.barrier
         else:
             group = self._background_group()
-            write_weights = self.strategy.stage_checkpoint(staging, models, optimizers, main, group)
+            write_weights = self.format.stage(staging, models, optimizers, main, group)
             copy = host_copy
             barrier = (lambda: dist.barrier(group=group)) if group is not None else (lambda: None)
         rank = self.state.process_index
@@ -397,7 +398,7 @@ class Checkpointer:
                 f"{directory} holds {meta['counts']}, but this Accelerator has {counts} prepared/registered: "
                 "prepare and register the same objects, in the same order, as the run that saved it."
             )
-        self.strategy.load_checkpoint(directory, models, optimizers)
+        self.format.load(directory, models, optimizers)
         for prefix, objects in self._parts().items():
             for i, obj in enumerate(objects):
                 obj.load_state_dict(load_torch(directory / f"{prefix}_{i}.pt"))

@@ -11,21 +11,134 @@ A "full" checkpoint also has Accelerate's names for its files (`model.safetensor
 positions in torchdata's format (`dl_state_dict.bin`), so that Accelerate's `load_state` reads it; and
 runner's `load_state` reads a directory Accelerate's `save_state` wrote.
 
-A strategy picks the format and hands over what only it knows (its state dicts); the writing is here.
+A strategy names its format (`Strategy.checkpoint_format`) and hands over what only it knows (the full
+weights of a model, the module inside its wrapper); `format_of` gives the Checkpointer the object that
+writes and reads that format (`CheckpointFormat`): every format's writing is here, DeepSpeed's engine
+excepted, which writes its own partitions.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save_file
 
 from runner.checkpoint.files import META, load_torch, save_torch
-from runner.checkpoint.weights import checkpoint_tensors, load_weights
+from runner.checkpoint.weights import checkpoint_tensors, distinct_tensors, load_weights
+from runner.hardware import Strategy
+from runner.ops import host_copy, send_to_device
+
+
+class CheckpointFormat(Protocol):
+    """How the models' and optimizers' states of a checkpoint are written and read: `save` writes them
+    now; `stage` copies them into host memory now and returns what writes the copy (in a background
+    thread, its collectives over `group`); `load` reads them into the prepared models and optimizers."""
+
+    def save(
+        self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], main: bool
+    ) -> None: ...
+
+    def stage(
+        self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], main: bool, group: Any
+    ) -> Callable[[], None]: ...
+
+    def load(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None: ...
+
+
+class Full:
+    """The "full" format: every process holds the whole model, so the main process writes the weights
+    (`strategy.full_state_dict`, distinct tensors) and the optimizers' states (off the device: loading
+    moves them back to the parameters')."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+
+    def save(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], main: bool) -> None:
+        if main:
+            weights = [distinct_tensors(self.strategy.full_state_dict(model)) for model in models]
+            states = [send_to_device(optimizer.state_dict(), torch.device("cpu")) for optimizer in optimizers]
+            write_full(directory, weights, states)
+
+    def stage(
+        self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], main: bool, group: Any
+    ) -> Callable[[], None]:
+        if not main:
+            return _nothing
+        weights = [host_copy(distinct_tensors(self.strategy.full_state_dict(model))) for model in models]
+        states = [host_copy(optimizer.state_dict()) for optimizer in optimizers]
+        return functools.partial(write_full, directory, weights, states)
+
+    def load(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
+        load_full(directory, [self.strategy.unwrap_module(model) for model in models], optimizers)
+
+
+class Sharded:
+    """The "sharded" format: every rank writes its own shards of the DTensor states with DCP, which loads
+    them onto any layout of the same model."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+
+    def save(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], main: bool) -> None:
+        write_sharded(sharded_state_dicts(directory, models, optimizers))
+
+    def stage(
+        self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], main: bool, group: Any
+    ) -> Callable[[], None]:
+        """Each rank's shards copied to host memory now, written with DCP over `group` later. (Not DCP's
+        `async_save`: two of them, model and optimizer, run their collectives at once in two threads, in
+        an order that can differ between ranks.)"""
+        states = [
+            (host_copy(state), path) for state, path in sharded_state_dicts(directory, models, optimizers)
+        ]
+        return functools.partial(write_sharded, states, group)
+
+    def load(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
+        load_sharded(directory, models, optimizers)
+
+
+class EngineOwned:
+    """A format the strategy's engine writes and reads itself (DeepSpeed's partitions, every rank its
+    own): the strategy's `save_checkpoint(directory)` and `load_checkpoint(directory)`; not staged."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    def save(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], main: bool) -> None:
+        self.strategy.save_checkpoint(directory)
+
+    def stage(
+        self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], main: bool, group: Any
+    ) -> Callable[[], None]:
+        raise NotImplementedError(
+            f"{type(self.strategy).__name__} writes its checkpoints itself, synchronously"
+        )
+
+    def load(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
+        self.strategy.load_checkpoint(directory)
+
+
+# `Strategy.checkpoint_format` -> what writes and reads it
+FORMATS: dict[str, type[Full] | type[Sharded] | type[EngineOwned]] = {
+    "full": Full,
+    "sharded": Sharded,
+    "deepspeed": EngineOwned,
+}
+
+
+def format_of(strategy: Strategy) -> CheckpointFormat:
+    """The format `strategy`'s checkpoints are written in (`Strategy.checkpoint_format`)."""
+    return FORMATS[strategy.checkpoint_format](strategy)
+
+
+def _nothing() -> None:
+    pass
 
 
 def write_full(

@@ -8,13 +8,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from runner.checkpoint.formats import load_full, write_full
-from runner.checkpoint.weights import distinct_tensors
 from runner.config import ActivationCheckpointingConfig, CompileConfig
 from runner.errors import ConfigError
 from runner.hardware.parallelize import (
@@ -27,7 +24,7 @@ from runner.hardware.parallelize import (
     compute_settings,
     sharding_units,
 )
-from runner.ops import host_copy, on_device, send_to_device
+from runner.ops import on_device
 from runner.precision import Precision
 from runner.state import DistributedType, ProcessState
 from runner.task import model_outputs
@@ -138,8 +135,12 @@ class Strategy(ABC):
         return 0
 
     distributed_type: DistributedType = DistributedType.NO
-    checkpoint_format: str = "full"  # how save_checkpoint writes models and optimizers (see there)
-    reshards_checkpoints: bool = False  # whether its checkpoints load onto another number of ranks
+    # How its checkpoints hold models and optimizers: "full", "sharded" or "deepspeed", each written by
+    # `runner.checkpoint.formats`; whether they load onto another number of ranks; whether they can be
+    # staged into host memory and written in the background.
+    checkpoint_format: str = "full"
+    reshards_checkpoints: bool = False
+    async_checkpoints: bool = True
     # Which of "weights", "gradients", "optimizer" each rank holds only a 1/world_size share of.
     sharded_states: frozenset[str] = frozenset()
     # The compute options (trainer.compile, trainer.activation_checkpointing) `setup_module` applies.
@@ -398,49 +399,11 @@ class Strategy(ABC):
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
-    def save_checkpoint(
-        self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], is_main_process: bool
-    ) -> None:
-        """Write the models' weights and the optimizers' states into `directory`. Here every process holds
-        the whole of each, so the main process writes `model_<i>.safetensors` and `optimizer_<i>.pt`;
-        a sharding backend writes its shards from every process instead."""
-        if is_main_process:  # off the device (loading moves the optimizer states back to the params')
-            weights = [distinct_tensors(self.full_state_dict(model)) for model in models]
-            states = [send_to_device(optimizer.state_dict(), torch.device("cpu")) for optimizer in optimizers]
-            write_full(directory, weights, states)
-
-    async_checkpoints: bool = True  # whether `stage_checkpoint` can stage this backend's checkpoints
-
-    def stage_checkpoint(
-        self,
-        directory: Path,
-        models: list[torch.nn.Module],
-        optimizers: list[Any],
-        is_main_process: bool,
-        group: Any = None,
-    ) -> Callable[[], None]:
-        """`save_checkpoint` in two halves: copy what it writes into host memory now (training may then
-        change the model), and return the function that writes the copy into `directory` (run in a
-        background thread; `group`: a process group of its own for any collective there)."""
-        if not is_main_process:
-            return _nothing
-        weights = [host_copy(distinct_tensors(self.full_state_dict(model))) for model in models]
-        states = [host_copy(optimizer.state_dict()) for optimizer in optimizers]
-        return functools.partial(write_full, directory, weights, states)
-
     def device_batches(
         self, batches: Iterator[Any], device: torch.device, non_blocking: bool = False
     ) -> Iterator[Any]:
         """The batches of a prepared dataloader on `device` (a backend may also lay them out there)."""
         return on_device(batches, device, non_blocking)
 
-    def load_checkpoint(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
-        """Load what `save_checkpoint` wrote into the (prepared) models and optimizers."""
-        load_full(directory, [self.unwrap_module(model) for model in models], optimizers)
-
     def teardown(self) -> None:
         """Release what `setup_environment` acquired."""
-
-
-def _nothing() -> None:
-    pass

@@ -328,13 +328,12 @@ class DeepSpeed(ParallelStrategy):
 
     async_checkpoints = False  # DeepSpeed's engine writes its own checkpoints, synchronously
 
-    def save_checkpoint(
-        self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], is_main_process: bool
-    ) -> None:
-        """Every rank writes its partitions through the engine (`deepspeed/state/`)."""
+    def save_checkpoint(self, directory: Path) -> None:
+        """Every rank writes its partitions through the engine (`deepspeed/state/`): the "deepspeed" format
+        (`runner.checkpoint.formats.EngineOwned`)."""
         self.engine.save_checkpoint(str(directory / CHECKPOINT_DIR), tag=CHECKPOINT_TAG, save_latest=False)
 
-    def load_checkpoint(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
+    def load_checkpoint(self, directory: Path) -> None:
         try:
             loaded, _ = self.engine.load_checkpoint(
                 str(directory / CHECKPOINT_DIR),

@@ -14,14 +14,12 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from runner.checkpoint.formats import load_sharded, sharded_state_dicts, write_sharded
 from runner.config import (
     ActivationCheckpointingConfig,
     CheckpointingMode,
@@ -31,7 +29,6 @@ from runner.config import (
 from runner.errors import ConfigError
 from runner.hardware.context_parallel import ContextParallel
 from runner.models.sequence_shares import share_model
-from runner.ops import host_copy
 
 # torch.distributed.tensor (under FSDP2, tensor parallel and DCP) takes about 0.5 s to import: only runs
 # that shard import it, when they do.
@@ -356,7 +353,7 @@ def _without_gradient_sync(module: Any) -> Iterator[None]:
 class ShardedState:
     """What a strategy whose model ends up as DTensors (FSDP, tensor parallel) answers alike: gradient sync
     through FSDP's switch, the full weights gathered on rank 0, DCP checkpoints (every rank writes its
-    shards). Listed first among a strategy's bases."""
+    shards: `runner.checkpoint.formats.Sharded`). Listed first among a strategy's bases."""
 
     checkpoint_format = "sharded"
     reshards_checkpoints = True  # DCP loads a checkpoint onto any layout of the same model
@@ -368,30 +365,6 @@ class ShardedState:
     def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Gather the full weights (a collective); rank 0 gets them on the CPU, the others an empty dict."""
         return gather_full_state_dict(module)
-
-    def save_checkpoint(
-        self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], is_main_process: bool
-    ) -> None:
-        write_sharded(sharded_state_dicts(directory, models, optimizers))
-
-    def stage_checkpoint(
-        self,
-        directory: Path,
-        models: list[torch.nn.Module],
-        optimizers: list[Any],
-        is_main_process: bool,
-        group: Any = None,
-    ) -> Callable[[], None]:
-        """Each rank's shards (DTensors) copied to host memory now; the returned function writes them with
-        DCP, its collectives over `group`. (Not DCP's `async_save`: two of them, model and optimizer, run
-        their collectives at once in two threads, in an order that can differ between ranks.)"""
-        states = [
-            (host_copy(state), path) for state, path in sharded_state_dicts(directory, models, optimizers)
-        ]
-        return functools.partial(write_sharded, states, group)
-
-    def load_checkpoint(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
-        load_sharded(directory, models, optimizers)
 
 
 def gather_full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
