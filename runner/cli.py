@@ -93,7 +93,7 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
     try:
         if env is None:
             owned.enter_context(run_dir_lock(output_dir))
-        built, world_size, checkpoint, finished = _checked(cfg, output_dir, env)
+        built, world_size, checkpoint, finished = checks_before_launch(cfg, output_dir, env)
         if cfg.plan:
             _print_plan(cfg, built, world_size, checkpoint, finished)
             return {}
@@ -150,7 +150,7 @@ AGAIN = (
 )
 
 
-def _checked(
+def checks_before_launch(
     cfg: DictConfig, output_dir: Path, env: ClusterEnvironment | None
 ) -> tuple[Built, int, Path | None, FinishedRun | None]:
     """Every check before launch (the config, the hardware and the launcher built; a finished run in the

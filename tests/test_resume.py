@@ -15,6 +15,12 @@ from pathlib import Path
 
 import pytest
 from conftest import cli_env, metrics_of, runner_command, wait_for_checkpoint
+from hydra import compose, initialize_config_dir
+
+from runner.cli import checks_before_launch
+from runner.config import CONF_DIR
+from runner.errors import ConfigError
+from runner.schemas import register_configs
 
 pytestmark = pytest.mark.slow
 
@@ -154,7 +160,16 @@ def assert_each_step_logged_once(run_dir: Path, metric: str, steps: list[int]) -
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused_before_training(tmp_path):
-    first = run(tmp_path, "trainer.max_steps=20", "trainer.checkpoint_every=10", "model.hidden_size=64")
+    """Each misfit is refused by the checks before launch (run in this process: the CLI runs them first),
+    naming it; through `python -m runner` as one paragraph with exit status 2, before the job's dir is
+    touched."""
+    first = run(
+        tmp_path,
+        "trainer.max_steps=20",
+        "trainer.checkpoint_every=10",
+        "model.hidden_size=64",
+        "tracker=none",
+    )
     assert first.returncode == 0, first.stderr
     # Its dir as a run killed right after its checkpoint of step 20 leaves it: not finished (a finished
     # run's dir refuses other settings before any checkpoint is looked at).
@@ -165,10 +180,6 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_training(tmp_path):
         ("model.hidden_size=128",): "holds the state of another model than this run's MLP (another shape: "
         "net.0.weight (64, 16) there, (128, 16) here;",
         ("hardware=multi_gpu", "hardware.num_processes=2"): "was written by 1 process(es) and this run has 2",
-        (
-            "hardware=deepspeed",
-            "hardware.num_processes=1",
-        ): "holds 'full' model state and this run's hardware reads 'deepspeed'",
         (f"trainer.resume={tmp_path / 'missing'}",): "no such directory",
         (
             "optimizer=sgd",
@@ -180,18 +191,34 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_training(tmp_path):
         + str(checkpoint)
         + " was written at step 20, past it",
     }
-    for overrides, expected in cases.items():
-        proc = run(tmp_path, "trainer.max_steps=30", "model.hidden_size=64", *overrides)
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for overrides, expected in cases.items():
+            cfg = compose(
+                "config",
+                overrides=["trainer.max_steps=30", "model.hidden_size=64", "tracker=none", *overrides],
+            )
+            with pytest.raises(ConfigError) as refused:
+                checks_before_launch(cfg, tmp_path, env=None)
+            assert expected in str(refused.value), str(refused.value)
+    # Through the CLI (DeepSpeed's strategy built in a process of its own): the job's .hydra/ (written at
+    # launch) is untouched.
+    launched = (tmp_path / ".hydra" / "config.yaml").stat().st_mtime_ns
+    cli_cases = {
+        ("model.hidden_size=128",): "holds the state of another model",
+        ("optimizer=sgd",): "holds the state of optimizer(s)",
+        ("trainer.max_steps=15",): "was written at step 20, past it",
+        (
+            "hardware=deepspeed",
+            "hardware.num_processes=1",
+        ): "holds 'full' model state and this run's hardware reads 'deepspeed'",
+    }
+    for overrides, expected in cli_cases.items():
+        proc = run(tmp_path, "trainer.max_steps=30", "model.hidden_size=64", "tracker=none", *overrides)
         message = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode == 2, proc.stderr
         assert message.startswith("Configuration error: ") and expected in message, message
         assert "starting 2 ranks" not in proc.stderr and "step 30" not in proc.stderr
-    # The model's shapes, the optimizer's kind and a length short of the checkpoint are checked before
-    # launch too: the job's .hydra/ (written at launch) is untouched.
-    launched = (tmp_path / ".hydra" / "config.yaml").stat().st_mtime_ns
-    assert run(tmp_path, "model.hidden_size=128").returncode == 2
-    assert run(tmp_path, "model.hidden_size=64", "optimizer=sgd").returncode == 2
-    assert run(tmp_path, "model.hidden_size=64", "trainer.max_steps=15").returncode == 2
     assert (tmp_path / ".hydra" / "config.yaml").stat().st_mtime_ns == launched
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == checkpoint.name  # nothing was lost
 
