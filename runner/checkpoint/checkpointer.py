@@ -5,7 +5,8 @@ the objects registered with `register_for_checkpointing`), writes them with ever
 and the precision's loss scaler into one directory (`save`: blocking, or staged into host memory and
 written in the background), commits it atomically, marks it `latest` and keeps the last k (`files`), and
 loads it back after checking that it fits (`resume`). Models and optimizers are written in the format the
-strategy names (`runner.checkpoint.formats`), from the state only the strategy can give (full weights). `Accelerator.save_state`/`load_state` and the training loop call it.
+strategy names (`runner.checkpoint.formats`), from the state only the strategy can give (full weights).
+`Accelerator.save_state`/`load_state` and the training loop call it.
 """
 
 from __future__ import annotations
