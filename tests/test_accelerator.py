@@ -222,7 +222,7 @@ def test_execution_helpers_and_free_memory(capsys):
     assert capsys.readouterr().out == "first\n"
     model, _ = make_setup()
     model = accelerator.prepare(model)
-    assert accelerator.free_memory(model) == [None] and accelerator.checkpointer.models == []
+    assert accelerator.free_memory(model) == [None] and accelerator.checkpointer.of_kind("model") == []
 
 
 def test_bad_arguments_are_refused():

@@ -296,7 +296,7 @@ class Accelerator(Engine):
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """True when the last optimizer step was skipped (fp16 overflow)."""
-        return any(opt.step_was_skipped for opt in self.checkpointer.optimizers)
+        return any(opt.step_was_skipped for opt in self.checkpointer.of_kind("optimizer"))
 
     def verify_device_map(self, model: torch.nn.Module) -> bool:
         """Whether `model` (or a module in it) was dispatched over several devices with a device map
@@ -343,7 +343,7 @@ class Accelerator(Engine):
         dataloaders' inside."""
         with ExitStack() as stack:
             if even_batches is not None:
-                for loader in self.checkpointer.dataloaders:
+                for loader in self.checkpointer.of_kind("dataloader"):
                     stack.enter_context(loader.even_batches_set_to(even_batches))
             if self.use_distributed:
                 stack.enter_context(self.strategy.join(joinables))

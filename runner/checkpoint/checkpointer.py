@@ -77,6 +77,10 @@ from runner.state import ProcessState
 
 log = logging.getLogger(__name__)
 
+# What a checkpoint holds, by kind: models and optimizers in the strategy's format, each other object's
+# `state_dict` in `<kind>_<i>.pt` (the registered objects' kind has Accelerate's name).
+KINDS = ("model", "optimizer", "scheduler", "dataloader", "custom_checkpoint")
+
 
 @dataclass
 class ProjectConfiguration:
@@ -128,13 +132,10 @@ class Checkpointer:
         self.project = project
         self.split_batches = split_batches
         self.format = format_of(strategy)
-        # The registry, in the order objects were prepared or registered: a checkpoint loads into the
-        # same objects in the same order. Optimizers are prepared ones (`.optimizer`: the torch one).
-        self.models: list[torch.nn.Module] = []
-        self.optimizers: list[Any] = []
-        self.schedulers: list[Any] = []
-        self.dataloaders: list[Any] = []
-        self.custom_objects: list[Any] = []
+        # The registry: "<kind>_<i>" -> the i-th object of that kind (`KINDS`), in the order objects were
+        # prepared or registered (a checkpoint loads into the same objects in the same order); each has
+        # `state_dict`/`load_state_dict`. Optimizers are prepared ones (`.optimizer`: the torch one).
+        self.states: dict[str, Any] = {}
         # OrderedDicts: a hook's RemovableHandle holds a weak reference to them
         self._save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
@@ -142,6 +143,16 @@ class Checkpointer:
         self._group: Any = None  # its process group
 
     # ------------------------------------------------------------------------------------- registry
+    def add(self, kind: str, obj: Any) -> None:
+        """Save and load `obj` as the next object of `kind` (one of `KINDS`)."""
+        if kind not in KINDS:
+            raise ValueError(f"Checkpointer.add: kind {kind!r} is not one of {', '.join(KINDS)}.")
+        self.states[f"{kind}_{len(self.of_kind(kind))}"] = obj
+
+    def of_kind(self, kind: str) -> list[Any]:
+        """The objects of `kind` registered, in order."""
+        return [obj for name, obj in self.states.items() if _kind(name) == kind]
+
     def register(self, *objects: Any) -> None:
         """Save and load these objects too (each needs `state_dict` and `load_state_dict`)."""
         invalid = [
@@ -152,12 +163,12 @@ class Checkpointer:
                 f"register_for_checkpointing() takes objects with state_dict() and load_state_dict(); "
                 f"these have not: {', '.join(type(obj).__name__ for obj in invalid)}."
             )
-        self.custom_objects.extend(objects)
+        for obj in objects:
+            self.add("custom_checkpoint", obj)
 
     def clear(self) -> None:
         """Forget every prepared object (`Accelerator.free_memory`); registered objects stay."""
-        for objects in (self.models, self.optimizers, self.schedulers, self.dataloaders):
-            objects.clear()
+        self.states = {name: obj for name, obj in self.states.items() if _kind(name) == "custom_checkpoint"}
 
     def add_save_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """`hook(models, weights, output_dir)` at the start of every save (see
@@ -173,19 +184,18 @@ class Checkpointer:
         self._load_hooks[handle.id] = hook
         return handle
 
-    def _parts(self) -> dict[str, list[Any]]:
-        """The registered objects other than models and optimizers, by their files' prefix."""
-        return {
-            "scheduler": self.schedulers,
-            "dataloader": self.dataloaders,
-            "custom_checkpoint": self.custom_objects,
-        }
+    def _parts(self) -> dict[str, Any]:
+        """The registered objects other than models and optimizers (which the format writes), by name:
+        each is written to `<name>.pt`."""
+        return {name: obj for name, obj in self.states.items() if _kind(name) not in ("model", "optimizer")}
 
     def _counts(self, models: list[torch.nn.Module]) -> dict[str, int]:
+        """How many objects of each kind a checkpoint holds (`meta.json`'s `counts`; `models`: those the
+        save or load hooks left)."""
         return {
             "models": len(models),
-            "optimizers": len(self.optimizers),
-            **{prefix: len(objects) for prefix, objects in self._parts().items()},
+            "optimizers": len(self.of_kind("optimizer")),
+            **{kind: len(self.of_kind(kind)) for kind in KINDS[2:]},
         }
 
     # ----------------------------------------------------------------------------------------- save
@@ -245,7 +255,7 @@ class Checkpointer:
         the other states are copied into host memory here (`CheckpointFormat.stage`), and the writer
         runs in a background thread, its collectives over a process group of its own."""
         main = self.state.is_main_process
-        optimizers = [opt.optimizer for opt in self.optimizers]
+        optimizers = [opt.optimizer for opt in self.of_kind("optimizer")]
         models = self._models_to_save(staging)
         if blocking:
             self.format.save(staging, models, optimizers, main)
@@ -261,8 +271,7 @@ class Checkpointer:
         if full:
             files[f"random_states_{rank}.pkl"] = accelerate_rng_state(step)
         if main:
-            for prefix, objects in self._parts().items():
-                files |= {f"{prefix}_{i}.pt": copy(obj.state_dict()) for i, obj in enumerate(objects)}
+            files |= {f"{name}.pt": copy(obj.state_dict()) for name, obj in self._parts().items()}
             files["precision.pt"] = copy(self.precision.state_dict())
             if full and "scaler" in files["precision.pt"]:
                 files["scaler.pt"] = files["precision.pt"]["scaler"]
@@ -271,7 +280,7 @@ class Checkpointer:
                     accelerate_dataloader_file(i): torchdata_position(
                         loader.batches_yielded, loader.pass_finished
                     )
-                    for i, loader in enumerate(self.dataloaders)
+                    for i, loader in enumerate(self.of_kind("dataloader"))
                     if loader.stateful and not loader.num_workers
                 }
         counts = self._counts(models)
@@ -305,13 +314,14 @@ class Checkpointer:
     def _models_to_save(self, staging: Path) -> list[torch.nn.Module]:
         """The prepared models that `save` writes, after the save hooks took theirs."""
         if not self._save_hooks:
-            return self.models
-        models = [self.strategy.unwrap_module(m) for m in self.models]
-        weights = [self.strategy.full_state_dict(m) for m in self.models]
+            return self.of_kind("model")
+        prepared = self.of_kind("model")
+        models = [self.strategy.unwrap_module(m) for m in prepared]
+        weights = [self.strategy.full_state_dict(m) for m in prepared]
         kept_before = {id(w): i for i, w in enumerate(weights)}
         for hook in self._save_hooks.values():
             hook(models, weights, str(staging))
-        return [self.models[kept_before[id(w)]] for w in weights if id(w) in kept_before]
+        return [prepared[kept_before[id(w)]] for w in weights if id(w) in kept_before]
 
     def _background_group(self) -> Any:
         """A gloo process group for the background writes (None in a single process): their collectives
@@ -385,14 +395,14 @@ class Checkpointer:
             self.strategy.checkpoint_format,
             key="load_state input_dir",
             reshards=self.strategy.reshards_checkpoints,
-            readers=self.state.data_parallel_size if self.dataloaders else None,
+            readers=self.state.data_parallel_size if self.of_kind("dataloader") else None,
             split_batches=self.split_batches,
         )
         # Sizes here; `python -m runner` also checks the contents (CRC-32) before any rank starts.
         if problems := damage(directory, meta, contents=False):
             raise damaged_error(directory, problems, key="load_state input_dir")
         models = self._models_to_load(directory)
-        optimizers = [opt.optimizer for opt in self.optimizers]
+        optimizers = [opt.optimizer for opt in self.of_kind("optimizer")]
         check_optimizer_classes(directory, meta, [qualified_name(opt) for opt in optimizers])
         if meta["counts"] != (counts := self._counts(models)):
             raise ConfigError(
@@ -400,9 +410,8 @@ class Checkpointer:
                 "prepare and register the same objects, in the same order, as the run that saved it."
             )
         self.format.load(directory, models, optimizers)
-        for prefix, objects in self._parts().items():
-            for i, obj in enumerate(objects):
-                obj.load_state_dict(load_torch(directory / f"{prefix}_{i}.pt"))
+        for name, obj in self._parts().items():
+            obj.load_state_dict(load_torch(directory / f"{name}.pt"))
         self.precision.load_state_dict(load_torch(directory / "precision.pt"))
         # On another number of ranks (a resharded checkpoint) a new rank takes the states of rank i % N.
         set_rng_state(
@@ -439,15 +448,15 @@ class Checkpointer:
                 f"{self.state.num_processes} saved it. Load it with as many processes as saved it."
             )
         rng_states = load_accelerate_rng_state(rng_file)
-        optimizers = [opt.optimizer for opt in self.optimizers]
+        optimizers = [opt.optimizer for opt in self.of_kind("optimizer")]
         load_full(directory, [self.strategy.unwrap_module(m) for m in models], optimizers, accelerate=True)
         for prefix in ("scheduler", "custom_checkpoint"):
-            for i, obj in enumerate(self._parts()[prefix]):
+            for i, obj in enumerate(self.of_kind(prefix)):
                 obj.load_state_dict(load_torch(directory / accelerate_file(prefix, i)))
         if (scaler := directory / "scaler.pt").is_file() and "scaler" in self.precision.state_dict():
             self.precision.load_state_dict({"scaler": load_torch(scaler)})
         set_accelerate_rng_state(rng_states)
-        for i, loader in enumerate(self.dataloaders):  # as Accelerate: its stateful loaders only
+        for i, loader in enumerate(self.of_kind("dataloader")):  # as Accelerate: its stateful loaders only
             position = directory / accelerate_dataloader_file(i)
             if loader.stateful and position.is_file():
                 try:
@@ -462,7 +471,8 @@ class Checkpointer:
     def resume(self, checkpoint: Path) -> int:
         """`load` for `trainer.resume`: a checkpoint that does not fit this run is a ConfigError, and the
         learning rates stay the configured ones (`keep_configured_lr`); the step it was written at."""
-        configured = [list(s.scheduler.base_lrs) for s in self.schedulers]
+        schedulers = self.of_kind("scheduler")
+        configured = [list(s.scheduler.base_lrs) for s in schedulers]
         try:
             step = self.load(str(checkpoint))
         except (RuntimeError, KeyError, ValueError) as err:
@@ -473,20 +483,21 @@ class Checkpointer:
                 "with the model, optimizer and data settings it was written with, or start fresh with "
                 "trainer.resume=null."
             ) from err
-        for scheduler, lrs in zip(self.schedulers, configured, strict=True):
+        for scheduler, lrs in zip(schedulers, configured, strict=True):
             keep_configured_lr(scheduler.scheduler, lrs)
         return step
 
     def _models_to_load(self, directory: Path) -> list[torch.nn.Module]:
         """The prepared models that `load` fills, after the load hooks took theirs."""
         if not self._load_hooks:
-            return self.models
-        unwrapped = [self.strategy.unwrap_module(m) for m in self.models]
+            return self.of_kind("model")
+        prepared = self.of_kind("model")
+        unwrapped = [self.strategy.unwrap_module(m) for m in prepared]
         models = list(unwrapped)
         for hook in self._load_hooks.values():
             hook(models, str(directory))
         left = {id(m) for m in models}
-        return [prepared for prepared, m in zip(self.models, unwrapped, strict=True) if id(m) in left]
+        return [model for model, m in zip(prepared, unwrapped, strict=True) if id(m) in left]
 
     def latest_at(self, step: int) -> Path | None:
         """The project's latest checkpoint when it holds the state at `step` (the engine's), else None."""
@@ -500,6 +511,11 @@ class Checkpointer:
                 "load_state() needs a directory: the project has no checkpoint marked latest yet."
             )
         return latest
+
+
+def _kind(name: str) -> str:
+    """The kind of the registry's object named `name` ("<kind>_<i>")."""
+    return name.rpartition("_")[0]
 
 
 def _by_kind(counts: dict[str, int]) -> dict[str, int]:

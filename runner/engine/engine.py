@@ -241,7 +241,7 @@ class Engine(ProcessControl):
             micro_batch_size=self._micro_batch_size,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
         )
-        self.checkpointer.models.append(model)
+        self.checkpointer.add("model", model)
         return model
 
     def _place(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -265,20 +265,27 @@ class Engine(ProcessControl):
 
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         wrapped = AcceleratedOptimizer(optimizer, self.strategy, self.precision, self.gradient_state)
-        self.checkpointer.optimizers.append(wrapped)
+        self.checkpointer.add("optimizer", wrapped)
         return wrapped
 
     def prepare_scheduler(self, scheduler: LRScheduler | DummyScheduler) -> AcceleratedScheduler:
         wrapped = AcceleratedScheduler(
             self.strategy.prepared_scheduler(scheduler),
-            self.checkpointer.optimizers,
+            self._optimizers_of(scheduler),
             self.gradient_state,
             num_processes=self.state.data_parallel_size,  # the processes that split the data
             step_with_optimizer=self.step_scheduler_with_optimizer,
             split_batches=self.split_batches,
         )
-        self.checkpointer.schedulers.append(wrapped)
+        self.checkpointer.add("scheduler", wrapped)
         return wrapped
+
+    def _optimizers_of(self, scheduler: Any) -> list[AcceleratedOptimizer]:
+        """The prepared optimizer whose learning rate `scheduler` sets (Accelerate's match), else every
+        optimizer prepared so far: a step they skipped is not taken by the scheduler either."""
+        prepared = self.checkpointer.of_kind("optimizer")
+        own = [opt for opt in prepared if opt.optimizer is getattr(scheduler, "optimizer", None)]
+        return own or prepared
 
     def prepare_data_loader(
         self, data_loader: DataLoader, device_placement: bool | None = None
@@ -317,7 +324,7 @@ class Engine(ProcessControl):
             global_rng=global_rng,
             stateful=config.stateful,
         )
-        self.checkpointer.dataloaders.append(wrapped)
+        self.checkpointer.add("dataloader", wrapped)
         return wrapped
 
     def skip_first_batches(self, dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard:
@@ -395,7 +402,7 @@ class Engine(ProcessControl):
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Undo fp16 loss scaling on the gradients (called by the clip functions)."""
-        optimizers = [optimizer] if optimizer is not None else self.checkpointer.optimizers
+        optimizers = [optimizer] if optimizer is not None else self.checkpointer.of_kind("optimizer")
         for opt in optimizers:
             self.precision.unscale_(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
 
