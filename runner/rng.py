@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import codecs
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -67,37 +65,6 @@ def rng_kept() -> Iterator[None]:
         yield
     finally:
         set_rng_state(before)
-
-
-def accelerate_rng_state(step: int) -> dict[str, Any]:
-    """This process's RNG states as Accelerate's `save_state` writes them (`random_states_<i>.pkl`)."""
-    states = {
-        "step": step,
-        "random_state": random.getstate(),
-        "numpy_random_seed": np.random.get_state(),
-        "torch_manual_seed": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_accelerate_rng_state(states: dict[str, Any]) -> None:
-    """Restore what `accelerate_rng_state` (or Accelerate's `save_state`) saved."""
-    random.setstate(states["random_state"])
-    np.random.set_state(states["numpy_random_seed"])
-    torch.set_rng_state(states["torch_manual_seed"])
-    if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
-        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
-
-
-def load_accelerate_rng_state(path: Path) -> dict[str, Any]:
-    """Read an Accelerate `random_states_<i>.pkl` without unpickling code: torch's weights-only reader,
-    also allowing the numpy types that numpy's RNG state is made of (as Accelerate's own reader does)."""
-    core = getattr(np, "_core", None) or np.core
-    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)), codecs.encode]
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

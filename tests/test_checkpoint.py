@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from runner import Accelerator, ProjectConfiguration, load_checkpoint_in_model
+from runner.checkpoint.accelerate_layout import batches_handed_out, torchdata_position
 from runner.checkpoint.files import damage, file_digest, latest_checkpoint, load_torch, read_meta
-from runner.checkpoint.formats import batches_handed_out, torchdata_position
 from runner.checkpoint.resume import check_checkpoint_fits, check_model_fits, resume_checkpoint
 from runner.checkpoint.weights import DamagedFileError, stored_tensors
 from runner.errors import ConfigError

@@ -23,6 +23,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
+from runner.checkpoint.accelerate_layout import (
+    accelerate_files,
+    is_accelerate_checkpoint,
+    link_accelerate_names,
+    load_accelerate_checkpoint,
+)
 from runner.checkpoint.files import (
     PendingWrite,
     checkpoint_files,
@@ -41,18 +47,7 @@ from runner.checkpoint.files import (
     start_staging,
     write_meta,
 )
-from runner.checkpoint.formats import (
-    ACCELERATE_KINDS,
-    accelerate_counts,
-    accelerate_dataloader_file,
-    accelerate_file,
-    batches_handed_out,
-    format_of,
-    is_accelerate_checkpoint,
-    link_accelerate_names,
-    load_full,
-    torchdata_position,
-)
+from runner.checkpoint.formats import format_of
 from runner.checkpoint.resume import (
     CANDIDATE,
     LAST_FINITE,
@@ -66,13 +61,7 @@ from runner.errors import ConfigError
 from runner.hardware import Strategy
 from runner.ops import host_copy
 from runner.precision import Precision
-from runner.rng import (
-    accelerate_rng_state,
-    load_accelerate_rng_state,
-    rng_state,
-    set_accelerate_rng_state,
-    set_rng_state,
-)
+from runner.rng import rng_state, set_rng_state
 from runner.state import ProcessState
 
 log = logging.getLogger(__name__)
@@ -267,22 +256,13 @@ class Checkpointer:
             barrier = (lambda: dist.barrier(group=group)) if group is not None else (lambda: None)
         rank = self.state.process_index
         files = {f"random_states_{rank}.pt": rng_state()}
-        full = self.strategy.checkpoint_format == "full"  # Accelerate's load_state reads it too
-        if full:
-            files[f"random_states_{rank}.pkl"] = accelerate_rng_state(step)
         if main:
             files |= {f"{name}.pt": copy(obj.state_dict()) for name, obj in self._parts().items()}
             files["precision.pt"] = copy(self.precision.state_dict())
-            if full and "scaler" in files["precision.pt"]:
-                files["scaler.pt"] = files["precision.pt"]["scaler"]
-            if full:  # Accelerate's stateful loaders resume from these (one process's, without workers)
-                files |= {
-                    accelerate_dataloader_file(i): torchdata_position(
-                        loader.batches_yielded, loader.pass_finished
-                    )
-                    for i, loader in enumerate(self.of_kind("dataloader"))
-                    if loader.stateful and not loader.num_workers
-                }
+        full = self.strategy.checkpoint_format == "full"  # Accelerate's load_state reads it too
+        if full:
+            precision_state = files.get("precision.pt", {})
+            files |= accelerate_files(rank, step, main, precision_state, self.of_kind("dataloader"))
         counts = self._counts(models)
         meta = {
             "num_processes": self.state.num_processes,
@@ -301,7 +281,7 @@ class Checkpointer:
             barrier()
             if main:
                 # Accelerate's names are the same files (hard links): recorded as such, checked once.
-                aliases = link_accelerate_names(staging, _by_kind(counts)) if full else {}
+                aliases = link_accelerate_names(staging, counts) if full else {}
                 digests = {
                     name: file_digest(staging / name)
                     for name in checkpoint_files(staging)
@@ -423,10 +403,8 @@ class Checkpointer:
         return meta["step"]
 
     def _load_accelerate(self, directory: Path) -> int:
-        """Restore what Accelerate's `save_state` wrote (models, optimizers, schedulers, registered objects,
-        the loss scale, this process's RNG states, and the positions of its stateful loaders, which
-        runner's stateful loaders resume, their order drawn afresh as Accelerate's is); the step it
-        recorded."""
+        """Restore what Accelerate's `save_state` wrote (`accelerate_layout.load_accelerate_checkpoint`);
+        the step it recorded."""
         if self.strategy.checkpoint_format != "full":
             raise ConfigError(
                 f"load_state input_dir={directory}: a checkpoint of Accelerate's save_state holds whole models, which "
@@ -434,39 +412,15 @@ class Checkpointer:
                 f"{type(self.strategy).__name__}'s shards. Load it with one of those and save_state again, or pass "
                 "the weights to load_checkpoint_in_model."
             )
-        models = self._models_to_load(directory)
-        found, counts = accelerate_counts(directory), _by_kind(self._counts(models))
-        if found != counts:
-            raise ConfigError(
-                f"{directory} (written by Accelerate) holds {found}, but this Accelerator has {counts} prepared/"
-                "registered: prepare and register the same objects, in the same order, as the run that saved it."
-            )
-        rng_file = directory / f"random_states_{self.state.process_index}.pkl"
-        if not rng_file.is_file():
-            raise ConfigError(
-                f"{directory} (written by Accelerate) has no {rng_file.name}: fewer processes than this run's "
-                f"{self.state.num_processes} saved it. Load it with as many processes as saved it."
-            )
-        rng_states = load_accelerate_rng_state(rng_file)
-        optimizers = [opt.optimizer for opt in self.of_kind("optimizer")]
-        load_full(directory, [self.strategy.unwrap_module(m) for m in models], optimizers, accelerate=True)
-        for prefix in ("scheduler", "custom_checkpoint"):
-            for i, obj in enumerate(self.of_kind(prefix)):
-                obj.load_state_dict(load_torch(directory / accelerate_file(prefix, i)))
-        if (scaler := directory / "scaler.pt").is_file() and "scaler" in self.precision.state_dict():
-            self.precision.load_state_dict({"scaler": load_torch(scaler)})
-        set_accelerate_rng_state(rng_states)
-        for i, loader in enumerate(self.of_kind("dataloader")):  # as Accelerate: its stateful loaders only
-            position = directory / accelerate_dataloader_file(i)
-            if loader.stateful and position.is_file():
-                try:
-                    saved = load_torch(position)
-                    loader.resume_at(
-                        batches_handed_out(saved), finished=bool(saved.get("_iterator_finished"))
-                    )
-                except (ValueError, KeyError, TypeError, AttributeError) as err:
-                    raise ConfigError(f"{position} (written by Accelerate): {err}.") from None
-        return int(rng_states.get("step", 0))
+        modules = [self.strategy.unwrap_module(m) for m in self._models_to_load(directory)]
+        return load_accelerate_checkpoint(
+            directory,
+            modules,
+            self.of_kind,
+            self.precision,
+            self.state.process_index,
+            self.state.num_processes,
+        )
 
     def resume(self, checkpoint: Path) -> int:
         """`load` for `trainer.resume`: a checkpoint that does not fit this run is a ConfigError, and the
@@ -516,11 +470,3 @@ class Checkpointer:
 def _kind(name: str) -> str:
     """The kind of the registry's object named `name` ("<kind>_<i>")."""
     return name.rpartition("_")[0]
-
-
-def _by_kind(counts: dict[str, int]) -> dict[str, int]:
-    """A checkpoint's counts of objects (`Checkpointer._counts`) by Accelerate's file prefix."""
-    return {
-        kind: counts[{"model": "models", "optimizer": "optimizers"}.get(kind, kind)]
-        for kind in ACCELERATE_KINDS
-    }

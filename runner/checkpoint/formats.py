@@ -6,10 +6,7 @@
   `optimizer_<i>/`, keyed by parameter name, so that they load onto any layout of the same model;
 - "deepspeed": DeepSpeed's engine writes its own partitions (in its strategy's hook).
 
-A "full" checkpoint also has Accelerate's names for its files (`model.safetensors`, `optimizer.bin`,
-`scheduler.bin`, `custom_checkpoint_<i>.pkl`: hard links, no second copy), and its stateful loaders'
-positions in torchdata's format (`dl_state_dict.bin`), so that Accelerate's `load_state` reads it; and
-runner's `load_state` reads a directory Accelerate's `save_state` wrote.
+A "full" checkpoint also has Accelerate's names for its files (`runner.checkpoint.accelerate_layout`).
 
 A strategy names its format (`Strategy.checkpoint_format`) and hands over what only it knows (the full
 weights of a model, the module inside its wrapper); `format_of` gives the Checkpointer the object that
@@ -20,8 +17,6 @@ excepted, which writes its own partitions.
 from __future__ import annotations
 
 import functools
-import itertools
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,7 +24,7 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import save_file
 
-from runner.checkpoint.files import META, load_torch, save_torch
+from runner.checkpoint.files import load_torch, save_torch
 from runner.checkpoint.weights import checkpoint_tensors, distinct_tensors, load_weights
 from runner.hardware import Strategy
 from runner.ops import host_copy, send_to_device
@@ -152,111 +147,23 @@ def write_full(
 
 
 def load_full(
-    directory: Path, modules: list[torch.nn.Module], optimizers: list[Any], accelerate: bool = False
+    directory: Path,
+    modules: list[torch.nn.Module],
+    optimizers: list[Any],
+    path: Callable[[str, int], Path] | None = None,
 ) -> None:
-    """Load what `write_full` wrote (`accelerate`: what Accelerate's `save_state` wrote) into the
-    (unwrapped) models and the optimizers."""
+    """Load what `write_full` wrote into the (unwrapped) models and the optimizers; `path(kind, i)`: the
+    file of the `i`-th "model" or "optimizer" where another layout wrote them (Accelerate's)."""
+    path = path or (lambda kind, i: directory / runner_file(kind, i))
     for i, module in enumerate(modules):
-        load_weights(
-            module, accelerate_weights(directory, i) if accelerate else directory / runner_file("model", i)
-        )
+        load_weights(module, path("model", i))
     for i, optimizer in enumerate(optimizers):
-        name = accelerate_file("optimizer", i) if accelerate else runner_file("optimizer", i)
-        optimizer.load_state_dict(load_torch(directory / name))
-
-
-# The kinds of state a checkpoint holds one file of per object, by Accelerate's file prefix.
-ACCELERATE_KINDS = ("model", "optimizer", "scheduler", "custom_checkpoint")
+        optimizer.load_state_dict(load_torch(path("optimizer", i)))
 
 
 def runner_file(kind: str, i: int) -> str:
     """runner's file of the `i`-th object of `kind` ("model", "optimizer", or a `Checkpointer` part)."""
     return f"model_{i}.safetensors" if kind == "model" else f"{kind}_{i}.pt"
-
-
-def accelerate_file(kind: str, i: int) -> str:
-    """Accelerate's file of the `i`-th object of `kind` (`ACCELERATE_KINDS`)."""
-    if kind == "custom_checkpoint":
-        return f"custom_checkpoint_{i}.pkl"
-    suffix = ".safetensors" if kind == "model" else ".bin"
-    return f"{kind}{suffix}" if i == 0 else f"{kind}_{i}{suffix}"
-
-
-def accelerate_dataloader_file(i: int) -> str:
-    """Accelerate's file of the `i`-th prepared dataloader's position (its stateful loaders only)."""
-    return "dl_state_dict.bin" if i == 0 else f"dl_state_dict_{i}.bin"
-
-
-def torchdata_position(batches: int, finished: bool = False) -> dict[str, Any]:
-    """The state of torchdata's StatefulDataLoader (one process, no workers, a sampler without state of
-    its own) that has handed out `batches` batches of its pass (`finished`: the last one too, as Accelerate
-    tags it): what Accelerate's `load_state` resumes."""
-    return {
-        "_index_sampler_state": None,
-        "_sampler_iter_state": None,
-        "_sampler_iter_yielded": batches,
-        "_num_yielded": batches,
-        "_IterableDataset_len_called": None,
-        "_shared_seed": None,
-        "fetcher_state": None,
-        "dataset_state": None,
-        "_iterator_finished": finished,
-    }
-
-
-def batches_handed_out(state: dict[str, Any]) -> int:
-    """How many batches of its current pass a StatefulDataLoader whose `state_dict()` is `state` had handed
-    out (0 once the pass finished: the next starts afresh), without workers or with them; ValueError for
-    another format."""
-    if state.get("_iterator_finished"):
-        return 0
-    if "_num_yielded" in state:
-        return int(state["_num_yielded"])
-    if "_snapshot" in state:
-        return int(state["_snapshot"]["_snapshot_step"]) + int(state.get("_steps_since_snapshot", 0))
-    raise ValueError(f"not a torchdata StatefulDataLoader state (keys {sorted(state)})")
-
-
-def accelerate_weights(directory: Path, i: int) -> Path:
-    """Accelerate's weights file of the `i`-th model: safetensors, else the torch file it writes with
-    `safe_serialization=False`."""
-    safe = directory / accelerate_file("model", i)
-    return (
-        safe if safe.is_file() else directory / ("pytorch_model.bin" if i == 0 else f"pytorch_model_{i}.bin")
-    )
-
-
-def link_accelerate_names(directory: Path, counts: dict[str, int]) -> dict[str, str]:
-    """Give a "full" checkpoint's files Accelerate's names too (`counts`: objects of each kind), as hard
-    links (a copy where the file system has none); the names given, each to the file it names."""
-    aliases = {}
-    for kind in ACCELERATE_KINDS:
-        for i in range(counts[kind]):
-            source, alias = directory / runner_file(kind, i), directory / accelerate_file(kind, i)
-            if alias != source and source.is_file():
-                try:
-                    alias.hardlink_to(source)
-                except OSError:
-                    shutil.copyfile(source, alias)
-                aliases[alias.name] = source.name
-    return aliases
-
-
-def is_accelerate_checkpoint(directory: Path) -> bool:
-    """Whether `directory` was written by Accelerate's `save_state` (runner's checkpoints have `meta.json`)."""
-    return not (directory / META).exists() and any(
-        (directory / name).is_file() for name in ("model.safetensors", "pytorch_model.bin", "optimizer.bin")
-    )
-
-
-def accelerate_counts(directory: Path) -> dict[str, int]:
-    """How many objects of each kind Accelerate's `save_state` wrote into `directory`."""
-
-    def present(kind: str, i: int) -> bool:
-        path = accelerate_weights(directory, i) if kind == "model" else directory / accelerate_file(kind, i)
-        return path.is_file()
-
-    return {kind: next(i for i in itertools.count() if not present(kind, i)) for kind in ACCELERATE_KINDS}
 
 
 def sharded_state_dicts(
