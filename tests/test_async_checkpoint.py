@@ -118,7 +118,8 @@ KILLS = 6  # each a run started again: a few random moments (seeded), not a samp
 
 
 def test_kill_9_at_random_moments_of_background_writes_leaves_a_loadable_latest(tmp_path):
-    reference = run(tmp_path / "reference", *KILLED)
+    # Uninterrupted and without checkpoints: saving changes nothing of training, and writes ~5 GB here.
+    reference = run(tmp_path / "reference", *[o for o in KILLED if "checkpoint" not in o])
     assert reference.returncode == 0, reference.stderr
     rng = random.Random(0)
     kills = 0

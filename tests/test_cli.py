@@ -293,6 +293,7 @@ def test_deepspeed_without_its_extra_names_the_pip_install(run_cli, tmp_path):
 def test_plan_prints_what_the_run_would_do_and_starts_nothing(run_cli):
     proc = run_cli(
         "plan=true",
+        "tracker=mlflow",
         "hardware=deepspeed",
         "hardware.zero_stage=3",
         "hardware.num_processes=2",

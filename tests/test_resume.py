@@ -134,7 +134,7 @@ def test_a_run_resumed_from_a_resumed_runs_checkpoint_finishes_identically(tmp_p
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_kill_9_after_a_checkpoint_then_rerun_finishes_identically(tmp_path, uninterrupted, ranks):
-    proc = start(tmp_path, *TRAIN, *RANKS[ranks])
+    proc = start(tmp_path, *TRAIN, *RANKS[ranks], "tracker=mlflow")
     wait_for_checkpoint(tmp_path, proc)
     if ranks == 1:
         os.kill(proc.pid, signal.SIGKILL)
@@ -143,7 +143,7 @@ def test_kill_9_after_a_checkpoint_then_rerun_finishes_identically(tmp_path, uni
         os.kill(rank, signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode != 0
-    rerun = run(tmp_path, *TRAIN, *RANKS[ranks])
+    rerun = run(tmp_path, *TRAIN, *RANKS[ranks], "tracker=mlflow")
     assert rerun.returncode == 0, rerun.stderr
     assert (tmp_path / "model" / "model.safetensors").read_bytes() == uninterrupted[ranks]
     # The steps after the checkpoint, logged by the killed run and again by the rerun, are in its MLflow
@@ -456,7 +456,7 @@ def test_a_run_interrupted_resumed_and_finished_is_never_rewound(tmp_path):
     (trainer.checkpoint_every=0), the run records that it finished: the same command again trains
     nothing and exits 0, a changed setting is refused naming it (the old checkpoint never resumes), the
     finished results stay byte-identical, and the MLflow run holds each logged step once."""
-    steps = ["trainer.max_steps=300", "trainer.log_every=10", "trainer.eval_every=0"]
+    steps = ["trainer.max_steps=300", "trainer.log_every=10", "trainer.eval_every=0", "tracker=mlflow"]
     proc = start(tmp_path, *steps)
     for line in proc.stderr:  # type: ignore[union-attr]
         if line.startswith("step 100/"):

@@ -224,7 +224,9 @@ def test_a_sender_that_was_given_nothing_to_send_exits_with_its_command():
 
 def test_a_run_stopped_by_a_signal_ends_killed_and_its_resumption_finished(tmp_path):
     run_dir = tmp_path / "run"
-    command = runner_command(run_dir, "trainer.max_steps=100000", "trainer.checkpoint_every=50")
+    command = runner_command(
+        run_dir, "trainer.max_steps=100000", "trainer.checkpoint_every=50", "tracker=mlflow"
+    )
     proc = subprocess.Popen(command, env=cli_env(), stderr=subprocess.PIPE, text=True)
     wait_for_checkpoint(run_dir, proc)
     proc.send_signal(signal.SIGTERM)
@@ -233,7 +235,7 @@ def test_a_run_stopped_by_a_signal_ends_killed_and_its_resumption_finished(tmp_p
     client = MlflowClient(cli_env()["MLFLOW_TRACKING_URI"])
     assert client.get_run(run_id_of(run_dir)).info.status == "KILLED"
     resumed = subprocess.run(
-        runner_command(run_dir, "trainer.max_steps=100"),
+        runner_command(run_dir, "trainer.max_steps=100", "tracker=mlflow"),
         env=cli_env(),
         capture_output=True,
         text=True,
@@ -244,7 +246,12 @@ def test_a_run_stopped_by_a_signal_ends_killed_and_its_resumption_finished(tmp_p
 
 
 def test_a_run_that_raises_ends_failed(run_cli):
-    proc = run_cli(*TRAIN, "task._target_=faulty_tasks.RaiseAtThirdStep", pythonpath=Path(__file__).parent)
+    proc = run_cli(
+        *TRAIN,
+        "tracker=mlflow",
+        "task._target_=faulty_tasks.RaiseAtThirdStep",
+        pythonpath=Path(__file__).parent,
+    )
     assert proc.returncode == 1 and "injected failure at step 3" in proc.stderr
     # one process: the same report as a rank's, the user's frames only; the whole traceback in the log
     assert "Training failed: RuntimeError: injected failure at step 3\n(at optimizer step 3 of" in proc.stderr
@@ -447,7 +454,7 @@ def test_a_run_killed_outright_keeps_its_metrics_and_ends_killed(tmp_path):
     """kill -9 writes no end record: the sender sends what was written and closes the run as KILLED."""
     run_dir = tmp_path / "run"
     command = runner_command(
-        run_dir, "trainer.max_steps=100000", "trainer.log_every=10", "trainer.eval_every=0"
+        run_dir, "trainer.max_steps=100000", "trainer.log_every=10", "trainer.eval_every=0", "tracker=mlflow"
     )
     proc = subprocess.Popen(command, env=cli_env(), stderr=subprocess.DEVNULL)
     events, state_file = run_dir / "tracking" / "events.jsonl", run_dir / "tracking" / "delivered.json"
