@@ -45,6 +45,31 @@ def runner_command(run_dir: Path, *overrides: str) -> list[str]:
     ]
 
 
+def run_to_end(
+    run_dir: Path, *overrides: str, timeout: float = 300, pythonpath: Path | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m runner` with its run dir at `run_dir` (working in its parent), which must exit 0;
+    `pythonpath` adds a dir of test modules."""
+    proc = subprocess.run(
+        runner_command(run_dir, *overrides),
+        cwd=run_dir.parent,
+        env=cli_env(pythonpath),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def wait_for_checkpoint(run_dir: Path, proc: subprocess.Popen) -> None:
+    """Wait until the run in `run_dir` (started as `proc`) marks a checkpoint latest (at most 2 minutes)."""
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "latest").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def run_cli(tmp_path):
     """Run `python -m runner <overrides>` in a fresh process with its run dir under tmp_path: one dir for
