@@ -259,8 +259,8 @@ class Checkpointer:
         if main:
             files |= {f"{name}.pt": copy(obj.state_dict()) for name, obj in self._parts().items()}
             files["precision.pt"] = copy(self.precision.state_dict())
-        full = self.strategy.checkpoint_format == "full"  # Accelerate's load_state reads it too
-        if full:
+        for_accelerate = self.format.accelerate_readable
+        if for_accelerate:
             precision_state = files.get("precision.pt", {})
             files |= accelerate_files(rank, step, main, precision_state, self.of_kind("dataloader"))
         counts = self._counts(models)
@@ -281,7 +281,7 @@ class Checkpointer:
             barrier()
             if main:
                 # Accelerate's names are the same files (hard links): recorded as such, checked once.
-                aliases = link_accelerate_names(staging, counts) if full else {}
+                aliases = link_accelerate_names(staging, counts) if for_accelerate else {}
                 digests = {
                     name: file_digest(staging / name)
                     for name in checkpoint_files(staging)
@@ -405,7 +405,7 @@ class Checkpointer:
     def _load_accelerate(self, directory: Path) -> int:
         """Restore what Accelerate's `save_state` wrote (`accelerate_layout.load_accelerate_checkpoint`);
         the step it recorded."""
-        if self.strategy.checkpoint_format != "full":
+        if not self.format.accelerate_readable:
             raise ConfigError(
                 f"load_state input_dir={directory}: a checkpoint of Accelerate's save_state holds whole models, which "
                 f"runner loads where every process holds the whole model (one process, DDP), not into "

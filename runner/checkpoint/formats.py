@@ -33,7 +33,11 @@ from runner.ops import host_copy, send_to_device
 class CheckpointFormat(Protocol):
     """How the models' and optimizers' states of a checkpoint are written and read: `save` writes them
     now; `stage` copies them into host memory now and returns what writes the copy (in a background
-    thread, its collectives over `group`); `load` reads them into the prepared models and optimizers."""
+    thread, its collectives over `group`); `load` reads them into the prepared models and optimizers.
+    `accelerate_readable`: whole models in one process's files, which Accelerate's `load_state` reads
+    (`runner.checkpoint.accelerate_layout` adds its names) and runner's loads from Accelerate's."""
+
+    accelerate_readable: bool
 
     def save(
         self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], main: bool
@@ -50,6 +54,8 @@ class Full:
     """The "full" format: every process holds the whole model, so the main process writes the weights
     (`strategy.full_state_dict`, distinct tensors) and the optimizers' states (off the device: loading
     moves them back to the parameters')."""
+
+    accelerate_readable = True
 
     def __init__(self, strategy: Strategy) -> None:
         self.strategy = strategy
@@ -77,6 +83,8 @@ class Sharded:
     """The "sharded" format: every rank writes its own shards of the DTensor states with DCP, which loads
     them onto any layout of the same model."""
 
+    accelerate_readable = False
+
     def __init__(self, strategy: Strategy) -> None:
         self.strategy = strategy
 
@@ -101,6 +109,8 @@ class Sharded:
 class EngineOwned:
     """A format the strategy's engine writes and reads itself (DeepSpeed's partitions, every rank its
     own): the strategy's `save_checkpoint(directory)` and `load_checkpoint(directory)`; not staged."""
+
+    accelerate_readable = False
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
