@@ -64,6 +64,7 @@ from runner.inference import infer
 from runner.launchers import Job
 from runner.launchers.base import interrupted
 from runner.plan import describe as describe_plan
+from runner.prepare_data import main as prepare_data_command
 from runner.run_log import FILE_ONLY, configure_rank_logging
 from runner.scaffold import main as init_project_command
 from runner.schemas import register_configs
@@ -274,14 +275,18 @@ def leave_the_heap() -> None:
 
 def run() -> None:
     """Console entry point (`runner`, `python -m runner`): composition errors become one paragraph on stderr
-    and exit code 2. `runner init <dir>` writes a starter project instead."""
-    if sys.argv[1:2] == ["init"]:  # never a Hydra override (those hold a `=`)
+    and exit code 2. `runner init <dir>` writes a starter project instead, `runner prepare-data <overrides>`
+    the token shards of the data they compose."""
+    register_configs()
+    commands = {"init": init_project_command, "prepare-data": prepare_data_command}
+    if sys.argv[1:2] and sys.argv[1] in commands:  # never a Hydra override (those hold a `=`)
         try:
-            init_project_command(sys.argv[2:])
+            commands[sys.argv[1]](sys.argv[2:])
+        except (HydraException, OmegaConfBaseException) as err:
+            _end_command(ConfigError(describe_compose_error(err)))
         except ConfigError as err:
             _end_command(err)
         return
-    register_configs()
     for plugin in (ResumableSweeper, RunnerLauncher):
         Plugins.instance().register(plugin)  # Hydra's scan misses them in an editable install
     sys.argv[1:] = options_first(sys.argv[1:])

@@ -72,7 +72,7 @@ def help_text(arguments: list[str], width: int = 100) -> str:
     """What `runner <arguments> --help` prints (`arguments` as given, the help flag among them)."""
     args = get_args_parser().parse_args(arguments)
     overrides = first_job(args.overrides) if args.multirun else args.overrides
-    hydra = _hydra(args.config_dir)
+    hydra = command_hydra(args.config_dir)
     try:
         cfg = hydra.compose_config("config", overrides, run_mode=RunMode.RUN)
         comments = _comments(hydra, overrides)
@@ -351,7 +351,7 @@ def _summary(target: str | None) -> str:
     return first.split(". ")[0].rstrip(".") + "." if first else ""
 
 
-def _hydra(config_dir: str | None) -> Hydra:
+def command_hydra(config_dir: str | None) -> Hydra:
     """Hydra with the command's search path: runner's groups, and `--config-dir`'s first."""
     search_path = create_automatic_config_search_path(None, None, CONF_SEARCH_PATH)
     if config_dir is not None:

@@ -34,10 +34,10 @@ GROUPS = (
 def hydra():
     from hydra.core.global_hydra import GlobalHydra
 
-    from runner.help import _hydra
+    from runner.help import command_hydra
 
     register_configs()
-    yield _hydra(None)
+    yield command_hydra(None)
     GlobalHydra.instance().clear()
 
 

@@ -63,6 +63,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.env",
             "runner.estimate_memory",
             "runner.help",
+            "runner.prepare_data",
             "runner.scaffold",
             "runner.schemas",
             "runner.sweep",

@@ -5,6 +5,7 @@ from runner.data.builtin import digits, sonnets
 from runner.data.synthetic import RandomTokens, SyntheticRegression
 from runner.data.table import TableFile
 from runner.data.text import TextFile
+from runner.data.tokens import TokenShards
 
 __all__ = [
     "DataSource",
@@ -13,6 +14,7 @@ __all__ = [
     "TableFile",
     "TensorDictDataset",
     "TextFile",
+    "TokenShards",
     "digits",
     "sonnets",
 ]

@@ -1,0 +1,37 @@
+"""`runner prepare-data <overrides>`: compose the config as `python -m runner <overrides>` would and write
+its data's token shards (`data=tokens`: `TokenShards.prepare`), so that the run's own overrides prepare
+its data."""
+
+from __future__ import annotations
+
+import sys
+
+from hydra._internal.utils import get_args_parser
+from hydra.core.global_hydra import GlobalHydra
+from hydra.types import RunMode
+from hydra.utils import instantiate
+
+from runner.errors import ConfigError
+from runner.help import command_hydra
+
+
+def main(arguments: list[str]) -> None:
+    """Prepare the data the config `arguments` compose; print what was written."""
+    args = get_args_parser().parse_args(arguments)
+    hydra = command_hydra(args.config_dir)
+    try:
+        cfg = hydra.compose_config(args.config_name or "config", args.overrides, run_mode=RunMode.RUN)
+    finally:
+        GlobalHydra.instance().clear()
+    data = instantiate(cfg.data)
+    if not hasattr(data, "prepare"):
+        raise ConfigError(
+            f"data={cfg.hydra.runtime.choices.get('data')} ({cfg.data._target_}) reads its files as they are; "
+            "there is nothing to prepare. `runner prepare-data` writes the token shards of data=tokens."
+        )
+    manifest = data.prepare(progress=sys.stderr.isatty())
+    print(
+        f"{cfg.data.path}: {manifest.tokens:,} tokens in {manifest.documents:,} documents, "
+        f"{len(manifest.shards)} shard(s) of {manifest.dtype}, vocabulary {manifest.vocab_size} "
+        f"(tokenizer {manifest.tokenizer})."
+    )

@@ -1,0 +1,358 @@
+"""Token shards (`runner prepare-data`, `data=tokens`): what preparing writes from each kind of source, an
+interrupted preparation finishing byte for byte, the order that takes no memory, the refusals from metadata,
+and runs that train and resume from shards on 1 and 2 ranks."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, cli_env, metrics_of, run_to_end
+from omegaconf import OmegaConf
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from runner.build import model_dims
+from runner.data import TokenShards
+from runner.data import prepare as preparing
+from runner.data.prepare import prepare
+from runner.data.shards import TokenStore
+from runner.data.tokens import ShuffledOrder
+from runner.errors import ConfigError
+
+SONNETS = REPO / "runner" / "data" / "assets" / "sonnets.txt"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """The sonnets as 3 text files, their lines as jsonl, parquet and a saved dataset, and a word-level
+    tokenizer trained on them."""
+    root = tmp_path_factory.mktemp("corpus")
+    text = SONNETS.read_text()
+    for i in range(3):
+        (root / f"part{i}.txt").write_text(text[i * 2000 :])
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    (root / "lines.jsonl").write_text(
+        "".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(lines))
+    )
+    table = datasets.Dataset.from_dict({"text": lines})
+    table.to_parquet(root / "lines.parquet", batch_size=50)  # row groups of 50
+    table.save_to_disk(root / "saved")
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(
+        lines, trainers.WordLevelTrainer(vocab_size=400, special_tokens=["[UNK]", "[EOS]"])
+    )
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="[EOS]").save_pretrained(
+        root / "tokenizer"
+    )
+    return root
+
+
+def all_tokens(directory: Path) -> np.ndarray:
+    store = TokenStore(directory)
+    return store.read(0, len(store))
+
+
+def test_text_files_become_their_bytes_in_shards_with_a_document_index(corpus, tmp_path):
+    files = sorted(corpus.glob("part*.txt"))
+    manifest = prepare(
+        tmp_path / "shards", str(corpus / "part*.txt"), shard_mb=0.01, workers=1, progress=False
+    )
+    expected = b"".join(p.read_bytes() for p in files)
+    assert (manifest.tokens, manifest.documents, manifest.vocab_size) == (len(expected), 3, 256)
+    assert len(manifest.shards) == 2 and manifest.dtype == "<u2"  # part0+part1 fill 10 kB, part2 alone
+    assert (
+        all_tokens(tmp_path / "shards").tobytes() == np.frombuffer(expected, np.uint8).astype("<u2").tobytes()
+    )
+    starts = np.fromfile(tmp_path / "shards" / "shard_00000.idx", dtype="<i8")
+    assert starts.tolist() == [0, files[0].stat().st_size]
+    # The same sources and settings again: nothing is written; other sources into the same dir: refused.
+    before = (tmp_path / "shards" / "shard_00000.bin").stat().st_mtime_ns
+    prepare(tmp_path / "shards", str(corpus / "part*.txt"), shard_mb=0.01, workers=1, progress=False)
+    assert (tmp_path / "shards" / "shard_00000.bin").stat().st_mtime_ns == before
+    with pytest.raises(ConfigError, match="prepared from other sources or settings"):
+        prepare(tmp_path / "shards", str(files[0]), shard_mb=0.01, workers=1, progress=False)
+
+
+@pytest.mark.parametrize("source", ["lines.jsonl", "lines.parquet", "saved"])
+def test_rows_are_tokenized_with_an_end_of_sequence_token_each_whatever_the_units(corpus, tmp_path, source):
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(corpus / "tokenizer")
+    lines = [json.loads(line)["text"] for line in (corpus / "lines.jsonl").read_text().splitlines()]
+    expected = [
+        i
+        for ids in tokenizer(lines, add_special_tokens=False)["input_ids"]
+        for i in [*ids, tokenizer.eos_token_id]
+    ]
+    one = prepare(
+        tmp_path / "one", str(corpus / source), str(corpus / "tokenizer"), workers=1, progress=False
+    )
+    many = prepare(
+        tmp_path / "many",
+        str(corpus / source),
+        str(corpus / "tokenizer"),
+        shard_mb=0.001,
+        workers=1,
+        progress=False,
+    )
+    assert len(one.shards) == 1 and len(many.shards) > 2
+    assert (one.documents, one.vocab_size, one.eos_token_id) == (
+        len(lines),
+        len(tokenizer),
+        tokenizer.eos_token_id,
+    )
+    assert all_tokens(tmp_path / "one").tolist() == expected == all_tokens(tmp_path / "many").tolist()
+
+
+def test_token_id_arrays_are_converted_in_the_narrowest_dtype_and_checked_against_the_vocabulary(tmp_path):
+    ids = np.random.default_rng(0).integers(0, 70000, 5000)
+    np.save(tmp_path / "wide.npy", ids)
+    ids[:3000].astype(np.uint16).tofile(tmp_path / "narrow.bin")
+    wide = prepare(
+        tmp_path / "w", str(tmp_path / "wide.npy"), "ids", shard_mb=0.01, workers=1, progress=False
+    )
+    assert (wide.dtype, wide.vocab_size, len(wide.shards)) == ("<u4", ids.max() + 1, 4)  # 10 kB of int64
+    assert all_tokens(tmp_path / "w").tolist() == ids.tolist()
+    narrow = prepare(
+        tmp_path / "n",
+        str(tmp_path / "narrow.bin"),
+        "ids",
+        "text",
+        "uint16",
+        70000,
+        workers=1,
+        progress=False,
+    )
+    assert (narrow.dtype, narrow.vocab_size, narrow.tokens) == (
+        "<u4",
+        70000,
+        3000,
+    )  # the vocabulary needs 4 bytes
+    assert all_tokens(tmp_path / "n").tolist() == ids[:3000].astype(np.uint16).tolist()
+    with pytest.raises(ConfigError, match=r"holds token id 69\d\d\d, outside the vocabulary \[0, 1000\)"):
+        prepare(tmp_path / "v", str(tmp_path / "wide.npy"), "ids", vocab_size=1000, workers=1, progress=False)
+    with pytest.raises(ConfigError, match=r"data\.source_dtype is null"):
+        prepare(tmp_path / "d", str(tmp_path / "narrow.bin"), "ids", workers=1, progress=False)
+    with pytest.raises(ConfigError, match=r"need data\.tokenizer=ids"):
+        prepare(tmp_path / "t", str(tmp_path / "wide.npy"), "bytes", workers=1, progress=False)
+
+
+def test_an_interrupted_preparation_keeps_its_whole_shards_and_finishes_byte_for_byte(
+    corpus, tmp_path, monkeypatch
+):
+    source = str(corpus / "lines.jsonl")
+    prepare(tmp_path / "whole", source, str(corpus / "tokenizer"), shard_mb=0.002, workers=1, progress=False)
+    make = preparing._make_shard
+    made = []
+
+    def interrupted(task):
+        if len(made) == 2:
+            raise KeyboardInterrupt
+        made.append(task[1])
+        return make(task)
+
+    monkeypatch.setattr(preparing, "_make_shard", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(
+            tmp_path / "parts", source, str(corpus / "tokenizer"), shard_mb=0.002, workers=1, progress=False
+        )
+    assert not (tmp_path / "parts" / "manifest.json").exists()
+    kept = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "parts").glob("shard_0000[01].*")}
+    (tmp_path / "parts" / "shard_00002.bin").write_bytes(b"half a shard")  # a write cut short, no record
+    monkeypatch.setattr(preparing, "_make_shard", make)
+    prepare(tmp_path / "parts", source, str(corpus / "tokenizer"), shard_mb=0.002, workers=2, progress=False)
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "parts").glob("shard_0000[01].*")} == kept
+    whole = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert whole == sorted(p.name for p in (tmp_path / "parts").iterdir())
+    for name in whole:
+        ours, theirs = (tmp_path / "parts" / name).read_bytes(), (tmp_path / "whole" / name).read_bytes()
+        if name.endswith(".json"):  # records: the same but for the time each file was written
+            ours, theirs = (_without_times(json.loads(content)) for content in (ours, theirs))
+        assert ours == theirs, name
+
+
+def _without_times(record: dict) -> dict:
+    shards = [{k: v for k, v in s.items() if k != "mtime_ns"} for s in record.get("shards", [])]
+    return {k: v for k, v in record.items() if k != "mtime_ns"} | {"shards": shards}
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 64, 1000, 65537])
+def test_the_shuffled_order_is_a_permutation_fixed_by_seed_and_epoch(size):
+    order = ShuffledOrder(size, seed=3)
+    first = list(order)
+    assert sorted(first) == list(range(size)) and list(order) == first
+    order.set_epoch(1)
+    if size >= 5:
+        assert list(order) != first and list(ShuffledOrder(size, seed=4)) != first
+    if size >= 64:  # shuffled, not shifted: neighbours are not kept together
+        adjacent = sum(abs(a - b) == 1 for a, b in itertools.pairwise(first))
+        assert adjacent < size // 8
+
+
+def test_windows_hold_out_the_end_for_evaluation_and_give_the_vocabulary(corpus, tmp_path):
+    prepare(tmp_path / "s", str(corpus / "part0.txt"), workers=1, progress=False)
+    data = TokenShards(str(tmp_path / "s"), seq_len=16, eval_samples=4, batch_size=4)
+    data.setup()
+    tokens = torch.tensor(all_tokens(tmp_path / "s").astype(np.int64))
+    windows = (len(tokens) - 1) // 16
+    assert (len(data.train_set), len(data.eval_set), data.dims) == (windows - 4, 4, {"vocab_size": 256})
+    sample = data.train_set[5]
+    assert torch.equal(sample["inputs"], tokens[80:96]) and torch.equal(sample["targets"], tokens[81:97])
+    assert torch.equal(data.eval_set[0]["inputs"], tokens[(windows - 4) * 16 :][:16])
+    batch = next(iter(data.train_dataloader(seed=0)))
+    assert batch["inputs"].shape == (4, 16) and batch["inputs"].dtype == torch.int64
+
+
+def test_broken_shards_and_mismatched_settings_are_refused_from_metadata(corpus, tmp_path):
+    shards = tmp_path / "s"
+    prepare(shards, str(corpus / "part*.txt"), shard_mb=0.01, workers=1, progress=False)
+
+    def refused(match: str, directory: Path = shards, **options) -> None:
+        with pytest.raises(ConfigError, match=match):
+            TokenShards(str(directory), **options).setup()
+
+    refused("no token shards there .no such directory.*runner prepare-data", tmp_path / "none")
+    refused("eval_samples=null: without data.eval_path", eval_samples=None)
+    refused(
+        r"prepared from 3 file\(s\).*data.source and data.tokenizer name 1 file",
+        source=str(corpus / "part0.txt"),
+    )
+    refused(
+        "with tokenizer 'bytes'.*and '/",
+        source=str(corpus / "part*.txt"),
+        tokenizer=str(corpus / "tokenizer"),
+    )
+    refused("none left to train on", seq_len=4000)
+    TokenShards(str(shards), source=str(corpus / "part*.txt")).setup()  # made from what it names: fine
+
+    cut = tmp_path / "cut"
+    shutil.copytree(shards, cut)
+    with open(cut / "shard_00001.bin", "r+b") as f:
+        f.truncate(100)
+    refused(r"shard_00001.bin has 100 bytes where its \d+ entries take", cut)
+    changed = tmp_path / "changed"
+    shutil.copytree(shards, changed)
+    data = bytearray((changed / "shard_00000.bin").read_bytes())
+    data[10] ^= 1
+    (changed / "shard_00000.bin").write_bytes(bytes(data))
+    refused("shard_00000.bin holds other data than was written", changed)
+    copied = tmp_path / "copied"
+    shutil.copytree(shards, copied)  # new times, same contents: read once and found whole
+    TokenShards(str(copied)).setup()
+    manifest = json.loads((shards / "manifest.json").read_text())
+    beyond = tmp_path / "beyond"
+    shutil.copytree(shards, beyond)
+    (beyond / "manifest.json").write_text(json.dumps(manifest | {"vocab_size": 100}))
+    refused("it holds token id 122, beyond its vocabulary of 100", beyond)
+    data = TokenShards(str(shards))
+    data.setup()
+    with pytest.raises(
+        ConfigError, match=r"model\.vocab_size=512 does not match the data, which has vocab_size=256"
+    ):
+        model_dims(OmegaConf.create({"_target_": "runner.models.GPT", "vocab_size": 512}), data.dims)
+
+
+def _command(*arguments: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "runner", *arguments],
+        cwd=cwd,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def gpt_shards(corpus, tmp_path_factory) -> list[str]:
+    """The sonnets prepared by `runner prepare-data` in 2 processes: a run's data overrides."""
+    root = tmp_path_factory.mktemp("gpt")
+    data = [
+        "data=tokens",
+        f"data.path={root / 'shards'}",
+        f"data.source={corpus / 'part*.txt'}",
+        "data.shard_mb=0.01",
+    ]
+    prepared = _command("prepare-data", *data, "data.prepare_workers=2", cwd=root)
+    assert prepared.returncode == 0, prepared.stderr
+    size = sum(p.stat().st_size for p in corpus.glob("part*.txt"))
+    assert f"{size:,} tokens in 3 documents, 2 shard(s) of <u2, vocabulary 256 (tokenizer bytes)" in prepared.stdout
+    return [*data, "data.seq_len=64", "data.batch_size=16", "data.eval_samples=16"]
+
+
+def test_prepare_data_refuses_data_that_reads_its_files_as_they_are(tmp_path):
+    refused = _command("prepare-data", "data=sonnets", cwd=tmp_path)
+    assert refused.returncode == 2 and "nothing to prepare" in refused.stderr, refused.stderr
+
+
+@pytest.mark.slow
+def test_a_gpt_resumes_from_token_shards_exactly_and_on_another_number_of_ranks(gpt_shards, tmp_path):
+    """24 whole batches of 16 per epoch (data.drop_last: the incomplete 25th dropped, which 2 ranks would
+    complete from the epoch's start, as Accelerate's even batches do): 30 steps cross an epoch; checkpoints at
+    10, 20 and 30."""
+    run = [
+        *gpt_shards,
+        "model=gpt",
+        "task=language_modeling",
+        "scheduler=constant",
+        "trainer.max_steps=30",
+        "trainer.checkpoint_every=10",
+        "trainer.keep_checkpoints=null",
+        "trainer.eval_every=0",
+        "trainer.split_batches=true",
+        "hardware=fsdp",  # its checkpoints reshard onto another number of ranks
+        "hardware.device=cpu",
+        "hardware.num_processes=1",
+    ]
+    whole = run_to_end(tmp_path / "whole", *run)
+    at_10 = tmp_path / "whole" / "checkpoints" / "checkpoint_0"
+    resumed = run_to_end(tmp_path / "resumed", *run, f"trainer.resume={at_10}")
+    assert "resumed from" in resumed.stderr and "at step 10" in resumed.stderr
+    weights = "model/model.safetensors"
+    assert (tmp_path / "resumed" / weights).read_bytes() == (tmp_path / "whole" / weights).read_bytes()
+    # On 2 ranks from the 1-rank checkpoint, then back on 1 rank from the 2-rank run's: the same global batches.
+    two = run_to_end(
+        tmp_path / "two", *run, "hardware.num_processes=2", f"trainer.resume={at_10}"
+    )
+    back = run_to_end(
+        tmp_path / "back", *run, f"trainer.resume={tmp_path / 'two' / 'checkpoints' / 'checkpoint_1'}"
+    )
+    assert "at step 20" in back.stderr
+    expected = metrics_of(whole)
+    for other in (two, back):
+        got = metrics_of(other)
+        assert (
+            abs(got["train/loss"] - expected["train/loss"]) < 1e-4
+            and abs(got["eval/loss"] - expected["eval/loss"]) < 1e-4
+        ), (got, expected)
+
+
+@pytest.mark.slow
+def test_a_transformers_causal_lm_trains_from_token_shards(corpus, tmp_path):
+    data = [
+        "data=tokens",
+        f"data.path={tmp_path / 'shards'}",
+        f"data.source={corpus / 'lines.parquet'}",
+        f"data.tokenizer={corpus / 'tokenizer'}",
+    ]
+    prepared = _command("prepare-data", *data, "data.prepare_workers=1", cwd=tmp_path)
+    assert prepared.returncode == 0, prepared.stderr
+    run = run_to_end(
+        tmp_path / "run", *data, "data.seq_len=16", "data.batch_size=8", "model=hf_causal_lm", "task=language_modeling",
+        "trainer.max_steps=20", "trainer.eval_every=0", "trainer.log_every=5",
+    )  # fmt: skip
+    losses = [
+        float(line.split("train/loss=")[1].split()[0])
+        for line in run.stderr.splitlines()
+        if "train/loss=" in line
+    ]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses
+    assert "training LlamaForCausalLM" in run.stderr
