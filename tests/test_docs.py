@@ -56,6 +56,8 @@ def runner_commands() -> list[tuple[str, list[str]]]:
                     continue
                 if "--config-dir" in args or "--help" in args:  # a user's project; Hydra's help
                     continue
+                if args[:1] == ["prepare-data"]:  # composes the overrides that follow as a run does
+                    args = args[1:]
                 found.append((f"{page.name}: {part.strip()[:120]}", args))
     return found
 

@@ -356,3 +356,51 @@ def test_a_transformers_causal_lm_trains_from_token_shards(corpus, tmp_path):
     ]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses
     assert "training LlamaForCausalLM" in run.stderr
+
+
+def test_a_mixture_draws_its_sources_in_proportion_continues_them_across_epochs_and_holds_out_each(tmp_path):
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "low.npy", rng.integers(0, 100, 40_000).astype(np.uint16))  # 2,499 windows of 16
+    np.save(tmp_path / "high.npy", rng.integers(100, 200, 12_000).astype(np.uint16))  # 749
+    for name in ("low", "high"):
+        prepare(tmp_path / name, str(tmp_path / f"{name}.npy"), "ids", vocab_size=256, workers=1, progress=False)
+    sources = [{"path": str(tmp_path / "low"), "weight": 1}, {"path": str(tmp_path / "high"), "weight": 3}]
+    data = TokenShards(sources=sources, seq_len=16, eval_samples=8, batch_size=50)
+    data.setup()
+    assert len(data.train_set) == 2497 + 743 and len(data.eval_set) == 2 + 6  # each holds out its share
+    assert all(data.eval_set[i]["inputs"].max() < 100 for i in range(2))
+    assert all(data.eval_set[i]["inputs"].min() >= 100 for i in range(2, 8))
+
+    def highs(batches) -> list[bool]:
+        return [bool(s.min() >= 100) for b in batches for s in b["inputs"]]
+
+    loader = data.train_dataloader(seed=0)
+    epoch = highs(loader)
+    assert sum(epoch) == 2430 and len(epoch) == 3240  # exactly 3/4 of the epoch
+    assert abs(np.mean(epoch[:1000]) - 0.75) < 0.04  # and mixed all along it
+    assert highs(data.train_dataloader(seed=0)) == epoch  # fixed by the seed
+    # "high" holds 743 windows and is drawn 2430 times: it repeats; "low" is drawn 810 of 2497: the next
+    # epoch continues with windows it did not draw.
+    def lows() -> set[tuple[int, ...]]:
+        return {tuple(data.train_set[i]["inputs"].tolist()) for i in range(810)}
+
+    first = lows()
+    data.train_set.set_epoch(1)
+    second = lows()
+    assert len(first) == len(second) == 810 and not first & second
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"sources": [{"path": "a", "weight": 0}]}, r"data\.sources\[0\]\.weight=0: a weight must be a positive"),
+        ({"sources": [{"path": "a", "weight": -1}]}, r"weight=-1: a weight must be a positive number"),
+        ({"sources": [{"path": "a"}]}, r"data\.sources\[0\]=\{'path': 'a'\}: expected \{path"),
+        ({"sources": []}, r"data\.sources=\[\]: expected a list"),
+        ({"path": "a", "sources": [{"path": "a", "weight": 1}]}, "give one"),
+        ({}, "give one"),
+    ],
+)
+def test_a_mixture_without_positive_weights_or_with_a_path_too_is_refused(options, message):
+    with pytest.raises(ConfigError, match=message):
+        TokenShards(**options)

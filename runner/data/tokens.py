@@ -3,13 +3,16 @@ writes them), in an order that takes no memory whatever the corpus' size."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from omegaconf import DictConfig, ListConfig
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
 from runner.config import PositiveFloat, PositiveInt
 from runner.data.base import DataSource
@@ -96,11 +99,65 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+class MixedWindows(Dataset):
+    """`counts[s]` windows of each `parts[s]` in turn: index k of part s's range is its window
+    (k + epoch * counts[s]) mod len(part), so that a part drawn less than it holds continues where the last
+    epoch stopped, and one drawn more repeats. The sampler's shuffle mixes them."""
+
+    def __init__(self, parts: list[Dataset], counts: list[int]) -> None:
+        self.parts, self.counts, self.epoch = parts, counts, 0
+        self.starts = list(itertools.accumulate(counts, initial=0))
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        part = bisect.bisect_right(self.starts, index) - 1
+        within = index - self.starts[part]
+        return self.parts[part][(within + self.epoch * self.counts[part]) % len(self.parts[part])]
+
+
+def shares(total: int, weights: list[float]) -> list[int]:
+    """`total` split in proportion to `weights`, in whole numbers that add up to it (largest remainders)."""
+    exact = [total * w / sum(weights) for w in weights]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (counts[i] - exact[i], i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def check_mixture(sources: Any) -> None:
+    """ConfigError unless `sources` is a non-empty list of {path, weight} with positive weights."""
+    entries = list(sources) if isinstance(sources, (list, tuple, ListConfig)) else None
+    for i, entry in enumerate(entries or []):
+        keys = set(entry) if isinstance(entry, (dict, DictConfig)) else None
+        weight = entry.get("weight") if keys else None
+        if keys != {"path", "weight"} or not isinstance(entry["path"], str):
+            problem = f"data.sources[{i}]={entry!r}: expected {{path: <shards dir>, weight: <number>}}"
+        elif isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            problem = f"data.sources[{i}].weight={weight!r}: a weight must be a positive number"
+        else:
+            continue
+        raise ConfigError(
+            f"{problem}. Give each source of the mixture its shards directory and a weight > 0."
+        )
+    if not entries:
+        raise ConfigError(
+            f"data.sources={sources!r}: expected a list of {{path, weight}}, e.g. "
+            "data.sources='[{path: a/, weight: 0.7}, {path: b/, weight: 0.3}]'."
+        )
+
+
 class TokenShards(DataSource):
     """Token shards (a directory `runner prepare-data` wrote) as windows of `seq_len + 1` tokens, read by
     memory map: each process reads only the windows of its batches, and memory does not grow with the
-    corpus. The training order is a fixed function of the seed and the epoch; the eval set is `eval_path`'s
-    shards, else the last `eval_samples` windows of `path`, held out.
+    corpus; or a weighted mixture of several such directories (`sources`). The training order is a fixed
+    function of the seed and the epoch; the eval set is `eval_path`'s shards, else the last `eval_samples`
+    windows of `path` (of each source, its share), held out.
 
     The settings under "what `runner prepare-data` reads" make the shards; a run checks that the shards in
     `path` were made from them (when `source` is given), and never tokenizes.
@@ -108,6 +165,10 @@ class TokenShards(DataSource):
     Args:
         path: the shards' directory (where `runner prepare-data` writes).
         seq_len: tokens per training sequence.
+        sources: a mixture instead of `path`: shards directories with weights (`[{path: a/, weight: 0.7},
+            {path: b/, weight: 0.3}]`). An epoch is as many windows as they hold together, drawn from each
+            in proportion to its weight (a small source repeats, a large one continues in the next epoch);
+            each holds out its share of `eval_samples`.
         eval_path: a shards directory to evaluate on (e.g. prepared from a validation file); null: hold
             out the end of `path`.
         eval_samples: windows to evaluate on (null with eval_path: all of them).
@@ -124,8 +185,9 @@ class TokenShards(DataSource):
 
     def __init__(
         self,
-        path: str,
+        path: str | None = None,
         seq_len: PositiveInt = 256,
+        sources: list[dict[str, Any]] | None = None,
         eval_path: str | None = None,
         eval_samples: PositiveInt | None = 64,
         source: str | list[str] | None = None,
@@ -138,12 +200,26 @@ class TokenShards(DataSource):
         **loader: Any,
     ) -> None:
         super().__init__(**loader)
+        if (path is None) == (sources is None):
+            raise ConfigError(
+                f"data.path={path!r}, data.sources={sources!r}: give one, the shards directory to train on "
+                "(data.path=shards/) or a mixture of several (data.sources='[{path: a/, weight: 0.7}, {path: b/, "
+                "weight: 0.3}]', with data.path=null)."
+            )
+        if sources is not None:
+            check_mixture(sources)
+            if source is not None:
+                raise ConfigError(
+                    "data.source with data.sources: `runner prepare-data` prepares one directory (data.path); "
+                    "prepare each of a mixture's directories on its own, then train with data.source=null."
+                )
         if eval_path is None and eval_samples is None:
             raise ConfigError(
                 "data.eval_samples=null: without data.eval_path the eval set is the last eval_samples windows of "
                 "data.path; give their number, or a data.eval_path to evaluate on."
             )
-        self.path, self.eval_path = Path(path).expanduser(), eval_path
+        self.path = None if path is None else Path(path).expanduser()
+        self.sources, self.eval_path = sources, eval_path
         self.seq_len, self.eval_samples = seq_len, eval_samples
         self.source, self.tokenizer, self.text_column = source, tokenizer, text_column
         self.source_dtype, self.vocab_size = source_dtype, vocab_size
@@ -151,10 +227,11 @@ class TokenShards(DataSource):
 
     def prepare(self, progress: bool = True) -> Any:
         """Write the shards of `source` to `path` (`runner prepare-data`); finished shards are kept."""
-        if self.source is None:
+        if self.source is None or self.path is None:
             raise ConfigError(
-                "data.source is null: name the files to prepare, e.g. data.source=corpus.txt or "
-                "data.source='[a.jsonl,b.jsonl]' (directories and glob patterns too)."
+                f"data.source={self.source!r}, data.path={self.path}: `runner prepare-data` needs both; name the files to prepare, e.g. data.source=corpus.txt or "
+                "data.source='[a.jsonl,b.jsonl]' (directories and glob patterns too), and data.path, the "
+                "directory it writes."
             )
         return prepare(
             self.path,
@@ -169,35 +246,59 @@ class TokenShards(DataSource):
         )
 
     def load(self) -> tuple[Dataset, Dataset, dict[str, int]]:
-        store = self._store(self.path, "data.path")
-        windows = windows_in(len(store), self.seq_len)
-        if self.eval_path is None:
-            train_count = windows - self.eval_samples
-            eval_store, eval_first, eval_count = store, train_count * self.seq_len, self.eval_samples
-        else:
-            eval_store = self._store(self.eval_path, "data.eval_path")
-            if eval_store.manifest.vocab_size != store.manifest.vocab_size:
+        named = self._named_sources()
+        stores = [self._store(path, key) for path, _, key in named]
+        weights = [weight for _, weight, _ in named]
+        eval_store = None if self.eval_path is None else self._store(self.eval_path, "data.eval_path")
+        vocab = stores[0].manifest.vocab_size
+        for store, (_, _, key) in zip(
+            [*stores, eval_store], [*named, (None, 0, "data.eval_path")], strict=True
+        ):
+            if store is not None and store.manifest.vocab_size != vocab:
                 raise ConfigError(
-                    f"data.eval_path={self.eval_path!r}: its shards have a vocabulary of "
-                    f"{eval_store.manifest.vocab_size}, data.path's {store.manifest.vocab_size}: prepare both "
-                    "with the same tokenizer."
+                    f"{key}={str(store.directory)!r}: its shards have a vocabulary of {store.manifest.vocab_size}, "
+                    f"{named[0][2]}'s {vocab}: prepare them all with the same tokenizer."
                 )
-            train_count, eval_first = windows, 0
-            eval_count = min(windows_in(len(eval_store), self.seq_len), self.eval_samples or windows)
-            if eval_count < 1:
+        held = [0] * len(stores) if eval_store else [max(1, n) for n in shares(self.eval_samples, weights)]
+        train_parts, eval_parts = [], []
+        for store, kept, (_, _, key) in zip(stores, held, named, strict=True):
+            windows = windows_in(len(store), self.seq_len)
+            if windows - kept < 1:
+                raise ConfigError(
+                    f"{key}={str(store.directory)!r}: {len(store)} tokens make {windows} window(s) of "
+                    f"data.seq_len={self.seq_len} + 1 tokens, none left to train on with {kept} held out for "
+                    "evaluation (data.eval_samples). Use more data, a shorter seq_len, fewer eval samples, or a "
+                    "data.eval_path."
+                )
+            train_parts.append(TokenWindows(store, self.seq_len, 0, windows - kept))
+            eval_parts.append(TokenWindows(store, self.seq_len, (windows - kept) * self.seq_len, kept))
+        if eval_store is not None:
+            windows = windows_in(len(eval_store), self.seq_len)
+            if windows < 1:
                 raise ConfigError(
                     f"data.eval_path={self.eval_path!r}: {len(eval_store)} tokens make no window of "
                     f"data.seq_len={self.seq_len} + 1 tokens. Use more data or a shorter seq_len."
                 )
-        if train_count < 1:
-            raise ConfigError(
-                f"data.path={str(self.path)!r}: {len(store)} tokens make {windows} window(s) of data.seq_len="
-                f"{self.seq_len} + 1 tokens, none left to train on with data.eval_samples={self.eval_samples} "
-                "held out. Use more data, a shorter seq_len, fewer eval samples, or a data.eval_path."
-            )
-        train = TokenWindows(store, self.seq_len, 0, train_count)
-        eval_ = TokenWindows(eval_store, self.seq_len, eval_first, eval_count)
-        return train, eval_, {"vocab_size": store.manifest.vocab_size}
+            eval_parts = [
+                TokenWindows(eval_store, self.seq_len, 0, min(windows, self.eval_samples or windows))
+            ]
+        if len(train_parts) == 1:
+            return train_parts[0], eval_parts[0], {"vocab_size": vocab}
+        total = sum(len(part) for part in train_parts)
+        return (
+            MixedWindows(train_parts, shares(total, weights)),
+            ConcatDataset(eval_parts),
+            {"vocab_size": vocab},
+        )
+
+    def _named_sources(self) -> list[tuple[str, float, str]]:
+        """(directory, weight, config key) of each shards directory trained on."""
+        if self.sources is None:
+            return [(str(self.path), 1.0, "data.path")]
+        return [
+            (entry["path"], float(entry["weight"]), f"data.sources[{i}].path")
+            for i, entry in enumerate(self.sources)
+        ]
 
     def _store(self, path: str | Path, key: str) -> TokenStore:
         store = TokenStore(path, key)
