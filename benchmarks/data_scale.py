@@ -3,15 +3,17 @@ loader, all measured in this run:
 
     python benchmarks/data_scale.py [--sizes 1e7,1e8,1e9] [--hf-sizes 1e6,4e6] [--rounds 3]
 
-1. Synthetic token shards (uint16, the word-level tokenizer's vocabulary) of each size: `python -m runner model=hf_causal_lm
-   data=tokens trainer.max_steps=1` (a 2-layer Llama of width 64, batches of 1 x 256) in a fresh process, its peak resident memory (the process's, from wait4) and the
-   time to its first optimizer step, median of `--rounds`. `data=hf` on text of `--hf-sizes` tokens (words
-   of a word-level tokenizer, its cache built before the measured runs) shows what it grows by.
+1. Synthetic token shards (uint16, the word-level tokenizer's vocabulary) of each size: `python -m runner
+   model=hf_causal_lm data=tokens trainer.max_steps=1` (a 2-layer Llama of width 64, batches of 1 x 256)
+   in a fresh process: its peak resident memory (the process's, from wait4) and the time to its first
+   optimizer step, medians of `--rounds` interleaved rounds. `data=hf` on text of `--hf-sizes` tokens
+   (words of a word-level tokenizer, its cache built before the measured runs) shows what it grows by.
 2. Loader throughput on one core for GPT-124M's batch shape (8 x 1024): tokens per second that `data=tokens`'
-   loader (shuffled windows, collated) delivers from the largest shards, against the plain loop nanoGPT
-   uses (`np.memmap`, random windows, `torch.stack`), measured twice (the second an A/A control).
-3. `runner prepare-data` on real text (the sonnets repeated to `--prepare-mb` MB, one document each 8.6 kB):
-   tokens per second per core with the byte tokenizer and a word-level tokenizer, with 1 and 2 processes.
+   loader (shuffled windows, collated) delivers from the largest shards, against nanoGPT's plain loop
+   (`np.memmap` of one 200 MB shard, random windows, `torch.stack`), measured twice (the second an A/A
+   control).
+3. Preparing real text (the sonnets repeated to `--prepare-mb` MB, one 8.6 kB document per file, 8
+   shards): tokens per second with the byte tokenizer and a word-level tokenizer, in 1 and 2 processes.
 
 Ratios are against the plain reference of the same run. Nothing here gates CI.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,6 +39,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 from command_time import STAMP_ENV  # noqa: E402
 
+from runner.data.prepare import prepare  # noqa: E402
 from runner.data.shards import MANIFEST, Manifest, write_json, write_shard  # noqa: E402
 from runner.data.tokens import TokenShards  # noqa: E402
 
@@ -108,9 +112,16 @@ def run_once(overrides: list[str], workdir: Path) -> tuple[float, float]:
     return float(stamp.read_text()) - start, usage.ru_maxrss / 2**20  # KB -> GB
 
 
-def measured(overrides: list[str], workdir: Path, rounds: int) -> tuple[float, float]:
-    runs = [run_once(overrides, workdir) for _ in range(rounds)]
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+def measured(commands: dict[str, list[str]], workdir: Path, rounds: int) -> dict[str, tuple[float, float]]:
+    """Each command's medians over `rounds` interleaved rounds."""
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
+    for _ in range(rounds):
+        for name, overrides in commands.items():
+            runs[name].append(run_once(overrides, workdir))
+    return {
+        n: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
+        for n, rs in runs.items()
+    }
 
 
 def loader_throughput(directory: Path, batches: int) -> dict[str, float]:
@@ -119,15 +130,19 @@ def loader_throughput(directory: Path, batches: int) -> dict[str, float]:
     data = TokenShards(str(directory), seq_len=1024, batch_size=8, eval_samples=1)
     data.setup()
     loader = data.train_dataloader(seed=0)
-    mapped = np.memmap(next(directory.glob("shard_*.bin")), dtype=np.uint16, mode="r")
+    files = sorted(directory.glob("shard_*.bin"))
+    for path in files:  # both read from the page cache
+        with open(path, "rb") as f:
+            while f.read(1 << 26):
+                pass
+    maps = [np.memmap(path, dtype=np.uint16, mode="r") for path in files]
     rng = torch.Generator().manual_seed(0)
 
-    def plain() -> None:  # nanoGPT's get_batch
-        starts = torch.randint(len(mapped) - 1025, (8,), generator=rng)
-        x = torch.stack([torch.from_numpy(mapped[i : i + 1024].astype(np.int64)) for i in starts.tolist()])
-        y = torch.stack(
-            [torch.from_numpy(mapped[i + 1 : i + 1025].astype(np.int64)) for i in starts.tolist()]
-        )
+    def plain() -> None:  # nanoGPT's get_batch, from a shard drawn at random
+        mapped = maps[int(torch.randint(len(maps), (), generator=rng))]
+        starts = torch.randint(len(mapped) - 1025, (8,), generator=rng).tolist()
+        x = torch.stack([torch.from_numpy(mapped[i : i + 1024].astype(np.int64)) for i in starts])
+        y = torch.stack([torch.from_numpy(mapped[i + 1 : i + 1025].astype(np.int64)) for i in starts])
         x.sum(), y.sum()
 
     def ours() -> None:
@@ -147,29 +162,24 @@ def loader_throughput(directory: Path, batches: int) -> dict[str, float]:
 
 
 def prepare_speed(root: Path, megabytes: int) -> list[tuple[str, int, float]]:
-    """(tokenizer, processes, tokens per second per process) of `runner prepare-data` on the sonnets."""
+    """(tokenizer, processes, tokens per second) of preparing the sonnets repeated (`prepare`, its worker
+    processes' start included; the command adds its own start, about as long as `python -m runner plan=true`)."""
     text = SONNETS.read_text()
-    corpus = root / "sonnets"
+    corpus = root / f"sonnets_{megabytes}mb"
     if not corpus.is_dir():
         corpus.mkdir()
         for i in range(megabytes * 2**20 // len(text)):
             (corpus / f"{i:06d}.txt").write_text(text)
-    tokenizer = word_tokenizer(root / "tokenizer")
     found = []
-    for name, spec in (("bytes", "bytes"), ("word-level", str(tokenizer))):
+    for name, spec in (("bytes", "bytes"), ("word-level", str(word_tokenizer(root / "tokenizer")))):
         for workers in (1, 2):
             out = root / f"prepared-{name}-{workers}"
-            subprocess.run(["rm", "-rf", str(out)], check=True)
+            shutil.rmtree(out, ignore_errors=True)
             start = time.perf_counter()
-            done = subprocess.run(
-                [sys.executable, "-m", "runner", "prepare-data", "data=tokens", f"data.path={out}",
-                 f"data.source={corpus}", f"data.tokenizer={spec}", f"data.shard_mb={megabytes / 8}",
-                 f"data.prepare_workers={workers}"],
-                capture_output=True, text=True, check=True,
-            )  # fmt: skip
-            seconds = time.perf_counter() - start
-            tokens = int(done.stdout.split(": ")[1].split(" tokens")[0].replace(",", ""))
-            found.append((name, workers, tokens / seconds / workers))
+            manifest = prepare(
+                out, str(corpus), spec, shard_mb=megabytes / 8, workers=workers, progress=False
+            )
+            found.append((name, workers, manifest.tokens / (time.perf_counter() - start)))
     return found
 
 
@@ -179,43 +189,41 @@ def main() -> None:
     parser.add_argument("--hf-sizes", default="1e6,4e6", help="token counts of the data=hf text ('' to skip)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, default=200, help="batches per loader round")
-    parser.add_argument("--prepare-mb", type=int, default=20, help="MB of text for the prepare measurement")
+    parser.add_argument("--prepare-mb", type=int, default=100, help="MB of text for the prepare measurement")
+    parser.add_argument("--parts", default="1,2,3", help="which measurements (see above)")
     parser.add_argument("--workdir", default=None, help="keep the generated data here (default: a temp dir)")
     args = parser.parse_args()
     root = Path(args.workdir or tempfile.mkdtemp(prefix="data_scale_"))
     root.mkdir(parents=True, exist_ok=True)
     sizes = [int(float(s)) for s in args.sizes.split(",")]
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU(s); data in {root}\n")
-    print(f"{'data':<12} {'tokens':>14} {'first step s':>13} {'peak RSS GB':>12}")
+    parts = set(args.parts.split(","))
     tokenizer = word_tokenizer(root / "tokenizer")
     vocab = len(json.loads((tokenizer / "tokenizer.json").read_text())["model"]["vocab"])
-    shards = {}
-    for size in sizes:
-        shards[size] = synthetic_shards(root / f"tokens_{size}", size, vocab)
-        first, peak = measured(
-            ["data=tokens", f"data.path={shards[size]}"],
-            root,
-            args.rounds,
+    shards = {size: synthetic_shards(root / f"tokens_{size}", size, vocab) for size in sizes}
+    if "1" in parts:
+        commands = {("data=tokens", size): ["data=tokens", f"data.path={shards[size]}"] for size in sizes}
+        for size in [int(float(s)) for s in args.hf_sizes.split(",") if s]:
+            corpus = word_corpus(root / f"words_{size}.jsonl", size)
+            hf = ["data=hf", f"data.path={corpus}", f"data.tokenizer={tokenizer}", "data.eval_fraction=0.01"]
+            run_once(hf, root)  # tokenizes and caches; the measured runs read the cache
+            commands["data=hf", size] = hf
+        print(f"{'data':<12} {'tokens':>14} {'first step s':>13} {'peak RSS GB':>12}")
+        for (name, size), (first, peak) in measured(commands, root, args.rounds).items():
+            print(f"{name:<12} {size:>14,} {first:>13.2f} {peak:>12.3f}", flush=True)
+    if "2" in parts:
+        rates = loader_throughput(shards[max(sizes)], args.batches)
+        print(
+            f"\nloader, one core, batch 8 x 1024 from {max(sizes):,} tokens (tokens/s, median of 5 rounds):"
         )
-        print(f"{'data=tokens':<12} {size:>14,} {first:>13.2f} {peak:>12.3f}", flush=True)
-    for size in [int(float(s)) for s in args.hf_sizes.split(",") if s]:
-        corpus = word_corpus(root / f"words_{size}.jsonl", size)
-        hf = [
-            "data=hf",
-            f"data.path={corpus}",
-            f"data.tokenizer={tokenizer}",
-            "data.eval_fraction=0.01",
-        ]
-        run_once(hf, root)  # tokenizes and caches; the measured runs read the cache
-        first, peak = measured(hf, root, args.rounds)
-        print(f"{'data=hf':<12} {size:>14,} {first:>13.2f} {peak:>12.3f}", flush=True)
-    rates = loader_throughput(shards[max(sizes)], args.batches)
-    print(f"\nloader, one core, batch 8 x 1024 from {max(sizes):,} tokens (tokens/s, median of 5 rounds):")
-    for name, rate in rates.items():
-        print(f"  {name:<14} {rate:>14,.0f}  {rate / rates['plain']:.3f}x plain")
-    print(f"\nrunner prepare-data, {args.prepare_mb} MB of text (tokens/s per process):")
-    for name, workers, rate in prepare_speed(root, args.prepare_mb):
-        print(f"  {name:<11} {workers} process(es) {rate:>14,.0f}")
+        for name, rate in rates.items():
+            print(f"  {name:<14} {rate:>14,.0f}  {rate / rates['plain']:.3f}x plain", flush=True)
+    if "3" in parts:
+        print(f"\npreparing {args.prepare_mb} MB of text in 8 shards (tokens/s):")
+        rates = prepare_speed(root, args.prepare_mb)
+        for name, workers, rate in rates:
+            alone = next(r for n, w, r in rates if n == name and w == 1)
+            print(f"  {name:<11} {workers} process(es) {rate:>14,.0f}  {rate / alone:.2f}x one process")
 
 
 if __name__ == "__main__":

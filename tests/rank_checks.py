@@ -470,6 +470,11 @@ def matrix_run(
     return {"losses": losses, "continued": continued, "after_load": after_load}
 
 
+def matrix_runs(hardware: str, precisions: list[str], checkpoint_dir: str) -> dict[str, dict[str, Any]]:
+    """`matrix_run` in each precision in turn, in the same ranks (one launch, one process group each)."""
+    return {p: matrix_run(hardware, p, os.path.join(checkpoint_dir, p)) for p in precisions}
+
+
 def matrix_resumed(
     hardware: str, checkpoint_dir: str, compile: str = "none", save_dir: str | None = None
 ) -> float:

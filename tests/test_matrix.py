@@ -7,6 +7,8 @@ Later hardware groups add their entries to HARDWARE.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import rank_checks
 
@@ -48,16 +50,28 @@ def single_process(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def several_ranks(tmp_path_factory):
+    """Each layout's runs in every precision, from one launch per layout (made by its first test)."""
+
+    @functools.cache
+    def launched(hardware: str) -> dict[str, dict]:
+        checkpoints = str(tmp_path_factory.mktemp(hardware))
+        return rank_checks.run_ranks(
+            rank_checks.matrix_runs,
+            hardware,
+            list(TOLERANCE),
+            checkpoints,
+            num_processes=PROCESSES.get(hardware, 2),
+        )[0]
+
+    return launched
+
+
 @pytest.mark.parametrize("precision", list(TOLERANCE))
 @pytest.mark.parametrize("hardware", [*HARDWARE, *PROCESSES])
-def test_several_ranks_match_one_process(single_process, tmp_path, hardware, precision):
-    result = rank_checks.run_ranks(
-        rank_checks.matrix_run,
-        hardware,
-        precision,
-        str(tmp_path / "ckpt"),
-        num_processes=PROCESSES.get(hardware, 2),
-    )[0]
+def test_several_ranks_match_one_process(single_process, several_ranks, hardware, precision):
+    result = several_ranks(hardware)[precision]
     reference = single_process[precision]
     assert result["losses"][-1] < result["losses"][0]  # it learns
     for step, (ours, theirs) in enumerate(zip(result["losses"], reference["losses"], strict=True)):

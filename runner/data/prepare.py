@@ -319,13 +319,22 @@ def _load_dataset(name: str) -> Any:
 def _run(
     todo: list[tuple[Path, int, dict[str, Any], dict[str, Any]]], workers: int | None
 ) -> Iterator[tuple[int, Shard]]:
-    """Make the shards of `todo` (in this process, or in `workers` processes), as each is finished."""
+    """Make the shards of `todo` (in this process, or in `workers` processes), as each is finished. The
+    workers fork from a server that imported this module only (not from this process, whose threads a fork
+    would copy mid-lock, nor by a fresh import of the whole command each), and tokenize on one thread each."""
     workers = min(len(todo), workers or os.cpu_count() or 1)
     if workers <= 1:
         yield from map(_make_shard, todo)
         return
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    with context.Pool(workers, initializer=_one_thread) as pool:
         yield from pool.imap_unordered(_make_shard, todo)
+
+
+def _one_thread() -> None:
+    """In a worker: the tokenizer's own thread pool off (the workers are the parallelism)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def _make_shard(task: tuple[Path, int, dict[str, Any], dict[str, Any]]) -> tuple[int, Shard]:
