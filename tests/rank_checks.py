@@ -453,7 +453,12 @@ def matrix_strategy(hardware: str):
 
 
 def matrix_run(
-    hardware: str, precision: str, checkpoint_dir: str, compile: str = "none", checkpointing: str = "none"
+    hardware: str,
+    precision: str,
+    checkpoint_dir: str,
+    compile: str = "none",
+    checkpointing: str = "none",
+    end: bool = True,
 ) -> dict[str, Any]:
     """Train the tiny GPT for MATRIX_STEPS steps; each rank takes its slice of the same global batches.
     Then save a checkpoint, take one more step, load the checkpoint and take that step again. `compile`
@@ -466,13 +471,18 @@ def matrix_run(
     accelerator.load_state(checkpoint_dir)
     after_load = step(MATRIX_STEPS)
     del step  # it holds the prepared model
-    end_matrix_training(accelerator)
+    if end:
+        end_matrix_training(accelerator)
+    else:  # another run follows in this process group
+        accelerator.free_memory()
     return {"losses": losses, "continued": continued, "after_load": after_load}
 
 
 def matrix_runs(hardware: str, precisions: list[str], checkpoint_dir: str) -> dict[str, dict[str, Any]]:
-    """`matrix_run` in each precision in turn, in the same ranks (one launch, one process group each)."""
-    return {p: matrix_run(hardware, p, os.path.join(checkpoint_dir, p)) for p in precisions}
+    """`matrix_run` in each precision in turn, in the same ranks and process group (one launch)."""
+    return {
+        p: matrix_run(hardware, p, os.path.join(checkpoint_dir, p), end=p == precisions[-1]) for p in precisions
+    }
 
 
 def matrix_resumed(
