@@ -479,10 +479,14 @@ def matrix_run(
 
 
 def matrix_runs(hardware: str, precisions: list[str], checkpoint_dir: str) -> dict[str, dict[str, Any]]:
-    """`matrix_run` in each precision in turn, in the same ranks and process group (one launch)."""
-    return {
-        p: matrix_run(hardware, p, os.path.join(checkpoint_dir, p), end=p == precisions[-1]) for p in precisions
-    }
+    """`matrix_run` in each precision in turn, in the same ranks and process group (one launch); each
+    result says where its checkpoint is."""
+    results = {}
+    for precision in precisions:
+        checkpoint = os.path.join(checkpoint_dir, precision)
+        run = matrix_run(hardware, precision, checkpoint, end=precision == precisions[-1])
+        results[precision] = run | {"checkpoint": checkpoint}
+    return results
 
 
 def matrix_resumed(
