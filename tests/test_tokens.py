@@ -145,6 +145,20 @@ def test_token_id_arrays_are_converted_in_the_narrowest_dtype_and_checked_agains
         prepare(tmp_path / "t", str(tmp_path / "wide.npy"), "bytes", workers=1, progress=False)
 
 
+def test_sources_that_are_not_what_they_claim_are_refused_naming_the_file_and_line(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1\.txt is not UTF-8 text \(byte 3: b'\\xe9'\)"):
+        prepare(tmp_path / "l", str(tmp_path / "latin1.txt"), workers=1, progress=False)
+    (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n{"text": "b"\n{"body": "c"}\n')
+    with pytest.raises(ConfigError, match=r"rows\.jsonl \(line 2 after byte 0\) is not a JSON object"):
+        prepare(tmp_path / "j", str(tmp_path / "rows.jsonl"), workers=1, progress=False)
+    (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n{"body": "c"}\n')
+    with pytest.raises(
+        ConfigError, match=r"data\.text_column='text': a record of .*line 2 after byte 0.* holds None"
+    ):
+        prepare(tmp_path / "j", str(tmp_path / "rows.jsonl"), workers=1, progress=False)
+
+
 def test_an_interrupted_preparation_keeps_its_whole_shards_and_finishes_byte_for_byte(
     corpus, tmp_path, monkeypatch
 ):
@@ -284,7 +298,10 @@ def gpt_shards(corpus, tmp_path_factory) -> list[str]:
     prepared = _command("prepare-data", *data, "data.prepare_workers=2", cwd=root)
     assert prepared.returncode == 0, prepared.stderr
     size = sum(p.stat().st_size for p in corpus.glob("part*.txt"))
-    assert f"{size:,} tokens in 3 documents, 2 shard(s) of <u2, vocabulary 256 (tokenizer bytes)" in prepared.stdout
+    assert (
+        f"{size:,} tokens in 3 documents, 2 shard(s) of <u2, vocabulary 256 (tokenizer bytes)"
+        in prepared.stdout
+    )
     return [*data, "data.seq_len=64", "data.batch_size=16", "data.eval_samples=16"]
 
 
@@ -319,9 +336,7 @@ def test_a_gpt_resumes_from_token_shards_exactly_and_on_another_number_of_ranks(
     weights = "model/model.safetensors"
     assert (tmp_path / "resumed" / weights).read_bytes() == (tmp_path / "whole" / weights).read_bytes()
     # On 2 ranks from the 1-rank checkpoint, then back on 1 rank from the 2-rank run's: the same global batches.
-    two = run_to_end(
-        tmp_path / "two", *run, "hardware.num_processes=2", f"trainer.resume={at_10}"
-    )
+    two = run_to_end(tmp_path / "two", *run, "hardware.num_processes=2", f"trainer.resume={at_10}")
     back = run_to_end(
         tmp_path / "back", *run, f"trainer.resume={tmp_path / 'two' / 'checkpoints' / 'checkpoint_1'}"
     )
@@ -363,7 +378,9 @@ def test_a_mixture_draws_its_sources_in_proportion_continues_them_across_epochs_
     np.save(tmp_path / "low.npy", rng.integers(0, 100, 40_000).astype(np.uint16))  # 2,499 windows of 16
     np.save(tmp_path / "high.npy", rng.integers(100, 200, 12_000).astype(np.uint16))  # 749
     for name in ("low", "high"):
-        prepare(tmp_path / name, str(tmp_path / f"{name}.npy"), "ids", vocab_size=256, workers=1, progress=False)
+        prepare(
+            tmp_path / name, str(tmp_path / f"{name}.npy"), "ids", vocab_size=256, workers=1, progress=False
+        )
     sources = [{"path": str(tmp_path / "low"), "weight": 1}, {"path": str(tmp_path / "high"), "weight": 3}]
     data = TokenShards(sources=sources, seq_len=16, eval_samples=8, batch_size=50)
     data.setup()
@@ -379,6 +396,7 @@ def test_a_mixture_draws_its_sources_in_proportion_continues_them_across_epochs_
     assert sum(epoch) == 2430 and len(epoch) == 3240  # exactly 3/4 of the epoch
     assert abs(np.mean(epoch[:1000]) - 0.75) < 0.04  # and mixed all along it
     assert highs(data.train_dataloader(seed=0)) == epoch  # fixed by the seed
+
     # "high" holds 743 windows and is drawn 2430 times: it repeats; "low" is drawn 810 of 2497: the next
     # epoch continues with windows it did not draw.
     def lows() -> set[tuple[int, ...]]:
@@ -393,7 +411,10 @@ def test_a_mixture_draws_its_sources_in_proportion_continues_them_across_epochs_
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"sources": [{"path": "a", "weight": 0}]}, r"data\.sources\[0\]\.weight=0: a weight must be a positive"),
+        (
+            {"sources": [{"path": "a", "weight": 0}]},
+            r"data\.sources\[0\]\.weight=0: a weight must be a positive",
+        ),
         ({"sources": [{"path": "a", "weight": -1}]}, r"weight=-1: a weight must be a positive number"),
         ({"sources": [{"path": "a"}]}, r"data\.sources\[0\]=\{'path': 'a'\}: expected \{path"),
         ({"sources": []}, r"data\.sources=\[\]: expected a list"),

@@ -382,17 +382,29 @@ def _texts(unit: dict[str, Any], column: str) -> Iterator[str]:
     kind = unit["kind"]
     if kind == "text":
         for name in unit["files"]:
-            yield Path(name).read_text(encoding="utf-8", errors="replace")
+            content = Path(name).read_bytes()
+            try:
+                yield content.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ConfigError(
+                    f"data.source: {name} is not UTF-8 text (byte {err.start}: {content[err.start : err.start + 4]!r}). "
+                    "Convert it to UTF-8, or leave it out of data.source."
+                ) from err
     elif kind == "jsonl":
         with open(unit["file"], "rb") as f:
             f.seek(unit["start"])
             for number, line in enumerate(f.read(unit["stop"] - unit["start"]).splitlines()):
-                if line.strip():
-                    yield _field(
-                        json.loads(line),
-                        column,
-                        f"{unit['file']} (line {number + 1} from byte {unit['start']})",
-                    )
+                if not line.strip():
+                    continue
+                where = f"{unit['file']} (line {number + 1} after byte {unit['start']})"
+                try:
+                    row = json.loads(line)
+                except ValueError as err:
+                    raise ConfigError(
+                        f"data.source: {where} is not a JSON object ({err}). Give one JSON object per line "
+                        "(jsonl), each holding its text under data.text_column."
+                    ) from err
+                yield _field(row, column, where)
     elif kind == "parquet":
         import pyarrow.parquet as pq
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ import numpy as np
 
 from runner.data.base import fingerprint, machine_cache
 from runner.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 FORMAT = "runner-token-shards"
 VERSION = 1
@@ -174,6 +177,7 @@ def _content_problem(directory: Path, shard: Shard) -> str | None:
     )
     if checked.exists():
         return None
+    log.info("%s changed or was copied since it was written: reading its checksum", path)
     if _file_sha256(path) != shard.sha256:
         return f"{path.name} holds other data than was written (its checksum differs from the manifest's)"
     try:
