@@ -13,6 +13,7 @@ from hydra.utils import instantiate
 
 from runner.errors import ConfigError
 from runner.help import command_hydra
+from runner.validate import missing_values
 
 
 def main(arguments: list[str]) -> None:
@@ -23,6 +24,9 @@ def main(arguments: list[str]) -> None:
         cfg = hydra.compose_config(args.config_name or "config", args.overrides, run_mode=RunMode.RUN)
     finally:
         GlobalHydra.instance().clear()
+    missing = missing_values(cfg.data)
+    if missing:
+        raise ConfigError(" ".join(missing))
     data = instantiate(cfg.data)
     if not hasattr(data, "prepare"):
         raise ConfigError(

@@ -81,7 +81,7 @@ def validate(cfg: DictConfig) -> Built:
 def _validate(cfg: DictConfig) -> tuple[dict[str, Any], list[str]]:
     """What could be built (hardware, launcher, data source) and every problem found: the settings
     checked, then each node built whose settings no problem names."""
-    problems = _shape_problems(cfg) or _missing_values(cfg)
+    problems = _shape_problems(cfg) or missing_values(cfg)
     if problems:  # interpolations and builds would fail on them
         return {}, problems
     problems = [
@@ -117,7 +117,7 @@ def _shape_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
-def _missing_values(cfg: DictConfig) -> list[str]:
+def missing_values(cfg: DictConfig) -> list[str]:
     return [
         f"{key}: no value was given (it is '???' in its YAML). Set it on the command line, e.g. `{key}=...`."
         for key in sorted(OmegaConf.missing_keys(cfg))

@@ -305,9 +305,11 @@ def gpt_shards(corpus, tmp_path_factory) -> list[str]:
     return [*data, "data.seq_len=64", "data.batch_size=16", "data.eval_samples=16"]
 
 
-def test_prepare_data_refuses_data_that_reads_its_files_as_they_are(tmp_path):
+def test_prepare_data_refuses_data_without_shards_or_a_path_before_reading_anything(tmp_path):
     refused = _command("prepare-data", "data=sonnets", cwd=tmp_path)
     assert refused.returncode == 2 and "nothing to prepare" in refused.stderr, refused.stderr
+    refused = _command("prepare-data", "data=tokens", "data.source=corpus.txt", cwd=tmp_path)
+    assert refused.returncode == 2 and "data.path: no value was given" in refused.stderr, refused.stderr
 
 
 @pytest.mark.slow
