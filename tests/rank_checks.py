@@ -490,7 +490,7 @@ def matrix_runs(hardware: str, precisions: list[str], checkpoint_dir: str) -> di
 
 
 def matrix_resumed(
-    hardware: str, checkpoint_dir: str, compile: str = "none", save_dir: str | None = None
+    hardware: str, checkpoint_dir: str, compile: str = "none", save_dir: str | None = None, end: bool = True
 ) -> float:
     """The loss of the step after a `matrix_run` checkpoint, taken by a fresh run (fp32) that loads it
     (and, with `save_dir`, saves what it loaded there first)."""
@@ -500,8 +500,22 @@ def matrix_resumed(
         accelerator.save_state(save_dir)
     loss = step(MATRIX_STEPS)
     del step  # it holds the prepared model
-    end_matrix_training(accelerator)
+    if end:
+        end_matrix_training(accelerator)
+    else:  # another run follows in this process group
+        accelerator.free_memory()
     return loss
+
+
+def compiled_round_trip(hardware: str, scope: str, root: str) -> dict[str, Any]:
+    """In the same ranks: a `matrix_run` compiled with `scope`; an eager run that resumes its checkpoint
+    and saves what it loaded; a compiled run that resumes that."""
+    compiled = matrix_run(hardware, "no", os.path.join(root, "compiled"), scope, end=False)
+    eager = matrix_resumed(
+        hardware, os.path.join(root, "compiled"), "none", os.path.join(root, "eager"), end=False
+    )
+    back = matrix_resumed(hardware, os.path.join(root, "eager"), scope)
+    return {"compiled": compiled, "eager": eager, "back": back}
 
 
 def end_matrix_training(accelerator: Any) -> None:

@@ -249,22 +249,16 @@ def test_compiled_training_matches_eager_and_its_checkpoints_resume_across(
     eager_reference, tmp_path, hardware, scope
 ):
     ranks = 1 if hardware == "cpu_forked" else 2
-    compiled = rank_checks.run_ranks(
-        rank_checks.matrix_run, hardware, "no", str(tmp_path / "compiled"), scope, num_processes=ranks
-    )[0]
+    runs = rank_checks.run_ranks(
+        rank_checks.compiled_round_trip, hardware, scope, str(tmp_path), num_processes=ranks
+    )[0]  # one launch: each run below a fresh Accelerator and model in the same ranks
+    compiled = runs["compiled"]
     for step, (ours, eager) in enumerate(zip(compiled["losses"], eager_reference["losses"], strict=True)):
         assert abs(ours - eager) <= 1e-5, (step, ours, eager)
     assert compiled["after_load"] == compiled["continued"]
     # The compiled run's checkpoint resumes in an eager run, which saves it again; that one resumes compiled.
-    eager = rank_checks.run_ranks(
-        rank_checks.matrix_resumed, hardware, str(tmp_path / "compiled"), "none", str(tmp_path / "eager"),
-        num_processes=ranks,
-    )[0]  # fmt: skip
-    assert abs(eager - compiled["continued"]) <= 1e-5
-    back = rank_checks.run_ranks(
-        rank_checks.matrix_resumed, hardware, str(tmp_path / "eager"), scope, num_processes=ranks
-    )[0]
-    assert abs(back - eager) <= 1e-5
+    assert abs(runs["eager"] - compiled["continued"]) <= 1e-5
+    assert abs(runs["back"] - runs["eager"]) <= 1e-5
 
 
 @pytest.mark.slow
