@@ -43,7 +43,8 @@ USAGE = (
     "Usage: runner [group=option ...] [key=value ...]\n"
     "  -m: a sweep over comma-separated values (key=a,b); --config-dir DIR: your own groups and options;\n"
     "  plan=true: what the run would do, starting nothing; --cfg job: the composed YAML; --hydra-help: "
-    "Hydra's own options"
+    "Hydra's own options\n"
+    "  runner prepare-data [group=option ...] [key=value ...]: write the token shards data=tokens trains on"
 )
 
 
