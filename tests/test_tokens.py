@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import pickle
 import shutil
 import subprocess
 import sys
@@ -223,6 +224,8 @@ def test_windows_hold_out_the_end_for_evaluation_and_give_the_vocabulary(corpus,
     assert torch.equal(data.eval_set[0]["inputs"], tokens[(windows - 4) * 16 :][:16])
     batch = next(iter(data.train_dataloader(seed=0)))
     assert batch["inputs"].shape == (4, 16) and batch["inputs"].dtype == torch.int64
+    # Its memory maps open (a sample was read), a loader worker still receives no data through the pickle.
+    assert len(pickle.dumps(data.train_set)) < 4096 < len(tokens)
 
 
 def test_broken_shards_and_mismatched_settings_are_refused_from_metadata(corpus, tmp_path):

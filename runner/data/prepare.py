@@ -193,14 +193,17 @@ def _source_stats(files: list[Path]) -> list[tuple[str, int, int]]:
     return stats
 
 
+def tokenizer_name(tokenizer: str) -> str:
+    """How a manifest names `tokenizer`: "bytes" and "ids" as they are, a directory by its absolute path."""
+    return tokenizer if tokenizer in ("bytes", "ids") else str(Path(tokenizer).expanduser().resolve())
+
+
 def _tokenizer_record(tokenizer: str) -> dict[str, Any]:
+    """Its name, and for a directory its files' stats (what the shards depend on)."""
+    name = tokenizer_name(tokenizer)
     if tokenizer in ("bytes", "ids"):
-        return {"name": tokenizer}
-    directory = Path(tokenizer).expanduser().resolve()
-    return {
-        "name": str(directory),
-        "files": file_stats(sorted(p for p in directory.rglob("*") if p.is_file())),
-    }
+        return {"name": name}
+    return {"name": name, "files": file_stats(sorted(p for p in Path(name).rglob("*") if p.is_file()))}
 
 
 def _ids_dtype(files: list[Path], source_dtype: str | None) -> np.dtype:

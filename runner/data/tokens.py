@@ -16,7 +16,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
 from runner.config import PositiveFloat, PositiveInt
 from runner.data.base import DataSource
-from runner.data.prepare import prepare, source_files
+from runner.data.prepare import prepare, source_files, tokenizer_name
 from runner.data.shards import TokenStore
 from runner.errors import ConfigError
 
@@ -313,12 +313,12 @@ class TokenShards(DataSource):
             return
         made_from = sorted(path for path, *_ in store.manifest.sources)
         named = sorted(str(p.resolve()) for p in source_files(self.source))
-        if made_from != named or store.manifest.tokenizer != _tokenizer_name(self.tokenizer):
+        if made_from != named or store.manifest.tokenizer != tokenizer_name(self.tokenizer):
             raise ConfigError(
                 f"data.path={str(self.path)!r}: its shards were prepared from {len(made_from)} file(s) "
                 f"({', '.join(made_from[:2])}{' ...' if len(made_from) > 2 else ''}) with tokenizer "
                 f"{store.manifest.tokenizer!r}; data.source and data.tokenizer name {len(named)} file(s) "
-                f"({', '.join(named[:2])}{' ...' if len(named) > 2 else ''}) and {_tokenizer_name(self.tokenizer)!r}. "
+                f"({', '.join(named[:2])}{' ...' if len(named) > 2 else ''}) and {tokenizer_name(self.tokenizer)!r}. "
                 "Prepare them again into another data.path, or set data.source=null to train on the shards as "
                 "they are."
             )
@@ -332,8 +332,3 @@ class TokenShards(DataSource):
             num_workers=self.num_workers,
             generator=torch.Generator().manual_seed(seed),
         )
-
-
-def _tokenizer_name(tokenizer: str) -> str:
-    """How a manifest names `tokenizer`: "bytes" and "ids" as they are, a directory by its absolute path."""
-    return tokenizer if tokenizer in ("bytes", "ids") else str(Path(tokenizer).expanduser().resolve())
