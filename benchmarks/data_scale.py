@@ -7,7 +7,8 @@ loader, all measured in this run:
    model=hf_causal_lm data=tokens trainer.max_steps=1` (a 2-layer Llama of width 64, batches of 1 x 256)
    in a fresh process: its peak resident memory (the process's, from wait4) and the time to its first
    optimizer step, medians of `--rounds` interleaved rounds. `data=hf` on text of `--hf-sizes` tokens
-   (words of a word-level tokenizer, its cache built before the measured runs) shows what it grows by.
+   (words of a word-level tokenizer, its cache built before the measured runs) shows what it grows by;
+   `data=hf data.streaming=true` on text of `--stream-sizes` tokens, tokenized as it is read, what it does not.
 2. Loader throughput on one core for GPT-124M's batch shape (8 x 1024): tokens per second that `data=tokens`'
    loader (shuffled windows, collated) delivers from the largest shards, against nanoGPT's plain loop
    (`np.memmap` of one 200 MB shard, random windows, `torch.stack`), measured twice (the second an A/A
@@ -187,6 +188,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1e7,1e8,1e9", help="token counts of the synthetic shards")
     parser.add_argument("--hf-sizes", default="1e6,4e6", help="token counts of the data=hf text ('' to skip)")
+    parser.add_argument(
+        "--stream-sizes", default="4e6,4e7", help="token counts of the streamed data=hf text ('' to skip)"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, default=200, help="batches per loader round")
     parser.add_argument("--prepare-mb", type=int, default=100, help="MB of text for the prepare measurement")
@@ -208,9 +212,18 @@ def main() -> None:
             hf = ["data=hf", f"data.path={corpus}", f"data.tokenizer={tokenizer}", "data.eval_fraction=0.01"]
             run_once(hf, root)  # tokenizes and caches; the measured runs read the cache
             commands["data=hf", size] = hf
-        print(f"{'data':<12} {'tokens':>14} {'first step s':>13} {'peak RSS GB':>12}")
+        for size in [int(float(s)) for s in args.stream_sizes.split(",") if s]:
+            corpus = word_corpus(root / f"words_{size}.jsonl", size)
+            commands["data=hf stream", size] = [
+                "data=hf",
+                f"data.path={corpus}",
+                f"data.tokenizer={tokenizer}",
+                "data.streaming=true",
+                "data.eval_rows=2",
+            ]
+        print(f"{'data':<15} {'tokens':>14} {'first step s':>13} {'peak RSS GB':>12}")
         for (name, size), (first, peak) in measured(commands, root, args.rounds).items():
-            print(f"{name:<12} {size:>14,} {first:>13.2f} {peak:>12.3f}", flush=True)
+            print(f"{name:<15} {size:>14,} {first:>13.2f} {peak:>12.3f}", flush=True)
     if "2" in parts:
         rates = loader_throughput(shards[max(sizes)], args.batches)
         print(

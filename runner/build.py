@@ -14,9 +14,11 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
+from torch.utils.data import IterableDataset
 
 from runner.checkpoint.weights import load_weights
 from runner.data.base import DataSource
+from runner.engine.data_loader import loader_like
 from runner.errors import ConfigError
 from runner.ops import apply_to_tensors, send_to_device
 from runner.task import InferenceTask
@@ -57,9 +59,18 @@ def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def first_batch(data: DataSource, per_device: int = 1) -> Any:
-    """The first training batch of `data` (seed 0); `per_device` > 1 cuts it to one process's share
-    (`trainer.split_batches`)."""
-    batch = next(iter(data.train_dataloader(seed=0)))
+    """The first training batch of `data` (seed 0), loaded in this process (no loader workers started for
+    one batch); `per_device` > 1 cuts it to one process's share (`trainer.split_batches`)."""
+    loader = data.train_dataloader(seed=0)
+    if loader.num_workers:
+        if isinstance(loader.dataset, IterableDataset):
+            batching = {"batch_size": loader.batch_size, "drop_last": loader.drop_last}
+        elif loader.batch_sampler is not None:
+            batching = {"batch_sampler": loader.batch_sampler}
+        else:  # unbatched
+            batching = {"batch_size": None, "sampler": loader.sampler}
+        loader = loader_like(loader, num_workers=0, **batching)
+    batch = next(iter(loader))
     if per_device > 1:
         batch = apply_to_tensors(lambda t: t[: len(t) // per_device], batch)
     return batch

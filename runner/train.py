@@ -135,7 +135,7 @@ class Trainer:
             load_start_weights(model, cfg.checkpoint)
         self.task: Task = instantiate(cfg.task)
         optimizer = instantiate(cfg.optimizer)(model.parameters())
-        self.total_steps = num_training_steps(trainer, len(self.train_loader))  # this rank's share
+        self.total_steps = num_training_steps(trainer, self.train_loader)
         # A prepared scheduler advances once per data-parallel process on each optimizer step (Accelerate's
         # convention; tensor-parallel ranks share their data), once only with split batches.
         advances = 1 if trainer.split_batches else engine.state.data_parallel_size
@@ -246,8 +246,9 @@ class Trainer:
         return self.finish()
 
     def batches_left_in_epoch(self) -> Any:
-        """The train loader, past the batches of this epoch a resumed run consumed already."""
-        skip = self.done.batches
+        """The train loader, past the batches of this epoch a resumed run consumed already (a loader that
+        resumes by itself, a stream's, is past them)."""
+        skip = 0 if self.train_loader.resumes_itself else self.done.batches
         return self.engine.skip_first_batches(self.train_loader, skip) if skip else self.train_loader
 
     def train_step(self, batch: Any) -> None:
@@ -497,11 +498,12 @@ def evaluate(engine: Engine, model: torch.nn.Module, task: Task, loader: Any) ->
     return {f"eval/{name}": value for name, value in task.summarize(means).items()}
 
 
-def num_training_steps(trainer: DictConfig, batches_per_epoch: int) -> int:
-    """Optimizer steps to run: `max_steps`, else `max_epochs` epochs of (accumulated) batches."""
+def num_training_steps(trainer: DictConfig, train_loader: Any) -> int:
+    """Optimizer steps to run: `max_steps`, else `max_epochs` epochs of (accumulated) batches of
+    `train_loader` (this rank's share)."""
     if trainer.max_steps is not None:
         return trainer.max_steps
-    return trainer.max_epochs * math.ceil(batches_per_epoch / trainer.gradient_accumulation_steps)
+    return trainer.max_epochs * math.ceil(len(train_loader) / trainer.gradient_accumulation_steps)
 
 
 def _fmt(metrics: dict[str, float]) -> str:

@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from torch.utils.data import IterableDataset
 
 from runner.build import (
     build_data,
@@ -28,7 +29,7 @@ from runner.build import (
 )
 from runner.checkpoint.weights import DamagedFileError, check_against_model, checkpoint_tensors
 from runner.config import CheckpointingMode, RunConfig, declared_ranges
-from runner.data.base import DataSource
+from runner.data.base import DataSource, Stream
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
 from runner.hardware.device_map import BigModel
@@ -362,7 +363,9 @@ def validate_for_world(
         problems += _start_weights_problems(cfg, model)
         problems += _optimizer_problems(cfg, model)
         step_samples = (batch_size or 1) * (1 if cfg.trainer.split_batches else world_size)
-        if batch_size and len(data.train_set) < step_samples:
+        if isinstance(data.train_set, Stream):
+            problems += _stream_problems(cfg, data.train_set, hardware, world_size)
+        elif batch_size and len(data.train_set) < step_samples:
             problems.append(
                 f"data.batch_size={batch_size}: the training set has {len(data.train_set)} sample(s), fewer than one "
                 f"batch on each of the {world_size} process(es) needs ({step_samples}): training would run on smaller "
@@ -389,8 +392,30 @@ def _check_training(cfg: DictConfig, hardware: Strategy, world_size: int, data: 
         return
     batch_size = cfg.data.get("batch_size") or 1
     readers = hardware.data_parallel_size(world_size)
-    sample = data.train_set[0] if len(data.train_set) else None
+    if isinstance(data.train_set, IterableDataset):
+        sample = next(iter(data.train_set), None)
+    else:
+        sample = data.train_set[0] if len(data.train_set) else None
     hardware.check_training(task, batch_size // readers if cfg.trainer.split_batches else batch_size, sample)
+
+
+def _stream_problems(
+    cfg: DictConfig, stream: Stream, hardware: Strategy | None, world_size: int
+) -> list[str]:
+    """What a streamed training set cannot do with these settings: end (it needs a number of steps), or
+    give each of its readers (data-parallel processes x loader workers) data."""
+    problems = []
+    if cfg.trainer.max_steps is None:
+        problems.append(
+            f"trainer.max_steps=null with a streamed training set ({cfg.data._target_}): a stream has no end, so "
+            "no epochs to count; set trainer.max_steps."
+        )
+    processes = hardware.data_parallel_size(world_size) if hardware is not None else world_size
+    try:
+        stream.check_readers(processes * max(1, cfg.data.get("num_workers") or 0))
+    except ConfigError as err:
+        problems.append(str(err))
+    return problems
 
 
 def _run_user_code(node: str, node_cfg: DictConfig, doing: str, build: Callable[[], T]) -> T:

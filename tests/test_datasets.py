@@ -4,6 +4,7 @@ refuse broken input before launch."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -13,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import datasets
+import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import run_to_end
@@ -24,6 +26,7 @@ from transformers import PreTrainedTokenizerFast
 from runner.build import model_dims
 from runner.data.hf import HFDataset
 from runner.data.image_folder import ImageFolder
+from runner.engine.data_loader import StreamReading
 from runner.errors import ConfigError
 
 SONNETS = Path(__file__).resolve().parents[1] / "runner" / "data" / "assets" / "sonnets.txt"
@@ -31,8 +34,8 @@ SONNETS = Path(__file__).resolve().parents[1] / "runner" / "data" / "assets" / "
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> Path:
-    """A word-level tokenizer trained on the sonnets, their lines as a parquet file and as a saved
-    DatasetDict, and 3 classes of 20 small PNGs of different sizes."""
+    """A word-level tokenizer trained on the sonnets, their lines as parquet files (one row group, and 5),
+    JSON lines, text, CSV and a saved DatasetDict, and 3 classes of 20 small PNGs of different sizes."""
     root = tmp_path_factory.mktemp("datasets")
     lines = [line.strip() for line in SONNETS.read_text().splitlines() if line.strip()]  # 196
     tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
@@ -46,6 +49,10 @@ def files(tmp_path_factory) -> Path:
     labels = ["love" if "love" in line.lower() else "other" for line in lines]
     table = datasets.Dataset.from_dict({"text": lines, "label": labels})
     table.to_parquet(root / "lines.parquet")
+    pq.write_table(table.data.table, root / "groups.parquet", row_group_size=40)  # 5 row groups
+    table.to_json(root / "lines.jsonl")
+    (root / "lines.txt").write_text("\n".join(lines) + "\n")
+    table.to_csv(root / "lines.csv")
     datasets.DatasetDict(
         {"train": table.select(range(150)), "test": table.select(range(150, len(lines)))}
     ).save_to_disk(root / "saved")
@@ -300,3 +307,137 @@ def test_broken_datasets_are_refused_naming_the_key(files, tmp_path, monkeypatch
     for build, expected in cases:
         with pytest.raises(ConfigError, match=re.escape(expected)):
             build()
+
+
+# ------------------------------------------------------------------------------------ streaming
+
+
+def _streamed(files: Path, name: str, **settings) -> HFDataset:
+    source = HFDataset(
+        str(files / name),
+        str(files / "tokenizer"),
+        **{"seq_len": 16, "streaming": True, "eval_rows": 20, "shuffle_blocks": 1, **settings},
+    )
+    source.setup()
+    return source
+
+
+def _lines() -> list[str]:
+    return [line.strip() for line in SONNETS.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("name", ["lines.txt", "lines.jsonl", "groups.parquet", "saved"])
+def test_a_stream_cuts_the_rows_after_the_held_out_ones_into_units_each_read_once(files, name):
+    """Whatever the number of readers, the units hold every training row once, in order; the eval set is
+    the blocks of the first eval_rows rows (of the saved dict's train split: the one streamed)."""
+    source = _streamed(files, name)
+    rows = _lines()[:150] if name == "saved" else _lines()
+    stream = source.train_set
+    for readers in (1, 3):
+        units = stream.units(readers)
+        assert len(units) >= readers
+        assert [text for unit in units for _, text in stream._texts(unit, None)] == rows[20:]
+    assert stream.held_out_texts() == rows[:20]
+    tokenizer = stream.tokenizer
+    held_out = [i for row in tokenizer(rows[:20])["input_ids"] for i in [*row, tokenizer.eos_token_id]]
+    eval_ids = source.eval_set.tensors["input_ids"]
+    assert (
+        eval_ids.flatten().tolist() == held_out[: len(eval_ids) * 16]
+        and len(held_out) - eval_ids.numel() < 16
+    )
+    assert _streamed(files, name, eval_rows=40).eval_set.tensors["input_ids"].numel() > eval_ids.numel()
+
+
+def test_a_stream_resumed_at_any_position_reads_on_to_the_same_blocks_pass_after_pass(files):
+    """~110 blocks a pass: 300 cross two passes, each pass's units in another order, shuffled in windows
+    of 8 blocks; a fresh stream started where any block left the first one reads the same blocks on."""
+    stream = _streamed(files, "lines.jsonl", shuffle_blocks=8).train_set.with_seed(3)
+    blocks, positions = [], []
+    for sample in itertools.islice(stream, 300):
+        blocks.append(sample["input_ids"])
+        positions.append(stream.position)
+        assert torch.equal(sample["labels"], sample["input_ids"]) and sample["attention_mask"].all()
+    assert {p[1]["pass_"] for p in positions} == {0, 1, 2}
+    for taken in (0, 6, 7, 150, 290):
+        resumed = stream.with_seed(3)
+        role, state = positions[taken]
+        resumed.start_from({role: state}, rotation=0)
+        again = [s["input_ids"] for s in itertools.islice(resumed, 9)]
+        assert all(torch.equal(a, b) for a, b in zip(again, blocks[taken + 1 : taken + 10], strict=True))
+    # shuffle_blocks: each window of 8 holds the blocks of the text in order, drawn in another order
+    ordered = list(itertools.islice(_streamed(files, "lines.jsonl").train_set.with_seed(3), 16))
+    for window in (slice(0, 8), slice(8, 16)):
+        shuffled, plain = blocks[window], [s["input_ids"] for s in ordered[window]]
+        assert sorted(map(tuple, map(torch.Tensor.tolist, shuffled))) == sorted(
+            map(tuple, map(torch.Tensor.tolist, plain))
+        )
+        assert any(not torch.equal(a, b) for a, b in zip(shuffled, plain, strict=True))
+    # another seed: units in another order
+    other = [s["input_ids"] for s in itertools.islice(stream.with_seed(4), 8)]
+    assert any(not torch.equal(a, b) for a, b in zip(other, blocks[:8], strict=True))
+
+
+def test_streaming_refuses_what_it_cannot_follow(files, tmp_path, run_cli):
+    def refused(match: str, name: str = "lines.jsonl", **settings) -> None:
+        with pytest.raises(ConfigError, match=match):
+            _streamed(files, name, **settings)
+
+    refused("data.task='classification': streaming makes blocks of tokens", task="classification")
+    refused(r"a \.csv file is not streamed", "lines.csv")
+    refused("data.eval_rows=1: the 1 row.s. held out for evaluation make no block", eval_rows=1)
+    refused("data.text_column='body': no such column", "groups.parquet", text_column="body")
+    refused("data.eval_split='dev': .* has the splits", "saved", eval_split="dev")
+    one_group = _streamed(files, "lines.parquet").train_set
+    with pytest.raises(ConfigError, match=r"makes 1 unit.s. .*fewer than the 4 streams that read it"):
+        one_group.check_readers(4)
+    reading = StreamReading(workers=2, shards=1)
+    with pytest.raises(
+        ConfigError, match=r"read by 2 process.es. with 2 loader worker.s. each, this run has 1 with 2"
+    ):
+        reading.load_state_dict(StreamReading(workers=2, shards=2).state_dict())
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "a line"}\nnot json\n' * 40)
+    with pytest.raises(ConfigError, match="the line at byte 19 is not a JSON object"):
+        _streamed(files, str(broken))  # an absolute path: files / it is it
+    # before launch: an endless stream needs a number of steps, and each of 2 x 2 readers a unit of its own
+    launched = run_cli(
+        *_sources(files)["hf_parquet"],
+        "data.streaming=true",
+        "data.eval_rows=20",
+        "+data.num_workers=2",
+        *RANKS[2],
+        "trainer.max_steps=null",
+        "trainer.max_epochs=1",
+    )
+    assert launched.returncode == 2 and not (tmp_path / "run" / "checkpoints").exists()
+    assert "trainer.max_steps=null with a streamed training set" in launched.stderr, launched.stderr
+    assert "makes 1 unit(s)" in launched.stderr and "fewer than the 4 streams" in launched.stderr
+
+
+@pytest.mark.slow
+def test_a_streamed_run_on_2_ranks_with_2_loader_workers_resumes_to_the_same_weights(files, tmp_path):
+    """Each rank's 2 workers read streams of their own: 4 positions, kept per rank in the checkpoint; the
+    run stopped at step 5 (worker 1's batch due next) resumes to the weights of the uninterrupted run."""
+    overrides = [
+        *_sources(files)["hf_parquet"],
+        f"data.path={files / 'lines.jsonl'}",
+        "data.streaming=true",
+        "data.eval_rows=20",
+        "data.shuffle_blocks=4",
+        "+data.num_workers=2",
+        *RANKS[2],
+        "trainer.checkpoint_every=5",
+    ]
+    whole = tmp_path / "whole"
+    _cli(whole, *overrides, "trainer.max_steps=12")
+    parts = tmp_path / "parts"
+    _cli(parts, *overrides, "trainer.max_steps=5")
+    kept = [
+        torch.load(parts / "checkpoints" / "checkpoint_0" / f"dataloader_0.rank{rank}.pt")["stream"]
+        for rank in (0, 1)
+    ]
+    assert [k["next"] for k in kept] == [1, 1] and kept[0]["starts"] != kept[1]["starts"]
+    _cli(parts, *overrides, "trainer.max_steps=12")
+    assert (parts / "model" / "model.safetensors").read_bytes() == (
+        whole / "model" / "model.safetensors"
+    ).read_bytes()

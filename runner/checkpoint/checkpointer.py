@@ -173,6 +173,10 @@ class Checkpointer:
         self._load_hooks[handle.id] = hook
         return handle
 
+    def _part_file(self, name: str, obj: Any) -> str:
+        """The file `obj`'s state is kept in: `<name>.pt`, or this process's own where it has one."""
+        return f"{name}.rank{self.state.process_index}.pt" if _per_process(obj) else f"{name}.pt"
+
     def _parts(self) -> dict[str, Any]:
         """The registered objects other than models and optimizers (which the format writes), by name:
         each is written to `<name>.pt`."""
@@ -256,8 +260,10 @@ class Checkpointer:
             barrier = (lambda: dist.barrier(group=group)) if group is not None else (lambda: None)
         rank = self.state.process_index
         files = {f"random_states_{rank}.pt": rng_state()}
+        for name, obj in self._parts().items():
+            if main or _per_process(obj):
+                files[self._part_file(name, obj)] = copy(obj.state_dict())
         if main:
-            files |= {f"{name}.pt": copy(obj.state_dict()) for name, obj in self._parts().items()}
             files["precision.pt"] = copy(self.precision.state_dict())
         for_accelerate = self.format.accelerate_readable
         if for_accelerate:
@@ -391,7 +397,7 @@ class Checkpointer:
             )
         self.format.load(directory, models, optimizers)
         for name, obj in self._parts().items():
-            obj.load_state_dict(load_torch(directory / f"{name}.pt"))
+            obj.load_state_dict(load_torch(directory / self._part_file(name, obj)))
         self.precision.load_state_dict(load_torch(directory / "precision.pt"))
         # On another number of ranks (a resharded checkpoint) a new rank takes the states of rank i % N.
         set_rng_state(
@@ -470,3 +476,8 @@ class Checkpointer:
 def _kind(name: str) -> str:
     """The kind of the registry's object named `name` ("<kind>_<i>")."""
     return name.rpartition("_")[0]
+
+
+def _per_process(obj: Any) -> bool:
+    """Whether each process keeps a state of its own for `obj` (a streamed dataset's position)."""
+    return bool(getattr(obj, "per_process", False))

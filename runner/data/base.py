@@ -8,9 +8,10 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
 from runner.config import NonNegativeInt, PositiveInt
 from runner.errors import ConfigError
@@ -31,6 +32,34 @@ class TensorDictDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {name: t[index] for name, t in self.tensors.items()}
+
+
+class Stream(IterableDataset):
+    """An endless dataset that splits itself between data-parallel processes and loader workers, and knows
+    where it is: a checkpoint keeps that position, and a resumed run reads on from it without reading again
+    what was trained on (`runner.engine.data_loader` does both for a prepared loader of one).
+
+    Each loader worker of each process reads a stream of its own, its role among the loader's workers. In
+    the process or worker iterating it, `position` is (that role, the state after the last sample it
+    yielded); `start_from` tells the next pass where each role resumes, and which role loader worker 0
+    takes (the one whose batch is due next).
+    """
+
+    num_shards: int
+    position: tuple[int, dict[str, Any]] | None
+
+    @abstractmethod
+    def shard(self, num_shards: int, index: int) -> Stream:
+        """The stream of data-parallel process `index` of `num_shards`."""
+
+    @abstractmethod
+    def start_from(self, starts: dict[int, dict[str, Any]], rotation: int) -> None:
+        """Resume each role at its state in `starts` (a role not in it: at the start); worker 0 reads role
+        `rotation`."""
+
+    @abstractmethod
+    def check_readers(self, readers: int) -> None:
+        """A ConfigError when `readers` streams (processes x loader workers) cannot each have data."""
 
 
 class DataSource(ABC):

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from runner.config import Fraction, PositiveInt, Seed
 from runner.data.base import (
@@ -19,6 +20,7 @@ from runner.data.base import (
     machine_cache,
     random_split,
 )
+from runner.data.streaming import LINES, TextStream
 from runner.data.table import check_class_labels, label_order
 from runner.errors import ConfigError, install_command
 
@@ -76,7 +78,9 @@ class HFDataset(DataSource):
     written by `save_to_disk`, its `text_column` tokenized by the tokenizer in a local directory.
 
     `task="language_modeling"`: the texts joined (the tokenizer's end-of-sequence token between them) and
-    cut into blocks of `seq_len` tokens, `labels` equal to `input_ids` (the task shifts them). `task=
+    cut into blocks of `seq_len` tokens, `labels` equal to `input_ids` (the task shifts them); `streaming`:
+    tokenized as they are trained on (`runner.data.streaming`: no pass over the data first, memory that does
+    not grow with it, a position of its own in checkpoints), the first `eval_rows` rows held out. `task=
     "classification"`: each text truncated and padded to `seq_len`, `labels` the class index of
     `label_column` (class labels sorted; numbers in numeric order). The eval split is `eval_split` of a
     saved DatasetDict, else `eval_fraction` of the samples, drawn with `split_seed`.
@@ -89,6 +93,9 @@ class HFDataset(DataSource):
         text_column, label_column: the columns read.
         split, eval_split: the splits of a saved DatasetDict (eval_split None: `eval_fraction` of `split`).
         eval_fraction, split_seed: the held-out share and the seed that draws it.
+        streaming: tokenize while training, endlessly (trainer.max_steps says how long), instead of once.
+        eval_rows: streaming: rows held out from the start of `split` (or taken from `eval_split`).
+        shuffle_blocks: streaming: blocks shuffled together (1: in the order of the text).
     """
 
     def __init__(
@@ -103,6 +110,9 @@ class HFDataset(DataSource):
         eval_split: str | None = None,
         eval_fraction: Fraction = 0.1,
         split_seed: Seed = 0,
+        streaming: bool = False,
+        eval_rows: PositiveInt = 1000,
+        shuffle_blocks: PositiveInt = 1024,
         **loader: Any,
     ) -> None:
         super().__init__(**loader)
@@ -132,11 +142,30 @@ class HFDataset(DataSource):
         self.text_column, self.label_column = text_column, label_column
         self.split, self.eval_split = split, eval_split
         self.eval_fraction, self.split_seed = eval_fraction, split_seed
+        self.streaming, self.eval_rows, self.shuffle_blocks = streaming, eval_rows, shuffle_blocks
+        if streaming:
+            self._check_streamable()
+
+    def _check_streamable(self) -> None:
+        """ConfigError for settings a stream cannot follow."""
+        if self.task != "language_modeling":
+            raise ConfigError(
+                f"data.streaming=true with data.task={self.task!r}: streaming makes blocks of tokens for language "
+                "modeling; a classification set is read whole (data.streaming=false)."
+            )
+        if self.path.is_file() and self.path.suffix not in (*LINES, ".parquet"):
+            raise ConfigError(
+                f"data.path={str(self.path)!r}: a {self.path.suffix} file is not streamed (a quoted field may span "
+                f"lines); streaming reads {', '.join(sorted((*LINES, '.parquet')))} files and save_to_disk "
+                "directories. Convert it, e.g. to parquet, or set data.streaming=false."
+            )
 
     def load(self) -> tuple[Any, Any, dict[str, int]]:
         """The tokenized samples, from this machine's cache when the same files were tokenized with the
         same settings before (by the launching process's checks, or another rank): tokenized once per
-        machine, not once per process."""
+        machine, not once per process. Streaming: the stream, and the held-out rows' blocks."""
+        if self.streaming:
+            return self._stream()
         cache = machine_cache("hf_data") / f"{self._fingerprint()}.pt"
         encoded = _read_cache(cache)
         if encoded is None:
@@ -149,8 +178,64 @@ class HFDataset(DataSource):
             eval_ = TensorDictDataset(**encoded["eval"])
         return train, eval_, encoded["dims"]
 
-    def _encode(self) -> dict[str, Any]:
-        """Read and tokenize: the train (and eval split's) tensors and the dims they give the model."""
+    def train_dataloader(self, seed: int) -> DataLoader:
+        if not self.streaming:
+            return super().train_dataloader(seed)
+        return DataLoader(
+            self.train_set.with_seed(seed), batch_size=self.batch_size, num_workers=self.num_workers
+        )
+
+    def _stream(self) -> tuple[TextStream, TensorDictDataset, dict[str, int]]:
+        tokenizer = self._tokenizer()
+        if self.path.is_dir():
+            columns = self._saved_split(self.split).column_names
+            if self.eval_split is not None:
+                self._saved_split(self.eval_split, "data.eval_split")
+        elif self.path.suffix == ".parquet":
+            import pyarrow.parquet as pq  # the hf extra's
+
+            columns = pq.ParquetFile(self.path).schema_arrow.names
+        else:
+            columns = [self.text_column]  # a JSON line's fields are checked as it is read
+        if self.text_column not in columns:
+            raise ConfigError(
+                f"data.text_column={self.text_column!r}: no such column in {self.path}; columns: {columns}."
+            )
+
+        def stream(split: str, held_out: int) -> TextStream:
+            return TextStream(
+                self.path,
+                tokenizer,
+                self.seq_len,
+                self.text_column,
+                split,
+                held_out,
+                shuffle_blocks=self.shuffle_blocks,
+            )
+
+        train = stream(self.split, 0 if self.eval_split else self.eval_rows)
+        held_out = (stream(self.eval_split, self.eval_rows) if self.eval_split else train).held_out_texts()
+        input_ids = self._token_blocks(tokenizer, held_out)
+        if len(input_ids) == 0:
+            raise ConfigError(
+                f"data.eval_rows={self.eval_rows}: the {len(held_out)} row(s) held out for evaluation make no block "
+                f"of data.seq_len={self.seq_len} tokens. Hold out more rows, or use a shorter seq_len."
+            )
+        eval_ = TensorDictDataset(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=input_ids.clone()
+        )
+        return train, eval_, {"vocab_size": len(tokenizer)}
+
+    def _saved_split(self, split: str, key: str = "data.split") -> datasets.Dataset:
+        """The split `split` of the saved dataset (a saved Dataset: all of it)."""
+        loaded = datasets.load_from_disk(str(self.path))
+        if isinstance(loaded, datasets.Dataset):
+            return loaded
+        if split not in loaded:
+            raise ConfigError(f"{key}={split!r}: {self.path} has the splits {sorted(loaded)}.")
+        return loaded[split]
+
+    def _tokenizer(self) -> Any:
         try:
             tokenizer = AutoTokenizer.from_pretrained(self.tokenizer, local_files_only=True)
         except Exception as err:  # a damaged tokenizer.json, a config naming a class that is not there
@@ -159,6 +244,11 @@ class HFDataset(DataSource):
                 f"{str(err).splitlines()[0][:200] if str(err) else 'no message'}). Give a directory written "
                 "whole by a tokenizer's save_pretrained."
             ) from err
+        return tokenizer
+
+    def _encode(self) -> dict[str, Any]:
+        """Read and tokenize: the train (and eval split's) tensors and the dims they give the model."""
+        tokenizer = self._tokenizer()
         train_rows, eval_rows = self._read()
         encode = self._blocks if self.task == "language_modeling" else self._classified
         train, dims = encode(tokenizer, train_rows, None)
@@ -234,21 +324,26 @@ class HFDataset(DataSource):
 
     def _blocks(self, tokenizer: Any, rows: datasets.Dataset, _: Any) -> tuple[TensorDictDataset, dict]:
         """Every text's tokens, joined by the end-of-sequence token, cut into `seq_len` blocks."""
-        separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        ids: list[int] = []
-        for text_ids in tokenizer(list(rows[self.text_column]), add_special_tokens=False)["input_ids"]:
-            ids += text_ids + separator
-        blocks = len(ids) // self.seq_len
-        if blocks < 2:
+        input_ids = self._token_blocks(tokenizer, list(rows[self.text_column]))
+        if len(input_ids) < 2:
             raise ConfigError(
-                f"data.path={str(self.path)!r}: {len(ids)} tokens make {blocks} block(s) of data.seq_len={self.seq_len}; "
+                f"data.path={str(self.path)!r}: its tokens make {len(input_ids)} block(s) of data.seq_len={self.seq_len}; "
                 "at least 2 are needed (one to train, one to evaluate). Use more text or a shorter seq_len."
             )
-        input_ids = torch.tensor(ids[: blocks * self.seq_len]).view(blocks, self.seq_len)
         dataset = TensorDictDataset(
             input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=input_ids.clone()
         )
         return dataset, {}
+
+    def _token_blocks(self, tokenizer: Any, texts: list[str]) -> torch.Tensor:
+        """The texts' tokens, each text's followed by the end-of-sequence token, in rows of `seq_len` (the
+        rest dropped)."""
+        separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        ids: list[int] = []
+        for text_ids in tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []:
+            ids += text_ids + separator
+        blocks = len(ids) // self.seq_len
+        return torch.tensor(ids[: blocks * self.seq_len], dtype=torch.int64).view(blocks, self.seq_len)
 
     def _classified(
         self, tokenizer: Any, rows: datasets.Dataset, classes: list[Any] | None

@@ -258,7 +258,7 @@ def _units(files: list[Path], unit_bytes: int, source_dtype: str | None) -> Iter
         if path.is_dir():
             yield from _dataset_units(name, unit_bytes)
         elif path.suffix in JSONL:
-            for start, stop in _line_ranges(path, unit_bytes):
+            for start, stop in line_ranges(path, unit_bytes):
                 yield {"kind": "jsonl", "file": name, "start": start, "stop": stop}
         elif path.suffix in PARQUET:
             yield from _parquet_units(name, unit_bytes)
@@ -273,9 +273,10 @@ def _units(files: list[Path], unit_bytes: int, source_dtype: str | None) -> Iter
         yield {"kind": "text", "files": texts}
 
 
-def _line_ranges(path: Path, unit_bytes: int) -> Iterator[tuple[int, int]]:
-    """Byte ranges of `path` of about `unit_bytes`, each ending after a newline (or at the end)."""
-    size, start = path.stat().st_size, 0
+def line_ranges(path: Path, unit_bytes: int, start: int = 0) -> Iterator[tuple[int, int]]:
+    """Byte ranges of `path` from byte `start` on, of about `unit_bytes`, each ending after a newline (or at
+    the end)."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
         while start < size:
             f.seek(min(size, start + unit_bytes))
@@ -407,19 +408,20 @@ def _texts(unit: dict[str, Any], column: str) -> Iterator[str]:
                         f"data.source: {where} is not a JSON object ({err}). Give one JSON object per line "
                         "(jsonl), each holding its text under data.text_column."
                     ) from err
-                yield _field(row, column, where)
+                yield text_field(row, column, where)
     elif kind == "parquet":
         import pyarrow.parquet as pq
 
         table = pq.ParquetFile(unit["file"]).read_row_groups(unit["row_groups"], columns=[column])
         for text in table.column(column).to_pylist():
-            yield _field({column: text}, column, unit["file"])
+            yield text_field({column: text}, column, unit["file"])
     else:
         for row in _load_dataset(unit["dir"]).select(range(unit["start"], unit["stop"])):
-            yield _field(row, column, unit["dir"])
+            yield text_field(row, column, unit["dir"])
 
 
-def _field(row: Any, column: str, where: str) -> str:
+def text_field(row: Any, column: str, where: str) -> str:
+    """The text under `column` of a record of `where`, or a ConfigError naming it."""
     text = row.get(column) if isinstance(row, dict) else None
     if not isinstance(text, str):
         raise ConfigError(

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, get_worker_info
 
+from runner.data.base import Stream
+from runner.errors import ConfigError
 from runner.ops import on_device
 from runner.state import GradientState
 
@@ -150,6 +153,78 @@ class IterableDatasetShard(IterableDataset):
         _set_epoch([self.dataset], epoch)
 
 
+class Positioned(NamedTuple):
+    """A batch of a `Stream`, with the role of the stream that read it and that stream's state after it."""
+
+    batch: Any
+    role: int
+    state: dict[str, Any]
+
+
+class PositionedCollate:
+    """A `Stream` loader's `collate_fn`: the batch, with where the stream that read it is now (read in the
+    loader worker that made the batch, or in this process without workers)."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], stream: Stream) -> None:
+        self.collate_fn = collate_fn
+        self.stream = stream
+
+    def __call__(self, samples: list[Any]) -> Positioned:
+        worker = get_worker_info()
+        stream = worker.dataset if worker is not None else self.stream
+        role, state = stream.position
+        return Positioned(self.collate_fn(samples), role, state)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"collate_fn": self.collate_fn, "stream": None}  # a worker reads its own copy's position
+
+
+class StreamReading:
+    """Where a `Stream` loader's reading streams are: each role's state after the last batch handed out from
+    it, and the role whose batch is due next (the loader's workers take turns). What its checkpoint holds."""
+
+    def __init__(self, workers: int, shards: int) -> None:
+        self.workers, self.shards = workers, shards
+        self.starts: dict[int, dict[str, Any]] = {}
+        self.next_role = 0
+        self._read: deque[tuple[int, dict[str, Any]]] = deque()  # read ahead, not handed out yet
+
+    def begin(self, stream: Stream) -> None:
+        """Before a pass: the stream resumes where the batches handed out left it."""
+        self._read.clear()
+        stream.start_from(self.starts, self.next_role)
+
+    def batches(self, iterator: Iterator[Positioned]) -> Iterator[Any]:
+        for item in iterator:
+            self._read.append((item.role, item.state))
+            yield item.batch
+
+    def handed_out(self) -> None:
+        """The oldest batch read is handed out: its stream is past it."""
+        role, state = self._read.popleft()
+        self.starts[role] = state
+        self.next_role = (role + 1) % self.workers
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "workers": self.workers,
+            "shards": self.shards,
+            "starts": dict(self.starts),
+            "next": self.next_role,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["workers"], state["shards"]) != (self.workers, self.shards):
+            raise ConfigError(
+                f"the checkpoint's streamed data was read by {state['shards']} process(es) with {state['workers']} "
+                f"loader worker(s) each, this run has {self.shards} with {self.workers}: each reads a stream of its "
+                "own, whose position means nothing to another layout. Resume with the same number of processes "
+                "and data.num_workers."
+            )
+        self.starts, self.next_role = dict(state["starts"]), state["next"]
+        self._read.clear()
+
+
 def per_process_batch_size(batch_size: int, num_processes: int, split_batches: bool) -> int:
     """The batch size each process sees: `batch_size`, or its share of it with `split_batches`."""
     if not split_batches:
@@ -189,8 +264,17 @@ def shard_dataloader(
 ) -> DataLoader:
     """A DataLoader over this process's share of `dataloader` (the same loader for one process).
 
-    A map-style dataset is sharded through its batch sampler, an IterableDataset sample by sample.
+    A map-style dataset is sharded through its batch sampler, an IterableDataset sample by sample, and a
+    `Stream` splits itself (its batches then carry their position: `Positioned`).
     """
+    if isinstance(dataloader.dataset, Stream):
+        stream = dataloader.dataset.shard(num_processes, process_index)
+        return loader_like(
+            dataloader,
+            dataset=stream,
+            batch_size=per_process_batch_size(dataloader.batch_size or 1, num_processes, split_batches),
+            collate_fn=PositionedCollate(dataloader.collate_fn, stream),
+        )
     if num_processes == 1:
         return dataloader
     if isinstance(dataloader.dataset, IterableDataset):
@@ -252,9 +336,12 @@ def loader_like(dataloader: DataLoader, **changes: Any) -> DataLoader:
         "persistent_workers": dataloader.persistent_workers,
         "pin_memory_device": dataloader.pin_memory_device,
     }
-    if dataloader.num_workers > 0:
-        settings["prefetch_factor"] = dataloader.prefetch_factor
-    return DataLoader(**(settings | changes))
+    settings |= changes
+    if settings["num_workers"] > 0:
+        settings.setdefault("prefetch_factor", dataloader.prefetch_factor)
+    else:  # loading in this process: no worker settings
+        settings["persistent_workers"] = False
+    return DataLoader(**settings)
 
 
 class DataLoaderShard:
@@ -280,6 +367,9 @@ class DataLoaderShard:
             StatefulDataLoader under Accelerate): after `load_state_dict` the next pass starts after the
             batches the loaded position had handed out (otherwise the caller skips them,
             `skip_first_batches`); its first pass's base seed is drawn when it is made, as there.
+
+    A loader of a `Stream` resumes by itself too: its position is where each of its streams is, which
+    differs between processes (`per_process`).
     """
 
     def __init__(
@@ -309,6 +399,12 @@ class DataLoaderShard:
         self.generators = generators or []
         self.global_rng = global_rng
         self.stateful = stateful
+        dataset = dataloader.dataset
+        self.stream = (
+            StreamReading(max(1, dataloader.num_workers), dataset.num_shards)
+            if isinstance(dataset, Stream)
+            else None
+        )
         self.end_of_dataloader = False
         self.iteration = 0
         self.batches_yielded = 0  # in the current pass
@@ -346,8 +442,12 @@ class DataLoaderShard:
         self.gradient_state.active_dataloaders.append(self)
         try:
             with _rng_at(None, replay):  # a resumed pass draws what the saved pass drew at its start
+                if self.stream is not None:
+                    self.stream.begin(self.base_dataloader.dataset)
                 with _rng_at(self.base_dataloader.generator, first):
                     iterator = iter(self.base_dataloader)
+                if self.stream is not None:
+                    iterator = self.stream.batches(iterator)
                 sampled = isinstance(self.base_dataloader.batch_sampler, SkipBatchSampler)
                 if skip := (0 if sampled else self.skip_batches) + resumed:
                     iterator = itertools.islice(iterator, skip, None)
@@ -358,6 +458,8 @@ class DataLoaderShard:
                 upcoming = next(iterator, _END)
                 position.pass_finished = self.end_of_dataloader = upcoming is _END
                 position.batches_yielded += 1
+                if self.stream is not None:
+                    self.stream.handed_out()
                 yield batch
                 batch = upcoming
             position.iteration += 1
@@ -377,13 +479,14 @@ class DataLoaderShard:
         RNG as the checkpoint restores it)."""
         in_pass = self._pass_start is not None
         states = self._pass_start if in_pass else [g.get_state() for g in self.generators]
-        return {
+        state = {
             "iteration": self.iteration,
             "batches_yielded": self.batches_yielded,
             "generator_states": states,
             "global_rng_state": self._pass_start_global if in_pass else None,
             "first_iterator_rng_state": self._pass_first_iterator if in_pass else self._first_iterator,
         }
+        return state if self.stream is None else state | {"stream": self.stream.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position: the next pass draws the order the saved pass drew (from torch's global RNG
@@ -402,6 +505,18 @@ class DataLoaderShard:
         self._replay_global = state.get("global_rng_state")
         self._first_iterator = state.get("first_iterator_rng_state")
         self._extra_base_seed = False
+        if self.stream is not None:
+            self.stream.load_state_dict(state["stream"])
+
+    @property
+    def resumes_itself(self) -> bool:
+        """Whether a loaded position's next pass starts after what it had handed out (no caller skips)."""
+        return self.stateful or self.stream is not None
+
+    @property
+    def per_process(self) -> bool:
+        """Whether its position differs between processes (a checkpoint keeps each one's)."""
+        return self.stream is not None
 
     def resume_at(self, batches: int, finished: bool = False) -> None:
         """Continue the current pass after its first `batches` batches, its order drawn afresh: a position
@@ -457,7 +572,7 @@ class DataLoaderShard:
         loader = self.base_dataloader
         if loader.batch_sampler is not None:
             loader = loader_like(loader, batch_sampler=SkipBatchSampler(loader.batch_sampler, num_batches))
-        return DataLoaderShard(
+        skipping = DataLoaderShard(
             loader,
             self.gradient_state,
             self.device,
@@ -470,6 +585,8 @@ class DataLoaderShard:
             global_rng=self.global_rng,
             stateful=self.stateful,
         )
+        skipping.stream = self.stream  # a stream's batches skipped are read, and its position moves on
+        return skipping
 
     def __getattr__(self, name: str) -> Any:
         if name == "base_dataloader":  # not yet set (unpickling): avoid infinite recursion
