@@ -37,7 +37,7 @@ from runner.checkpoint.resume import (
     resume_hint,
     resume_override,
 )
-from runner.data.base import DataSource
+from runner.data.base import DataSource, pins_memory
 from runner.engine import Accumulation, Engine, Loading
 from runner.errors import TrainingDiverged, TrainingInterrupted, signal_name
 from runner.hardware.base import Strategy
@@ -109,7 +109,10 @@ class Trainer:
             strategy or instantiate(cfg.hardware),
             instantiate(cfg.precision),
             accumulation=Accumulation(steps=trainer.gradient_accumulation_steps),
-            loading=Loading(split_batches=trainer.split_batches),
+            # batches from pinned memory are copied to the device without waiting
+            loading=Loading(
+                split_batches=trainer.split_batches, non_blocking=pins_memory(cfg.data.get("pin_memory"))
+            ),
             project_config=ProjectConfiguration(
                 automatic_checkpoint_naming=True, total_limit=trainer.keep_checkpoints
             ),

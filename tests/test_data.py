@@ -7,10 +7,14 @@ import re
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
+from runner.config import CONF_DIR
 from runner.data import RandomTokens, TableFile
 from runner.errors import ConfigError
+from runner.schemas import register_configs
 from runner.tasks import Regression
+from runner.train import Trainer
 
 
 def loaded(**options) -> RandomTokens:
@@ -101,3 +105,17 @@ def test_regression_refuses_outputs_and_targets_of_other_shapes():
         regression.loss(torch.ones(4, 1), {"targets": torch.zeros(4)})  # MSE would broadcast to (4, 4)
     with pytest.raises(ValueError, match=r"targets are class indices .* use task=classification"):
         regression.loss(torch.ones(4, 3), {"targets": torch.zeros(4, dtype=torch.long)})
+
+
+@pytest.mark.parametrize(
+    ("setting", "pinned"), [("null", torch.cuda.is_available()), ("true", True), ("false", False)]
+)
+def test_data_pin_memory_pins_the_run_loaders_and_makes_their_copies_non_blocking(tmp_path, setting, pinned):
+    """null pins where CUDA is there; pinned batches go to the device without waiting (on a machine without
+    CUDA, torch's loader does not pin even when asked: the settings are what the run gives it)."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["tracker=none", f"+data.pin_memory={setting}"])
+    built = Trainer(cfg, tmp_path)
+    assert built.train_loader.pin_memory == built.eval_loader.pin_memory == pinned
+    assert built.engine.non_blocking == pinned

@@ -404,7 +404,7 @@ def test_streaming_refuses_what_it_cannot_follow(files, tmp_path, run_cli):
         *_sources(files)["hf_parquet"],
         "data.streaming=true",
         "data.eval_rows=20",
-        "+data.num_workers=2",
+        "data.num_workers=2",
         *RANKS[2],
         "trainer.max_steps=null",
         "trainer.max_epochs=1",
@@ -424,7 +424,7 @@ def test_a_streamed_run_on_2_ranks_with_2_loader_workers_resumes_to_the_same_wei
         "data.streaming=true",
         "data.eval_rows=20",
         "data.shuffle_blocks=4",
-        "+data.num_workers=2",
+        "data.num_workers=2",
         *RANKS[2],
         "trainer.checkpoint_every=5",
     ]

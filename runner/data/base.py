@@ -73,6 +73,8 @@ class DataSource(ABC):
         eval_batch_size: samples per eval batch (default: `batch_size`).
         num_workers: DataLoader worker processes.
         drop_last: drop the last incomplete training batch.
+        pin_memory: batches in page-locked host memory, copied to the GPU without waiting (null: where
+            CUDA is available; `pins_memory`).
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class DataSource(ABC):
         eval_batch_size: PositiveInt | None = None,
         num_workers: NonNegativeInt = 0,
         drop_last: bool = False,
+        pin_memory: bool | None = None,
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"data.batch_size={batch_size}: must be a positive integer.")
@@ -96,6 +99,7 @@ class DataSource(ABC):
         self.eval_batch_size = eval_batch_size or batch_size
         self.num_workers = num_workers
         self.drop_last = drop_last
+        self.pin_memory = pins_memory(pin_memory)
         self.dims: dict[str, int] = {}
         # dims this source's settings withhold, and why (an image source that does not flatten has no
         # `in_features`): what a model that needs one is told
@@ -110,17 +114,25 @@ class DataSource(ABC):
 
     def train_dataloader(self, seed: int) -> DataLoader:
         """Shuffled batches; the order is a function of `seed` (and of the epoch, through the sampler)."""
-        return DataLoader(
+        return self.loader(
             self.train_set,
             batch_size=self.batch_size,
             shuffle=True,
             drop_last=self.drop_last,
-            num_workers=self.num_workers,
             generator=torch.Generator().manual_seed(seed),
         )
 
     def eval_dataloader(self) -> DataLoader:
-        return DataLoader(self.eval_set, batch_size=self.eval_batch_size, num_workers=self.num_workers)
+        return self.loader(self.eval_set, batch_size=self.eval_batch_size)
+
+    def loader(self, dataset: Dataset, **batching: Any) -> DataLoader:
+        """A DataLoader of `dataset` by `batching`, with this source's workers and memory pinning."""
+        return DataLoader(dataset, num_workers=self.num_workers, pin_memory=self.pin_memory, **batching)
+
+
+def pins_memory(setting: bool | None) -> bool:
+    """Whether loaders pin their batches: `data.pin_memory`, or (null) whether CUDA is available."""
+    return torch.cuda.is_available() if setting is None else setting
 
 
 def existing_file(path: str | Path, key: str = "data.path") -> Path:

@@ -181,9 +181,7 @@ class HFDataset(DataSource):
     def train_dataloader(self, seed: int) -> DataLoader:
         if not self.streaming:
             return super().train_dataloader(seed)
-        return DataLoader(
-            self.train_set.with_seed(seed), batch_size=self.batch_size, num_workers=self.num_workers
-        )
+        return self.loader(self.train_set.with_seed(seed), batch_size=self.batch_size)
 
     def _stream(self) -> tuple[TextStream, TensorDictDataset, dict[str, int]]:
         tokenizer = self._tokenizer()

@@ -324,11 +324,10 @@ class TokenShards(DataSource):
             )
 
     def train_dataloader(self, seed: int) -> DataLoader:
-        return DataLoader(
+        return self.loader(
             self.train_set,
             batch_size=self.batch_size,
             sampler=ShuffledOrder(len(self.train_set), seed),
             drop_last=self.drop_last,
-            num_workers=self.num_workers,
             generator=torch.Generator().manual_seed(seed),
         )
