@@ -378,6 +378,8 @@ class RunConfig:
     tracker: TrackerConfig = MISSING
     plan: bool = False  # print what the run would do, start nothing
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    # code the loop calls at its named points, by name: each a `_target_` (conf/callbacks/, runner.callbacks)
+    callbacks: dict[str, Any] = field(default_factory=dict)
     checkpoint: str | None = (
         None  # model weights (a save_model dir or file): fine-tune from them, or run them
     )

@@ -44,6 +44,8 @@ USAGE = (
     "  -m: a sweep over comma-separated values (key=a,b); --config-dir DIR: your own groups and options;\n"
     "  plan=true: what the run would do, starting nothing; --cfg job: the composed YAML; --hydra-help: "
     "Hydra's own options\n"
+    "  callbacks=[early_stopping,best_checkpoints]: several callbacks at once; "
+    "+callbacks.NAME._target_=pkg.Class: your own\n"
     "  runner prepare-data [group=option ...] [key=value ...]: write the token shards data=tokens trains on"
 )
 

@@ -28,6 +28,7 @@ from runner.build import (
     meta_copy,
     meta_training_step,
 )
+from runner.callbacks import Callbacks
 from runner.checkpoint.checkpointer import ProjectConfiguration
 from runner.checkpoint.resume import (
     RESOLVED,
@@ -154,7 +155,11 @@ class Trainer:
             else partial(self.task.training_step, self.model)
         )
         self.done = Progress(window_loss=torch.zeros((), device=engine.device))
-        engine.register_for_checkpointing(self.done)
+        self.callbacks = Callbacks(
+            {name: instantiate(node) for name, node in (cfg.get("callbacks") or {}).items()}
+        )
+        self.stopped: str | None = None  # why a callback ended the run early
+        engine.register_for_checkpointing(self.done, self.callbacks)
         self.resume()
         self.config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
         if engine.is_main_process:
@@ -216,8 +221,9 @@ class Trainer:
         engine, trainer, done = self.engine, self.settings, self.done
         self.model.train()
         with self.running() as (received, profiler):
+            self.callbacks.on_fit_start(self)
             self.throughput.restart()
-            while done.step < self.total_steps:
+            while done.step < self.total_steps and self.stopped is None:
                 self.train_loader.set_epoch(done.epoch)
                 for batch in self.batches_left_in_epoch():
                     try:
@@ -240,13 +246,29 @@ class Trainer:
                     if last or self.due(trainer.eval_every):
                         self.evaluate()
                     if self.due(trainer.checkpoint_every):
-                        log.info("checkpoint %s", engine.save_state(blocking=not trainer.async_checkpoint))
+                        path = engine.save_state(blocking=not trainer.async_checkpoint)
+                        log.info("checkpoint %s", path)
+                        self.callbacks.on_checkpoint(self, Path(path))
                     self.stop_if_signalled(received)
-                    if last:
+                    self.callbacks.on_step_end(self)
+                    if last or self.stopped is not None:
                         break
                 else:  # the epoch ran out before the steps did
                     done.next_epoch()
+            if self.stopped is not None and done.step < self.total_steps:
+                log.info("stopped at step %d/%d: %s", done.step, self.total_steps, self.stopped)
+                if done.window_batches:  # the loss since the last log line, for the final metrics
+                    self.log_window()
         return self.finish()
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done."""
+        return self.done.step
+
+    def stop(self, reason: str) -> None:
+        """End the run after this step (a callback's call, made alike on every rank)."""
+        self.stopped = reason
 
     def batches_left_in_epoch(self) -> Any:
         """The train loader, past the batches of this epoch a resumed run consumed already (a loader that
@@ -302,6 +324,7 @@ class Trainer:
         self.check_finite()
         self.engine.log(evaluated, step=self.done.step)
         log.info("step %d/%d: %s", self.done.step, self.total_steps, _fmt(evaluated))
+        self.callbacks.on_eval_end(self, evaluated)
 
     def check_finite(self) -> None:
         check_finite(
@@ -320,6 +343,7 @@ class Trainer:
             engine.set_trigger()
         if step % self.settings.log_every == 0 and engine.check_trigger():
             path = engine.save_state()
+            self.callbacks.on_checkpoint(self, Path(path))
             signum = received[0] if received else None  # None: another rank was signalled
             raise TrainingInterrupted(
                 f"stopped by {signal_name(signum)} at step {step}/{self.total_steps}; checkpoint {path}. Run the same "
@@ -342,7 +366,11 @@ class Trainer:
             ),
             profiled(trainer.profile, self.output_dir / "profile", rank, engine.device) as profiler,
         ):
-            yield received, profiler
+            try:
+                yield received, profiler
+            except BaseException as err:
+                self.callbacks.on_exception(self, err)
+                raise
 
     def finish(self) -> dict[str, float]:
         """Evaluate a run that had nothing left to train, save the model, log the artifacts, and release
@@ -368,6 +396,7 @@ class Trainer:
                 run_tracker.log_artifact(str(artifact))
             if run_tracker.log_model and self.settings.save_model:
                 run_tracker.log_artifact(str(output_dir / "model"), "model")
+        self.callbacks.on_fit_end(self, self.metrics)
         # Free the prepared model while the process group lives: a DDP reducer collected after the group is
         # gone joins its gloo threads forever (a rank hung at exit).
         del self.model, self.optimizer, self.scheduler, self.loss_of

@@ -162,10 +162,15 @@ def _typed_nodes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
     return found
 
 
+def callback_nodes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
+    """(dotted key, node) of each callback the run adds to its loop (`callbacks.<name>`)."""
+    return [(f"callbacks.{name}", node) for name, node in (cfg.get("callbacks") or {}).items()]
+
+
 def _target_problems(cfg: DictConfig) -> list[str]:
     problems = []
-    for node in TARGET_NODES:
-        target = cfg[node].get("_target_")
+    for node, node_cfg in [(node, cfg[node]) for node in TARGET_NODES] + callback_nodes(cfg):
+        target = node_cfg.get("_target_")
         if target is None and node in OPTIONAL_NODES:
             continue
         try:
@@ -178,7 +183,7 @@ def _target_problems(cfg: DictConfig) -> list[str]:
                 f"`runner --help` lists the {node} options that ship with runner."
             )
             continue
-        problems += _argument_problems(node, obj, cfg[node])
+        problems += _argument_problems(node, obj, node_cfg)
     return problems
 
 
@@ -232,10 +237,11 @@ def _range_problems(cfg: DictConfig) -> list[str]:
         (node, node_cfg, declared_ranges(OmegaConf.get_type(node_cfg)))
         for node, node_cfg in _typed_nodes(cfg)
     ]
-    for node in UNTYPED_NODES:  # no schema types them: the plain annotations of what they build too
+    # no schema types them: the plain annotations of what they build too
+    for node, node_cfg in [(node, cfg[node]) for node in UNTYPED_NODES] + callback_nodes(cfg):
         try:
             declarations.append(
-                (node, cfg[node], declared_ranges(locate(cfg[node].get("_target_")), plain=True))
+                (node, node_cfg, declared_ranges(locate(node_cfg.get("_target_")), plain=True))
             )
         except ImportError:  # _target_problems names it
             continue
@@ -261,6 +267,12 @@ def _build_problems(cfg: DictConfig, built: dict[str, Any], skip: set[str]) -> l
             if not isinstance(err.__cause__, ConfigError):
                 raise
             problems.append(str(err.__cause__))
+    for node, node_cfg in callback_nodes(cfg):  # built to check their settings, then dropped
+        if node not in skip:
+            try:
+                _run_user_code(node, node_cfg, "to be built", lambda n=node_cfg: instantiate(n))
+            except ConfigError as err:
+                problems.append(str(err))
     if "hardware" in built and "precision" not in skip:
         hardware = built["hardware"]
         device = getattr(hardware, "device", torch.device("cpu"))
@@ -483,22 +495,29 @@ TRAINING_METRICS = ("train/loss", "train/lr")
 def _objective_problems(cfg: DictConfig, model: torch.nn.Module, data: DataSource) -> list[str]:
     """`trainer.objective` must name a final metric: an `eval/` one the task reports (its names from
     its evaluation step on meta; not checked for a task that reads values), `train/loss`, `train/lr` or
-    a `perf/` one."""
-    objective = cfg.trainer.objective
-    if objective is None:
-        return []
+    a `perf/` one. A callback's monitored metric must be an `eval/` one the task reports (callbacks read
+    them after each evaluation)."""
     try:
         reported = meta_eval_metrics(cfg, model, data)
     except Exception:  # a task that reads values, or one that fails: the training step reports it
         reported = []
-    if objective in (*reported, *TRAINING_METRICS) or objective.startswith("perf/"):
-        return []
-    if objective.startswith("eval/") and not reported:
-        return []
-    return [
-        f"trainer.objective={objective}: the run reports no such metric; its final metrics are "
-        f"{', '.join([*reported, *TRAINING_METRICS])} and perf/*. Name one of them, or null to return them all."
-    ]
+    problems = []
+    objective = cfg.trainer.objective
+    known = objective is None or objective in (*reported, *TRAINING_METRICS) or objective.startswith("perf/")
+    if not known and not (objective.startswith("eval/") and not reported):
+        problems.append(
+            f"trainer.objective={objective}: the run reports no such metric; its final metrics are "
+            f"{', '.join([*reported, *TRAINING_METRICS])} and perf/*. Name one of them, or null to return them "
+            "all."
+        )
+    for node, node_cfg in callback_nodes(cfg):
+        monitor = node_cfg.get("monitor")
+        if monitor is not None and reported and monitor not in reported:
+            problems.append(
+                f"{node}.monitor={monitor}: the task reports no such eval metric; after each evaluation the "
+                f"run has {', '.join(reported)}. Name one of them."
+            )
+    return problems
 
 
 def _optimizer_problems(cfg: DictConfig, model: torch.nn.Module) -> list[str]:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runner.callbacks import Callback
 from runner.hardware import DDP, SingleDevice
 from runner.models.mlp import MLP
 from runner.tasks.language_modeling import LanguageModeling
@@ -148,3 +149,40 @@ class ComputeRecordingLanguageModeling(LanguageModeling):
             line = f"{compiled},{checkpointed},{int(root._compiled_call_impl is not None)},{float8}"
             _append(self.record, "compute", line)
         return loss
+
+
+class RecordingCallback(Callback):
+    """Records each point the loop calls it at ("<point>|<step>|<calls>"), and counts the calls in its
+    state (what a resumed run continues)."""
+
+    def __init__(self, record: str) -> None:
+        self.record = record
+        self.calls = 0
+
+    def _seen(self, run: Any, point: str) -> None:
+        self.calls += 1
+        _append(self.record, "callback", f"{point}|{run.step}|{self.calls}")
+
+    def on_fit_start(self, run: Any) -> None:
+        self._seen(run, "fit_start")
+
+    def on_step_end(self, run: Any) -> None:
+        self._seen(run, "step_end")
+
+    def on_eval_end(self, run: Any, metrics: dict[str, float]) -> None:
+        self._seen(run, f"eval_end:{','.join(sorted(metrics))}")
+
+    def on_checkpoint(self, run: Any, path: Path) -> None:
+        self._seen(run, f"checkpoint:{path.name}")
+
+    def on_fit_end(self, run: Any, metrics: dict[str, float]) -> None:
+        self._seen(run, "fit_end")
+
+    def on_exception(self, run: Any, error: BaseException) -> None:
+        self._seen(run, f"exception:{type(error).__name__}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.calls = state["calls"]

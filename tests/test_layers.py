@@ -54,7 +54,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ),
     ("the Accelerate adapter", ["runner.accelerate"]),
     ("building from config", ["runner.build", "runner.validate"]),
-    ("loops and the plan", ["runner.train", "runner.inference", "runner.plan"]),
+    ("loops and the plan", ["runner.callbacks", "runner.train", "runner.inference", "runner.plan"]),
     ("launchers", ["runner.launchers"]),
     (
         "entry points",

@@ -360,10 +360,15 @@ class Checkpointer:
         if self.state.is_main_process and (checkpoints / CANDIDATE).is_dir():
             shutil.rmtree(checkpoints / LAST_FINITE, ignore_errors=True)
             (checkpoints / CANDIDATE).rename(checkpoints / LAST_FINITE)
+        self.save_named(checkpoints / CANDIDATE, step)
+
+    def save_named(self, directory: Path, step: int) -> Path:
+        """Save to `directory`, whole or not at all: not one of the numbered checkpoints (none is numbered,
+        marked latest or pruned for it) that `trainer.resume=auto` picks from."""
         automatic = self.project.automatic_checkpoint_naming
         self.project.automatic_checkpoint_naming = False  # written to the given dir (Accelerate's rule)
         try:
-            self.save(str(checkpoints / CANDIDATE), step=step)
+            return self.save(str(directory), step=step)
         finally:
             self.project.automatic_checkpoint_naming = automatic
 

@@ -1,0 +1,254 @@
+"""Callbacks: code a run's training loop calls at its named points (`callbacks` in the config, each a
+`_target_`), and the built-in ones: early stopping, the best checkpoints, a learning-rate monitor.
+
+Every rank calls every callback at the same points with the same metrics (they are reduced over the ranks
+first), so a callback that decides something (stop, save) decides it alike everywhere. A callback's
+`state_dict` is saved with every checkpoint: a resumed run continues it where the checkpoint left it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from runner.checkpoint.files import atomic_write_text
+from runner.config import NonNegativeFloat, PositiveInt
+from runner.engine import Engine
+from runner.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+BEST = "best"  # in a run dir: the best checkpoints (`BestCheckpoints`) and best.json
+BEST_RECORD = "best.json"
+
+
+class Run(Protocol):
+    """What a callback sees of the run (the Trainer)."""
+
+    engine: Engine
+    output_dir: Path
+    settings: Any  # the trainer settings (`trainer.*`)
+    total_steps: int  # optimizer steps the run trains
+    metrics: dict[str, float]  # the latest value of every metric logged
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done."""
+
+    def stop(self, reason: str) -> None:
+        """End the run after this step, as if it were the last (`reason` is logged)."""
+
+
+class Callback:
+    """Code the loop runs at its named points; each method does nothing unless overridden. A `monitor`
+    argument names an eval metric, checked before launch against those the task reports."""
+
+    def on_fit_start(self, run: Run) -> None:
+        """Before the first step (of this process: after a resume, at the step resumed from)."""
+
+    def on_step_end(self, run: Run) -> None:
+        """After each optimizer step (its logging, evaluation and checkpoint done)."""
+
+    def on_eval_end(self, run: Run, metrics: dict[str, float]) -> None:
+        """After each evaluation, with its metrics (`eval/...`)."""
+
+    def on_checkpoint(self, run: Run, path: Path) -> None:
+        """After a checkpoint was saved to `path` (it may still be written in the background)."""
+
+    def on_fit_end(self, run: Run, metrics: dict[str, float]) -> None:
+        """After training, with the final metrics (the model saved, the run recorded finished)."""
+
+    def on_exception(self, run: Run, error: BaseException) -> None:
+        """When the loop fails or is interrupted, before the error goes on."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class Callbacks(Callback):
+    """A run's callbacks by name, called in that order at each point; checkpointed as one object (the state
+    of each by its name: a resume that adds a callback starts it fresh)."""
+
+    def __init__(self, named: dict[str, Callback]) -> None:
+        self.named = named
+
+    def on_fit_start(self, run: Run) -> None:
+        for callback in self.named.values():
+            callback.on_fit_start(run)
+
+    def on_step_end(self, run: Run) -> None:
+        for callback in self.named.values():
+            callback.on_step_end(run)
+
+    def on_eval_end(self, run: Run, metrics: dict[str, float]) -> None:
+        for callback in self.named.values():
+            callback.on_eval_end(run, metrics)
+
+    def on_checkpoint(self, run: Run, path: Path) -> None:
+        for callback in self.named.values():
+            callback.on_checkpoint(run, path)
+
+    def on_fit_end(self, run: Run, metrics: dict[str, float]) -> None:
+        for callback in self.named.values():
+            callback.on_fit_end(run, metrics)
+
+    def on_exception(self, run: Run, error: BaseException) -> None:
+        for callback in self.named.values():
+            callback.on_exception(run, error)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: callback.state_dict() for name, callback in self.named.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, saved in state.items():
+            if name in self.named:
+                self.named[name].load_state_dict(saved)
+
+
+class Monitor:
+    """Which way a metric is better: `mode` "min" or "max", by more than `min_delta`."""
+
+    def __init__(self, key: str, monitor: str, mode: str, min_delta: float = 0.0) -> None:
+        if mode not in ("min", "max"):
+            raise ConfigError(f"{key}.mode={mode!r}: expected min (lower {monitor} is better) or max.")
+        if min_delta < 0:
+            raise ConfigError(f"{key}.min_delta={min_delta}: must be >= 0 (the improvement that counts).")
+        self.monitor, self.mode, self.min_delta = monitor, mode, min_delta
+
+    def better(self, value: float, than: float | None) -> bool:
+        """Whether `value` improves on `than` (None: nothing yet) by more than `min_delta`; NaN never does."""
+        if math.isnan(value):
+            return False
+        if than is None:
+            return True
+        return value < than - self.min_delta if self.mode == "min" else value > than + self.min_delta
+
+
+class EarlyStopping(Callback):
+    """Stop the run when `monitor` (an eval metric) has not improved by more than `min_delta` in
+    `patience` evaluations in a row.
+
+    Args:
+        monitor: the metric, e.g. eval/loss.
+        mode: min (lower is better) or max.
+        patience: evaluations without improvement that stop the run.
+        min_delta: the least change that counts as an improvement.
+    """
+
+    def __init__(
+        self,
+        monitor: str = "eval/loss",
+        mode: Literal["min", "max"] = "min",
+        patience: PositiveInt = 3,
+        min_delta: NonNegativeFloat = 0.0,
+    ) -> None:
+        self.rule = Monitor("callbacks.early_stopping", monitor, mode, min_delta)
+        self.patience = patience
+        self.best: float | None = None
+        self.waited = 0  # evaluations since the best
+
+    def on_eval_end(self, run: Run, metrics: dict[str, float]) -> None:
+        value = metrics[self.rule.monitor]
+        if self.rule.better(value, self.best):
+            self.best, self.waited = value, 0
+            return
+        self.waited += 1
+        if self.waited >= self.patience:
+            run.stop(
+                f"early stopping: {self.rule.monitor}={value:.6g} has not improved on {self.best:.6g} "
+                f"(by more than {self.rule.min_delta:g}, mode {self.rule.mode}) in {self.waited} evaluation(s)"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "waited": self.waited}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.waited = state["best"], state["waited"]
+
+
+class BestCheckpoints(Callback):
+    """Keep the `keep` best checkpoints by `monitor` (an eval metric): `<run dir>/best/step_<n>/`, each a
+    whole checkpoint (`trainer.resume=<it>` continues from it), and `best/best.json` listing them best
+    first with their step and value. Saved at the evaluations that enter the best `keep`; one pushed out
+    is deleted.
+
+    Args:
+        monitor: the metric, e.g. eval/loss.
+        mode: min (lower is better) or max.
+        keep: how many to keep.
+    """
+
+    def __init__(
+        self, monitor: str = "eval/loss", mode: Literal["min", "max"] = "min", keep: PositiveInt = 1
+    ) -> None:
+        self.rule = Monitor("callbacks.best_checkpoints", monitor, mode)
+        self.keep = keep
+        self.kept: list[dict[str, Any]] = []  # {"step", "value"}, best first
+
+    def on_fit_start(self, run: Run) -> None:
+        """Forget the checkpoints in best/ that this state does not hold (saved after the checkpoint this
+        run resumed from, by the run that stopped)."""
+        if run.engine.is_main_process:
+            self._tidy(run.output_dir / BEST)
+
+    def on_eval_end(self, run: Run, metrics: dict[str, float]) -> None:
+        value = metrics[self.rule.monitor]
+        if len(self.kept) == self.keep and not self.rule.better(value, self.kept[-1]["value"]):
+            return
+        if math.isnan(value):
+            return
+        entry = {"step": run.step, "value": value}
+        ranked = sorted(
+            [*self.kept, entry],
+            key=lambda e: (e["value"] if self.rule.mode == "min" else -e["value"], e["step"]),
+        )
+        self.kept = ranked[: self.keep]
+        if entry in self.kept:
+            run.engine.checkpointer.save_named(run.output_dir / BEST / f"step_{run.step}", run.step)
+        if run.engine.is_main_process:
+            self._tidy(run.output_dir / BEST)
+            log.info("best checkpoints by %s: %s", self.rule.monitor, _listed(self.kept))
+
+    def _tidy(self, best: Path) -> None:
+        """best/ holds the checkpoints of `kept` and its record, nothing else of ours."""
+        wanted = {f"step_{e['step']}" for e in self.kept}
+        for found in best.glob("step_*") if best.is_dir() else []:
+            if found.name not in wanted:
+                shutil.rmtree(found, ignore_errors=True)
+        if self.kept:
+            record = [e | {"path": str(best / f"step_{e['step']}")} for e in self.kept]
+            summary = {"monitor": self.rule.monitor, "mode": self.rule.mode, "best": record}
+            atomic_write_text(best / BEST_RECORD, json.dumps(summary, indent=1) + "\n")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kept": [dict(e) for e in self.kept]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.kept = [dict(e) for e in state["kept"]]
+
+
+class LearningRateMonitor(Callback):
+    """Log the learning rate of every parameter group of every optimizer as `lr/<optimizer>_group<g>` at
+    each logging step (`trainer.log_every`; `train/lr` is the first group's)."""
+
+    def on_step_end(self, run: Run) -> None:
+        if run.step % run.settings.log_every and run.step != run.total_steps:
+            return
+        rates = {
+            f"lr/{i}_group{g}": group["lr"]
+            for i, optimizer in enumerate(run.engine.checkpointer.of_kind("optimizer"))
+            for g, group in enumerate(optimizer.param_groups)
+        }
+        run.metrics.update(rates)
+        run.engine.log(rates, step=run.step)
+
+
+def _listed(kept: list[dict[str, Any]]) -> str:
+    return ", ".join(f"step {e['step']} ({e['value']:.6g})" for e in kept)

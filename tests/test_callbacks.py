@@ -1,0 +1,124 @@
+"""Callbacks in the loop (`callbacks=[...]`, `runner.callbacks`): each built-in changes what a run does or
+leaves (early stopping stops at the evaluation its metric says, the best checkpoints are exactly the best,
+the learning rates are logged), a user's callback is called at every named point, and every callback's
+state resumes with the run. Bad settings are refused before launch."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import probes
+import pytest
+from conftest import run_to_end
+from hydra import compose, initialize_config_dir
+
+from runner.config import CONF_DIR
+from runner.errors import ConfigError
+from runner.schemas import register_configs
+from runner.validate import check_job
+
+TESTS = Path(__file__).parent
+# Evaluations every 5 steps. Early stopping in mode max on eval/loss (which falls): the first evaluation is
+# the best, and with patience 4 the run stops at the fifth, step 25 of 30. The best 2 by eval/loss (min).
+RUN = [
+    "callbacks=[early_stopping,best_checkpoints,lr_monitor]",
+    "callbacks.early_stopping.mode=max",
+    "callbacks.early_stopping.patience=4",
+    "callbacks.best_checkpoints.keep=2",
+    "+callbacks.probe._target_=probes.RecordingCallback",
+    "trainer.eval_every=5",
+    "trainer.log_every=5",
+    "trainer.checkpoint_every=10",
+    "trainer.keep_checkpoints=null",
+    "scheduler=constant",  # the same learning rates whatever max_steps
+]
+
+
+def _evaluations(run_dir: Path) -> dict[int, float]:
+    """Step -> eval/loss, from the run's log."""
+    found = re.findall(r"step (\d+)/\d+: eval/loss=([\d.e-]+)", (run_dir / "runner.log").read_text())
+    return {int(step): float(value) for step, value in found}
+
+
+def _best(run_dir: Path) -> list[tuple[int, float]]:
+    record = json.loads((run_dir / "best" / "best.json").read_text())
+    assert record["monitor"] == "eval/loss" and record["mode"] == "min"
+    assert all(Path(e["path"]) == run_dir / "best" / f"step_{e['step']}" for e in record["best"])
+    return [(e["step"], e["value"]) for e in record["best"]]
+
+
+@pytest.mark.slow
+def test_callbacks_stop_keep_the_best_log_and_resume_their_state(tmp_path):
+    whole = tmp_path / "whole"
+    done = run_to_end(
+        whole, *RUN, f"+callbacks.probe.record={whole / 'probe'}", "trainer.max_steps=30", pythonpath=TESTS
+    )
+    evaluations = _evaluations(whole)
+    assert sorted(evaluations) == [5, 10, 15, 20, 25]  # stopped at the fifth evaluation
+    assert "stopped at step 25/30: early stopping: eval/loss=" in done.stderr
+    assert json.loads((whole / "finished.json").read_text())["step"] == 25
+    # the best 2 by eval/loss, exactly, and nothing else in best/
+    ranked = sorted(evaluations.items(), key=lambda e: e[1])[:2]
+    assert [step for step, _ in _best(whole)] == [step for step, _ in ranked]
+    assert sorted(p.name for p in (whole / "best").iterdir()) == sorted(
+        ["best.json", *(f"step_{step}" for step, _ in ranked)]
+    )
+    assert (whole / "best" / f"step_{ranked[0][0]}" / "meta.json").is_file()  # a whole checkpoint
+    metrics = json.loads((whole / "metrics.json").read_text())
+    assert metrics["lr/0_group0"] == metrics["train/lr"]
+    points = [line.split("|")[0] for line in probes.read(whole / "probe", "callback")]
+    assert points[0] == "fit_start" and points[-1] == "fit_end"
+    assert points.count("step_end") == 25 and points.count("eval_end:eval/loss,eval/mae") == 5
+    assert [p for p in points if p.startswith("checkpoint")] == [
+        "checkpoint:checkpoint_0",
+        "checkpoint:checkpoint_1",
+    ]
+
+    # Stopped at step 20 (early stopping 3 evaluations into its patience, the best 2 so far kept) and run
+    # on: it stops at 25 too, with the same best checkpoints and the same weights.
+    parts = tmp_path / "parts"
+    probe = [f"+callbacks.probe.record={parts / 'probe'}"]
+    run_to_end(parts, *RUN, *probe, "trainer.max_steps=20", pythonpath=TESTS)
+    resumed = run_to_end(parts, *RUN, *probe, "trainer.max_steps=30", pythonpath=TESTS)
+    assert "stopped at step 25/30" in resumed.stderr
+    assert _best(parts) == _best(whole)
+    assert (parts / "model" / "model.safetensors").read_bytes() == (
+        whole / "model" / "model.safetensors"
+    ).read_bytes()
+    # the callback's state is the one saved at step 20: its calls counted on from there
+    lines = [line.split("|") for line in probes.read(parts / "probe", "callback")]
+    saved = next(int(n) for point, step, n in lines if point.startswith("eval_end") and step == "20")
+    assert [line for line in lines if line[0] == "fit_start"][1] == ["fit_start", "20", str(saved + 1)]
+
+
+REFUSED = {
+    ("callbacks=[early_stopping]", "callbacks.early_stopping.monitor=eval/accuracy"): (
+        "callbacks.early_stopping.monitor=eval/accuracy: the task reports no such eval metric; after each "
+        "evaluation the run has eval/loss, eval/mae"
+    ),
+    ("callbacks=[best_checkpoints]", "callbacks.best_checkpoints.mode=bogus"): (
+        "callbacks.best_checkpoints.mode='bogus': expected min"
+    ),
+    (
+        "callbacks=[early_stopping]",
+        "callbacks.early_stopping.patience=0",
+    ): "callbacks.early_stopping.patience=0",
+    (
+        "+callbacks.mine._target_=nowhere.Callback",
+    ): "callbacks.mine._target_='nowhere.Callback' cannot be imported",
+    ("callbacks=[lr_monitor]", "+callbacks.lr_monitor.every=3"): (
+        "callbacks.lr_monitor: runner.callbacks.LearningRateMonitor does not accept these settings"
+    ),
+}
+
+
+@pytest.mark.parametrize("overrides", list(REFUSED), ids=lambda o: o[-1])
+def test_callback_settings_that_cannot_work_are_refused_before_launch(overrides):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, "tracker=none"])
+    with pytest.raises(ConfigError) as refused:
+        check_job(cfg)
+    assert REFUSED[overrides] in str(refused.value), str(refused.value)
