@@ -1,5 +1,6 @@
 """Callbacks: code a run's training loop calls at its named points (`callbacks` in the config, each a
-`_target_`), and the built-in ones: early stopping, the best checkpoints, a learning-rate monitor.
+`_target_`), and the built-in ones: early stopping, the best checkpoints, a learning-rate monitor, and the
+pictures of the run's curves (`trainer.plots`).
 
 Every rank calls every callback at the same points with the same metrics (they are reduced over the ranks
 first), so a callback that decides something (stop, save) decides it alike everywhere. A callback's
@@ -8,17 +9,20 @@ first), so a callback that decides something (stop, save) decides it alike every
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from runner.checkpoint.files import atomic_write_text
 from runner.config import NonNegativeFloat, PositiveInt
 from runner.engine import Engine
-from runner.errors import ConfigError
+from runner.errors import ConfigError, install_command
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,9 @@ class Run(Protocol):
     @property
     def step(self) -> int:
         """Optimizer steps done."""
+
+    def log_metrics(self, values: dict[str, float]) -> None:
+        """Log `values` at this step (the run's metrics, its history, the trackers)."""
 
     def stop(self, reason: str) -> None:
         """End the run after this step, as if it were the last (`reason` is logged)."""
@@ -241,13 +248,56 @@ class LearningRateMonitor(Callback):
     def on_step_end(self, run: Run) -> None:
         if run.step % run.settings.log_every and run.step != run.total_steps:
             return
-        rates = {
-            f"lr/{i}_group{g}": group["lr"]
-            for i, optimizer in enumerate(run.engine.checkpointer.of_kind("optimizer"))
-            for g, group in enumerate(optimizer.param_groups)
-        }
-        run.metrics.update(rates)
-        run.engine.log(rates, step=run.step)
+        run.log_metrics(
+            {
+                f"lr/{i}_group{g}": group["lr"]
+                for i, optimizer in enumerate(run.engine.checkpointer.of_kind("optimizer"))
+                for g, group in enumerate(optimizer.param_groups)
+            }
+        )
+
+
+class PlotCurves(Callback):
+    """Draw the run's curves into `<run dir>/plots/` (`runner.plots`) in a process of its own: at each
+    evaluation (unless one is still drawing), and at the end, where the run waits for it and names the
+    files. The loop never waits on a picture; one that cannot be drawn is a warning. The main process's
+    (`trainer.plots`, on unless false)."""
+
+    def __init__(self) -> None:
+        self.drawing: subprocess.Popen | None = None
+        self.available = importlib.util.find_spec("matplotlib") is not None
+
+    def _draw(self, run: Run, wait: bool = False) -> None:
+        if not (self.available and run.engine.is_main_process):
+            return
+        if self.drawing is not None and self.drawing.poll() is None:
+            if not wait:
+                return
+            self.drawing.wait()
+        self.drawing = subprocess.Popen(
+            [sys.executable, "-m", "runner.plots", str(run.output_dir)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE if wait else subprocess.DEVNULL,
+            text=True,
+        )
+        if wait:
+            _, error = self.drawing.communicate()
+            if self.drawing.returncode:
+                log.warning("the plots could not be drawn: %s", (error or "").strip()[-500:])
+            else:
+                log.info(
+                    "plots: %s", " ".join(str(p) for p in sorted((run.output_dir / "plots").glob("*.png")))
+                )
+
+    def on_eval_end(self, run: Run, metrics: dict[str, float]) -> None:
+        self._draw(run)
+
+    def on_fit_end(self, run: Run, metrics: dict[str, float]) -> None:
+        if not self.available and run.engine.is_main_process:
+            log.info(
+                "the run's curves are not drawn: matplotlib is not installed (%s)", install_command("plots")
+            )
+        self._draw(run, wait=True)
 
 
 def _listed(kept: list[dict[str, Any]]) -> str:

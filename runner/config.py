@@ -303,6 +303,7 @@ class TrainerConfig:
     # into replaced-<time>/ first (false: refuse)
     overwrite: bool = False
     save_model: bool = True  # write the final weights to <output dir>/model
+    plots: bool = True  # draw the curves (history.jsonl) into <output dir>/plots/ at each eval and the end
     objective: str | None = "eval/loss"  # the metric the Hydra main returns to sweepers; null: all metrics
     compile: CompileConfig = field(default_factory=CompileConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(

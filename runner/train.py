@@ -28,7 +28,7 @@ from runner.build import (
     meta_copy,
     meta_training_step,
 )
-from runner.callbacks import Callbacks
+from runner.callbacks import Callbacks, PlotCurves
 from runner.checkpoint.checkpointer import ProjectConfiguration
 from runner.checkpoint.resume import (
     RESOLVED,
@@ -42,6 +42,7 @@ from runner.data.base import DataSource, pins_memory
 from runner.engine import Accumulation, Engine, Loading
 from runner.errors import TrainingDiverged, TrainingInterrupted, signal_name
 from runner.hardware.base import Strategy
+from runner.history import History
 from runner.perf import (
     Throughput,
     count_flops,
@@ -155,8 +156,10 @@ class Trainer:
             else partial(self.task.training_step, self.model)
         )
         self.done = Progress(window_loss=torch.zeros((), device=engine.device))
+        self.history = History(output_dir if engine.is_main_process else None)
+        plotting = {"plots": PlotCurves()} if trainer.plots else {}
         self.callbacks = Callbacks(
-            {name: instantiate(node) for name, node in (cfg.get("callbacks") or {}).items()}
+            plotting | {name: instantiate(node) for name, node in (cfg.get("callbacks") or {}).items()}
         )
         self.stopped: str | None = None  # why a callback ended the run early
         engine.register_for_checkpointing(self.done, self.callbacks)
@@ -203,9 +206,12 @@ class Trainer:
         chosen = resume_checkpoint(self.settings.resume, self.output_dir)
         resumed = self.engine.broadcast_object_list([str(chosen or "")])[0]
         self.resumed_at: int | None = None
+        if not resumed:
+            self.history.resume_at(0)  # a run started afresh: none of an earlier one's history
         if resumed:
             self.engine.step = self.checkpointer.resume(Path(resumed))
             done = self.done
+            self.history.resume_at(done.step)
             check_not_past(resumed, done.step, self.total_steps)  # a length in epochs: known here
             self.resumed_at = done.step
             log.info(
@@ -302,17 +308,15 @@ class Trainer:
         # After the .item(), which waited for the device: the window's time is its work.
         perf = read_throughput(engine, self.throughput)
         logged = {"train/loss": window_loss, "train/lr": self.scheduler.get_last_lr()[0], **perf}
-        self.metrics.update(logged)
         done.window_loss.zero_()
         done.window_batches = 0
-        self.check_finite()
+        self.log_metrics(logged)
         if self.settings.checkpoint_last_finite:
             self.checkpointer.save_last_finite(engine.step)
         self.progress.set_postfix(
             {"loss": f"{logged['train/loss']:.4f}"}
             | {name.removeprefix("perf/"): f"{logged[name]:.3g}" for name in PROGRESS_BAR if name in logged}
         )
-        engine.log(logged, step=done.step)
         log.info("step %d/%d: %s", done.step, self.total_steps, _fmt(logged))
 
     def evaluate(self) -> None:
@@ -320,11 +324,17 @@ class Trainer:
         RNGs (the eval loader's seed, say) is not training's: how often a run evaluates does not change it."""
         with rng_kept():
             evaluated = evaluate(self.engine, self.model, self.task, self.eval_loader)
-        self.metrics.update(evaluated)
-        self.check_finite()
-        self.engine.log(evaluated, step=self.done.step)
+        self.log_metrics(evaluated)
         log.info("step %d/%d: %s", self.done.step, self.total_steps, _fmt(evaluated))
         self.callbacks.on_eval_end(self, evaluated)
+
+    def log_metrics(self, values: dict[str, float]) -> None:
+        """Log `values` at this step: the run's latest metrics, checked finite (a NaN or infinity stops the
+        run here, `check_finite`), then its history (`history.jsonl`) and the trackers."""
+        self.metrics.update(values)
+        self.check_finite()
+        self.history.add(self.done.step, values)
+        self.engine.log(values, step=self.done.step)
 
     def check_finite(self) -> None:
         check_finite(
@@ -379,8 +389,7 @@ class Trainer:
         self.progress.close()
         if not self.metrics:  # resumed from a checkpoint of the last step: nothing left to train
             log.info("the checkpoint was written at the last step (%d): evaluating only", self.done.step)
-            self.metrics.update(evaluate(engine, self.model, self.task, self.eval_loader))
-            engine.log(self.metrics, step=self.done.step)
+            self.log_metrics(evaluate(engine, self.model, self.task, self.eval_loader))
         if self.settings.save_model:
             engine.save_model(self.model, str(output_dir / "model"))
             # A transformers model's config next to its weights: from_pretrained loads the dir.

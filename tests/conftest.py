@@ -32,8 +32,10 @@ def runner_command(run_dir: Path, *overrides: str) -> list[str]:
     """`python -m runner` with its run dir at `run_dir`, no progress bar, and `overrides`. Unless they
     name a tracker (`tracker=...`, `tracker.<key>=...`), it tracks nothing (`tracker=none`): tracking is
     tested where a test names it, and elsewhere MLflow's sender would add a process, its import of MLflow
-    and the wait for delivery to every run."""
+    and the wait for delivery to every run. Nor does it draw its curves (`trainer.plots=false`) unless they
+    name it: each drawing is a process of its own, tested where a test names it."""
     named = any(override.lstrip("+~").startswith("tracker") for override in overrides)
+    plotted = any(override.startswith("trainer.plots=") for override in overrides)
     return [
         sys.executable,
         "-m",
@@ -41,6 +43,7 @@ def runner_command(run_dir: Path, *overrides: str) -> list[str]:
         f"hydra.run.dir={run_dir}",
         "trainer.progress_bar=false",
         *([] if named else ["tracker=none"]),
+        *([] if plotted else ["trainer.plots=false"]),
         *overrides,
     ]
 

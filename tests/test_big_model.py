@@ -267,7 +267,7 @@ def sonnets_model(tmp_path_factory):
     """A GPT that `python -m runner experiment=gpt_sonnets` trained and saved."""
     run_dir = tmp_path_factory.mktemp("gpt_sonnets")
     proc = subprocess.run(
-        [sys.executable, "-m", "runner", "experiment=gpt_sonnets", "trainer.max_steps=30", "trainer.progress_bar=false",
+        [sys.executable, "-m", "runner", "experiment=gpt_sonnets", "trainer.max_steps=30", "trainer.progress_bar=false", "trainer.plots=false",
          f"hydra.run.dir={run_dir}"],
         env=cli_env(), cwd=run_dir, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -1,7 +1,8 @@
 """Callbacks in the loop (`callbacks=[...]`, `runner.callbacks`): each built-in changes what a run does or
 leaves (early stopping stops at the evaluation its metric says, the best checkpoints are exactly the best,
-the learning rates are logged), a user's callback is called at every named point, and every callback's
-state resumes with the run. Bad settings are refused before launch."""
+the learning rates are logged, the curves are drawn from the run's history), a user's callback is called at
+every named point, and every callback's state resumes with the run. Bad settings are refused before
+launch."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import probes
 import pytest
 from conftest import run_to_end
 from hydra import compose, initialize_config_dir
+from PIL import Image
 
 from runner.config import CONF_DIR
 from runner.errors import ConfigError
+from runner.history import History, read_history
+from runner.plots import curve, run_figures
 from runner.schemas import register_configs
 from runner.validate import check_job
 
@@ -33,6 +37,7 @@ RUN = [
     "trainer.checkpoint_every=10",
     "trainer.keep_checkpoints=null",
     "scheduler=constant",  # the same learning rates whatever max_steps
+    "trainer.plots=true",
 ]
 
 
@@ -68,6 +73,12 @@ def test_callbacks_stop_keep_the_best_log_and_resume_their_state(tmp_path):
     assert (whole / "best" / f"step_{ranked[0][0]}" / "meta.json").is_file()  # a whole checkpoint
     metrics = json.loads((whole / "metrics.json").read_text())
     assert metrics["lr/0_group0"] == metrics["train/lr"]
+    # the curves: drawn at the end (named on the console), from the history of every logged step
+    pictures = sorted((whole / "plots").glob("*.png"))
+    assert [p.stem for p in pictures] == ["eval", "loss", "lr", "throughput"]
+    assert all(Image.open(p).format == "PNG" for p in pictures)
+    assert f"plots: {' '.join(map(str, pictures))}" in done.stderr
+    assert [row["step"] for row in read_history(whole) if "eval/loss" in row] == [5, 10, 15, 20, 25]
     points = [line.split("|")[0] for line in probes.read(whole / "probe", "callback")]
     assert points[0] == "fit_start" and points[-1] == "fit_end"
     assert points.count("step_end") == 25 and points.count("eval_end:eval/loss,eval/mae") == 5
@@ -87,6 +98,8 @@ def test_callbacks_stop_keep_the_best_log_and_resume_their_state(tmp_path):
     assert (parts / "model" / "model.safetensors").read_bytes() == (
         whole / "model" / "model.safetensors"
     ).read_bytes()
+    # the resumed run's history holds each step once (the steps past the checkpoint logged again)
+    assert [row["step"] for row in read_history(parts) if "train/loss" in row] == [5, 10, 15, 20, 25]
     # the callback's state is the one saved at step 20: its calls counted on from there
     lines = [line.split("|") for line in probes.read(parts / "probe", "callback")]
     saved = next(int(n) for point, step, n in lines if point.startswith("eval_end") and step == "20")
@@ -122,3 +135,33 @@ def test_callback_settings_that_cannot_work_are_refused_before_launch(overrides)
     with pytest.raises(ConfigError) as refused:
         check_job(cfg)
     assert REFUSED[overrides] in str(refused.value), str(refused.value)
+
+
+def test_the_history_keeps_each_step_once_and_the_figures_draw_what_it_holds(tmp_path):
+    history = History(tmp_path)
+    for step in (10, 20, 30):
+        history.add(step, {"train/loss": 1.0 / step, "train/lr": 0.1, "perf/samples_per_s": 100.0 + step})
+    history.add(30, {"eval/loss": 0.5, "eval/accuracy": float("nan")})
+    history.resume_at(20)  # a resumed run drops what it logs again
+    history.add(30, {"train/loss": 0.02, "train/lr": 0.05, "perf/samples_per_s": 99.0})
+    history.add(30, {"eval/loss": 0.4, "eval/accuracy": 0.75})
+    with open(tmp_path / "history.jsonl", "a") as f:
+        f.write('{"step": 40, "train/lo')  # a line cut by a kill
+    rows = read_history(tmp_path)
+    assert curve(rows, "train/loss") == ([10, 20, 30], [0.1, 0.05, 0.02])
+    assert curve(rows, "eval/loss") == ([30], [0.4])
+    figures = run_figures(rows)
+    assert sorted(figures) == ["eval", "loss", "lr", "throughput"]
+    (losses,) = figures["loss"].axes
+    assert [line.get_label() for line in losses.lines] == ["train/loss", "eval/loss"]
+    assert list(losses.lines[0].get_xdata()) == [10, 20, 30] and list(losses.lines[0].get_ydata()) == [
+        0.1,
+        0.05,
+        0.02,
+    ]
+    assert [axes.get_title() for axes in figures["eval"].axes] == ["eval/accuracy"]
+    assert list(figures["throughput"].axes[0].lines[0].get_ydata()) == [110.0, 120.0, 99.0]
+    nan = History(tmp_path / "nan")
+    (tmp_path / "nan").mkdir()
+    nan.add(5, {"train/loss": float("inf")})
+    assert read_history(tmp_path / "nan") == [{"step": 5, "train/loss": float("inf")}]

@@ -65,7 +65,8 @@ def test_default_experiment_trains_and_leaves_config_and_log(run_cli, tmp_path):
     )
     assert code == 0 and "train: 100%" in terminal  # on a terminal the progress bar ran
     files = {p.name for p in proc.run_dir.iterdir()}
-    assert {"resolved_config.yaml", "runner.log", ".hydra"} <= files
+    assert {"resolved_config.yaml", "runner.log", ".hydra", "history.jsonl"} <= files
+    assert "plots" not in files  # trainer.plots=false (the tests' default): none drawn
     log = (proc.run_dir / "runner.log").read_text()
     assert "step 200/200" in log and "final metrics" in log
     assert "${" not in (proc.run_dir / "resolved_config.yaml").read_text()

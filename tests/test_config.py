@@ -732,7 +732,7 @@ def test_a_sweep_interval_written_backwards_is_refused_before_the_sweep():
 def test_multirun_flag_after_the_overrides_runs_the_sweep(tmp_path):
     """`-m` typed after the overrides (argparse alone: "unrecognized arguments") runs the sweep."""
     proc = subprocess.run(
-        [sys.executable, "-m", "runner", "tracker=none", "trainer.max_steps=2", "trainer.progress_bar=false",
+        [sys.executable, "-m", "runner", "tracker=none", "trainer.max_steps=2", "trainer.progress_bar=false", "trainer.plots=false",
          f"hydra.sweep.dir={tmp_path}", "-m", "trainer.seed=1,2", "plan=true"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip

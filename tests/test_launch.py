@@ -204,7 +204,7 @@ def test_a_rank_killed_by_sigkill_fails_the_job_fast(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
     command = [
-        sys.executable, "-m", "runner", f"hydra.run.dir={tmp_path / 'run'}", "trainer.progress_bar=false",
+        sys.executable, "-m", "runner", f"hydra.run.dir={tmp_path / 'run'}", "trainer.progress_bar=false", "trainer.plots=false",
         *TWO_RANKS, "trainer.max_steps=1000000", "task._target_=faulty_tasks.RecordPid", f"+task.pid_dir={pids}",
     ]  # fmt: skip
     proc = subprocess.Popen(command, env=cli_env(TESTS), stderr=subprocess.PIPE, text=True, cwd=tmp_path)

@@ -29,6 +29,8 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.state",
             "runner.cluster",
             "runner.run_log",
+            "runner.history",
+            "runner.plots",
             "runner.config",
             "runner.perf",
             "runner.rng",

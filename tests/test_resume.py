@@ -500,7 +500,7 @@ def test_resume_last_continues_the_newest_run_of_the_same_experiment_in_its_dir(
 
     def runner(*overrides: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "runner", "trainer.progress_bar=false", "tracker=none", *overrides],
+            [sys.executable, "-m", "runner", "trainer.progress_bar=false", "trainer.plots=false", "tracker=none", *overrides],
             cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300,
         )  # fmt: skip
 

@@ -80,7 +80,7 @@ def sweep_on_slurm(
 ) -> subprocess.CompletedProcess:
     """`python -m runner -m launcher=slurm <overrides>` with its sweep dir at `sweep`."""
     return subprocess.run(
-        [sys.executable, "-m", "runner", f"hydra.sweep.dir={sweep}", "trainer.progress_bar=false",
+        [sys.executable, "-m", "runner", f"hydra.sweep.dir={sweep}", "trainer.progress_bar=false", "trainer.plots=false",
          "launcher=slurm", *overrides, "-m"],
         env=env or cli_env(), cwd=sweep.parent, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -313,7 +313,7 @@ def test_a_configuration_error_found_in_a_rank_is_reported_as_one(slurm, tmp_pat
 def test_a_slurm_sweep_run_again_resubmits_only_its_cancelled_array_tasks(slurm, tmp_path):
     sweep = tmp_path / "sweep"
     overrides = ["trainer.max_steps=20", "optimizer.lr=1e-1,1e-2,1e-3,1e-4"]
-    command = [sys.executable, "-m", "runner", f"hydra.sweep.dir={sweep}", "trainer.progress_bar=false",
+    command = [sys.executable, "-m", "runner", f"hydra.sweep.dir={sweep}", "trainer.progress_bar=false", "trainer.plots=false",
                "launcher=slurm", *overrides, "-m"]  # fmt: skip
     proc = subprocess.Popen(command, env=cli_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     try:

@@ -28,7 +28,7 @@ def multirun_command(sweep: Path, *overrides: str) -> list[str]:
         "-m",
         "runner",
         f"hydra.sweep.dir={sweep}",
-        "trainer.progress_bar=false",
+        "trainer.progress_bar=false", "trainer.plots=false",
         *overrides,
         "-m",
     ]

@@ -130,7 +130,7 @@ def test_the_default_store_is_local_inside_outputs_and_whole_when_the_run_exits(
     env = cli_env()
     env.pop("MLFLOW_TRACKING_URI", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "runner", *TRAIN, "trainer.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"],
+        [sys.executable, "-m", "runner", *TRAIN, "trainer.progress_bar=false", "trainer.plots=false", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     proc.wait(timeout=300)
@@ -273,7 +273,7 @@ def test_a_server_that_dies_mid_run_loses_no_metric(tmp_path):
     server.start()
     run_dir, gate = tmp_path / "run", tmp_path / "server-stopped"
     command = [
-        sys.executable, "-m", "runner", f"hydra.run.dir={run_dir}", "trainer.progress_bar=false",
+        sys.executable, "-m", "runner", f"hydra.run.dir={run_dir}", "trainer.progress_bar=false", "trainer.plots=false",
         f"tracker.uri={server.uri}", "trainer.max_steps=600", "trainer.log_every=10", "trainer.eval_every=100",
         "tracker.detach=false",  # the sender starts with the run (detached, it would start 5 s in)
         "task._target_=faulty_tasks.WaitAtStep", f"+task.gate={gate}", "+task.step=55",  # waits for the stop

@@ -51,6 +51,7 @@ NOT_RESULTS = (
     "trainer.resume",
     "trainer.overwrite",
     "trainer.progress_bar",
+    "trainer.plots",
     "trainer.checkpoint_every",
     "trainer.keep_checkpoints",
     "trainer.async_checkpoint",

@@ -1,0 +1,55 @@
+"""A run's metric history: `<run dir>/history.jsonl`, one line per logged set of metrics with its step,
+whatever the tracker (also `tracker=none`). Each line is on disk once written (a killed run keeps what it
+logged); a run resumed from a checkpoint first drops the lines past its step, which it logs again. What
+`runner.plots` draws."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+HISTORY = "history.jsonl"
+
+
+class History:
+    """Appends to `<directory>/history.jsonl` (the main process's; others hold None and write nothing)."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.path = None if directory is None else Path(directory) / HISTORY
+
+    def resume_at(self, step: int) -> None:
+        """Keep the lines of steps up to `step` (a resumed run logs the later ones again)."""
+        if self.path is None or not self.path.is_file():
+            return
+        kept = [row for row in read_history(self.path.parent) if row["step"] <= step]
+        partial = self.path.with_name(f".{HISTORY}.partial")
+        partial.write_text("".join(_line(row) for row in kept))
+        partial.replace(self.path)
+
+    def add(self, step: int, values: dict[str, float]) -> None:
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(_line({"step": step, **values}))
+
+
+def _line(row: dict[str, Any]) -> str:
+    """A row as one JSON line; NaN and infinities (JSON has neither) as their names."""
+    return json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else str(v) for k, v in row.items()}) + "\n"
+
+
+def read_history(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of a run dir's history (whole lines only: a last line cut by a kill is left out), values as
+    floats again."""
+    path = Path(run_dir) / HISTORY
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        rows.append({k: float(v) if isinstance(v, str) else v for k, v in row.items()})
+    return rows
