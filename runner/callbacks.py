@@ -13,16 +13,22 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Literal, Protocol
+
+import torch
 
 from runner.checkpoint.files import atomic_write_text
 from runner.config import NonNegativeFloat, PositiveInt
 from runner.engine import Engine
 from runner.errors import ConfigError, install_command
+from runner.history import HISTORY
+from runner.plots import PLOTS
 
 log = logging.getLogger(__name__)
 
@@ -258,46 +264,63 @@ class LearningRateMonitor(Callback):
 
 
 class PlotCurves(Callback):
-    """Draw the run's curves into `<run dir>/plots/` (`runner.plots`) in a process of its own: at each
-    evaluation (unless one is still drawing), and at the end, where the run waits for it and names the
+    """Draw the run's curves into `<run dir>/plots/` (`runner.plots`) in a process of its own that runs
+    only on CPU time the run leaves idle: at an evaluation (at most every `every_s` seconds, not while one
+    is drawing, and only where the run's threads leave a core free), and at the end, where the run waits for the drawing of its whole history and names the
     files. The loop never waits on a picture; one that cannot be drawn is a warning. The main process's
     (`trainer.plots`, on unless false)."""
 
+    every_s = 30.0  # seconds between drawings during training, at least
+
     def __init__(self) -> None:
         self.drawing: subprocess.Popen | None = None
+        self.drawn_from = -1  # the size of the history the latest drawing started from
+        self.started = -math.inf  # when it started (time.monotonic)
         self.available = importlib.util.find_spec("matplotlib") is not None
+        # Drawings during training only where the run's threads leave a core free: on a machine whose every
+        # core computes the run (torch's threads on a CPU), one more process slows it.
+        self.spare_core = (os.cpu_count() or 1) > torch.get_num_threads()
 
-    def _draw(self, run: Run, wait: bool = False) -> None:
-        if not (self.available and run.engine.is_main_process):
-            return
-        if self.drawing is not None and self.drawing.poll() is None:
-            if not wait:
-                return
-            self.drawing.wait()
+    def _start(self, run: Run, errors: int = subprocess.DEVNULL) -> None:
+        history = run.output_dir / HISTORY
+        self.drawn_from = history.stat().st_size if history.is_file() else 0
+        self.started = time.monotonic()
         self.drawing = subprocess.Popen(
-            [sys.executable, "-m", "runner.plots", str(run.output_dir)],
+            [sys.executable, "-m", "runner.plots", "--idle", str(run.output_dir)],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE if wait else subprocess.DEVNULL,
+            stderr=errors,
             text=True,
         )
-        if wait:
-            _, error = self.drawing.communicate()
-            if self.drawing.returncode:
-                log.warning("the plots could not be drawn: %s", (error or "").strip()[-500:])
-            else:
-                log.info(
-                    "plots: %s", " ".join(str(p) for p in sorted((run.output_dir / "plots").glob("*.png")))
-                )
 
     def on_eval_end(self, run: Run, metrics: dict[str, float]) -> None:
-        self._draw(run)
+        idle = self.drawing is None or self.drawing.poll() is not None
+        due = self.spare_core and time.monotonic() - self.started >= self.every_s
+        if self.available and run.engine.is_main_process and idle and due:
+            self._start(run)
 
     def on_fit_end(self, run: Run, metrics: dict[str, float]) -> None:
-        if not self.available and run.engine.is_main_process:
+        if not run.engine.is_main_process:
+            return
+        if not self.available:
             log.info(
                 "the run's curves are not drawn: matplotlib is not installed (%s)", install_command("plots")
             )
-        self._draw(run, wait=True)
+            return
+        if self.drawing is not None:
+            self.drawing.wait()
+        history = run.output_dir / HISTORY
+        drawn = (
+            self.drawing is not None
+            and not self.drawing.returncode
+            and self.drawn_from == (history.stat().st_size if history.is_file() else 0)
+        )
+        if not drawn:  # the last evaluation's drawing is not of the whole history, or failed
+            self._start(run, errors=subprocess.PIPE)
+            _, error = self.drawing.communicate()
+            if self.drawing.returncode:
+                log.warning("the plots could not be drawn: %s", (error or "").strip()[-500:])
+                return
+        log.info("plots: %s", " ".join(str(p) for p in sorted((run.output_dir / PLOTS).glob("*.png"))))
 
 
 def _listed(kept: list[dict[str, Any]]) -> str:

@@ -39,7 +39,15 @@ from omegaconf.errors import OmegaConfBaseException
 from hydra_plugins.runner_launcher.launcher import RunnerLauncher
 from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
 from runner.build import is_inference, locate
-from runner.checkpoint.resume import LAST, RUNS_DIR, FinishedRun, check_finished_run, check_resume, latest_run
+from runner.checkpoint.resume import (
+    JOB_CONFIG_DIR,
+    LAST,
+    RUNS_DIR,
+    FinishedRun,
+    check_finished_run,
+    check_resume,
+    latest_run,
+)
 from runner.cluster import ClusterEnvironment, launched_environment
 from runner.config import CONF_SEARCH_PATH
 from runner.errors import (
@@ -73,7 +81,6 @@ from runner.validate import Built, check_job
 
 log = logging.getLogger("runner")
 
-JOB_CONFIG_DIR = ".hydra"  # in a job's dir
 FAILED = "failed.json"  # in a sweep job's dir: why its training failed
 
 

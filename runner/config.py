@@ -249,6 +249,13 @@ class CompileConfig:
     loss: bool = True  # also compile the task's loss (with scope model or regional), as one more graph
 
 
+class Direction(str, Enum):
+    """Which way a sweep's objective is better (Optuna's words)."""
+
+    minimize = "minimize"
+    maximize = "maximize"
+
+
 class CheckpointingMode(str, Enum):
     """What `trainer.activation_checkpointing.mode` recomputes in backward."""
 
@@ -298,7 +305,9 @@ class TrainerConfig:
     checkpoint_last_finite: bool = False
     # write checkpoints in the background: the loop waits only for the copy into host memory
     async_checkpoint: bool = False
-    resume: str | None = "auto"  # auto: the output dir's latest checkpoint, if any | last (runner.cli) | a dir | null
+    resume: str | None = (
+        "auto"  # auto: the output dir's latest checkpoint, if any | last (runner.cli) | a dir | null
+    )
     # a run that would start over in the dir of a finished run with other settings: move that run's files
     # into replaced-<time>/ first (false: refuse)
     overwrite: bool = False
@@ -340,9 +349,11 @@ class TrackerConfig:
 @dataclass
 class SweepConfig:
     """A multirun (`-m`) in a sweep dir that holds the same sweep: `resume` skips its finished jobs and
-    resumes its interrupted ones; false starts it over (the previous jobs' dirs moved aside)."""
+    resumes its interrupted ones; false starts it over (the previous jobs' dirs moved aside). `direction`:
+    which way `trainer.objective` is better, what the sweep's summary ranks its jobs by."""
 
     resume: bool = True
+    direction: Direction = Direction.minimize
 
 
 @dataclass

@@ -1,10 +1,13 @@
-"""Pictures of a run: its curves drawn from its history (`runner.history`) into `<run dir>/plots/`: the
-losses, the other eval metrics, the learning rates and the throughput, one PNG each. A run starts
+"""Pictures of runs: a run's curves drawn from its history (`runner.history`) into `<run dir>/plots/`: the
+losses, the other eval metrics, the learning rates and the throughput, one PNG each; and a sweep's, its
+jobs ranked by the objective (`sweep_figures`, drawn by `runner.sweep`). A run starts
 `python -m runner.plots <run dir>` in a process of its own at each evaluation and waits for it at its end
 (`trainer.plots`); run by hand, it draws any run dir again. Needs matplotlib (the `plots` extra)."""
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,6 +59,96 @@ def run_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return figures
 
 
+def ranked(results: dict[str, float | None], direction: str) -> list[str]:
+    """The names of `results` that have a finite value, best first (`direction`: minimize or maximize)."""
+    found = [(value, name) for name, value in results.items() if value is not None and math.isfinite(value)]
+    return [name for _, name in sorted(found, reverse=direction == "maximize")]
+
+
+def sweep_figures(
+    jobs: dict[str, dict[str, str]],
+    objective: str,
+    results: dict[str, float | None],
+    direction: str,
+    histories: dict[str, list[dict[str, Any]]],
+) -> dict[str, Any]:
+    """A sweep's pictures: "summary", the objective against each swept setting (a panel each; the best job
+    a star), and "curves", every job's training loss and objective against the step (the best job bold).
+
+    Args:
+        jobs: job name -> its swept settings (key -> value as given).
+        objective: the metric the jobs are ranked by; `results`: its final value by job (None: none).
+        direction: minimize or maximize.
+        histories: job name -> its history rows.
+    """
+    from matplotlib.figure import Figure  # the plots extra
+
+    order = ranked(results, direction)
+    best = order[0] if order else None
+    keys = list(dict.fromkeys(key for settings in jobs.values() for key in settings))
+    summary = Figure(figsize=(7, 2.8 * max(1, len(keys))), layout="constrained")
+    for axes, key in zip(summary.subplots(max(1, len(keys)), 1, squeeze=False)[:, 0], keys, strict=False):
+        done = [name for name in order if key in jobs[name]]
+        values = [jobs[name][key] for name in done]
+        numeric = all(_number(v) is not None for v in values)
+        xs = [_number(v) for v in values] if numeric else list(range(len(done)))
+        points = sorted(zip(xs, done, strict=True)) if numeric else list(zip(xs, done, strict=True))
+        axes.plot(
+            [x for x, _ in points],
+            [results[n] for _, n in points],
+            marker="o",
+            linestyle="-" if numeric else "",
+        )
+        if best in done:
+            axes.plot(
+                [xs[done.index(best)]],
+                [results[best]],
+                marker="*",
+                markersize=16,
+                color="red",
+                linestyle="",
+                label=f"best: job {best}",
+            )
+            axes.legend(fontsize=8)
+        if numeric and min(xs) > 0 and max(xs) / min(xs) >= 10:  # a decade or more: as learning rates go
+            axes.set_xscale("log")
+        if not numeric:
+            axes.set_xticks(xs, values, fontsize=7, rotation=30)
+        axes.set_xlabel(key)
+        axes.set_ylabel(objective)
+        axes.grid(alpha=0.3)
+    curves = Figure(figsize=(7, 5.6), layout="constrained")
+    for axes, metric in zip(
+        curves.subplots(2, 1, squeeze=False)[:, 0], ("train/loss", objective), strict=True
+    ):
+        for name in [*order, *(n for n in jobs if n not in order)]:
+            steps, values = curve(histories.get(name, []), metric)
+            if steps:
+                label = f"job {name}: " + ", ".join(f"{k}={v}" for k, v in jobs[name].items())
+                axes.plot(
+                    steps,
+                    values,
+                    label=label,
+                    linewidth=2.5 if name == best else 1.0,
+                    marker="o" if len(steps) < 30 else None,
+                    markersize=3,
+                )
+        axes.set_title(metric, fontsize=9)
+        axes.set_xlabel("step")
+        axes.grid(alpha=0.3)
+        if axes.lines:
+            axes.legend(fontsize=7)
+    return {"summary": summary, "curves": curves}
+
+
+def _number(value: str) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
 def draw_run(run_dir: Path) -> list[Path]:
     """Write the run's figures to `<run_dir>/plots/<name>.png`, each replaced whole; their paths."""
     out = Path(run_dir) / PLOTS
@@ -68,9 +161,25 @@ def draw_run(run_dir: Path) -> list[Path]:
     return written
 
 
+def yield_the_cpu() -> None:
+    """Run only on CPU time nothing else wants (Linux's SCHED_IDLE, else the lowest priority): a training
+    loop's threads next to a drawing lose none of their time, even where they are as many as the cores."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--idle"]:
+        yield_the_cpu()
+        argv = argv[1:]
     if len(argv) != 1 or not Path(argv[0]).is_dir():
-        print("usage: python -m runner.plots RUN_DIR (a run's dir, holding its history.jsonl)", file=sys.stderr)
+        print(
+            "usage: python -m runner.plots [--idle] RUN_DIR (a run's dir, holding its history.jsonl; --idle: only "
+            "on CPU time nothing else wants)",
+            file=sys.stderr,
+        )
         return 2
     for path in draw_run(Path(argv[0])):
         print(path)

@@ -1,7 +1,8 @@
 """Multiruns (`python -m runner -m ...`): every job checked before the first runs; after the last, the
-swept values against each job's final metrics, printed and saved in the sweep's dir as `summary.csv` and
-`summary.png` (with the `plots` extra, matplotlib); the sweep's parent run (one per sweep in the tracker)
-gets both and is closed. The sweeper that resumes a sweep is a Hydra plugin: `hydra_plugins/runner_sweeper`."""
+swept values against each job's final metrics, the jobs ranked by `trainer.objective` (`sweep.direction`)
+and the best named, printed and saved in the sweep's dir as `summary.csv`, and (with the `plots` extra,
+matplotlib) `summary.png` (the objective against each swept setting) and `curves.png` (every job's curves);
+the sweep's parent run (one per sweep in the tracker) gets them and is closed. The sweeper that resumes a sweep is a Hydra plugin: `hydra_plugins/runner_sweeper`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import csv
 import importlib.util
 import json
 import logging
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +24,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.checkpoint.resume import FINISHED
-from runner.cli import FAILED, JOB_CONFIG_DIR
+from runner.checkpoint.resume import FINISHED, JOB_CONFIG_DIR
+from runner.cli import FAILED
 from runner.errors import REPLACED_OPTIONS, ConfigError, describe_compose_error, install_command
+from runner.history import read_history
+from runner.plots import ranked, sweep_figures
 from runner.validate import check_job
 
 log = logging.getLogger("runner")
@@ -90,28 +92,33 @@ class SweepSummary(Callback):
         metrics = sorted({name for job in jobs for name in job.metrics})
         failed = [job for job in jobs if job.failure is not None]
         status = ["status"] if failed else []  # a column only when a job failed
+        objective = config.trainer.objective or next(
+            (m for m in metrics if m.startswith("eval/")), "train/loss"
+        )
+        results = {job.name: job.metrics.get(objective) for job in jobs}
+        direction = getattr(config.sweep.direction, "value", config.sweep.direction)  # the enum's word
+        order = ranked(results, direction)
         rows = [
             [
                 job.name,
                 *(job.overrides.get(k, "") for k in swept),
                 *(["failed" if job.failure else "finished"] if failed else []),
+                order.index(job.name) + 1 if job.name in order else None,
                 *(job.metrics.get(m) for m in metrics),
             ]
             for job in jobs
         ]
-        header = ["job", *swept, *status, *metrics]
+        header = ["job", *swept, *status, f"rank ({objective})", *metrics]
         with open(sweep_dir / "summary.csv", "w", newline="") as f:
             csv.writer(f).writerows([header, *rows])
-        if metrics and importlib.util.find_spec("matplotlib") is None:
-            log.warning(
-                "summary.png is not drawn: matplotlib is not installed (%s).", install_command("plots")
-            )
-        elif metrics:  # not when every job failed
-            plot(jobs, swept, metrics, sweep_dir / "summary.png")
         log.info("sweep summary (%s):\n%s", sweep_dir, format_table(header, rows))
+        if order:
+            best = next(job for job in jobs if job.name == order[0])
+            settings = " ".join(f"{k}={best.overrides.get(k, '')}" for k in swept)
+            log.info("best: job %s (%s): %s=%.6g", best.name, settings, objective, results[best.name])
+        pictures = draw(jobs, swept, objective, results, direction, sweep_dir) if metrics else []
         if config.tracker.get("_target_"):
-            summaries = [sweep_dir / "summary.csv", sweep_dir / "summary.png"]
-            instantiate(config.tracker).end_sweep(sweep_dir, [path for path in summaries if path.is_file()])
+            instantiate(config.tracker).end_sweep(sweep_dir, [sweep_dir / "summary.csv", *pictures])
         if failed:  # the sweep ran its other jobs; the command says which failed, and fails
             log.error(
                 "%d of %d job(s) failed: %s",
@@ -120,6 +127,40 @@ class SweepSummary(Callback):
                 "; ".join(f"job {job.name} ({job.failure[:300]})" for job in failed),  # type: ignore[index]
             )
             sys.exit(1)
+
+
+def draw(
+    jobs: list[JobResult],
+    swept: list[str],
+    objective: str,
+    results: dict[str, float | None],
+    direction: str,
+    sweep_dir: Path,
+) -> list[Path]:
+    """The sweep's pictures (`runner.plots.sweep_figures`) as `<sweep dir>/<name>.png`, named on the console;
+    none, and one warning, without matplotlib or where one cannot be drawn."""
+    if importlib.util.find_spec("matplotlib") is None:
+        log.warning(
+            "the sweep's pictures are not drawn: matplotlib is not installed (%s).", install_command("plots")
+        )
+        return []
+    try:
+        figures = sweep_figures(
+            {job.name: {k: job.overrides[k] for k in swept if k in job.overrides} for job in jobs},
+            objective,
+            results,
+            direction,
+            {job.name: read_history(sweep_dir / job.name) for job in jobs},
+        )
+        paths = []
+        for name, figure in figures.items():
+            figure.savefig(sweep_dir / f"{name}.png", dpi=100)
+            paths.append(sweep_dir / f"{name}.png")
+    except Exception as err:  # a picture never fails the sweep
+        log.warning("the sweep's pictures could not be drawn (%s: %s)", type(err).__name__, err)
+        return []
+    log.info("pictures: %s", " ".join(map(str, paths)))
+    return paths
 
 
 def read_jobs(sweep_dir: Path) -> list[JobResult]:
@@ -159,40 +200,3 @@ def format_table(header: list[str], rows: list[list[Any]]) -> str:
 
 def _cell(value: Any) -> str:
     return f"{value:.6g}" if isinstance(value, float) else "" if value is None else str(value)
-
-
-def plot(jobs: list[JobResult], swept: list[str], metrics: list[str], path: Path) -> None:
-    """One panel per metric: against the swept value when a single numeric value was swept, else one bar
-    per job."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    numeric = len(swept) == 1 and all(_is_number(job.overrides.get(swept[0])) for job in jobs)
-    fig, axes = plt.subplots(len(metrics), 1, figsize=(7, 2.6 * len(metrics)), squeeze=False)
-    for ax, metric in zip(axes[:, 0], metrics, strict=True):
-        done = [job for job in jobs if metric in job.metrics]
-        values = [job.metrics[metric] for job in done]
-        if numeric:
-            xs = [float(job.overrides[swept[0]]) for job in done]
-            order = sorted(range(len(xs)), key=xs.__getitem__)
-            ax.plot([xs[i] for i in order], [values[i] for i in order], marker="o")
-            if min(xs) > 0 and max(xs) / min(xs) > 100:
-                ax.set_xscale("log")
-            ax.set_xlabel(swept[0])
-        else:
-            labels = [", ".join(f"{k}={job.overrides.get(k, '')}" for k in swept) for job in done]
-            ax.barh(range(len(done)), values)
-            ax.set_yticks(range(len(done)), labels, fontsize=7)
-        ax.set_title(metric, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def _is_number(value: str | None) -> bool:
-    try:
-        return value is not None and math.isfinite(float(value))
-    except ValueError:
-        return False

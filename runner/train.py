@@ -31,6 +31,7 @@ from runner.build import (
 from runner.callbacks import Callbacks, PlotCurves
 from runner.checkpoint.checkpointer import ProjectConfiguration
 from runner.checkpoint.resume import (
+    JOB_CONFIG_DIR,
     RESOLVED,
     check_not_past,
     record_finished,
@@ -173,11 +174,18 @@ class Trainer:
                 "precision": engine.mixed_precision,
                 "world_size": engine.num_processes,
             }
+            run_name, job_tags = job_identity(output_dir)
             engine.init_trackers(
                 cfg.tracker.experiment_name,
                 config=self.config,
                 # resumed: the steps past the checkpoint that the stopped run logged come again
-                init_kwargs={tracker.name: {"tags": run_tags, "resumed_at": self.resumed_at}},
+                init_kwargs={
+                    tracker.name: {
+                        "tags": run_tags | job_tags,
+                        "resumed_at": self.resumed_at,
+                        "run_name": run_name,
+                    }
+                },
             )
         log.info(
             "training %s (%s parameters) for %d steps on %s, %d process(es), precision %s",
@@ -412,6 +420,23 @@ class Trainer:
         engine.free_memory()
         engine.end_training()
         return self.metrics
+
+
+def job_identity(output_dir: Path) -> tuple[str, dict[str, str]]:
+    """The tracker run's name and the tags that lead back to the job: a sweep's job is named `<sweep
+    dir>/<job dir>` (`<date>_<time>/<job number>`), a run by its dir; tags `runner.run_dir`, `runner.overrides` (the command line's)
+    and, in a sweep, `runner.sweep_job`. Read from the job's `.hydra/hydra.yaml`, which the command wrote
+    before it launched the ranks (wherever they run); without it, the dir alone."""
+    tags = {"runner.run_dir": str(output_dir.resolve())}
+    written = output_dir / JOB_CONFIG_DIR / "hydra.yaml"
+    if not written.is_file():
+        return output_dir.name, tags
+    hydra = OmegaConf.load(written).hydra
+    tags["runner.overrides"] = " ".join(hydra.overrides.task)
+    if str(hydra.mode) == "MULTIRUN":
+        tags["runner.sweep_job"] = str(hydra.job.num)
+        return f"{output_dir.parent.name}/{output_dir.name}", tags  # <sweep dir>/<its subdir, the number>
+    return output_dir.name, tags
 
 
 # The perf/* metrics the progress bar shows next to the loss.

@@ -246,8 +246,11 @@ def test_accelerates_context_parallel_trains_as_one_process(tmp_path):
         assert rank["restored"]["kept"] == rank["positions"]  # in no_restore_buffers: left cut
     whole, shared = (torch.load(out / f"{layout}_weights.pt") for layout in ("single", "cp"))
     assert whole.keys() == shared.keys()
+    # Weights within 1e-4 (about 1e-3 of their size): Adam divides each gradient by its own running scale,
+    # which for a gradient near zero turns the last bits of another summation order (the shares' gradients
+    # reduced over 2 ranks) into differences of 1e-5 and more after these steps, by CPU kernel.
     for name, weight in whole.items():
-        torch.testing.assert_close(shared[name], weight, atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(shared[name], weight, atol=1e-4, rtol=0, msg=name)
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes=2", "--num_machines=1",
               "--mixed_precision=no", "--dynamo_backend=no", "--use_fsdp", "--fsdp_version=2",
               "--fsdp_auto_wrap_policy=TRANSFORMER_BASED_WRAP",

@@ -19,7 +19,7 @@ from PIL import Image
 from runner.config import CONF_DIR
 from runner.errors import ConfigError
 from runner.history import History, read_history
-from runner.plots import curve, run_figures
+from runner.plots import curve, run_figures, sweep_figures
 from runner.schemas import register_configs
 from runner.validate import check_job
 
@@ -165,3 +165,24 @@ def test_the_history_keeps_each_step_once_and_the_figures_draw_what_it_holds(tmp
     (tmp_path / "nan").mkdir()
     nan.add(5, {"train/loss": float("inf")})
     assert read_history(tmp_path / "nan") == [{"step": 5, "train/loss": float("inf")}]
+
+
+def test_a_sweeps_pictures_rank_its_jobs_by_the_objective_and_mark_the_best():
+    jobs = {"0": {"optimizer.lr": "1e-3"}, "1": {"optimizer.lr": "1e-2"}, "2": {"optimizer.lr": "1e-1"}}
+    results = {"0": 0.3, "1": 0.1, "2": None}  # job 2 failed
+    histories = {
+        name: [{"step": s, "train/loss": s * (int(name) + 1.0)} for s in (5, 10)]
+        + [{"step": 10, "eval/loss": 1.0}]
+        for name in jobs
+    }
+    figures = sweep_figures(jobs, "eval/loss", results, "minimize", histories)
+    (summary,) = figures["summary"].axes
+    line, star = summary.lines
+    assert list(line.get_xdata()) == [1e-3, 1e-2] and list(line.get_ydata()) == [0.3, 0.1]
+    assert list(star.get_xdata()) == [1e-2] and star.get_label() == "best: job 1"
+    losses, objective = figures["curves"].axes
+    assert [line.get_label().split(":")[0] for line in losses.lines] == ["job 1", "job 0", "job 2"]
+    assert [line.get_linewidth() for line in losses.lines] == [2.5, 1.0, 1.0]  # the best bold
+    assert len(objective.lines) == 3
+    maximized = sweep_figures(jobs, "eval/loss", results, "maximize", histories)
+    assert maximized["summary"].axes[0].lines[1].get_label() == "best: job 0"

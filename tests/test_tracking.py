@@ -111,6 +111,9 @@ def test_a_two_rank_run_logs_params_tags_metrics_and_artifacts_to_a_server(run_c
     tags = run.data.tags
     assert tags["git_commit"] == commit and tags["world_size"] == "2" and tags["hardware"] == "DDP"
     assert tags["precision"] == "no" and tags["team"] == "vision" and tags["host"] == socket.gethostname()
+    # a run a person can find: named by its dir, tagged with it and with the command line's overrides
+    assert run.info.run_name == proc.run_dir.name and tags["runner.run_dir"] == str(proc.run_dir.resolve())
+    assert "hardware.num_processes=2" in tags["runner.overrides"] and "runner.sweep_job" not in tags
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [
         5,
         10,
@@ -339,11 +342,16 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_job_and_a_summary(run_cli, s
     client = MlflowClient(server.uri)
     parent = client.get_run(json.loads((sweep / "tracking" / "parent.json").read_text())["run_id"])
     assert parent.info.status == "FINISHED"
-    assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"summary.csv", "summary.png"}
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"summary.csv", "summary.png", "curves.png"}
     children = client.search_runs(
         [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
     assert sorted(run.data.params["optimizer.lr"] for run in children) == ["0.001", "0.01"]
+    named = {run.data.tags["runner.sweep_job"]: run for run in children}
+    for job, run in named.items():  # each job named <sweep dir>/<job>, tagged with its dir and overrides
+        assert run.info.run_name == f"sweep/{job}" and run.data.tags["runner.run_dir"] == str(sweep / job)
+        assert f"optimizer.lr={run.data.params['optimizer.lr']}" in run.data.tags["runner.overrides"].split()
+    assert sorted(named) == ["0", "1"]
     # One sender for the sweep's process: it writes its log in the first job's dir only.
     assert [p.parent.parent.name for p in sweep.glob("*/tracking/sender.log")] == ["0"]
     rows = list(csv.DictReader((sweep / "summary.csv").open()))
@@ -351,8 +359,14 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_job_and_a_summary(run_cli, s
         metrics = json.loads((sweep / str(job) / "metrics.json").read_text())
         assert row["job"] == str(job) and float(row["eval/loss"]) == metrics["eval/loss"]
     assert [row["optimizer.lr"] for row in rows] == ["0.001", "0.01"]
-    assert (sweep / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "sweep summary" in proc.stdout + proc.stderr  # printed
+    # ranked by trainer.objective (eval/loss, lower is better), the best named, the pictures too
+    best = min(rows, key=lambda row: float(row["eval/loss"]))
+    assert sorted(rows, key=lambda row: int(row["rank (eval/loss)"]))[0] is best
+    output = proc.stdout + proc.stderr
+    assert f"best: job {best['job']} (optimizer.lr={best['optimizer.lr']}): eval/loss=" in output
+    for picture in ("summary.png", "curves.png"):
+        assert (sweep / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(sweep / picture) in output
+    assert "sweep summary" in output  # printed
 
 
 def test_the_objective_drives_an_optuna_sweep(run_cli, tmp_path):

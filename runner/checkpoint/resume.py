@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 FINISHED = "metrics.json"  # in a run dir: the run finished (its final metrics)
 FINISHED_RECORD = "finished.json"  # a training run ran to its end: its step, settings digest, metrics
 RESOLVED = "resolved_config.yaml"  # in a run dir: the settings it ran with
+JOB_CONFIG_DIR = ".hydra"  # in a job's dir: Hydra's files of the job (config, hydra and overrides .yaml)
 # Settings that change neither the trained weights nor the final metrics: a finished run re-run with
 # other values of these only is not another run.
 NOT_RESULTS = (

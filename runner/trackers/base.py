@@ -90,11 +90,13 @@ class Tracker(ABC):
         logging_dir: str | None = None,
         tags: dict[str, Any] | None = None,
         resumed_at: int | None = None,
+        run_name: str | None = None,
     ) -> None:
         """Open the run (`Accelerator.init_trackers` does, on the main process): `logging_dir` is where a
         tracker that has none of its own keeps local files, `tags` are added to its own. `resumed_at`: the
         run continues its earlier records from this step (a restart after a checkpoint), so the steps
-        after it that the earlier process logged come again: the run must not hold them twice."""
+        after it that the earlier process logged come again: the run must not hold them twice.
+        `run_name`: the run's name, where the tracker was given none."""
 
     @abstractmethod
     def store_init_configuration(self, values: dict[str, Any]) -> None:
@@ -135,7 +137,7 @@ class BlankTracker(Tracker):
 
     name = "blank"
 
-    def start(self, project_name=None, logging_dir=None, tags=None, resumed_at=None) -> None:
+    def start(self, project_name=None, logging_dir=None, tags=None, resumed_at=None, run_name=None) -> None:
         """Nothing to open."""
 
     def store_init_configuration(self, values: dict[str, Any]) -> None:

@@ -51,7 +51,7 @@ class MLflowTracker(Tracker):
         experiment_name: the MLflow experiment (Accelerate's `project_name` in `init_trackers` wins).
         uri: a tracking URI (`http://host:port`, `sqlite:///...`); None: `$MLFLOW_TRACKING_URI`, else a
             SQLite store in `./outputs/mlflow.db` with artifacts in `./outputs/mlartifacts`.
-        run_name: the run's name; None: MLflow picks one.
+        run_name: the run's name; None: the one `start` is given (the runner's loop: its job's), else MLflow's.
         tags: extra tags for the run.
         parent_run_id: make the run a child of this one (a sweep's jobs).
         log_model: also attach the final model files.
@@ -135,6 +135,7 @@ class MLflowTracker(Tracker):
         logging_dir: str | None = None,
         tags: dict[str, Any] | None = None,
         resumed_at: int | None = None,
+        run_name: str | None = None,
     ) -> None:
         """Open the journal and record the run's start (resumed: the journal's run goes on, and a metric is
         not logged again at a step its journal holds: MLflow cannot replace a logged value). The sender starts now, so that MLflow's start-up
@@ -152,7 +153,7 @@ class MLflowTracker(Tracker):
             uri=self.uri,
             experiment=project_name or self.experiment_name,
             artifact_location=self.artifact_location,
-            run_name=self.run_name,
+            run_name=self.run_name or run_name,
             tags={**run_facts(), **{k: str(v) for k, v in (tags or {}).items()}, **self.tags},
             parent_run_id=self.parent_run_id,
         )

@@ -47,9 +47,11 @@ class TensorBoardTracker(Tracker):
         logging_dir: str | None = None,
         tags: dict[str, Any] | None = None,
         resumed_at: int | None = None,
+        run_name: str | None = None,
     ) -> None:
         """Open the event file; resumed, TensorBoard drops the earlier files' events after `resumed_at`
-        (`purge_step`): the steps logged again replace them."""
+        (`purge_step`): the steps logged again replace them. TensorBoard names a run by its directory,
+        under the run's own (`run_name` is not needed); the tags are its "tags" text."""
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where it is used
 
         root = self.logging_dir or logging_dir
