@@ -76,7 +76,7 @@ from runner.prepare_data import main as prepare_data_command
 from runner.run_log import FILE_ONLY, configure_rank_logging
 from runner.scaffold import main as init_project_command
 from runner.schemas import register_configs
-from runner.train import train
+from runner.train import evaluate_weights, train
 from runner.validate import Built, check_job
 
 log = logging.getLogger("runner")
@@ -168,7 +168,7 @@ def checks_before_launch(
         built, world_size = check_job(cfg)
         # One process checks the files (and moves a damaged latest aside): rank 0 under torchrun/srun.
         verify = env is None or env.rank == 0
-        training = not is_inference(cfg.task._target_)
+        training = not is_inference(cfg.task._target_) and cfg.mode != "evaluate"
         settings = OmegaConf.to_container(_resolved(cfg))
         # A training run must not replace a finished run's results (an inference run's are made again
         # from the same weights), nor resume one of its checkpoints, which may be older than its end.
@@ -229,7 +229,11 @@ def _job(
     return Job(
         cfg=_resolved(cfg),
         output_dir=output_dir,
-        entry=infer if is_inference(cfg.task._target_) else train,
+        entry=infer
+        if is_inference(cfg.task._target_)
+        else evaluate_weights
+        if cfg.mode == "evaluate"
+        else train,
         logging_config=OmegaConf.to_container(hydra_cfg.job_logging, resolve=True),  # type: ignore[arg-type]
         strategy=built.hardware,
     )

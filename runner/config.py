@@ -249,6 +249,13 @@ class CompileConfig:
     loss: bool = True  # also compile the task's loss (with scope model or regional), as one more graph
 
 
+class Mode(str, Enum):
+    """What a run does with a training task."""
+
+    train = "train"
+    evaluate = "evaluate"  # the eval loop once, on `checkpoint`'s weights
+
+
 class Direction(str, Enum):
     """Which way a sweep's objective is better (Optuna's words)."""
 
@@ -393,5 +400,6 @@ class RunConfig:
     # code the loop calls at its named points, by name: each a `_target_` (conf/callbacks/, runner.callbacks)
     callbacks: dict[str, Any] = field(default_factory=dict)
     checkpoint: str | None = (
-        None  # model weights (a save_model dir or file): fine-tune from them, or run them
+        None  # model weights (a save_model dir or file, a run's dir): fine-tune from them, or run them
     )
+    mode: Mode = Mode.train  # evaluate: the eval loop on `checkpoint`'s weights, nothing trained

@@ -94,6 +94,12 @@ def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -
     return Trainer(cfg, output_dir, strategy).fit()
 
 
+def evaluate_weights(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -> dict[str, float]:
+    """`mode=evaluate`: the run built as for training on any hardware, `checkpoint=`'s weights loaded, its
+    eval loop run once and logged (at step 0); nothing trained, checkpointed or saved. The eval metrics."""
+    return Trainer(cfg, output_dir, strategy).evaluate_only()
+
+
 class Trainer:
     """One run of the generic loop: built from `cfg` by the constructor, trained by `fit`.
 
@@ -158,13 +164,17 @@ class Trainer:
         )
         self.done = Progress(window_loss=torch.zeros((), device=engine.device))
         self.history = History(output_dir if engine.is_main_process else None)
-        plotting = {"plots": PlotCurves()} if trainer.plots else {}
-        self.callbacks = Callbacks(
-            plotting | {name: instantiate(node) for name, node in (cfg.get("callbacks") or {}).items()}
+        evaluating = cfg.get("mode") == "evaluate"  # the eval loop only (`evaluate_only`): no callbacks
+        plotting = {"plots": PlotCurves()} if trainer.plots and not evaluating else {}
+        named = (
+            {}
+            if evaluating
+            else {name: instantiate(node) for name, node in (cfg.get("callbacks") or {}).items()}
         )
+        self.callbacks = Callbacks(plotting | named)
         self.stopped: str | None = None  # why a callback ended the run early
         engine.register_for_checkpointing(self.done, self.callbacks)
-        self.resume()
+        self.resume(enabled=not evaluating)
         self.config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
         if engine.is_main_process:
             (output_dir / RESOLVED).write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -188,10 +198,11 @@ class Trainer:
                 },
             )
         log.info(
-            "training %s (%s parameters) for %d steps on %s, %d process(es), precision %s",
+            "%s %s (%s parameters) %s on %s, %d process(es), precision %s",
+            "evaluating" if evaluating else "training",
             model_name,
             count_text(num_parameters),
-            self.total_steps,
+            f"from {cfg.checkpoint}" if evaluating else f"for {self.total_steps} steps",
             engine.device,
             engine.num_processes,
             engine.precision.name,
@@ -208,15 +219,15 @@ class Trainer:
             disable=None if trainer.progress_bar and engine.is_local_main_process else True,
         )
 
-    def resume(self) -> None:
+    def resume(self, enabled: bool = True) -> None:
         """Continue from the checkpoint `trainer.resume` names (rank 0's choice, checked before launch by
-        `check_resume`, for every rank), with the configured learning rate."""
-        chosen = resume_checkpoint(self.settings.resume, self.output_dir)
+        `check_resume`, for every rank), with the configured learning rate; not `enabled`: start afresh."""
+        chosen = resume_checkpoint(self.settings.resume, self.output_dir) if enabled else None
         resumed = self.engine.broadcast_object_list([str(chosen or "")])[0]
         self.resumed_at: int | None = None
         if not resumed:
             self.history.resume_at(0)  # a run started afresh: none of an earlier one's history
-        if resumed:
+        else:
             self.engine.step = self.checkpointer.resume(Path(resumed))
             done = self.done
             self.history.resume_at(done.step)
@@ -274,6 +285,17 @@ class Trainer:
                 if done.window_batches:  # the loss since the last log line, for the final metrics
                     self.log_window()
         return self.finish()
+
+    def evaluate_only(self) -> dict[str, float]:
+        """`mode=evaluate`: the eval loop once on the weights loaded, logged at step 0; then the model is
+        released as `finish` releases it. The eval metrics."""
+        self.progress.close()
+        with self.running():
+            self.evaluate()
+        del self.model, self.optimizer, self.scheduler, self.loss_of
+        self.engine.free_memory()
+        self.engine.end_training()
+        return self.metrics
 
     @property
     def step(self) -> int:
@@ -424,9 +446,10 @@ class Trainer:
 
 def job_identity(output_dir: Path) -> tuple[str, dict[str, str]]:
     """The tracker run's name and the tags that lead back to the job: a sweep's job is named `<sweep
-    dir>/<job dir>` (`<date>_<time>/<job number>`), a run by its dir; tags `runner.run_dir`, `runner.overrides` (the command line's)
-    and, in a sweep, `runner.sweep_job`. Read from the job's `.hydra/hydra.yaml`, which the command wrote
-    before it launched the ranks (wherever they run); without it, the dir alone."""
+    dir>/<job dir>` (`<date>_<time>/<job number>`), a run by its dir; tags `runner.run_dir`,
+    `runner.overrides` (the command line's) and, in a sweep, `runner.sweep_job`. Read from the job's
+    `.hydra/hydra.yaml`, which the command wrote before it launched the ranks (wherever they run); without
+    it, the dir alone."""
     tags = {"runner.run_dir": str(output_dir.resolve())}
     written = output_dir / JOB_CONFIG_DIR / "hydra.yaml"
     if not written.is_file():

@@ -89,6 +89,7 @@ def _validate(cfg: DictConfig) -> tuple[dict[str, Any], list[str]]:
         *_schema_problems(cfg),
         *_target_problems(cfg),
         *_trainer_problems(cfg.trainer),
+        *_mode_problems(cfg),
         *_range_problems(cfg),
     ]
     built: dict[str, Any] = {}
@@ -227,6 +228,22 @@ def _trainer_problems(trainer: DictConfig) -> list[str]:
             "nothing would be written. Shorten the window or train longer."
         )
     return problems
+
+
+def _mode_problems(cfg: DictConfig) -> list[str]:
+    """`mode=evaluate` needs weights to evaluate and a training task (whose eval loop it runs)."""
+    if cfg.get("mode") != "evaluate":
+        return []
+    if cfg.checkpoint is None:
+        return [
+            "mode=evaluate needs checkpoint=<weights>: a run's dir (its final model/), a save_model dir or a "
+            "weights file, e.g. mode=evaluate checkpoint=outputs/runs/<date>_<time>."
+        ]
+    if is_inference(cfg.task._target_):
+        return [
+            f"mode=evaluate runs a training task's eval loop; task={cfg.task._target_} runs as it is: leave mode out."
+        ]
+    return []
 
 
 def _range_problems(cfg: DictConfig) -> list[str]:

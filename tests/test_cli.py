@@ -12,7 +12,7 @@ from pathlib import Path
 import probes
 import pytest
 import torch
-from conftest import cli_env, metrics_of, runner_command
+from conftest import cli_env, metrics_of, run_to_end, runner_command
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -503,3 +503,17 @@ def test_a_run_piped_to_a_file_says_each_thing_once_in_the_users_words(run_cli):
     assert steps == ["step 10/20"] * 2 + ["step 20/20"] * 2  # the train line, then the eval line
     eval_lines = [line for line in console.splitlines() if line.startswith("step ") and "eval/loss" in line]
     assert all("train/loss" not in line for line in eval_lines)
+
+
+def test_mode_evaluate_reports_the_eval_metrics_of_a_runs_weights_on_any_number_of_ranks(run_cli, tmp_path):
+    trained = metrics_of(run_to_end(tmp_path / "trained", "trainer.max_steps=20"))
+    for ranks in ([], ["hardware=multi_gpu", "hardware.num_processes=2"]):
+        run_dir = tmp_path / f"evaluated{len(ranks)}"
+        evaluated = run_to_end(run_dir, "mode=evaluate", f"checkpoint={tmp_path / 'trained'}", *ranks)
+        assert f"evaluating MLP (202K parameters) from {tmp_path / 'trained'}" in evaluated.stderr
+        metrics = metrics_of(evaluated)
+        assert sorted(metrics) == ["eval/loss", "eval/mae"]  # nothing trained
+        assert metrics == pytest.approx({k: trained[k] for k in metrics}, rel=1e-5)
+        assert not (run_dir / "model").exists() and not (run_dir / "checkpoints").exists()
+    refused = run_cli("mode=evaluate")
+    assert refused.returncode == 2 and "mode=evaluate needs checkpoint=<weights>" in refused.stderr

@@ -26,8 +26,9 @@ from transformers import PreTrainedTokenizerFast
 from runner.build import model_dims
 from runner.data.hf import HFDataset
 from runner.data.image_folder import ImageFolder
-from runner.engine.data_loader import StreamReading
+from runner.engine.data_loader import DataLoaderShard, StreamReading, shard_dataloader
 from runner.errors import ConfigError
+from runner.state import GradientState
 
 SONNETS = Path(__file__).resolve().parents[1] / "runner" / "data" / "assets" / "sonnets.txt"
 
@@ -441,3 +442,20 @@ def test_a_streamed_run_on_2_ranks_with_2_loader_workers_resumes_to_the_same_wei
     assert (parts / "model" / "model.safetensors").read_bytes() == (
         whole / "model" / "model.safetensors"
     ).read_bytes()
+
+
+def test_a_stream_loader_that_skips_batches_reads_them_and_its_position_moves_past_them(files):
+    source = _streamed(files, "lines.jsonl", batch_size=4)
+
+    def prepared() -> DataLoaderShard:
+        return DataLoaderShard(shard_dataloader(source.train_dataloader(seed=0), 1, 0), GradientState())
+
+    whole = list(itertools.islice(iter(prepared()), 5))
+    loader = prepared()
+    skipping = loader.skip_first_batches(2)
+    after = list(itertools.islice(iter(skipping), 3))
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(after, whole[2:], strict=True))
+    again = prepared()
+    again.load_state_dict(loader.state_dict())  # the position of 5 batches: 2 skipped, 3 handed out
+    resumed = next(iter(again))
+    assert torch.equal(resumed["input_ids"], list(itertools.islice(iter(prepared()), 6))[5]["input_ids"])

@@ -9,12 +9,15 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from runner.engine.data_loader import (
     BatchSamplerShard,
+    DataLoaderShard,
     IterableDatasetShard,
     SkipBatchSampler,
     last_batch_remainder,
     order_generators,
     shard_dataloader,
+    skip_first_batches,
 )
+from runner.state import GradientState
 
 
 def shards(num_samples: int, batch_size: int, num_processes: int, **kwargs) -> list[list[list[int]]]:
@@ -123,3 +126,13 @@ def test_skip_batch_sampler():
     sampler = BatchSampler(SequentialSampler(range(10)), 3, drop_last=False)
     skipped = SkipBatchSampler(sampler, 2)
     assert list(skipped) == [[6, 7, 8], [9]] and len(skipped) == 2
+
+
+def test_skip_first_batches_of_an_iterable_dataset_reads_past_them():
+    """An IterableDataset has no sampler to skip in: its first batches are read and dropped, from a plain
+    loader and from a prepared one."""
+    plain = DataLoader(Stream(10), batch_size=3)
+    assert [b.tolist() for b in skip_first_batches(plain, 2)] == [[6, 7, 8], [9]]
+    prepared = DataLoaderShard(plain, GradientState())
+    skipped = prepared.skip_first_batches(2)
+    assert [b.tolist() for b in skipped] == [[6, 7, 8], [9]]

@@ -173,10 +173,13 @@ def stored_tensors(path: Path) -> dict[str, StoredTensor]:
 
 
 def weight_files(checkpoint: str | Path) -> list[Path]:
-    """The weight files of a checkpoint: a file, or a directory holding one file or shards with an index."""
+    """The weight files of a checkpoint: a file, a directory holding one file or shards with an index, or a
+    run's dir (its final weights, `model/`)."""
     path = Path(checkpoint)
     if path.is_file():
         return [path]
+    if path.is_dir() and (path / "model").is_dir() and not any(path.glob("*.safetensors")):
+        path = path / "model"
     if path.is_dir():
         for base in (SAFE_NAME, TORCH_NAME):
             if (path / f"{base}.index.json").is_file():

@@ -194,9 +194,15 @@ class StreamReading:
         self._read.clear()
         stream.start_from(self.starts, self.next_role)
 
-    def batches(self, iterator: Iterator[Positioned]) -> Iterator[Any]:
+    def batches(self, iterator: Iterator[Positioned], skip: int = 0) -> Iterator[Any]:
+        """The batches of `iterator`, their positions kept until they are handed out; the first `skip`
+        are read and count as handed out."""
         for item in iterator:
             self._read.append((item.role, item.state))
+            if skip:
+                skip -= 1
+                self.handed_out()
+                continue
             yield item.batch
 
     def handed_out(self) -> None:
@@ -389,7 +395,7 @@ class DataLoaderShard:
         self.base_dataloader = dataloader
         # Whose position this loader's passes advance: its own, or (`skip_first_batches`) that of the loader
         # it skips in, the one registered for checkpoints.
-        self._position = position or self
+        self._position = position if position is not None else self
         self.gradient_state = gradient_state
         self.device = device
         self.place = place
@@ -446,10 +452,11 @@ class DataLoaderShard:
                     self.stream.begin(self.base_dataloader.dataset)
                 with _rng_at(self.base_dataloader.generator, first):
                     iterator = iter(self.base_dataloader)
-                if self.stream is not None:
-                    iterator = self.stream.batches(iterator)
                 sampled = isinstance(self.base_dataloader.batch_sampler, SkipBatchSampler)
-                if skip := (0 if sampled else self.skip_batches) + resumed:
+                skip = (0 if sampled else self.skip_batches) + resumed
+                if self.stream is not None:  # its batches skipped are read, and its position moves on
+                    iterator, skip = self.stream.batches(iterator, skip), 0
+                if skip:
                     iterator = itertools.islice(iterator, skip, None)
                 if self.device is not None:
                     iterator = (self.place or on_device)(iterator, self.device)
@@ -570,7 +577,7 @@ class DataLoaderShard:
         loads them). Its passes advance this loader's position: a checkpoint saved while it runs records
         where the pass is (the batches skipped included), so a run resumed twice resumes right."""
         loader = self.base_dataloader
-        if loader.batch_sampler is not None:
+        if _samples_by_index(loader):
             loader = loader_like(loader, batch_sampler=SkipBatchSampler(loader.batch_sampler, num_batches))
         skipping = DataLoaderShard(
             loader,
@@ -624,9 +631,15 @@ def skip_first_batches(dataloader: DataLoader | DataLoaderShard, num_batches: in
     Accelerate's function, for prepared loaders and plain ones alike."""
     if isinstance(dataloader, DataLoaderShard):
         return dataloader.skip_first_batches(num_batches)
-    if dataloader.batch_sampler is None:
+    if not _samples_by_index(dataloader):
         return itertools.islice(dataloader, num_batches, None)
     return loader_like(dataloader, batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches))
+
+
+def _samples_by_index(dataloader: DataLoader) -> bool:
+    """Whether `dataloader`'s batches are drawn by a batch sampler (map-style, batched): skipping batches
+    there skips their indices; an IterableDataset's are read and dropped."""
+    return dataloader.batch_sampler is not None and not isinstance(dataloader.dataset, IterableDataset)
 
 
 def last_batch_remainder(dataloader: DataLoader, num_processes: int, split_batches: bool) -> int:
