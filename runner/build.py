@@ -33,6 +33,22 @@ def build_data(cfg: DictConfig) -> DataSource:
     return data
 
 
+def fast_dev_run(cfg: DictConfig) -> None:
+    """`trainer.fast_dev_run=N` (N > 0) sets `cfg` for a quick check that everything runs: N training
+    steps, each logged, then an eval of at most N batches; nothing resumed and nothing kept (no
+    checkpoints, tracker, callbacks, plots or saved model; `Trainer.finish` records no results)."""
+    trainer = cfg.trainer
+    if not trainer.fast_dev_run:
+        return
+    steps = trainer.fast_dev_run
+    trainer.max_steps, trainer.max_epochs, trainer.log_every, trainer.eval_every = steps, None, 1, 0
+    trainer.limit_eval_batches = min(steps, trainer.limit_eval_batches or steps)
+    trainer.checkpoint_every, trainer.checkpoint_last_finite, trainer.async_checkpoint = 0, False, False
+    trainer.resume, trainer.save_model, trainer.plots = None, False, False
+    cfg.tracker._target_ = None
+    cfg.callbacks = {}
+
+
 def build_model(cfg: DictConfig, data: DataSource) -> torch.nn.Module:
     """The configured model, with the sizes the (set up) data determines (see `model_dims`); built on the
     current default device (`with torch.device("meta")`, `init_empty_weights()` ...)."""

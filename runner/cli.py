@@ -38,10 +38,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hydra_plugins.runner_launcher.launcher import RunnerLauncher
 from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
-from runner.build import is_inference, locate
+from runner.build import fast_dev_run, is_inference, locate
 from runner.checkpoint.resume import (
     JOB_CONFIG_DIR,
     LAST,
+    RESOLVED,
     RUNS_DIR,
     FinishedRun,
     check_finished_run,
@@ -101,6 +102,7 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
     try:
         if env is None:
             owned.enter_context(run_dir_lock(output_dir))
+        fast_dev_run(cfg)
         built, world_size, checkpoint, finished = checks_before_launch(cfg, output_dir, env)
         if cfg.plan:
             _print_plan(cfg, built, world_size, checkpoint, finished)
@@ -164,6 +166,11 @@ def checks_before_launch(
     """Every check before launch (the config, the hardware and the launcher built; a finished run in the
     dir, which is neither replaced nor trained again; the checkpoint to resume from): what was built, the
     number of ranks, the checkpoint, the finished run (None: the run goes ahead)."""
+    if cfg.trainer.fast_dev_run and (output_dir / RESOLVED).exists():
+        raise ConfigError(
+            f"trainer.fast_dev_run={cfg.trainer.fast_dev_run} in {output_dir}, the dir of a run: a check run "
+            "would replace its history and config. Leave hydra.run.dir (and trainer.resume=last) out for a new dir."
+        )
     with _single_threaded():
         built, world_size = check_job(cfg)
         # One process checks the files (and moves a damaged latest aside): rank 0 under torchrun/srun.

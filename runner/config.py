@@ -329,6 +329,12 @@ class TrainerConfig:
     memory_snapshot: bool = (
         False  # CUDA: record allocations; an out-of-memory error dumps them to the run dir
     )
+    # Debugging (Lightning's switches): `fast_dev_run` N > 0 runs N steps and N eval batches with nothing
+    # kept (no checkpoint, tracker, callbacks, plots, model or results: `runner.build.fast_dev_run`)
+    fast_dev_run: NonNegativeInt = 0
+    limit_train_batches: PositiveInt | None = None  # batches of each epoch, on each process; null: all
+    limit_eval_batches: PositiveInt | None = None  # batches of each evaluation, on each process; null: all
+    overfit_batches: NonNegativeInt = 0  # N > 0: train and evaluate on the first N batches only
 
 
 @dataclass
@@ -394,7 +400,9 @@ class RunConfig:
     hardware: HardwareConfig = MISSING
     precision: PrecisionConfig = MISSING
     launcher: LauncherConfig = MISSING
-    tracker: TrackerConfig = MISSING
+    # typed by its option's schema; a user's own tracker (a `_target_` in their tracker/ option) is checked
+    # against its class's signature, as the free-form nodes are
+    tracker: Any = MISSING
     plan: bool = False  # print what the run would do, start nothing
     sweep: SweepConfig = field(default_factory=SweepConfig)
     # code the loop calls at its named points, by name: each a `_target_` (conf/callbacks/, runner.callbacks)

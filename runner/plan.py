@@ -98,10 +98,7 @@ def _compute(strategy: Strategy) -> str:
 def _tracker(cfg: DictConfig) -> str:
     if not cfg.tracker._target_:
         return "none"
-    tracker = instantiate(cfg.tracker)
-    return (
-        f"{tracker.name} -> {getattr(tracker, 'uri', '?')} (experiment {cfg.tracker.get('experiment_name')})"
-    )
+    return instantiate(cfg.tracker).describe()
 
 
 def optimizer_states(optimizer: DictConfig) -> int:

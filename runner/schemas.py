@@ -33,7 +33,7 @@ from runner.hardware.xla import XLA
 from runner.launchers import LocalLauncher
 from runner.launchers.slurm import SlurmLauncher
 from runner.precision import Float8Precision, Float16MixedPrecision, MixedPrecision, Precision
-from runner.trackers import MLflowTracker, TensorBoardTracker
+from runner.trackers import MLflowTracker, TensorBoardTracker, WandbTracker
 
 # group -> option (conf/<group>/<option>.yaml) -> the class it builds (None: builds nothing).
 OPTIONS: dict[str, dict[str, type | None]] = {
@@ -53,7 +53,12 @@ OPTIONS: dict[str, dict[str, type | None]] = {
         "fp8": Float8Precision,
     },
     "launcher": {"local": LocalLauncher, "slurm": SlurmLauncher},
-    "tracker": {"mlflow": MLflowTracker, "tensorboard": TensorBoardTracker, "none": None},
+    "tracker": {
+        "mlflow": MLflowTracker,
+        "tensorboard": TensorBoardTracker,
+        "wandb": WandbTracker,
+        "none": None,
+    },
 }
 BASES: dict[str, type] = {
     "hardware": HardwareConfig,
@@ -99,8 +104,9 @@ def schema_of(cls: type, base: type) -> type:
             default = dataclasses.field(default=default)
         fields.append((parameter.name, _setting_type(parameter.annotation), default))
     target = dataclasses.field(default=f"{cls.__module__}.{cls.__qualname__}")
+    target_type = get_type_hints(base)["_target_"]  # the group's: `tracker._target_: null` turns it off
     schema = dataclasses.make_dataclass(
-        _schema_name(cls), [("_target_", str, target), *fields], bases=(base,)
+        _schema_name(cls), [("_target_", target_type, target), *fields], bases=(base,)
     )
     schema.__module__ = __name__  # found again by name (`__getattr__`), as pickle finds a class
     return schema

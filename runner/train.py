@@ -138,9 +138,14 @@ class Trainer:
 
         with engine.main_process_first():
             data = build_data(cfg)
+        if trainer.overfit_batches:  # each process's first N batches
+            processes = 1 if trainer.split_batches else engine.state.data_parallel_size
+            data.overfit(trainer.overfit_batches * data.batch_size * processes)
         self.train_loader, self.eval_loader = engine.prepare(
             data.train_dataloader(seed=trainer.seed), data.eval_dataloader()
         )
+        self.train_loader.limit_batches = trainer.limit_train_batches
+        self.eval_loader.limit_batches = trainer.limit_eval_batches
         model = build_model(cfg, data)
         self.throughput = throughput_meter(cfg, data, model, engine)
         if cfg.checkpoint is not None:  # fine-tune from these weights
@@ -186,7 +191,7 @@ class Trainer:
             }
             run_name, job_tags = job_identity(output_dir)
             engine.init_trackers(
-                cfg.tracker.experiment_name,
+                None,  # each tracker's own project setting
                 config=self.config,
                 # resumed: the steps past the checkpoint that the stopped run logged come again
                 init_kwargs={
@@ -427,7 +432,9 @@ class Trainer:
             if engine.is_main_process and hasattr(model_config, "save_pretrained"):
                 model_config.save_pretrained(output_dir / "model")
         engine.wait_for_checkpoint()  # one of the last step, written in the background, is whole
-        if engine.is_main_process:  # the results are whole: a run in this dir now finds them finished
+        if self.settings.fast_dev_run:
+            log.info("trainer.fast_dev_run: everything ran; no results recorded")
+        elif engine.is_main_process:  # the results are whole: a run in this dir now finds them finished
             final = self.checkpointer.latest_at(engine.step)
             record_finished(output_dir, self.done.step, self.config, self.metrics, final)
         for run_tracker in engine.trackers:  # the main process's

@@ -152,7 +152,7 @@ def _typed_nodes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
     """(dotted key, node) of every node with a schema: the typed groups and the settings nested in them
     (`trainer.compile`)."""
     found = []
-    pending = [(node, cfg[node]) for node in TYPED_NODES]
+    pending = [(node, cfg[node]) for node in TYPED_NODES if _has_schema(cfg[node])]
     while pending:
         key, node_cfg = pending.pop(0)
         found.append((key, node_cfg))
@@ -161,6 +161,18 @@ def _typed_nodes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
             if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
                 pending.append((f"{key}.{setting.name}", child))
     return found
+
+
+def _has_schema(node_cfg: DictConfig) -> bool:
+    """Whether a node is typed (a user's own tracker option is not)."""
+    return dataclasses.is_dataclass(OmegaConf.get_type(node_cfg))
+
+
+def _untyped_nodes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
+    """(dotted key, node) of the free-form nodes: the untyped groups, a typed group's option of the user's
+    own without a schema, and the callbacks."""
+    untyped = [node for node in TYPED_NODES if not _has_schema(cfg[node])]
+    return [(node, cfg[node]) for node in (*UNTYPED_NODES, *untyped)] + callback_nodes(cfg)
 
 
 def callback_nodes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
@@ -255,7 +267,7 @@ def _range_problems(cfg: DictConfig) -> list[str]:
         for node, node_cfg in _typed_nodes(cfg)
     ]
     # no schema types them: the plain annotations of what they build too
-    for node, node_cfg in [(node, cfg[node]) for node in UNTYPED_NODES] + callback_nodes(cfg):
+    for node, node_cfg in _untyped_nodes(cfg):
         try:
             declarations.append(
                 (node, node_cfg, declared_ranges(locate(node_cfg.get("_target_")), plain=True))
@@ -279,7 +291,14 @@ def _build_problems(cfg: DictConfig, built: dict[str, Any], skip: set[str]) -> l
         if node in skip or (node in OPTIONAL_NODES and not cfg[node].get("_target_")):
             continue
         try:
-            built[node] = instantiate(cfg[node])
+            if node in TYPED_NODES and not _has_schema(cfg[node]):  # a user's own option (a tracker)
+                built[node] = _run_user_code(
+                    node, cfg[node], "to be built", lambda n=node: instantiate(cfg[n])
+                )
+            else:
+                built[node] = instantiate(cfg[node])
+        except ConfigError as err:
+            problems.append(str(err))
         except InstantiationException as err:
             if not isinstance(err.__cause__, ConfigError):
                 raise
@@ -392,8 +411,18 @@ def validate_for_world(
         problems += _start_weights_problems(cfg, model)
         problems += _optimizer_problems(cfg, model)
         step_samples = (batch_size or 1) * (1 if cfg.trainer.split_batches else world_size)
+        readers = hardware.data_parallel_size(world_size) if hardware is not None else world_size
+        overfit = (
+            cfg.trainer.overfit_batches * (batch_size or 1) * (1 if cfg.trainer.split_batches else readers)
+        )
         if isinstance(data.train_set, Stream):
             problems += _stream_problems(cfg, data.train_set, hardware, world_size)
+        elif overfit > len(data.train_set):
+            problems.append(
+                f"trainer.overfit_batches={cfg.trainer.overfit_batches}: the training set has {len(data.train_set)} "
+                f"sample(s), fewer than the {overfit} its first {cfg.trainer.overfit_batches} batch(es) take. Ask for "
+                "fewer batches, or a smaller data.batch_size."
+            )
         elif batch_size and len(data.train_set) < step_samples:
             problems.append(
                 f"data.batch_size={batch_size}: the training set has {len(data.train_set)} sample(s), fewer than one "
@@ -438,6 +467,11 @@ def _stream_problems(
         problems.append(
             f"trainer.max_steps=null with a streamed training set ({cfg.data._target_}): a stream has no end, so "
             "no epochs to count; set trainer.max_steps."
+        )
+    if cfg.trainer.overfit_batches:
+        problems.append(
+            f"trainer.overfit_batches={cfg.trainer.overfit_batches} with a streamed training set ({cfg.data._target_}): "
+            "a stream has no first batches to go back to. Use the same data unstreamed (data.streaming=false)."
         )
     processes = hardware.data_parallel_size(world_size) if hardware is not None else world_size
     try:

@@ -8,6 +8,7 @@ Each rank appends to `<record>.rank<N>.<kind>`; `read` collects them.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from runner.hardware import DDP, SingleDevice
 from runner.models.mlp import MLP
 from runner.tasks.language_modeling import LanguageModeling
 from runner.tasks.regression import Regression
+from runner.trackers import GeneralTracker
 
 
 def _append(record: str, kind: str, line: str) -> None:
@@ -186,3 +188,30 @@ class RecordingCallback(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.calls = state["calls"]
+
+
+class FileTracker(GeneralTracker):
+    """A user's own tracker (Accelerate's GeneralTracker contract), by `_target_` in a `tracker/` option of
+    the user's config dir: each call a JSON line of `path`."""
+
+    name = "file"
+
+    def __init__(self, path: str, prefix: str = "") -> None:
+        super().__init__()
+        self.path, self.prefix = Path(path), prefix
+
+    def _write(self, **call: Any) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(call) + "\n")
+
+    def start(self) -> None:
+        self._write(op="start")
+
+    def store_init_configuration(self, values: dict[str, Any]) -> None:
+        self._write(op="config", max_steps=values["trainer"]["max_steps"])
+
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        self._write(op="log", step=step, values={f"{self.prefix}{k}": v for k, v in values.items()})
+
+    def finish(self) -> None:
+        self._write(op="finish")

@@ -335,7 +335,7 @@ def test_log_with_all_and_unknown_names(accelerator_made, tmp_path):
     everything = accelerator_made(cpu=True, log_with="all", project_dir=str(tmp_path))
     assert sorted(type(t).__name__ for t in everything.log_with) == ["MLflowTracker", "TensorBoardTracker"]
     with pytest.raises(ValueError, match="GeneralTracker subclass"):
-        accelerator_made(cpu=True, log_with="wandb")
+        accelerator_made(cpu=True, log_with="comet_ml")
     with pytest.raises(ValueError, match="needs a directory"):
         accelerator_made(cpu=True, log_with="tensorboard").init_trackers("p")
     assert isinstance(MLflowTracker(), MLflowTracker) and TensorBoardTracker.name == "tensorboard"

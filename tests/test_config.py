@@ -322,9 +322,14 @@ OTHER_VALUES = {
     "config": {"steps_per_print": 7},
     ("hardware/deepspeed", "zero_stage"): 1,
     "backoff_factor": 0.25,  # doubled it would be out of its range, < 1
+    ("tracker/wandb", "tags"): ["another"],
+    "project": "another",
+    "entity": "another",
+    "group": "another",
+    "notes": "another",
 }
 # Where a setting is valid only next to another one (offload_params needs ZeRO-3).
-BASE_OVERRIDES = {"hardware/deepspeed": ["hardware.zero_stage=3"]}
+BASE_OVERRIDES = {"hardware/deepspeed": ["hardware.zero_stage=3"], "tracker/wandb": ["tracker.mode=offline"]}
 # Settings the machine running the tests cannot give another value, and why.
 CANNOT_VARY = {
     ("hardware/cpu", "device"): "the only device here is the CPU",
@@ -336,6 +341,7 @@ CANNOT_VARY = {
     ("hardware/fsdp", "backend"): "null picks gloo on the CPU",
     ("hardware/megatron", "backend"): "null picks gloo on the CPU",
     ("hardware/deepspeed", "backend"): "null picks gloo on the CPU",
+    ("tracker/wandb", "mode"): "online needs a W&B login, which the test machine has not",
 }
 
 

@@ -112,6 +112,11 @@ class DataSource(ABC):
     def setup(self) -> None:
         self.train_set, self.eval_set, self.dims = self.load()
 
+    def overfit(self, samples: int) -> None:
+        """Train and evaluate on the training set's first `samples` samples only (`trainer.overfit_batches`:
+        a model that cannot drive their loss to about zero has a bug)."""
+        self.train_set = self.eval_set = Subset(self.train_set, range(samples))
+
     def train_dataloader(self, seed: int) -> DataLoader:
         """Shuffled batches; the order is a function of `seed` (and of the epoch, through the sampler)."""
         return self.loader(

@@ -374,6 +374,9 @@ class DataLoaderShard:
             batches the loaded position had handed out (otherwise the caller skips them,
             `skip_first_batches`); its first pass's base seed is drawn when it is made, as there.
 
+    `limit_batches` (None: all) ends every pass after that many batches, the skipped ones counted: its
+    last batch is then the pass's last (`end_of_dataloader`, an accumulation syncs on it).
+
     A loader of a `Stream` resumes by itself too: its position is where each of its streams is, which
     differs between processes (`per_process`).
     """
@@ -399,7 +402,7 @@ class DataLoaderShard:
         self.gradient_state = gradient_state
         self.device = device
         self.place = place
-        self.remainder = remainder
+        self._remainder = remainder
         self.synchronize_rng = synchronize_rng
         self.skip_batches = skip_batches
         self.generators = generators or []
@@ -411,6 +414,7 @@ class DataLoaderShard:
             if isinstance(dataset, Stream)
             else None
         )
+        self.limit_batches: int | None = None
         self.end_of_dataloader = False
         self.iteration = 0
         self.batches_yielded = 0  # in the current pass
@@ -458,6 +462,10 @@ class DataLoaderShard:
                     iterator, skip = self.stream.batches(iterator, skip), 0
                 if skip:
                     iterator = itertools.islice(iterator, skip, None)
+                if self.limit_batches is not None:
+                    iterator = itertools.islice(
+                        iterator, max(0, self.limit_batches - position.batches_yielded)
+                    )
                 if self.device is not None:
                     iterator = (self.place or on_device)(iterator, self.device)
                 batch = next(iterator, _END)
@@ -534,8 +542,24 @@ class DataLoaderShard:
         self._extra_base_seed = finished
 
     def __len__(self) -> int:
-        skipped = 0 if isinstance(self.base_dataloader.batch_sampler, SkipBatchSampler) else self.skip_batches
-        return max(0, len(self.base_dataloader) - skipped)
+        batches = self._whole_pass()
+        if self.limit_batches is not None:
+            batches = min(batches, self.limit_batches)
+        return max(0, batches - self.skip_batches)
+
+    def _whole_pass(self) -> int:
+        """Batches in a pass, those skipped included and no limit."""
+        batches = len(self.base_dataloader)
+        if isinstance(self.base_dataloader.batch_sampler, SkipBatchSampler):
+            batches += self.skip_batches  # which its sampler leaves out
+        return batches
+
+    @property
+    def remainder(self) -> int:
+        """Real samples in the last global batch (-1: unknown); 0 (all real) where `limit_batches` ends
+        the pass before its last batch."""
+        cut = self.limit_batches is not None and self.limit_batches < self._whole_pass()
+        return 0 if cut and self._remainder != -1 else self._remainder
 
     def set_epoch(self, epoch: int) -> None:
         """Tell the sampler (and a dataset that wants it) which epoch starts, so shuffles differ per epoch."""
@@ -583,7 +607,7 @@ class DataLoaderShard:
             loader,
             self.gradient_state,
             self.device,
-            self.remainder,
+            self._remainder,
             self.synchronize_rng,
             num_batches,
             self.generators,
@@ -593,6 +617,7 @@ class DataLoaderShard:
             stateful=self.stateful,
         )
         skipping.stream = self.stream  # a stream's batches skipped are read, and its position moves on
+        skipping.limit_batches = self.limit_batches
         return skipping
 
     def __getattr__(self, name: str) -> Any:

@@ -521,12 +521,13 @@ class Engine(ProcessControl):
 
     def init_trackers(
         self,
-        project_name: str,
+        project_name: str | None,
         config: dict[str, Any] | None = None,
         init_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """Start the `log_with` trackers on the main process (local files under `project_dir`) and record
-        `config` as the run's parameters; `init_kwargs={"mlflow": {"tags": {...}}}` adds run tags."""
+        `config` as the run's parameters; `init_kwargs={"mlflow": {"tags": {...}}}` adds run tags.
+        `project_name` None: each tracker's own (`tracker.experiment_name`, `tracker.project`)."""
         for tracker in self.log_with:
             if tracker.main_process_only and not self.is_main_process:
                 continue

@@ -120,7 +120,7 @@ def interrupted(cause: str, output_dir: Path, since: float) -> str:
 
 def run_rank(job: Job) -> dict[str, float]:
     """The body of every rank: its logging (only rank 0 logs below warnings), then the job's entry; rank 0
-    writes the final metrics to `metrics.json` in the job's dir."""
+    writes the final metrics to `metrics.json` in the job's dir (not for `trainer.fast_dev_run`)."""
     env = launched_environment()
     rank = env.rank if env else 0
     configure_rank_logging(job.logging_config, rank)
@@ -134,7 +134,7 @@ def run_rank(job: Job) -> dict[str, float]:
             "the run another dir (hydra.run.dir=...); checkpoints completed before are intact, and the metrics logged "
             "so far are in the log above."
         ) from err
-    if rank == 0:
+    if rank == 0 and not job.cfg.trainer.get("fast_dev_run"):  # a check run leaves no results
         atomic_write_text(
             job.output_dir / FINISHED, json.dumps(finite_metrics(metrics), indent=2, allow_nan=False)
         )

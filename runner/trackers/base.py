@@ -71,6 +71,10 @@ class Tracker(ABC):
     log_model: bool = False  # whether the runner attaches the final model files
     main_process_only: bool = True  # False: every process starts it and logs to it
 
+    def describe(self) -> str:
+        """Where the runs go, for `plan=true`."""
+        return self.name
+
     def warm_up(self, logging_dir: Path) -> None:
         """Called by the launching process once a run passed its checks, before its ranks start (which
         give `logging_dir` to `start`): get ready, so that the run's end waits less. Nothing by default."""

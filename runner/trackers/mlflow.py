@@ -120,6 +120,9 @@ class MLflowTracker(Tracker):
             self._client = mlflow_client(self.uri)
         return self._client
 
+    def describe(self) -> str:
+        return f"mlflow -> {self.uri} (experiment {self.experiment_name})"
+
     def warm_up(self, logging_dir: Path) -> None:
         """Start this process's sender now and have it import MLflow and open the store (seconds) while the
         run starts up; ranks forked from this process deliver through it."""
@@ -333,9 +336,10 @@ class Sender:
         MLflow (seconds) runs beside the command's own start instead of beside its training; skipped where
         the command cannot track (a plan, help, another tracker, a rank other than 0). A guess: a sender
         that is given nothing to deliver exits with this process."""
-        skip = {"init", "--help", "-h", "--cfg", "--info", "plan=true", "tracker=none", "tracker=tensorboard"}
+        skip = {"init", "--help", "-h", "--cfg", "--info", "plan=true"}
+        another = any(a.startswith("tracker=") and a != "tracker=mlflow" for a in arguments)
         rank = launched_environment()
-        if skip & set(arguments) or (rank is not None and rank.rank != 0):
+        if skip & set(arguments) or another or (rank is not None and rank.rank != 0):
             return
         try:
             cls._shared = cls(None, False)

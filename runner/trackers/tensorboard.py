@@ -37,6 +37,9 @@ class TensorBoardTracker(Tracker):
         """The `SummaryWriter`."""
         return self.writer
 
+    def describe(self) -> str:
+        return f"tensorboard -> {self.logging_dir or '<run dir>'}/{self.experiment_name}"
+
     @property
     def run_dir(self) -> Path | None:
         return Path(self.writer.log_dir) if self.writer is not None else None

@@ -1,4 +1,5 @@
-"""Send a run's tracking records to MLflow: those a run could not deliver (the server was down),
+"""Send a run's tracking records to MLflow or W&B: those a run could not deliver (the server was down,
+the process was killed before W&B wrote them),
 
     python -m runner.trackers.upload <run dir> [--uri http://host:port]
 
@@ -23,6 +24,7 @@ from typing import IO
 
 from runner.trackers.journal import Journal
 from runner.trackers.mlflow import JOURNAL_DIR, SENDER_LOG, UPLOAD, Delivery, mlflow_client, remote_store
+from runner.trackers.wandb import upload as wandb_upload
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve(sys.stdin.buffer, os.fdopen(args.console_fd, "w") if args.console_fd else None)
     if args.run_dir is None:
         parser.error("the run's output directory is required")
+    if (status := wandb_upload(args.run_dir)) is not None:
+        return status
     directory = args.run_dir / JOURNAL_DIR
     if not (directory / "events.jsonl").exists():
         print(f"{args.run_dir} has no tracking records ({JOURNAL_DIR}/events.jsonl).", file=sys.stderr)
