@@ -11,6 +11,7 @@ import torch
 from runner.ops import find_batch_size
 
 HF_LABELS = "labels"  # Hugging Face batches: the targets' key; every other key is a model argument
+POSITIONS = "positions"  # in a runner sample: each input's position in its document (`data.document_mask`)
 
 
 class Task:
@@ -59,11 +60,14 @@ def trains_by_loss(task: Any) -> bool:
 
 def model_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The arguments the model is called with for `batch`: runner's samples (`{"inputs", "targets"}`) and
-    `(inputs, targets)` tuples pass `inputs`; Hugging Face batches (`{"input_ids", "attention_mask", ...,
-    "labels"}`) pass every key but the labels, by name."""
+    `(inputs, targets)` tuples pass `inputs` (and a sample's `positions` in their documents, by name);
+    Hugging Face batches (`{"input_ids", "attention_mask", ..., "labels"}`) pass every key but the labels,
+    by name."""
     if isinstance(batch, Mapping) and "inputs" not in batch:
         return (), {key: value for key, value in batch.items() if key != HF_LABELS}
-    return (batch["inputs"] if isinstance(batch, Mapping) else batch[0],), {}
+    if isinstance(batch, Mapping):
+        return (batch["inputs"],), {key: batch[key] for key in (POSITIONS,) if key in batch}
+    return (batch[0],), {}
 
 
 def model_outputs(model: torch.nn.Module, batch: Any) -> torch.Tensor:

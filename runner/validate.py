@@ -33,6 +33,7 @@ from runner.data.base import DataSource, Stream
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
 from runner.hardware.device_map import BigModel
+from runner.task import POSITIONS
 from runner.trackers.base import Tracker
 
 T = TypeVar("T")
@@ -406,7 +407,9 @@ def validate_for_world(
                 check(model, world_size)
             except ConfigError as err:
                 problems.append(str(err))
-        problems += _step_problems(cfg, model, data, world_size if cfg.trainer.split_batches else 1)
+        problems += _positions_problems(cfg, model, data) or _step_problems(
+            cfg, model, data, world_size if cfg.trainer.split_batches else 1
+        )
         problems += _objective_problems(cfg, model, data)
         problems += _start_weights_problems(cfg, model)
         problems += _optimizer_problems(cfg, model)
@@ -523,6 +526,23 @@ def _step_problems(cfg: DictConfig, model: torch.nn.Module, data: DataSource, pe
             "agree."
         ]
     return []
+
+
+def _positions_problems(cfg: DictConfig, model: torch.nn.Module, data: DataSource) -> list[str]:
+    """Samples that give each token's position in its document (`data.document_mask`) need a model whose
+    forward takes them (`positions=`)."""
+    sample = (
+        None if isinstance(data.train_set, IterableDataset) or not len(data.train_set) else data.train_set[0]
+    )
+    if not isinstance(sample, dict) or POSITIONS not in sample:
+        return []
+    if POSITIONS in inspect.signature(model.forward).parameters:
+        return []
+    return [
+        f"data.document_mask=true gives the model each token's position in its document (positions=), and "
+        f"{cfg.model._target_}'s forward does not take it. Use model=gpt, a model whose forward(input_ids, "
+        "positions=None) masks attention by document, or data.document_mask=false."
+    ]
 
 
 def _start_weights_problems(cfg: DictConfig, model: torch.nn.Module) -> list[str]:

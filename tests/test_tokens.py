@@ -17,17 +17,24 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, cli_env, metrics_of, run_to_end
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from runner.build import model_dims
+from runner.config import CONF_DIR
 from runner.data import TokenShards
 from runner.data import prepare as preparing
 from runner.data.prepare import prepare
 from runner.data.shards import TokenStore
-from runner.data.tokens import ShuffledOrder
+from runner.data.tokens import ShuffledOrder, document_positions
 from runner.errors import ConfigError
+from runner.models.gpt import GPT
+from runner.schemas import register_configs
+from runner.task import model_outputs
+from runner.train import Trainer
+from runner.validate import check_job
 
 SONNETS = REPO / "runner" / "data" / "assets" / "sonnets.txt"
 
@@ -430,3 +437,84 @@ def test_a_mixture_draws_its_sources_in_proportion_continues_them_across_epochs_
 def test_a_mixture_without_positive_weights_or_with_a_path_too_is_refused(options, message):
     with pytest.raises(ConfigError, match=message):
         TokenShards(**options)
+
+
+def test_document_mask_gives_each_token_its_position_in_its_document(corpus, tmp_path):
+    """The sonnets' lines, a document each (an end-of-sequence token each, about 40 bytes): every window
+    crosses documents. Positions restart where the document index says a document starts, in the training
+    and the eval windows, across shards too."""
+    prepare(tmp_path / "s", str(corpus / "lines.jsonl"), shard_mb=0.005, workers=1, progress=False)
+    store = TokenStore(tmp_path / "s")
+    assert len(store.manifest.shards) > 1
+    starts = set()
+    for number, shard in enumerate(store.manifest.shards):
+        index = np.fromfile(tmp_path / "s" / f"{shard.name}.idx", dtype="<i8")
+        starts |= {int(start) + store.starts[number] for start in index}
+    data = TokenShards(str(tmp_path / "s"), seq_len=64, eval_samples=4, batch_size=4, document_mask=True)
+    data.setup()
+    for windows, first in ((data.train_set, 0), (data.eval_set, len(data.train_set) * 64)):
+        for i in (0, 1, len(windows) - 1):
+            positions, start = windows[i]["positions"], first + i * 64
+            restarts = [t for t in range(1, 64) if positions[t] == 0]
+            assert restarts == [t for t in range(1, 64) if start + t in starts] and restarts
+            assert all(positions[t] == positions[t - 1] + 1 for t in range(1, 64) if t not in restarts)
+    batch = next(iter(data.train_dataloader(seed=0)))
+    assert batch["positions"].shape == (4, 64)
+    assert "positions" not in TokenShards(str(tmp_path / "s"), seq_len=64, eval_samples=4).load()[0][0]
+
+
+def test_a_gpt_given_positions_attends_within_each_document_only():
+    """The logits of a document packed after another equal those of the document alone; without the
+    positions (plain causal attention) they do not."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=50, max_seq_len=32, d_model=32, n_layers=2, n_heads=4).eval()
+    first, second = torch.randint(50, (1, 7)), torch.randint(50, (1, 9))
+    packed = torch.cat([first, second], dim=1)
+    positions = document_positions(16, torch.tensor([7]))[None]
+    assert positions.tolist() == [[*range(7), *range(9)]]
+    with torch.no_grad():
+        alone = model(second)
+        masked = model_outputs(model, {"inputs": packed, "targets": packed, "positions": positions})
+        plain = model(packed)
+    torch.testing.assert_close(masked[:, 7:], alone)
+    torch.testing.assert_close(masked[:, :7], model(first))
+    assert not torch.allclose(plain[:, 7:], alone, atol=1e-3)
+
+
+def test_document_mask_with_a_model_or_hardware_that_cannot_is_refused(corpus, tmp_path):
+    prepare(tmp_path / "s", str(corpus / "lines.jsonl"), workers=1, progress=False)
+    data = [
+        "data=tokens", f"data.path={tmp_path / 's'}", "data.seq_len=32", "data.batch_size=4",
+        "data.document_mask=true", "task=language_modeling",
+    ]  # fmt: skip
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        hf = compose("config", overrides=[*data, "model=hf_causal_lm", "tracker=none"])
+        cp = compose(
+            "config",
+            overrides=[*data, "model=gpt", "hardware=megatron", "hardware.cp_size=2", "hardware.tp_size=1",
+                       "hardware.device=cpu", "tracker=none"],
+        )  # fmt: skip
+        pp = compose(
+            "config",
+            overrides=[*data, "model=gpt", "hardware=megatron", "hardware.pp_size=2", "hardware.tp_size=1",
+                       "hardware.device=cpu", "tracker=none"],
+        )  # fmt: skip
+        ok = compose("config", overrides=[*data, "model=gpt", "tracker=none"])
+    with pytest.raises(
+        ConfigError, match=r"data.document_mask=true gives the model .* forward does not take it"
+    ):
+        check_job(hf)
+    with pytest.raises(ConfigError, match=r"hardware.cp_size=2 with samples that mask attention by document"):
+        check_job(cp)
+    with pytest.raises(ConfigError, match=r"hardware.pp_size=2 with samples that mask attention by document"):
+        check_job(pp)
+    check_job(ok)
+    # the run trains with the mask: its losses are not those of plain causal attention
+    losses = {}
+    for masked in ("true", "false"):
+        ok.data.document_mask = masked == "true"
+        ok.trainer.max_steps, ok.trainer.plots, ok.trainer.save_model = 5, False, False
+        (tmp_path / masked).mkdir()
+        losses[masked] = Trainer(ok, tmp_path / masked).fit()["train/loss"]
+    assert losses["true"] != losses["false"]

@@ -206,6 +206,7 @@ class TokenStore:
         for shard in self.manifest.shards:
             self.starts.append(self.starts[-1] + shard.tokens)
         self._maps: list[np.ndarray | None] = [None] * len(self.manifest.shards)
+        self._index_maps: list[np.ndarray | None] = [None] * len(self.manifest.shards)  # document starts
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -244,6 +245,18 @@ class TokenStore:
             start = end
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
+    def document_starts(self, start: int, stop: int) -> np.ndarray:
+        """Where the documents that start in [start, stop) start, in the sequence (across shards)."""
+        found = []
+        number = bisect.bisect_right(self.starts, start) - 1
+        while number < len(self.manifest.shards) and self.starts[number] < stop:
+            offset = self.starts[number]
+            index = self._index(number)
+            first, last = np.searchsorted(index, [start - offset, stop - offset])
+            found.append(index[first:last] + offset)
+            number += 1
+        return np.concatenate(found) if found else np.empty(0, dtype=INDEX_DTYPE)
+
     def _map(self, number: int) -> np.ndarray:
         mapped = self._maps[number]
         if mapped is None:
@@ -251,8 +264,16 @@ class TokenStore:
             mapped = self._maps[number] = np.memmap(path, dtype=self.dtype, mode="r")
         return mapped
 
+    def _index(self, number: int) -> np.ndarray:
+        """Shard `number`'s document starts (within it)."""
+        mapped = self._index_maps[number]
+        if mapped is None:
+            path = self.directory / f"{self.manifest.shards[number].name}.idx"
+            mapped = self._index_maps[number] = np.memmap(path, dtype=INDEX_DTYPE, mode="r")
+        return mapped
+
     def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__ | {"_maps": [None] * len(self._maps)}
+        return self.__dict__ | {"_maps": [None] * len(self._maps), "_index_maps": [None] * len(self._maps)}
 
 
 def read_manifest(directory: Path, key: str = "data.path") -> Manifest:

@@ -25,10 +25,15 @@ CHUNK = 1 << 16  # indices computed at once by the shuffled order
 
 class TokenWindows(Dataset):
     """Windows of `seq_len + 1` tokens of `store`, every `seq_len` tokens from token `first` on: sample i
-    is `{"inputs": tokens[s : s + seq_len], "targets": tokens[s + 1 : s + seq_len + 1]}` (int64)."""
+    is `{"inputs": tokens[s : s + seq_len], "targets": tokens[s + 1 : s + seq_len + 1]}` (int64). With
+    `positions`, also each input's position in its document, counted from the window's start for the
+    document the window starts in (`document_positions`)."""
 
-    def __init__(self, store: TokenStore, seq_len: int, first: int, count: int) -> None:
+    def __init__(
+        self, store: TokenStore, seq_len: int, first: int, count: int, positions: bool = False
+    ) -> None:
         self.store, self.seq_len, self.first, self.count = store, seq_len, first, count
+        self.positions = positions
 
     def __len__(self) -> int:
         return self.count
@@ -38,7 +43,21 @@ class TokenWindows(Dataset):
             raise IndexError(f"window {index} of {self.count}")
         start = self.first + index * self.seq_len
         window = torch.from_numpy(self.store.read(start, start + self.seq_len + 1).astype(np.int64))
-        return {"inputs": window[:-1], "targets": window[1:]}
+        sample = {"inputs": window[:-1], "targets": window[1:]}
+        if self.positions:
+            starts = self.store.document_starts(start + 1, start + self.seq_len) - start
+            sample["positions"] = document_positions(self.seq_len, torch.from_numpy(starts))
+        return sample
+
+
+def document_positions(length: int, starts: torch.Tensor) -> torch.Tensor:
+    """Each of `length` tokens' position in its document, where documents start at the indices `starts`
+    (sorted, > 0; the first document at 0): `[0, 1, 2, 0, 1, ...]`. A causal LM given them attends within
+    each document only (`runner.models.gpt.document_mask`)."""
+    index = torch.arange(length)
+    began = torch.zeros(length, dtype=torch.long)
+    began[starts] = starts
+    return index - torch.cummax(began, dim=0).values
 
 
 def windows_in(tokens: int, seq_len: int) -> int:
@@ -172,6 +191,9 @@ class TokenShards(DataSource):
         eval_path: a shards directory to evaluate on (e.g. prepared from a validation file); null: hold
             out the end of `path`.
         eval_samples: windows to evaluate on (null with eval_path: all of them).
+        document_mask: each token attends only to the tokens before it in its own document (windows still
+            run across documents): every sample also gives the model each input's position in its
+            document (`positions`), which restarts at each document's first token.
         source: files, directories or glob patterns to prepare from (text, jsonl, parquet, a saved
             `datasets` dir, .npy or .bin token ids); null: the shards are taken as they are.
         tokenizer: "bytes" (one token per byte, vocabulary 256), a local tokenizer directory, or "ids"
@@ -190,6 +212,7 @@ class TokenShards(DataSource):
         sources: list[dict[str, Any]] | None = None,
         eval_path: str | None = None,
         eval_samples: PositiveInt | None = 64,
+        document_mask: bool = False,
         source: str | list[str] | None = None,
         tokenizer: str = "bytes",
         text_column: str = "text",
@@ -220,7 +243,7 @@ class TokenShards(DataSource):
             )
         self.path = None if path is None else Path(path).expanduser()
         self.sources, self.eval_path = sources, eval_path
-        self.seq_len, self.eval_samples = seq_len, eval_samples
+        self.seq_len, self.eval_samples, self.document_mask = seq_len, eval_samples, document_mask
         self.source, self.tokenizer, self.text_column = source, tokenizer, text_column
         self.source_dtype, self.vocab_size = source_dtype, vocab_size
         self.shard_mb, self.prepare_workers = shard_mb, prepare_workers
@@ -270,8 +293,8 @@ class TokenShards(DataSource):
                     "evaluation (data.eval_samples). Use more data, a shorter seq_len, fewer eval samples, or a "
                     "data.eval_path."
                 )
-            train_parts.append(TokenWindows(store, self.seq_len, 0, windows - kept))
-            eval_parts.append(TokenWindows(store, self.seq_len, (windows - kept) * self.seq_len, kept))
+            train_parts.append(self._windows(store, 0, windows - kept))
+            eval_parts.append(self._windows(store, (windows - kept) * self.seq_len, kept))
         if eval_store is not None:
             windows = windows_in(len(eval_store), self.seq_len)
             if windows < 1:
@@ -279,9 +302,7 @@ class TokenShards(DataSource):
                     f"data.eval_path={self.eval_path!r}: {len(eval_store)} tokens make no window of "
                     f"data.seq_len={self.seq_len} + 1 tokens. Use more data or a shorter seq_len."
                 )
-            eval_parts = [
-                TokenWindows(eval_store, self.seq_len, 0, min(windows, self.eval_samples or windows))
-            ]
+            eval_parts = [self._windows(eval_store, 0, min(windows, self.eval_samples or windows))]
         if len(train_parts) == 1:
             return train_parts[0], eval_parts[0], {"vocab_size": vocab}
         total = sum(len(part) for part in train_parts)
@@ -290,6 +311,9 @@ class TokenShards(DataSource):
             ConcatDataset(eval_parts),
             {"vocab_size": vocab},
         )
+
+    def _windows(self, store: TokenStore, first: int, count: int) -> TokenWindows:
+        return TokenWindows(store, self.seq_len, first, count, positions=self.document_mask)
 
     def _named_sources(self) -> list[tuple[str, float, str]]:
         """(directory, weight, config key) of each shards directory trained on."""

@@ -34,7 +34,7 @@ from runner.hardware.pipeline import (
 )
 from runner.precision import Precision, refuse_fp8, refuse_fp16
 from runner.state import DistributedType
-from runner.task import trains_by_loss
+from runner.task import POSITIONS, trains_by_loss
 
 
 class TensorParallel(ShardedState, MeshStrategy):
@@ -163,6 +163,12 @@ class TensorParallel(ShardedState, MeshStrategy):
                 "pipeline parallel the last stage computes the loss per microbatch, so the task must define "
                 "`loss(outputs, batch)` and keep runner.task.Task's training_step (which applies it). Move the "
                 "loss there, or use hardware.pp_size=1."
+            )
+        if isinstance(sample, dict) and POSITIONS in sample:
+            raise ConfigError(
+                f"hardware.pp_size={self.pp_size} with samples that mask attention by document (data.document_mask"
+                "=true): the pipeline's stages take the token ids only. Use data.document_mask=false, or "
+                "hardware.pp_size=1."
             )
         check_microbatches(batch_size, self.microbatches)
 

@@ -19,7 +19,7 @@ from runner.hardware.context_parallel import ContextParallel
 from runner.hardware.process_group import ParallelStrategy
 from runner.models.sequence_shares import share_problem
 from runner.state import ProcessState
-from runner.task import trains_by_loss
+from runner.task import POSITIONS, trains_by_loss
 
 
 @dataclass(frozen=True)
@@ -214,6 +214,12 @@ class MeshStrategy(ParallelStrategy):
                 "context parallel each rank's share of the sequences is cut from the batch before the forward, "
                 "so the task must define `loss(outputs, batch)` and keep runner.task.Task's training_step. Move "
                 "the loss there, or use hardware.cp_size=1."
+            )
+        if isinstance(sample, dict) and POSITIONS in sample:
+            raise ConfigError(
+                f"hardware.cp_size={self.dims.cp} with samples that mask attention by document (data.document_mask"
+                "=true): context parallel's attention over the sequence shares is causal only. Use "
+                "data.document_mask=false, or hardware.cp_size=1."
             )
         if sample is not None:
             ContextParallel.check_sample(sample, self.dims.cp)

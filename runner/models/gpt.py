@@ -29,7 +29,8 @@ class CausalSelfAttention(nn.Module):
         self.dropout = dropout
         self.sequence_share: SequenceShare | None = None  # context parallel (GPT.context_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask` (batch, 1, seq, seq; True: attended) in place of the causal one (`document_mask`)."""
         batch, seq, _ = x.shape
         # Heads are inferred (-1) so that a tensor-parallel shard of the projections works unchanged.
         q, k, v = (
@@ -39,6 +40,8 @@ class CausalSelfAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         if self.sequence_share is not None and self.sequence_share.applies(self.training):
             y = self.sequence_share.attention(q, k, v, dropout_p)
+        elif mask is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
@@ -65,8 +68,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(d_model)
         self.mlp = FeedForward(d_model, mlp_ratio * d_model, dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask=mask)  # by name: a tensor-parallel plan prepares the inputs
         return x + self.mlp(self.ln_2(x))
 
 
@@ -108,10 +111,13 @@ class GPT(nn.Module):
         self.apply(_init_weights)
         self.sequence_share: SequenceShare | None = None
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = _embed(self, input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` (batch, seq), each token's position in its document (`data.document_mask`): the
+        position embeddings follow them, and each token attends within its document only."""
+        x = _embed(self, input_ids, positions)
+        mask = None if positions is None else document_mask(positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask=mask)
         return self.lm_head(self.ln_f(x))
 
     def pipeline_stage(self, blocks: range, first: bool, last: bool) -> GPTStage:
@@ -220,17 +226,29 @@ class GPTStage(nn.Module):
         return self.lm_head(self.ln_f(x)) if self.last else x
 
 
-def _embed(model: GPT | GPTStage, input_ids: torch.Tensor) -> torch.Tensor:
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """Block-causal attention from each token's position in its document (batch, seq): token i attends to
+    token j when j <= i and j is in i's document (j >= i - positions[i]). (batch, 1, seq, seq), True:
+    attended."""
+    index = torch.arange(positions.shape[1], device=positions.device)
+    first = (index - positions)[:, :, None]  # where each token's document starts
+    return ((index[None, None, :] >= first) & (index[None, None, :] <= index[None, :, None]))[:, None]
+
+
+def _embed(
+    model: GPT | GPTStage, input_ids: torch.Tensor, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """Token plus position embeddings of `input_ids` (batch, seq: under context parallel, this rank's
-    share of the sequences), after dropout."""
+    share of the sequences), after dropout; `positions` (batch, seq): each token's, in place of 0, 1, ..."""
     share = getattr(model, "sequence_share", None)
     share = share if share is not None and share.applies(model.training) else None
     local = input_ids.shape[1]
-    positions = (
-        torch.arange(local, device=input_ids.device)
-        if share is None
-        else share.positions(local, input_ids.device)
-    )
+    if positions is None:
+        positions = (
+            torch.arange(local, device=input_ids.device)
+            if share is None
+            else share.positions(local, input_ids.device)
+        )
     seq = local * (1 if share is None else share.size)
     if seq > model.max_seq_len:
         raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={model.max_seq_len}.")
