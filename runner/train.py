@@ -8,7 +8,7 @@ import logging
 import math
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -56,6 +56,7 @@ from runner.perf import (
 from runner.rng import rng_kept, set_seed
 from runner.run_log import FILE_ONLY
 from runner.task import Task, batch_units, trains_by_loss
+from runner.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,7 @@ class Trainer:
             else partial(self.task.training_step, self.model)
         )
         self.done = Progress(window_loss=torch.zeros((), device=engine.device))
+        self.watchdog = Watchdog(trainer.get("hang_timeout_s"), output_dir, engine.process_index)
         self.history = History(output_dir if engine.is_main_process else None)
         evaluating = cfg.get("mode") == "evaluate"  # the eval loop only (`evaluate_only`): no callbacks
         plotting = {"plots": PlotCurves()} if trainer.plots and not evaluating else {}
@@ -268,6 +270,7 @@ class Trainer:
                     done.step += 1
                     self.throughput.step()
                     self.progress.update()
+                    self.watchdog.progress("training", done.step)
                     if profiler is not None:
                         profiler.step()
                     last = done.step >= self.total_steps
@@ -276,6 +279,7 @@ class Trainer:
                     if last or self.due(trainer.eval_every):
                         self.evaluate()
                     if self.due(trainer.checkpoint_every):
+                        self.watchdog.progress("checkpointing", done.step)
                         path = engine.save_state(blocking=not trainer.async_checkpoint)
                         log.info("checkpoint %s", path)
                         self.callbacks.on_checkpoint(self, Path(path))
@@ -358,10 +362,14 @@ class Trainer:
         """The task's metrics over the whole eval set, checked finite and logged. What it draws from the
         RNGs (the eval loader's seed, say) is not training's: how often a run evaluates does not change it."""
         with rng_kept():
-            evaluated = evaluate(self.engine, self.model, self.task, self.eval_loader)
+            evaluated = evaluate(self.engine, self.model, self.task, self.eval_loader, self.evaluating)
         self.log_metrics(evaluated)
         log.info("step %d/%d: %s", self.done.step, self.total_steps, _fmt(evaluated))
         self.callbacks.on_eval_end(self, evaluated)
+
+    def evaluating(self) -> None:
+        """An eval batch done (the watchdog's progress)."""
+        self.watchdog.progress("evaluating", self.done.step)
 
     def log_metrics(self, values: dict[str, float]) -> None:
         """Log `values` at this step: the run's latest metrics, checked finite (a NaN or infinity stops the
@@ -411,11 +419,14 @@ class Trainer:
             ),
             profiled(trainer.profile, self.output_dir / "profile", rank, engine.device) as profiler,
         ):
+            self.watchdog.start()
             try:
                 yield received, profiler
             except BaseException as err:
                 self.callbacks.on_exception(self, err)
                 raise
+            finally:
+                self.watchdog.stop()
 
     def finish(self) -> dict[str, float]:
         """Evaluate a run that had nothing left to train, save the model, log the artifacts, and release
@@ -424,7 +435,7 @@ class Trainer:
         self.progress.close()
         if not self.metrics:  # resumed from a checkpoint of the last step: nothing left to train
             log.info("the checkpoint was written at the last step (%d): evaluating only", self.done.step)
-            self.log_metrics(evaluate(engine, self.model, self.task, self.eval_loader))
+            self.log_metrics(evaluate(engine, self.model, self.task, self.eval_loader, self.evaluating))
         if self.settings.save_model:
             engine.save_model(self.model, str(output_dir / "model"))
             # A transformers model's config next to its weights: from_pretrained loads the dir.
@@ -579,8 +590,15 @@ def stop_signals() -> Iterator[list[int]]:
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, model: torch.nn.Module, task: Task, loader: Any) -> dict[str, float]:
-    """Average the task's per-sample metrics over the whole eval set (all processes)."""
+def evaluate(
+    engine: Engine,
+    model: torch.nn.Module,
+    task: Task,
+    loader: Any,
+    batch_done: Callable[[], None] = lambda: None,
+) -> dict[str, float]:
+    """Average the task's per-sample metrics over the whole eval set (all processes); `batch_done` is
+    called after each batch."""
     model.eval()
     sums: dict[str, torch.Tensor] = {}
     count = 0
@@ -589,6 +607,7 @@ def evaluate(engine: Engine, model: torch.nn.Module, task: Task, loader: Any) ->
         for name, value in values.items():
             sums[name] = sums.get(name, 0) + value.double().sum()
         count += len(next(iter(values.values())))
+        batch_done()
     model.train()
     means = {name: (total / count).item() for name, total in sums.items()}
     return {f"eval/{name}": value for name, value in task.summarize(means).items()}

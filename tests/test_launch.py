@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -238,6 +239,29 @@ def test_collective_timeout_and_the_shutdown_grace_are_configurable(run_cli):
     assert proc.returncode == 1
     assert "Training failed: rank 0 raised" in proc.stderr
     assert "Timed out" in proc.stderr or "timeout" in proc.stderr.lower()
+
+
+def test_a_rank_that_hangs_is_ended_by_its_watchdog_naming_it_with_every_stack(run_cli):
+    """No collective timeout helps here (gloo's is 30 minutes): rank 1 sleeps in its third step, rank 0
+    waits for it inside torch. With trainer.hang_timeout_s=3 the job ends in seconds, naming rank 1, the
+    step and the line of its own code it is stuck at; each rank's stacks are in hang/."""
+    started = time.monotonic()
+    hang = "task._target_=faulty_tasks.HangOnRank1"
+    proc = run_cli(
+        *TWO_RANKS, "trainer.hang_timeout_s=3", "launcher.shutdown_timeout_s=2", hang, pythonpath=TESTS
+    )
+    assert time.monotonic() - started < 40
+    assert proc.returncode == 1
+    assert re.search(
+        r"rank 1 on \S+ made no progress for \d+ s \(trainer.hang_timeout_s: 3 s\) in step 3;",
+        proc.stderr,
+    )
+    assert re.search(
+        r"its main thread is at \S+faulty_tasks.py:\d+ in training_step\. Every thread's stack", proc.stderr
+    )
+    stacks = (proc.run_dir / "hang" / "rank1.txt").read_text()
+    assert re.search(r'faulty_tasks.py", line \d+ in training_step', stacks)
+    assert "made no progress either" in proc.stderr or not (proc.run_dir / "hang" / "rank0.txt").exists()
 
 
 def test_under_torchrun_ranks_train_without_spawning_and_share_one_dir(tmp_path):

@@ -56,7 +56,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ),
     ("the Accelerate adapter", ["runner.accelerate"]),
     ("building from config", ["runner.build", "runner.validate"]),
-    ("loops and the plan", ["runner.callbacks", "runner.train", "runner.inference", "runner.plan"]),
+    (
+        "loops and the plan",
+        ["runner.callbacks", "runner.watchdog", "runner.train", "runner.inference", "runner.plan"],
+    ),
     ("launchers", ["runner.launchers"]),
     (
         "entry points",

@@ -32,6 +32,7 @@ from runner.hardware.mesh import ParallelDims
 from runner.hardware.pipeline import check_pipeline, local_stage_indices, stage_blocks
 from runner.launchers.reports import lost_a_peer, report_failure, reported_failure
 from runner.models import GPT
+from runner.watchdog import AUTO_FLOOR_S, FIRST_STEPS_S, Watchdog
 
 
 # ------------------------------------------------------------------------------------------ ParallelDims
@@ -324,3 +325,20 @@ def test_every_way_a_command_ends_has_one_heading_and_exit_status():
     assert ending(RankFailedError("x")) == ("Training failed", 1)
     assert ending(TrainingDiverged("x")) == ending(RendezvousError("x")) == ("Training stopped", 1)
     assert ending(RuntimeError("x")) == ("Training failed", 1)
+
+
+def test_the_watchdogs_limit_follows_the_steps_once_measured(tmp_path):
+    """trainer.hang_timeout_s=null: the first steps' generous limit, then 20x the median step (at least
+    600 s); a number is the limit; 0 starts no thread."""
+    auto = Watchdog(None, tmp_path, 0)
+    assert auto.limit_s == FIRST_STEPS_S
+    for step in range(1, 11):
+        auto.progress("training", step)
+    assert auto.limit_s == AUTO_FLOOR_S  # steps of microseconds: the floor
+    auto.steps.extend([100.0] * 20)  # steps of 100 s
+    assert auto.limit_s == 2000.0
+    auto.progress("evaluating", 10)  # an eval batch is progress, not a step
+    assert len(auto.steps) == 30 and auto.phase == "evaluating"
+    assert Watchdog(7.5, tmp_path, 0).limit_s == 7.5
+    off = Watchdog(0, tmp_path, 0).start()
+    assert off._thread is None

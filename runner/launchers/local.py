@@ -32,6 +32,7 @@ from runner.errors import EXIT_INTERRUPTED, ConfigError, RankFailedError, Traini
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher, interrupted, run_rank
 from runner.launchers.reports import report_failure, reported_failure
+from runner.watchdog import EXIT_HUNG, read_reports
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class LocalLauncher(Launcher):
                         signum=signal.SIGINT if ctrl_c else err.sigval,
                     ) from None
                 except ChildFailedError as err:
-                    raise_failure(err.failures, Path(error_dir))
+                    raise_failure(err.failures, Path(error_dir), job.output_dir)
         return results[0]
 
 
@@ -231,14 +232,24 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def raise_failure(failures: dict[int, ProcessFailure], error_dir: Path) -> NoReturn:
+def raise_failure(
+    failures: dict[int, ProcessFailure], error_dir: Path, run_dir: Path | None = None
+) -> NoReturn:
     """Raise what the first failure was: ranks that stopped on a signal (TrainingInterrupted), a
     configuration problem found in a rank (ConfigError), or RankFailedError naming the rank and how it
-    failed: the signal that killed it, or its traceback.
+    failed: it hung (its watchdog's report in `run_dir`), the signal that killed it, or its traceback.
 
-    A rank killed by a signal is the cause (the launcher stops the others only after); otherwise the
-    rank that raised first, ranks that merely lost a peer last.
+    Of ranks that hung, the one whose main thread was in its own code (not waiting inside torch); a rank
+    killed by a signal is the cause (the launcher stops the others only after); otherwise the rank that
+    raised first, ranks that merely lost a peer last.
     """
+    if run_dir is not None and any(failure.exitcode == EXIT_HUNG for failure in failures.values()):
+        reports = read_reports(run_dir)
+        if reports:
+            rank = min(reports, key=lambda r: (reports[r]["in_torch"], r))
+            others = [str(r) for r in sorted(reports) if r != rank]
+            also = f" Rank {', '.join(others)} made no progress either." if others else ""
+            raise RankFailedError(f"{reports[rank]['message']}{also} The other ranks were stopped.")
     if all(f.exitcode == EXIT_INTERRUPTED for f in failures.values()):
         if isinstance(reported := reported_failure(error_dir), TrainingInterrupted):
             raise reported  # the rank's own words: the signal, the step, the checkpoint

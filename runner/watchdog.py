@@ -1,0 +1,140 @@
+"""Hangs that fail fast: a thread in each rank that ends the rank when the loop makes no progress for too
+long (`trainer.hang_timeout_s`), after writing every thread's Python stack to the run dir.
+
+A rank stuck in its own code, or waiting in a collective for a rank that is gone or stuck, would otherwise
+sit until the process group's timeout (30 minutes for gloo) or forever. The loop reports progress
+(`Watchdog.progress`) after each optimizer step, each eval batch and before each checkpoint; where none
+comes for the limit, the watchdog writes `<run dir>/hang/rank<r>.txt` (what it saw, then the stacks), logs
+one paragraph naming the rank, its host, the step, the phase and where its main thread is, and exits
+the process with `EXIT_HUNG`; the launcher then stops the other ranks and reports the rank whose main
+thread was in its own code (not waiting inside torch), which is the likelier cause.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EXIT_HUNG = 124  # as `timeout` exits: a rank ended for making no progress
+HANG_DIR = "hang"  # in the run dir: one report per rank that hung
+FIRST_STEPS_S = 1800.0  # auto: the limit until enough steps are measured (compilation, warm-up)
+AUTO_FLOOR_S = 600.0  # auto: never less than this
+AUTO_TIMES_MEDIAN = 20  # auto: this many times the median step
+MEASURED_STEPS = 10  # auto: steps measured before the limit follows them
+TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+class Watchdog:
+    """Ends this rank when `progress` is not called for the limit: `timeout_s` (0: never), or None for
+    one that follows the run: `FIRST_STEPS_S` until `MEASURED_STEPS` steps ended, then
+    `AUTO_TIMES_MEDIAN` times their median duration, at least `AUTO_FLOOR_S`."""
+
+    def __init__(self, timeout_s: float | None, run_dir: Path, rank: int, poll_s: float = 0.5) -> None:
+        self.timeout_s, self.run_dir, self.rank, self.poll_s = timeout_s, Path(run_dir), rank, poll_s
+        self.phase, self.step = "training", 0
+        self.last = time.monotonic()
+        self.steps: deque[float] = deque(maxlen=100)  # the last steps' durations
+        self._step_began = self.last
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Watchdog:
+        report_path(self.run_dir, self.rank).unlink(missing_ok=True)  # an earlier attempt's
+        self.last = self._step_began = time.monotonic()
+        if self.timeout_s != 0:
+            self._thread = threading.Thread(target=self._watch, name="runner-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def progress(self, phase: str, step: int) -> None:
+        """The loop moved on, `step` optimizer steps done: "training" (step `step` ended), "evaluating"
+        (an eval batch done), "checkpointing" (a checkpoint begins)."""
+        now = time.monotonic()
+        if phase == "training":  # a step ended: its duration
+            self.steps.append(now - self._step_began)
+            self._step_began = now
+        self.phase, self.step, self.last = phase, step, now
+
+    @property
+    def limit_s(self) -> float:
+        if self.timeout_s is not None:
+            return self.timeout_s
+        if len(self.steps) < MEASURED_STEPS:
+            return FIRST_STEPS_S
+        return max(AUTO_FLOOR_S, AUTO_TIMES_MEDIAN * statistics.median(self.steps))
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            waited = time.monotonic() - self.last
+            if waited > self.limit_s:
+                self._end(waited)
+
+    def _end(self, waited: float) -> None:
+        """Write what it saw and every thread's stack, say so, and end the process."""
+        where, in_torch = main_thread_position()
+        host = socket.gethostname()
+        doing = (
+            f"in step {self.step + 1}" if self.phase == "training" else f"{self.phase} after step {self.step}"
+        )
+        message = (
+            f"rank {self.rank} on {host} made no progress for {waited:.0f} s (trainer.hang_timeout_s: "
+            f"{self.limit_s:.0f} s) {doing}; its main thread is at {where}"
+            f"{' (waiting inside torch: a collective, or the device)' if in_torch else ''}. Every thread's "
+            f"stack: {report_path(self.run_dir, self.rank)}."
+        )
+        path = report_path(self.run_dir, self.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        facts = {"rank": self.rank, "host": host, "doing": doing, "in_torch": in_torch}
+        with open(path, "w") as f:
+            f.write(json.dumps({**facts, "message": message}) + "\n\n")
+            f.flush()
+            faulthandler.dump_traceback(f, all_threads=True)
+        log.error("Training hung: %s", message)
+        logging.shutdown()
+        os._exit(EXIT_HUNG)
+
+
+def report_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / HANG_DIR / f"rank{rank}.txt"
+
+
+def read_reports(run_dir: Path) -> dict[int, dict]:
+    """rank -> what its watchdog wrote before ending it (the report's first line)."""
+    reports = {}
+    for path in (Path(run_dir) / HANG_DIR).glob("rank*.txt"):
+        try:
+            reports[int(path.stem.removeprefix("rank"))] = json.loads(path.read_text().splitlines()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return reports
+
+
+def main_thread_position() -> tuple[str, bool]:
+    """Where the main thread is: its innermost frame outside torch ("file:line in function"), and whether
+    frames inside torch are below it (it waits in a collective or on the device)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    stack = []
+    while frame is not None:
+        stack.append(frame)
+        frame = frame.f_back
+    own = next((f for f in stack if not f.f_code.co_filename.startswith(TORCH_DIR)), None)
+    in_torch = bool(stack) and stack[0].f_code.co_filename.startswith(TORCH_DIR)
+    if own is None:
+        return "an unknown place", in_torch
+    return f"{own.f_code.co_filename}:{own.f_lineno} in {own.f_code.co_name}", in_torch
