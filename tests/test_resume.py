@@ -151,6 +151,20 @@ def test_kill_9_after_a_checkpoint_then_rerun_finishes_identically(tmp_path, uni
     assert_each_step_logged_once(tmp_path, "train/loss", list(range(10, 301, 10)))
 
 
+def test_a_rank_killed_mid_run_is_restarted_in_the_job_and_finishes_identically(tmp_path, uninterrupted):
+    """launcher.max_restarts=1: rank 1 killed (-9) after a checkpoint, the rank group starts again in the
+    same job, resumes from the latest checkpoint and ends bitwise as the uninterrupted run."""
+    proc = start(tmp_path, *TRAIN, *RANKS[2], "launcher.max_restarts=1")
+    wait_for_checkpoint(tmp_path, proc)
+    rank = int(subprocess.check_output(["pgrep", "-P", str(proc.pid), "-n"], text=True).split()[0])
+    os.kill(rank, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert "was killed by SIGKILL: restart 1 of 1, the ranks resume from the run's latest checkpoint" in stderr
+    assert "resumed from" in stderr
+    assert (tmp_path / "model" / "model.safetensors").read_bytes() == uninterrupted[2]
+
+
 def assert_each_step_logged_once(run_dir: Path, metric: str, steps: list[int]) -> None:
     from mlflow import MlflowClient
 

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from runner.cluster.base import ClusterEnvironment
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -29,3 +34,23 @@ class TorchElasticEnvironment(ClusterEnvironment):
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)),
         )
+
+    def rendezvous(self, timeout: timedelta) -> dist.Store | None:
+        """After a restart of the rank group (`TORCHELASTIC_RESTART_COUNT` > 0): the agent's store, under a
+        prefix of its own for this attempt. The agent keeps one store across attempts, and the keys that the
+        failed attempt's ranks wrote there (their gloo addresses) would make the new ranks connect to ranks
+        that are gone. The first attempt meets by torch's `env://` (None)."""
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        if not attempt:
+            return None
+        import torch.distributed as dist  # here: the tracker's sender reads this package without torch
+
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(
+            self.master_addr,
+            self.master_port,
+            self.world_size,
+            is_master=not agent_store and self.rank == 0,
+            timeout=timeout,
+        )
+        return dist.PrefixStore(f"runner/attempt_{attempt}", store)

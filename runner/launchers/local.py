@@ -27,7 +27,7 @@ from torch.distributed.launcher import api as launcher_api
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from runner.cluster import available_cores, launched_environment
-from runner.config import NonNegativeFloat, PositiveFloat, checked
+from runner.config import NonNegativeFloat, NonNegativeInt, PositiveFloat, checked
 from runner.errors import EXIT_INTERRUPTED, ConfigError, RankFailedError, TrainingInterrupted, signal_name
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher, interrupted, run_rank
@@ -54,6 +54,8 @@ class LocalLauncher(Launcher):
         shutdown_timeout_s: after a stop signal, how long the ranks get to exit (and checkpoint) before
             SIGKILL; after a rank failed, how long the others get (half to exit on their own, having lost
             a peer, half after SIGTERM).
+        max_restarts: after a rank failed (raised, was killed, hung), start the rank group again this many
+            times; the ranks resume from the run's latest checkpoint (`trainer.resume=auto`).
     """
 
     @checked("launcher")
@@ -62,6 +64,7 @@ class LocalLauncher(Launcher):
         start_method: str | None = None,
         monitor_interval_s: PositiveFloat = 0.1,
         shutdown_timeout_s: NonNegativeFloat = 30.0,
+        max_restarts: NonNegativeInt = 0,
     ) -> None:
         if start_method is not None and start_method not in START_METHODS:
             raise ConfigError(
@@ -70,6 +73,7 @@ class LocalLauncher(Launcher):
         self.start_method = start_method
         self.monitor_interval_s = monitor_interval_s
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.max_restarts = max_restarts
 
     def launch(self, job: Job) -> dict[str, float]:
         strategy: Strategy = job.strategy or instantiate(job.cfg.hardware)
@@ -80,7 +84,7 @@ class LocalLauncher(Launcher):
                 env.rank,
                 env.world_size,
             )
-        if env is not None or strategy.num_processes == 1:
+        if env is not None or (strategy.num_processes == 1 and not self.max_restarts):
             return run_rank(job)
         return self._launch_ranks(
             job.for_other_processes(), strategy.num_processes, self.start_method or strategy.start_method
@@ -90,6 +94,12 @@ class LocalLauncher(Launcher):
         """CPU ranks beyond this machine's cores share cores and wait on each other at every collective
         (64 ranks on 2 cores make no step in minutes): refused unless `hardware.oversubscribe`."""
         env = launched_environment()
+        if env is not None and self.max_restarts:
+            raise ConfigError(
+                f"launcher.max_restarts={self.max_restarts}: this process is already a rank (started by torchrun, "
+                "srun or similar), so restarting the ranks is that launcher's (torchrun --max-restarts); leave "
+                "launcher.max_restarts out."
+            )
         # ranks that something else started on this node (a SLURM step started by hand): as many as asked?
         if env is not None and "num_processes" in cfg.hardware:
             problem = env.ranks_per_node_problem(strategy.num_processes)
@@ -110,10 +120,11 @@ class LocalLauncher(Launcher):
 
     def describe(self, cfg: DictConfig, strategy: Strategy) -> str:
         ranks = self.world_size(cfg, strategy)
-        if ranks == 1:
+        if ranks == 1 and not self.max_restarts:
             return "LocalLauncher: 1 node x 1 process, in this process"
         start_method = self.start_method or strategy.start_method
-        return f"LocalLauncher: 1 node x {ranks} process(es), started with {start_method}"
+        restarts = f", restarted up to {self.max_restarts} time(s)" if self.max_restarts else ""
+        return f"LocalLauncher: 1 node x {ranks} process(es), started with {start_method}{restarts}"
 
     def _launch_ranks(self, job: Job, num_processes: int, start_method: str) -> dict[str, float]:
         log.info("starting %d ranks (%s)", num_processes, start_method)
@@ -126,12 +137,13 @@ class LocalLauncher(Launcher):
                 error_dir,
                 monitor_interval=self.monitor_interval_s,
                 shutdown_timeout=int(self.shutdown_timeout_s),
+                max_restarts=self.max_restarts,
                 signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",  # passed on to the ranks
             )
             with (
                 _threads_per_rank(num_processes),
                 _quiet_elastic_logs(),
-                _stopping_within_shutdown_timeout(),
+                _stopping_within_shutdown_timeout(Path(error_dir)),
                 _ctrl_c_once() as ctrl_c,
             ):
                 try:
@@ -151,7 +163,11 @@ class _Agent(LocalElasticAgent):
     """torch's agent, but once a rank failed, the others get `shutdown_timeout` to exit before SIGKILL.
     torch honours it only after a signal: after a failure its process context waits a fixed 30 s for the
     other ranks (`ProcessContext.join` without a grace period), and its agent 30 s more (`_stop_workers`),
-    so a rank stuck in a collective held the job that long whatever `launcher.shutdown_timeout_s` said."""
+    so a rank stuck in a collective held the job that long whatever `launcher.shutdown_timeout_s` said.
+    Before a restart (`launcher.max_restarts`) it says why and clears the failed attempt's reports."""
+
+    error_dir: Path  # the ranks' failure reports (`report_failure`)
+    _failures: dict[int, ProcessFailure] = {}
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids = super()._start_workers(worker_group)
@@ -164,12 +180,40 @@ class _Agent(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._shutdown(timeout=self._shutdown_timeout)
 
+    def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
+        result = super()._monitor_workers(worker_group)
+        self._failures = result.failures
+        return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        spec = worker_group.spec
+        done = spec.max_restarts - self._remaining_restarts
+        causes = "; ".join(_failure_text(rank, f) for rank, f in sorted(self._failures.items()))
+        log.warning(
+            "%s: restart %d of %d, the ranks resume from the run's latest checkpoint",
+            causes,
+            done,
+            spec.max_restarts,
+        )
+        for report in self.error_dir.glob("rank*.json"):
+            report.unlink()
+        super()._restart_workers(worker_group)
+
+
+def _failure_text(rank: int, failure: ProcessFailure) -> str:
+    if failure.exitcode < 0:
+        return f"rank {rank} was killed by {failure.signal_name()}"
+    if failure.exitcode == EXIT_HUNG:
+        return f"rank {rank} made no progress (see its hang/ report)"
+    return f"rank {rank} exited with code {failure.exitcode}"
+
 
 @contextmanager
-def _stopping_within_shutdown_timeout() -> Iterator[None]:
-    """`elastic_launch` builds torch's `LocalElasticAgent` by its module name: `_Agent` meanwhile."""
+def _stopping_within_shutdown_timeout(error_dir: Path) -> Iterator[None]:
+    """`elastic_launch` builds torch's `LocalElasticAgent` by its module name: `_Agent` (reporting into
+    `error_dir`) meanwhile."""
     original = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = _Agent  # type: ignore[misc]
+    launcher_api.LocalElasticAgent = type("_Agent", (_Agent,), {"error_dir": error_dir})  # type: ignore[misc]
     try:
         yield
     finally:
@@ -305,7 +349,7 @@ def single_node_config(
     num_processes: int, rdzv_endpoint: str, start_method: str, log_dir: str, **options: Any
 ) -> LaunchConfig:
     """torch's elastic launcher on this machine: `num_processes` ranks meeting at `rdzv_endpoint` (c10d),
-    no restarts, each rank's error file under `log_dir`."""
+    no restarts unless `options` say, each rank's error file under `log_dir`."""
     return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
