@@ -95,6 +95,19 @@ def offline_runs(run_dir: Path) -> list[WandbRun]:
     return [WandbRun(path) for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))]
 
 
+def written_by_wandb(run_dir: Path, steps: set[int], timeout_s: float = 20.0) -> list[WandbRun]:
+    """`offline_runs` once the last holds an exit record and rows at `steps` (W&B's own process may write
+    the run's last records just after `finish` returns in this process)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = offline_runs(run_dir)
+        if runs and runs[-1].exit_code is not None and steps <= set(runs[-1].rows):
+            return runs
+        if time.monotonic() > deadline:
+            return runs
+        time.sleep(0.2)
+
+
 def logged(run_dir: Path) -> dict[int, dict]:
     """The run's history.jsonl by step (what runner logged)."""
     rows: dict[int, dict] = {}
@@ -198,7 +211,7 @@ def test_accelerators_wandb_tracker_takes_accelerates_arguments(tmp_path, monkey
         {"loss": 0.25, "scores": wandb.Histogram([1, 2, 2, 3])}, step=2
     )  # W&B's own: to W&B as is
     accelerator.end_training()
-    (written,) = offline_runs(tmp_path)
+    (written,) = written_by_wandb(tmp_path, {0, 1, 2})
     assert written.rows[2].pop("scores/_type") == "histogram"
     assert sum(written.rows[2].pop("scores/values")) == 4 and written.rows[2].pop("scores/bins")
     assert written.rows == {0: {"loss": 1.0}, 1: {"loss": 0.5}, 2: {"loss": 0.25}}
@@ -240,7 +253,7 @@ def test_a_resumed_run_gives_wandb_what_a_killed_process_journaled(tmp_path, mon
     resumed.log({"train/loss": 9.0}, step=3)  # logged by the killed process: not again
     resumed.log({"train/loss": 0.25}, step=4)
     resumed.finish()
-    (written,) = offline_runs(tmp_path)
+    (written,) = written_by_wandb(tmp_path, {1, 2, 3, 4})
     assert written.run.run_id == "abcd1234" and written.config["lr"] == 0.1 and written.exit_code == 0
     assert written.rows == {step: {"train/loss": 1.0 / step} for step in (1, 2, 3, 4)}
 
