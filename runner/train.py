@@ -28,7 +28,7 @@ from runner.build import (
     meta_copy,
     meta_training_step,
 )
-from runner.callbacks import Callbacks, PlotCurves
+from runner.callbacks import Callback, Callbacks, PlotCurves
 from runner.checkpoint.checkpointer import ProjectConfiguration
 from runner.checkpoint.resume import (
     JOB_CONFIG_DIR,
@@ -56,6 +56,7 @@ from runner.perf import (
 from runner.rng import rng_kept, set_seed
 from runner.run_log import FILE_ONLY
 from runner.task import Task, batch_units, trains_by_loss
+from runner.trackers.base import Tracker
 from runner.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -172,13 +173,7 @@ class Trainer:
         self.watchdog = Watchdog(trainer.get("hang_timeout_s"), output_dir, engine.process_index)
         self.history = History(output_dir if engine.is_main_process else None)
         evaluating = cfg.get("mode") == "evaluate"  # the eval loop only (`evaluate_only`): no callbacks
-        plotting = {"plots": PlotCurves()} if trainer.plots and not evaluating else {}
-        named = (
-            {}
-            if evaluating
-            else {name: instantiate(node) for name, node in (cfg.get("callbacks") or {}).items()}
-        )
-        self.callbacks = Callbacks(plotting | named)
+        self.callbacks = Callbacks({} if evaluating else built_callbacks(cfg))
         self.stopped: str | None = None  # why a callback ended the run early
         engine.register_for_checkpointing(self.done, self.callbacks)
         self.resume(enabled=not evaluating)
@@ -186,24 +181,7 @@ class Trainer:
         if engine.is_main_process:
             (output_dir / RESOLVED).write_text(OmegaConf.to_yaml(cfg, resolve=True))
         if tracker is not None:
-            run_tags = {
-                "hardware": type(engine.strategy).__name__,
-                "precision": engine.mixed_precision,
-                "world_size": engine.num_processes,
-            }
-            run_name, job_tags = job_identity(output_dir)
-            engine.init_trackers(
-                None,  # each tracker's own project setting
-                config=self.config,
-                # resumed: the steps past the checkpoint that the stopped run logged come again
-                init_kwargs={
-                    tracker.name: {
-                        "tags": run_tags | job_tags,
-                        "resumed_at": self.resumed_at,
-                        "run_name": run_name,
-                    }
-                },
-            )
+            self.start_tracking(tracker)
         log.info(
             "%s %s (%s parameters) %s on %s, %d process(es), precision %s",
             "evaluating" if evaluating else "training",
@@ -224,6 +202,28 @@ class Trainer:
             dynamic_ncols=True,
             # None: drawn on a terminal only (piped to a file, a bar's redraws would be hundreds of lines)
             disable=None if trainer.progress_bar and engine.is_local_main_process else True,
+        )
+
+    def start_tracking(self, tracker: Tracker) -> None:
+        """Open the tracker's run (each tracker's own project setting), named and tagged after the job, with
+        the resolved config; resumed, the steps past the checkpoint that the stopped run logged come again."""
+        engine = self.engine
+        run_tags = {
+            "hardware": type(engine.strategy).__name__,
+            "precision": engine.mixed_precision,
+            "world_size": engine.num_processes,
+        }
+        run_name, job_tags = job_identity(self.output_dir)
+        engine.init_trackers(
+            None,
+            config=self.config,
+            init_kwargs={
+                tracker.name: {
+                    "tags": run_tags | job_tags,
+                    "resumed_at": self.resumed_at,
+                    "run_name": run_name,
+                }
+            },
         )
 
     def resume(self, enabled: bool = True) -> None:
@@ -460,6 +460,12 @@ class Trainer:
         engine.free_memory()
         engine.end_training()
         return self.metrics
+
+
+def built_callbacks(cfg: DictConfig) -> dict[str, Callback]:
+    """The run's callbacks by name: the curves' (`trainer.plots`), then those of `callbacks:`."""
+    plotting: dict[str, Callback] = {"plots": PlotCurves()} if cfg.trainer.plots else {}
+    return plotting | {name: instantiate(node) for name, node in (cfg.get("callbacks") or {}).items()}
 
 
 def job_identity(output_dir: Path) -> tuple[str, dict[str, str]]:

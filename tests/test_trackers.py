@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import wandb
 from conftest import cli_env, run_to_end, runner_command
 from hydra import compose, initialize_config_dir
+from wandb.proto import wandb_internal_pb2 as wandb_pb
 
 from runner import Accelerator
 from runner.config import CONF_DIR
@@ -28,9 +30,6 @@ from runner.schemas import register_configs
 from runner.trackers import WandbTracker
 from runner.trackers.journal import Journal
 from runner.validate import check_job
-
-wandb = pytest.importorskip("wandb")
-from wandb.proto import wandb_internal_pb2 as wandb_pb  # noqa: E402 (W&B is an extra)
 
 TESTS = Path(__file__).parent
 OFFLINE = ("tracker=wandb", "tracker.mode=offline")
