@@ -49,6 +49,12 @@ def fast_dev_run(cfg: DictConfig) -> None:
     cfg.callbacks = {}
 
 
+def records_goodput(cfg: DictConfig) -> bool:
+    """Whether the run keeps a goodput ledger (`runner.goodput`): a training run that records its results
+    (not an inference task, `mode=evaluate` or `trainer.fast_dev_run`)."""
+    return not (is_inference(cfg.task._target_) or cfg.get("mode") == "evaluate" or cfg.trainer.fast_dev_run)
+
+
 def build_model(cfg: DictConfig, data: DataSource) -> torch.nn.Module:
     """The configured model, with the sizes the (set up) data determines (see `model_dims`); built on the
     current default device (`with torch.device("meta")`, `init_empty_weights()` ...)."""

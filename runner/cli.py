@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import hydra
 import torch
@@ -38,7 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hydra_plugins.runner_launcher.launcher import RunnerLauncher
 from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
-from runner.build import fast_dev_run, is_inference, locate
+from runner.build import fast_dev_run, is_inference, locate, records_goodput
 from runner.checkpoint.resume import (
     JOB_CONFIG_DIR,
     LAST,
@@ -49,7 +49,7 @@ from runner.checkpoint.resume import (
     check_resume,
     latest_run,
 )
-from runner.cluster import ClusterEnvironment, launched_environment
+from runner.cluster import ClusterEnvironment, launched_environment, time_before_start
 from runner.config import CONF_SEARCH_PATH
 from runner.errors import (
     EXIT_INTERRUPTED,
@@ -68,6 +68,8 @@ from runner.errors import (
     signal_name,
     write_failure,
 )
+from runner.goodput import SUMMARY, Ledger, end_of_command, job_began
+from runner.goodput import table as goodput_table
 from runner.help import help_text
 from runner.inference import infer
 from runner.launchers import Job
@@ -90,6 +92,7 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
     """One job: validate, then the launcher runs its ranks. Rank 0's final metrics (also in the job dir's
     `metrics.json`) are returned: `trainer.objective` among them is what Hydra's sweepers get."""
     started = time.time()
+    spent = None  # the goodput ledger's sum, once the job ended
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     env = launched_environment()
@@ -113,7 +116,7 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
         else:
             if built.tracker is not None and (env is None or env.rank == 0):
                 built.tracker.warm_up(output_dir)
-            metrics = built.launcher.launch(_job(cfg, hydra_cfg, output_dir, env, built))
+            metrics, spent = _launched(cfg, _job(cfg, hydra_cfg, output_dir, env, built), built, env)
     except (
         ConfigError,
         InstantiationException,
@@ -150,6 +153,8 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
     if not metrics:  # queued, not waited for (launcher.wait=false)
         return metrics
     log.info("final metrics (output dir %s):\n%s", output_dir, _table(metrics))
+    if spent is not None:
+        log.info("time spent (%s):\n%s", output_dir / SUMMARY, goodput_table(spent))
     return _objective(cfg, metrics)
 
 
@@ -246,6 +251,29 @@ def _job(
     )
 
 
+def _launched(
+    cfg: DictConfig, job: Job, built: Built, env: ClusterEnvironment | None
+) -> tuple[dict[str, float], dict[str, Any] | None]:
+    """The launcher runs the job: its metrics, and the goodput ledger's sum (None: not recorded here, or the
+    job goes on). The command's own start is the ledger's first phase; its end is the last."""
+    recorded = records_goodput(cfg) and (env is None or env.rank == 0)
+    ledger = Ledger(job.output_dir if recorded else None, job_began(), time_before_start("stopped"))
+    ledger.lap("startup")
+    try:
+        metrics = built.launcher.launch(job)
+    except (TrainingInterrupted, KeyboardInterrupt):
+        raise  # the run goes on later (resumed, requeued, or queued still): so does its ledger
+    except BaseException:
+        if recorded:
+            end_of_command(job.output_dir)
+        raise
+    if not (recorded and metrics):
+        return metrics, None
+    if HydraConfig.get().mode == RunMode.RUN:
+        CLOSING.append(job.output_dir)
+    return metrics, end_of_command(job.output_dir)
+
+
 def _objective(cfg: DictConfig, metrics: dict[str, float]) -> float | dict[str, float]:
     """What Hydra's sweepers get: `trainer.objective` among the final metrics, or all of them (null)."""
     objective = cfg.trainer.objective
@@ -285,10 +313,18 @@ def _failed(hydra_cfg: DictConfig, output_dir: Path, message: str) -> NoReturn:
 
 def leave_the_heap() -> None:
     """The command's last exit handler: finalise what the run left as cyclic garbage (a writer closing its
-    file, say), then exempt the rest from the collections of the interpreter's shutdown, which would walk
-    the whole heap (torch, its compiler, Hydra) again: about 0.5 s of every command's exit."""
+    file, say), close the goodput ledger of the run this command ran (its `finish` ends here, as late as
+    the command sees), then exempt the rest from the collections of the interpreter's shutdown, which
+    would walk the whole heap (torch, its compiler, Hydra) again: about 0.5 s of every command's exit."""
     gc.collect()
+    while CLOSING:
+        end_of_command(CLOSING.pop())
     gc.freeze()
+
+
+# The run dir whose goodput ledger the command closes at its exit (`leave_the_heap`); a sweep's jobs close
+# theirs as they end.
+CLOSING: list[Path] = []
 
 
 def run() -> None:

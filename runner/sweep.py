@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from runner.checkpoint.resume import FINISHED, JOB_CONFIG_DIR
 from runner.cli import FAILED
 from runner.errors import REPLACED_OPTIONS, ConfigError, describe_compose_error, install_command
+from runner.goodput import SUMMARY
 from runner.history import read_history
 from runner.plots import ranked, sweep_figures
 from runner.validate import check_job
@@ -40,6 +41,7 @@ class JobResult:
     overrides: dict[str, str]
     metrics: dict[str, float]
     failure: str | None = None  # why its training failed (its dir's failed.json), else None: it finished
+    spent: dict[str, Any] | None = None  # its goodput ledger's sum (goodput.json), where it has one
 
 
 class SweepCheck(Callback):
@@ -105,10 +107,11 @@ class SweepSummary(Callback):
                 *(["failed" if job.failure else "finished"] if failed else []),
                 order.index(job.name) + 1 if job.name in order else None,
                 *(job.metrics.get(m) for m in metrics),
+                *([job.spent["goodput"], job.spent["wall_s"]] if job.spent else [None, None]),
             ]
             for job in jobs
         ]
-        header = ["job", *swept, *status, f"rank ({objective})", *metrics]
+        header = ["job", *swept, *status, f"rank ({objective})", *metrics, "goodput", "wall_s"]
         with open(sweep_dir / "summary.csv", "w", newline="") as f:
             csv.writer(f).writerows([header, *rows])
         log.info("sweep summary (%s):\n%s", sweep_dir, format_table(header, rows))
@@ -119,6 +122,7 @@ class SweepSummary(Callback):
         pictures = draw(jobs, swept, objective, results, direction, sweep_dir) if metrics else []
         if config.tracker.get("_target_"):
             instantiate(config.tracker).end_sweep(sweep_dir, [sweep_dir / "summary.csv", *pictures])
+        log_time_spent(jobs)
         if failed:  # the sweep ran its other jobs; the command says which failed, and fails
             log.error(
                 "%d of %d job(s) failed: %s",
@@ -178,10 +182,29 @@ def read_jobs(sweep_dir: Path) -> list[JobResult]:
                 overrides=dict(str(o).split("=", 1) for o in overrides if "=" in str(o)),
                 metrics=json.loads(finished.read_text()) if finished.is_file() else {},
                 failure=None if finished.is_file() else json.loads((job_dir / FAILED).read_text())["message"],
+                spent=json.loads((job_dir / SUMMARY).read_text()) if (job_dir / SUMMARY).is_file() else None,
             )
         )
     return sorted(
         jobs, key=lambda job: (not job.name.isdigit(), int(job.name) if job.name.isdigit() else job.name)
+    )
+
+
+def log_time_spent(jobs: list[JobResult]) -> None:
+    """One line for the sweep's time: its jobs' wall time and productive step time added up (their
+    `goodput.json`), and how many restarts and lost steps they had."""
+    spent = [job.spent for job in jobs if job.spent]
+    if not spent:
+        return
+    wall = sum(s["wall_s"] for s in spent)
+    train = sum(s["phases_s"].get("train", 0.0) for s in spent)
+    log.info(
+        "time spent by %d job(s): %.1f s, goodput %.1f%% (%d restart(s), %d step(s) lost)",
+        len(spent),
+        wall,
+        100 * train / wall if wall else 0.0,
+        sum(s["restarts"] for s in spent),
+        sum(s["lost_steps"] for s in spent),
     )
 
 

@@ -8,6 +8,7 @@ import logging
 import math
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -27,6 +28,7 @@ from runner.build import (
     load_start_weights,
     meta_copy,
     meta_training_step,
+    records_goodput,
 )
 from runner.callbacks import Callback, Callbacks, PlotCurves
 from runner.checkpoint.checkpointer import ProjectConfiguration
@@ -39,9 +41,11 @@ from runner.checkpoint.resume import (
     resume_hint,
     resume_override,
 )
+from runner.cluster import time_before_start
 from runner.data.base import DataSource, pins_memory
 from runner.engine import Accumulation, Engine, Loading
 from runner.errors import TrainingDiverged, TrainingInterrupted, signal_name
+from runner.goodput import Ledger, job_began, tracked, write_summary
 from runner.hardware.base import Strategy
 from runner.history import History
 from runner.perf import (
@@ -114,6 +118,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -> None:
+        began = time.time()
         self.settings = trainer = cfg.trainer
         tracker = instantiate(cfg.tracker) if cfg.tracker._target_ else None
         self.engine = engine = Engine(
@@ -136,6 +141,13 @@ class Trainer:
         self.output_dir = output_dir = Path(engine.broadcast_object_list([str(output_dir)])[0])
         engine.project_configuration.project_dir = str(output_dir)
         self.checkpointer.number_after_existing()
+        # The goodput ledger: the main process's phases.
+        recorded = engine.is_main_process and records_goodput(cfg)
+        self.ledger = ledger = Ledger(
+            output_dir if recorded else None, job_began(), time_before_start("startup")
+        )
+        ledger.lap("startup", until=began)
+        ledger.lap("rendezvous")
         set_seed(trainer.seed)
 
         with engine.main_process_first():
@@ -148,6 +160,7 @@ class Trainer:
         )
         self.train_loader.limit_batches = trainer.limit_train_batches
         self.eval_loader.limit_batches = trainer.limit_eval_batches
+        ledger.lap("data")
         model = build_model(cfg, data)
         self.throughput = throughput_meter(cfg, data, model, engine)
         if cfg.checkpoint is not None:  # fine-tune from these weights
@@ -176,12 +189,15 @@ class Trainer:
         self.callbacks = Callbacks({} if evaluating else built_callbacks(cfg))
         self.stopped: str | None = None  # why a callback ended the run early
         engine.register_for_checkpointing(self.done, self.callbacks)
+        ledger.lap("setup")
         self.resume(enabled=not evaluating)
+        ledger.lap("restore", resumed_at=self.done.step)
         self.config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
         if engine.is_main_process:
             (output_dir / RESOLVED).write_text(OmegaConf.to_yaml(cfg, resolve=True))
         if tracker is not None:
             self.start_tracking(tracker)
+        ledger.lap("setup")
         log.info(
             "%s %s (%s parameters) %s on %s, %d process(es), precision %s",
             "evaluating" if evaluating else "training",
@@ -255,9 +271,10 @@ class Trainer:
         with self.running() as (received, profiler):
             self.callbacks.on_fit_start(self)
             self.throughput.restart()
+            warming_up = True  # the attempt's first step
             while done.step < self.total_steps and self.stopped is None:
                 self.train_loader.set_epoch(done.epoch)
-                for batch in self.batches_left_in_epoch():
+                for batch in self.ledger.batches(self.batches_left_in_epoch()):
                     try:
                         self.train_step(batch)
                     except Exception as err:  # which step, for the user's report of it (describe_exception)
@@ -271,6 +288,8 @@ class Trainer:
                     self.throughput.step()
                     self.progress.update()
                     self.watchdog.progress("training", done.step)
+                    self.ledger.step_done(done.step, first=warming_up)
+                    warming_up = False
                     if profiler is not None:
                         profiler.step()
                     last = done.step >= self.total_steps
@@ -281,6 +300,7 @@ class Trainer:
                     if self.due(trainer.checkpoint_every):
                         self.watchdog.progress("checkpointing", done.step)
                         path = engine.save_state(blocking=not trainer.async_checkpoint)
+                        self.ledger.lap("checkpoint", step=done.step)
                         log.info("checkpoint %s", path)
                         self.callbacks.on_checkpoint(self, Path(path))
                     self.stop_if_signalled(received)
@@ -363,6 +383,7 @@ class Trainer:
         RNGs (the eval loader's seed, say) is not training's: how often a run evaluates does not change it."""
         with rng_kept():
             evaluated = evaluate(self.engine, self.model, self.task, self.eval_loader, self.evaluating)
+        self.ledger.lap("eval", step=self.done.step)
         self.log_metrics(evaluated)
         log.info("step %d/%d: %s", self.done.step, self.total_steps, _fmt(evaluated))
         self.callbacks.on_eval_end(self, evaluated)
@@ -396,6 +417,7 @@ class Trainer:
             engine.set_trigger()
         if step % self.settings.log_every == 0 and engine.check_trigger():
             path = engine.save_state()
+            self.ledger.lap("checkpoint", step=step)
             self.callbacks.on_checkpoint(self, Path(path))
             signum = received[0] if received else None  # None: another rank was signalled
             raise TrainingInterrupted(
@@ -427,6 +449,7 @@ class Trainer:
                 raise
             finally:
                 self.watchdog.stop()
+                self.ledger.flush()  # the steps of a run that failed: lost, once it resumes
 
     def finish(self) -> dict[str, float]:
         """Evaluate a run that had nothing left to train, save the model, log the artifacts, and release
@@ -443,6 +466,11 @@ class Trainer:
             if engine.is_main_process and hasattr(model_config, "save_pretrained"):
                 model_config.save_pretrained(output_dir / "model")
         engine.wait_for_checkpoint()  # one of the last step, written in the background, is whole
+        if self.ledger.recording:  # the time so far, for the trackers; the command adds its own end
+            self.ledger.lap("finish")
+            spent = tracked(write_summary(output_dir))
+            self.history.add(self.done.step, spent)
+            engine.log(spent, step=self.done.step)
         if self.settings.fast_dev_run:
             log.info("trainer.fast_dev_run: everything ran; no results recorded")
         elif engine.is_main_process:  # the results are whole: a run in this dir now finds them finished

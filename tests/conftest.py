@@ -110,7 +110,7 @@ def cli_env(pythonpath: Path | None = None) -> dict[str, str]:
 def metrics_of(proc: subprocess.CompletedProcess) -> dict[str, float]:
     """The final metrics table that `python -m runner` logs, but the `perf/*` measurements (throughput
     and memory differ from run to run)."""
-    lines = proc.stderr.split("final metrics")[1].splitlines()[1:]
+    lines = proc.stderr.split("final metrics")[1].split("time spent")[0].splitlines()[1:]
     return {
         name: float(value)
         for name, value in (line.split() for line in lines if line.startswith("  "))

@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.cluster",
             "runner.run_log",
             "runner.history",
+            "runner.goodput",
             "runner.plots",
             "runner.config",
             "runner.perf",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -20,6 +21,8 @@ from hydra import compose, initialize_config_dir
 from runner.cli import checks_before_launch
 from runner.config import CONF_DIR
 from runner.errors import ConfigError
+from runner.goodput import read_ledger, summarize
+from runner.history import read_history
 from runner.schemas import register_configs
 
 pytestmark = pytest.mark.slow
@@ -47,14 +50,66 @@ def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[int, bytes]:
-    weights = {}
+def references(tmp_path_factory) -> dict[int, tuple[Path, float]]:
+    """The uninterrupted runs on 1 and 2 ranks: their dirs and the wall time of their commands."""
+    made = {}
+    cli_env()  # made once (it may start a server): not part of the commands' time
     for ranks, overrides in RANKS.items():
         run_dir = tmp_path_factory.mktemp(f"reference{ranks}")
+        began = time.time()
         proc = run(run_dir, *TRAIN, *overrides)
+        made[ranks] = (run_dir, time.time() - began)
         assert proc.returncode == 0, proc.stderr
-        weights[ranks] = (run_dir / "model" / "model.safetensors").read_bytes()
-    return weights
+    return made
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(references) -> dict[int, bytes]:
+    return {
+        ranks: (run_dir / "model" / "model.safetensors").read_bytes()
+        for ranks, (run_dir, _) in references.items()
+    }
+
+
+# What no ledger record can see: torch's own teardown after the command's last exit handler (~0.1 s here).
+TEARDOWN_S = 0.3
+
+
+def spent(run_dir: Path) -> dict:
+    """The run's goodput.json, checked against its ledger: the phases add up to its wall time."""
+    summary = json.loads((run_dir / "goodput.json").read_text())
+    assert sum(summary["phases_s"].values()) == pytest.approx(summary["wall_s"], rel=1e-6)
+    assert summary == summarize(read_ledger(run_dir))
+    return summary
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_goodput_ledger_of_an_undisturbed_run_accounts_for_its_wall_time(references, ranks):
+    run_dir, measured = references[ranks]
+    summary = spent(run_dir)
+    assert measured - TEARDOWN_S - 0.02 * measured <= summary["wall_s"] <= measured
+    phases = summary["phases_s"]
+    assert {
+        "startup",
+        "rendezvous",
+        "data",
+        "setup",
+        "warmup",
+        "train",
+        "checkpoint",
+        "eval",
+        "finish",
+    } <= set(phases)
+    assert not {"lost", "restart", "stopped", "queued", "other"} & set(phases)
+    assert (summary["attempts"], summary["restarts"], summary["lost_steps"]) == (1, 0, 0)
+    assert summary["goodput"] == phases["train"] / summary["wall_s"]
+    said = (run_dir / "runner.log").read_text()
+    # The console's table, made as the job ended (goodput.json adds the command's last moments).
+    assert re.search(
+        rf"time spent \({run_dir / 'goodput.json'}\):\ngoodput [\d.]+% of [\d.]+ s\n  train ", said
+    )
+    history = [row for row in read_history(run_dir) if "goodput/goodput" in row]  # the tracker's too
+    assert len(history) == 1 and history[0]["step"] == 300 and 0 < history[0]["goodput/goodput"] < 1
 
 
 @pytest.mark.parametrize(
@@ -143,9 +198,18 @@ def test_kill_9_after_a_checkpoint_then_rerun_finishes_identically(tmp_path, uni
         os.kill(rank, signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode != 0
+    killed = read_ledger(tmp_path)  # what the killed run recorded, on disk
     rerun = run(tmp_path, *TRAIN, *RANKS[ranks], "tracker=mlflow")
     assert rerun.returncode == 0, rerun.stderr
     assert (tmp_path / "model" / "model.safetensors").read_bytes() == uninterrupted[ranks]
+    # The rerun continued the killed run's ledger: two attempts, the steps past its checkpoint lost.
+    records = read_ledger(tmp_path)
+    assert records[: len(killed)] == killed and len(records) > len(killed)
+    summary = spent(tmp_path)
+    resumed_at = next(r["resumed_at"] for r in records[len(killed) :] if "resumed_at" in r)
+    trained = max((r["step"] for r in killed if r["phase"] in ("warmup", "train")), default=0)
+    assert summary["attempts"] == 2 and summary["lost_steps"] == max(0, trained - resumed_at)
+    assert summary["phases_s"]["stopped"] > 0  # from the kill to the rerun's start
     # The steps after the checkpoint, logged by the killed run and again by the rerun, are in its MLflow
     # run once (in the store when the rerun exits).
     assert_each_step_logged_once(tmp_path, "train/loss", list(range(10, 301, 10)))
@@ -154,15 +218,34 @@ def test_kill_9_after_a_checkpoint_then_rerun_finishes_identically(tmp_path, uni
 def test_a_rank_killed_mid_run_is_restarted_in_the_job_and_finishes_identically(tmp_path, uninterrupted):
     """launcher.max_restarts=1: rank 1 killed (-9) after a checkpoint, the rank group starts again in the
     same job, resumes from the latest checkpoint and ends bitwise as the uninterrupted run."""
+    cli_env()
+    began = time.time()
     proc = start(tmp_path, *TRAIN, *RANKS[2], "launcher.max_restarts=1")
     wait_for_checkpoint(tmp_path, proc)
     rank = int(subprocess.check_output(["pgrep", "-P", str(proc.pid), "-n"], text=True).split()[0])
     os.kill(rank, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=300)
+    measured = time.time() - began
     assert proc.returncode == 0, stderr
-    assert "was killed by SIGKILL: restart 1 of 1, the ranks resume from the run's latest checkpoint" in stderr
+    assert (
+        "was killed by SIGKILL: restart 1 of 1, the ranks resume from the run's latest checkpoint" in stderr
+    )
     assert "resumed from" in stderr
     assert (tmp_path / "model" / "model.safetensors").read_bytes() == uninterrupted[2]
+    # The ledger: one restart, and the steps the first attempt trained past the checkpoint resumed from lost.
+    summary = spent(tmp_path)
+    records = read_ledger(tmp_path)
+    resumed_at = [r["resumed_at"] for r in records if "resumed_at" in r]
+    assert resumed_at[0] == 0 and resumed_at[1] > 0
+    trained = max(
+        r["step"]
+        for r in records[: records.index(next(r for r in records if r.get("before") == "restart"))]
+        if r["phase"] == "train"
+    )
+    assert (summary["attempts"], summary["restarts"]) == (2, 1)
+    assert summary["lost_steps"] == trained - resumed_at[1] and summary["phases_s"]["restart"] > 0
+    assert abs(summary["wall_s"] - measured) <= 0.02 * measured
+    assert f"1 restart(s), {trained - resumed_at[1]} step(s) lost" in stderr
 
 
 def assert_each_step_logged_once(run_dir: Path, metric: str, steps: list[int]) -> None:

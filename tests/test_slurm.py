@@ -4,6 +4,7 @@ slurmd, slurmdbd; `bash .ci/slurm.sh up` starts it, as CI does). Without one the
 from __future__ import annotations
 
 import csv
+import json
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from conftest import cli_env, metrics_of, runner_command
+
+from runner.goodput import read_ledger
 
 pytestmark = pytest.mark.slow
 
@@ -108,6 +111,10 @@ def test_a_sweep_runs_as_a_slurm_array_with_one_dir_per_job(slurm, tmp_path):
     with open(sweep / "summary.csv") as f:
         rows = list(csv.DictReader(f))
     assert [row["optimizer.lr"] for row in rows] == ["0.001", "0.0001"]
+    assert all(
+        0 < float(row["goodput"]) < 1 and float(row["wall_s"]) > 0 for row in rows
+    )  # each job's ledger
+    assert "time spent by 2 job(s): " in proc.stdout
     for job in ("0", "1"):
         assert (sweep / job / "metrics.json").exists() and (sweep / job / "model").is_dir()
         log = (sweep / job / "runner.log").read_text()
@@ -141,9 +148,11 @@ def test_a_preempted_job_requeues_itself_and_ends_bitwise_equal_to_an_uninterrup
     reference = run(tmp_path / "reference", "hardware=multi_gpu", "hardware.num_processes=2", *train)
     assert reference.returncode == 0, reference.stderr
     run_dir = tmp_path / "run"
+    env = cli_env()
+    began = time.time()
     proc = subprocess.Popen(
         runner_command(run_dir, *TWO_TASKS, *train),
-        env=cli_env(),
+        env=env,
         cwd=tmp_path,
         stderr=subprocess.PIPE,
         text=True,
@@ -156,6 +165,7 @@ def test_a_preempted_job_requeues_itself_and_ends_bitwise_equal_to_an_uninterrup
             time.sleep(0.05)
         subprocess.run(["scancel", "--signal=USR2", job], check=True)  # what SLURM sends before preempting
         _, stderr = proc.communicate(timeout=240)
+        measured = time.time() - began
     finally:
         proc.kill()
     assert proc.returncode == 0, stderr
@@ -164,6 +174,15 @@ def test_a_preempted_job_requeues_itself_and_ends_bitwise_equal_to_an_uninterrup
     assert "resumed from" in (run_dir / "runner.log").read_text()
     weights = [d / "model" / "model.safetensors" for d in (run_dir, tmp_path / "reference")]
     assert weights[0].read_bytes() == weights[1].read_bytes()
+    # The ledger: the queue before each attempt (the first and the requeued), nothing lost (the
+    # preempted attempt checkpointed where it stopped), and its phases account for the command's time.
+    summary = json.loads((run_dir / "goodput.json").read_text())
+    assert (summary["attempts"], summary["restarts"], summary["lost_steps"]) == (2, 0, 0)
+    assert summary["phases_s"]["queued"] > 0 and "lost" not in summary["phases_s"]
+    assert sum(summary["phases_s"].values()) == pytest.approx(summary["wall_s"])
+    assert abs(summary["wall_s"] - measured) <= 0.02 * measured
+    queued = [r for r in read_ledger(run_dir) if r.get("before") == "queued"]
+    assert len(queued) == 2  # each attempt's first record says the time before it was the queue
 
 
 def test_a_job_whose_rank_is_killed_is_reported_failed(slurm, tmp_path):

@@ -399,7 +399,7 @@ def test_a_server_that_is_not_there_costs_one_warning_and_keeps_everything(run_c
     events = (proc.run_dir / "tracking" / "events.jsonl").read_text().splitlines()
     assert [json.loads(line)["op"] for line in events].count(
         "metrics"
-    ) == 6 + 3  # train every 5, eval every 10
+    ) == 6 + 3 + 1  # train every 5, eval every 10, the goodput at the end
     state = json.loads((proc.run_dir / "tracking" / "delivered.json").read_text())
     assert state["delivered"] == 0 and f"127.0.0.1:{closed}" in state["error"]  # nothing was sent
 
@@ -444,8 +444,8 @@ def test_a_waiting_run_waits_for_its_records_at_most_finish_timeout_s(server, tm
         assert delivered.returncode == 0
         state = json.loads((tmp_path / "first" / "tracking" / "delivered.json").read_text())  # read at exit
         assert (
-            state["closed"] == state["delivered"] == 2 + 6 + 3 + 2 + 1
-        )  # start, params, metrics, artifacts, end
+            state["closed"] == state["delivered"] == 2 + 6 + 3 + 1 + 2 + 1
+        )  # start, params, metrics, goodput, artifacts, end
         server.pause()
         with open(tmp_path / "stderr", "w") as stderr:
             code = subprocess.run(

@@ -10,8 +10,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from runner.cluster.base import ClusterEnvironment
-from runner.cluster.slurm import SlurmEnvironment
-from runner.cluster.torchelastic import TorchElasticEnvironment
+from runner.cluster.slurm import SlurmEnvironment, slurm_job_id
+from runner.cluster.torchelastic import TorchElasticEnvironment, restart_count
 
 __all__ = [
     "ENVIRONMENTS",
@@ -23,6 +23,7 @@ __all__ = [
     "launched_environment",
     "patch_environment",
     "rank_variables",
+    "time_before_start",
 ]
 
 # The places a rank may come from, tried in order: the first whose variables are set says where it sits.
@@ -32,6 +33,16 @@ ENVIRONMENTS: tuple[type[ClusterEnvironment], ...] = (TorchElasticEnvironment, S
 def launched_environment() -> ClusterEnvironment | None:
     """The rank this process is, when a launcher started it; None when it is a plain process."""
     return next((found for kind in ENVIRONMENTS if (found := kind.detect()) is not None), None)
+
+
+def time_before_start(otherwise: str) -> str:
+    """What the time before this process started was, as the goodput ledger names it: "restart" in a rank
+    group that torch's agent restarted, "queued" in a SLURM job (its queue, a requeue), else `otherwise`."""
+    if restart_count():
+        return "restart"
+    if slurm_job_id() is not None:
+        return "queued"
+    return otherwise
 
 
 def export_local_rank(local_rank: int) -> None:

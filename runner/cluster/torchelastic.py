@@ -40,7 +40,7 @@ class TorchElasticEnvironment(ClusterEnvironment):
         prefix of its own for this attempt. The agent keeps one store across attempts, and the keys that the
         failed attempt's ranks wrote there (their gloo addresses) would make the new ranks connect to ranks
         that are gone. The first attempt meets by torch's `env://` (None)."""
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        attempt = restart_count()
         if not attempt:
             return None
         import torch.distributed as dist  # here: the tracker's sender reads this package without torch
@@ -54,3 +54,8 @@ class TorchElasticEnvironment(ClusterEnvironment):
             timeout=timeout,
         )
         return dist.PrefixStore(f"runner/attempt_{attempt}", store)
+
+
+def restart_count() -> int:
+    """How many times torch's elastic agent restarted this rank's group (0: the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))

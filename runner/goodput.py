@@ -1,0 +1,246 @@
+"""The goodput ledger: where a run's wall time went, by phase, from the command that launched it to its end,
+across every restart, requeue and re-run in the same dir.
+
+The command and the main rank of each attempt append intervals to `<run dir>/goodput.jsonl` as they end
+(one line each, on disk once written: a killed process leaves what it recorded, and the next attempt
+continues the file). A time no record covers (the queue, an elastic restart, a run that was not running)
+belongs to the phase the record after it names in `before`. Steps trained after the checkpoint a later
+attempt resumed from become `lost`. `summarize` adds it all up; `goodput.json` and the console's table are
+its result. Goodput is productive step time over wall time (docs/checkpoints.md compares it with Google's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from runner.checkpoint.files import atomic_write_text
+
+LEDGER = "goodput.jsonl"  # in the run dir: the intervals, appended
+SUMMARY = "goodput.json"  # in the run dir: their sum (`summarize`)
+FLUSH_S = 5.0  # training steps are written together, at least this often (and at every other phase)
+
+# Each phase, what its time is, in the order of the table.
+PHASES = {
+    "train": "productive training steps (goodput)",
+    "queued": "waiting for the scheduler (a SLURM job pending, requeued)",
+    "stopped": "no process ran (between a command that ended and the next in the dir)",
+    "startup": "process start, imports, the checks before launch",
+    "restart": "a failed attempt's end until the restarted ranks began",
+    "rendezvous": "process group and device set-up",
+    "data": "building the data and its loaders",
+    "setup": "building and preparing the model, opening the tracker's run",
+    "restore": "loading the checkpoint resumed from",
+    "warmup": "each attempt's first step (compilation, allocator, autotuning)",
+    "data_wait": "steps waiting for their batches",
+    "checkpoint": "checkpoint saves (the blocking part)",
+    "eval": "evaluation",
+    "lost": "steps trained after the last checkpoint, discarded by a failure",
+    "finish": "saving the model, closing trackers, exit",
+    "other": "time no record accounts for",
+}
+# The phases that belong to optimizer steps: those past the checkpoint a later attempt resumed from are lost.
+STEP_WORK = ("warmup", "train", "checkpoint", "eval")
+
+T = TypeVar("T")
+
+
+class Ledger:
+    """Appends one process's phases to `<run_dir>/goodput.jsonl` (None: records nothing, the other ranks).
+
+    A phase is the time since the previous one ended (`lap`), from `began`; the first record says what the
+    time before it was (`before`). Training steps (`step_done`) are coalesced into one record per `FLUSH_S`
+    and written before any other phase, with the time they waited for batches (`batches`).
+    """
+
+    def __init__(self, run_dir: Path | None, began: float, before: str) -> None:
+        self.path = None if run_dir is None else Path(run_dir) / LEDGER
+        self.mark = began
+        self.before: str | None = before
+        self.waited = 0.0  # seconds the steps since the last record waited for batches
+        self._steps: dict[str, Any] | None = None  # the training steps not yet written
+
+    @property
+    def recording(self) -> bool:
+        return self.path is not None
+
+    def lap(self, phase: str, until: float | None = None, **facts: Any) -> None:
+        """The time since the last phase ended (until `until`, else now) was `phase`; `facts` go with it."""
+        if self.path is None:
+            return
+        self.flush()
+        now = time.time() if until is None else until
+        self._write({"phase": phase, "t0": self.mark, "t1": now, **facts})
+        self.mark = now
+
+    def step_done(self, step: int, first: bool = False) -> None:
+        """Optimizer step `step` ended; `first`: the attempt's first (its warm-up)."""
+        if self.path is None:
+            return
+        if first:
+            self.lap("warmup", step=step, waited=self._take_waited())
+            return
+        now = time.time()
+        steps = self._steps
+        if steps is None:
+            steps = self._steps = {"phase": "train", "t0": self.mark, "first": step}
+        steps["t1"], steps["step"] = now, step
+        self.mark = now
+        if now - steps["t0"] >= FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the training steps not yet written."""
+        if self._steps is not None:
+            steps, self._steps = self._steps, None
+            self._write({**steps, "waited": self._take_waited()})
+
+    def batches(self, loader: Iterable[T]) -> Iterator[T]:
+        """`loader`'s batches, the time spent waiting for each added to the steps' data wait."""
+        batches = iter(loader)
+        while True:
+            began = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.waited += time.perf_counter() - began
+            yield batch
+
+    def _take_waited(self) -> float:
+        waited, self.waited = self.waited, 0.0
+        return round(waited, 6)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.before is not None:
+            record["before"], self.before = self.before, None
+        line = json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}) + "\n"
+        with open(self.path, "a") as f:  # type: ignore[arg-type]
+            f.write(line)
+
+
+def end_of_command(run_dir: Path) -> dict[str, Any] | None:
+    """The launching command ends: the time since the last record is `finish`; the ledger summed into
+    `goodput.json`. The summary, None where the run recorded nothing."""
+    path = Path(run_dir) / LEDGER
+    if not path.is_file():
+        return None
+    global _job_ended
+    now = _job_ended = time.time()
+    with open(path, "a") as f:
+        f.write(json.dumps({"phase": "finish", "t0": now, "t1": now, "before": "finish"}) + "\n")
+    return write_summary(run_dir)
+
+
+def write_summary(run_dir: Path) -> dict[str, Any]:
+    """`goodput.json` in `run_dir`: the ledger summed (`summarize`); returned."""
+    summary = summarize(read_ledger(run_dir))
+    atomic_write_text(Path(run_dir) / SUMMARY, json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def read_ledger(run_dir: Path) -> list[dict[str, Any]]:
+    """The ledger's records (whole lines only: a line cut by a kill is left out)."""
+    path = Path(run_dir) / LEDGER
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Seconds per phase over the records' span (they add up to it: overlaps count once, a gap goes to the
+    `before` of the record after it, else `other`); step work past the step a later attempt resumed from
+    is `lost`. `goodput`: train / wall."""
+    records = sorted(records, key=lambda r: r["t0"])
+    seconds = [0.0] * len(records)
+    phases = dict.fromkeys(PHASES, 0.0)
+    cursor = records[0]["t0"] if records else 0.0
+    for i, record in enumerate(records):
+        if record["t0"] > cursor:
+            gap = record.get("before", "other")
+            phases[gap if gap in phases else "other"] += record["t0"] - cursor
+        seconds[i] = max(0.0, record["t1"] - max(record["t0"], cursor))
+        cursor = max(cursor, record["t1"])
+    lost_steps = 0
+    resumed_later = float("inf")  # the lowest step an attempt after the record resumed from
+    for i in reversed(range(len(records))):
+        record = records[i]
+        step = record.get("step")
+        if record["phase"] in STEP_WORK and step is not None and step > resumed_later:
+            phases["lost"] += seconds[i]
+            if record["phase"] in ("warmup", "train"):
+                lost_steps += step - max(record.get("first", step), int(resumed_later) + 1) + 1
+        else:
+            waited = min(record.get("waited", 0.0), seconds[i])
+            phases["data_wait"] += waited
+            phases[record["phase"] if record["phase"] in phases else "other"] += seconds[i] - waited
+        if "resumed_at" in record:
+            resumed_later = min(resumed_later, record["resumed_at"])
+    wall = cursor - records[0]["t0"] if records else 0.0
+    return {
+        "goodput": phases["train"] / wall if wall > 0 else 0.0,
+        "wall_s": wall,
+        "phases_s": {name: value for name, value in phases.items() if value > 0},
+        "attempts": sum(1 for r in records if "resumed_at" in r),
+        "restarts": sum(1 for r in records if r.get("before") == "restart"),
+        "lost_steps": lost_steps,
+    }
+
+
+def table(summary: dict[str, Any]) -> str:
+    """The summary as the console shows it: a headline, then a line per phase with time."""
+    wall = summary["wall_s"]
+    counts = [f"{summary['attempts']} attempt(s)"] if summary["attempts"] > 1 else []
+    if summary["restarts"]:
+        counts.append(f"{summary['restarts']} restart(s)")
+    if summary["lost_steps"]:
+        counts.append(f"{summary['lost_steps']} step(s) lost")
+    lines = [f"goodput {summary['goodput']:.1%} of {wall:.1f} s{''.join(', ' + c for c in counts)}"]
+    for name, value in summary["phases_s"].items():
+        lines.append(f"  {name:<10} {value:9.2f} s  {value / wall if wall else 0:6.1%}  {PHASES[name]}")
+    return "\n".join(lines)
+
+
+def tracked(summary: dict[str, Any]) -> dict[str, float]:
+    """The summary as the trackers' `goodput/*` metrics."""
+    return {
+        "goodput/goodput": summary["goodput"],
+        "goodput/wall_s": summary["wall_s"],
+        "goodput/restarts": float(summary["restarts"]),
+        "goodput/lost_steps": float(summary["lost_steps"]),
+        **{f"goodput/{name}_s": value for name, value in summary["phases_s"].items()},
+    }
+
+
+def job_began() -> float:
+    """When this process's job began: when the process started, or, after a job of its own (a sweep's jobs
+    run one after another in one process), when that one ended."""
+    return _job_ended or process_start_time()
+
+
+_job_ended: float | None = None  # when the last job this process ran ended (`end_of_command`)
+
+
+def process_start_time() -> float:
+    """When this process started (wall clock, to 10 ms), from its start time since boot on Linux;
+    elsewhere, when this module was imported."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22, starttime, after the command name
+        since = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - since
+    except (OSError, ValueError, IndexError, AttributeError):
+        return IMPORTED
+
+
+IMPORTED = time.time()

@@ -1,0 +1,145 @@
+"""The goodput ledger's arithmetic, in this process: what its records add up to. The runs that write it (an
+undisturbed one, a restarted one, a killed one continued, a requeued SLURM job, a sweep) are checked where
+those runs are made: test_resume.py, test_slurm.py, test_sweep_resume.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from runner.goodput import LEDGER, PHASES, Ledger, process_start_time, read_ledger, summarize, table
+
+
+def record(phase: str, t0: float, t1: float, **facts) -> dict:
+    return {"phase": phase, "t0": t0, "t1": t1, **facts}
+
+
+def test_phases_add_up_to_the_span_with_gaps_given_to_the_record_after_them():
+    records = [
+        record("startup", 0.0, 2.0, before="stopped"),  # the command
+        record(
+            "startup", 0.0, 2.5, before="startup"
+        ),  # the rank, in the same process: overlaps, counted once
+        record("rendezvous", 3.0, 3.5),  # 0.5 s before it no record covers: `other`
+        record("train", 3.5, 9.5, first=1, step=60, waited=1.0),
+        record("finish", 10.0, 10.0, before="finish"),
+    ]
+    summary = summarize(records)
+    assert summary["wall_s"] == 10.0
+    assert summary["phases_s"] == {
+        "train": 5.0,
+        "startup": 2.5,
+        "rendezvous": 0.5,
+        "data_wait": 1.0,
+        "finish": 0.5,
+        "other": 0.5,
+    }
+    assert sum(summary["phases_s"].values()) == pytest.approx(summary["wall_s"])
+    assert summary["goodput"] == 0.5
+    assert list(summary["phases_s"]) == [name for name in PHASES if name in summary["phases_s"]]
+
+
+def test_steps_past_the_checkpoint_a_later_attempt_resumed_from_are_lost():
+    """Attempt 1 trains 1-12 (a checkpoint at 8) and dies; attempt 2, restarted, resumes at 8, trains 9-20
+    (a checkpoint at 16) and dies at 18; attempt 3 resumes at 16 and finishes."""
+    records = [
+        record("restore", 0, 1, resumed_at=0),
+        record("warmup", 1, 2, step=1),
+        record("train", 2, 9, first=2, step=8),
+        record("checkpoint", 9, 10, step=8),
+        record("train", 10, 14, first=9, step=12, waited=0.5),
+        record("startup", 16, 17, before="restart"),  # 14-16: the restart
+        record("restore", 17, 18, resumed_at=8),
+        record("warmup", 18, 19, step=9),
+        record("train", 19, 26, first=10, step=16),
+        record("checkpoint", 26, 27, step=16),
+        record("train", 27, 29, first=17, step=18),
+        record("startup", 30, 31, before="restart"),
+        record("restore", 31, 32, resumed_at=16),
+        record("warmup", 32, 33, step=17),
+        record("train", 33, 36, first=18, step=20),
+    ]
+    summary = summarize(records)
+    assert summary["lost_steps"] == 4 + 2  # 9-12 of the first attempt, 17-18 of the second
+    assert summary["phases_s"]["lost"] == 4 + 2  # their records' time, data wait included
+    assert summary["phases_s"]["restart"] == 2 + 1
+    assert summary["phases_s"]["train"] == 7 + 7 + 3
+    assert "data_wait" not in summary["phases_s"]  # the lost steps' wait is lost
+    assert (summary["attempts"], summary["restarts"]) == (3, 2)
+    said = table(summary)
+    assert said.startswith("goodput 47.2% of 36.0 s, 3 attempt(s), 2 restart(s), 6 step(s) lost\n")
+    assert "  lost            6.00 s   16.7%  steps trained after the last checkpoint" in said
+
+
+def test_a_run_started_afresh_in_the_dir_loses_every_step_before_it():
+    records = [
+        record("restore", 0, 1, resumed_at=0),
+        record("train", 1, 5, first=1, step=40),
+        record("startup", 100, 101, before="stopped"),  # the next command, 95 s later
+        record("restore", 101, 102, resumed_at=0),
+        record("train", 102, 106, first=1, step=40),
+    ]
+    summary = summarize(records)
+    assert summary["lost_steps"] == 40 and summary["phases_s"]["lost"] == 4
+    assert summary["phases_s"]["stopped"] == 95
+
+
+def test_the_ledger_coalesces_steps_and_writes_each_phase_as_it_ends(tmp_path, monkeypatch):
+    clock = iter(float(t) for t in range(1, 100))
+    monkeypatch.setattr("runner.goodput.time.time", lambda: next(clock))
+    ledger = Ledger(tmp_path, 0.0, "startup")
+    ledger.lap("setup")  # 0-1
+    for step in (1, 2, 3):  # 1-2, 2-3, 3-4
+        ledger.step_done(step, first=step == 1)
+    assert [r["phase"] for r in read_ledger(tmp_path)] == ["setup", "warmup"]  # steps 2-3 not yet written
+    for step in range(4, 9):  # 4-5 ... 8-9: step 6 ends FLUSH_S (5 s) after the record began at 2
+        ledger.step_done(step)
+    ledger.lap("eval", step=8)
+    records = read_ledger(tmp_path)
+    assert records == [
+        {"phase": "setup", "t0": 0.0, "t1": 1.0, "before": "startup"},
+        {"phase": "warmup", "t0": 1.0, "t1": 2.0, "step": 1, "waited": 0.0},
+        {"phase": "train", "t0": 2.0, "first": 2, "t1": 7.0, "step": 6, "waited": 0.0},
+        {"phase": "train", "t0": 7.0, "first": 7, "t1": 9.0, "step": 8, "waited": 0.0},
+        {"phase": "eval", "t0": 9.0, "t1": 10.0, "step": 8},
+    ]
+    with open(tmp_path / LEDGER, "a") as f:
+        f.write('{"phase": "train", "t0": 10.0, "t1"')  # a line cut by a kill: left out
+    assert read_ledger(tmp_path) == records
+    silent = Ledger(None, 0.0, "startup")  # another rank's
+    silent.lap("setup")
+    silent.step_done(1)
+    assert not silent.recording
+
+
+def test_the_ledger_times_the_wait_for_each_batch(tmp_path):
+    def slow():
+        for i in range(3):
+            time.sleep(0.05)
+            yield i
+
+    ledger = Ledger(tmp_path, time.time(), "startup")
+    assert list(ledger.batches(slow())) == [0, 1, 2]
+    waited = ledger.waited
+    assert 0.14 < waited < 1.0
+    ledger.step_done(1)
+    ledger.flush()
+    assert read_ledger(tmp_path)[-1]["waited"] == round(waited, 6) and ledger.waited == 0
+
+
+def test_a_process_knows_when_it_started():
+    before = time.time()
+    started = float(
+        subprocess.check_output(
+            [
+                sys.executable,
+                "-c",
+                "import time; time.sleep(0.3); import runner.goodput as g; print(g.process_start_time())",
+            ]
+        )
+    )
+    assert before - 0.05 < started < before + 0.25  # the start, not the import 0.3 s later
+    assert process_start_time() < before
