@@ -43,7 +43,8 @@ def fast_dev_run(cfg: DictConfig) -> None:
     steps = trainer.fast_dev_run
     trainer.max_steps, trainer.max_epochs, trainer.log_every, trainer.eval_every = steps, None, 1, 0
     trainer.limit_eval_batches = min(steps, trainer.limit_eval_batches or steps)
-    trainer.checkpoint_every, trainer.checkpoint_last_finite, trainer.async_checkpoint = 0, False, False
+    trainer.checkpoint_every, trainer.checkpoint_every_s = 0, 0.0
+    trainer.checkpoint_last_finite, trainer.async_checkpoint = False, False
     trainer.resume, trainer.save_model, trainer.plots = None, False, False
     cfg.tracker._target_ = None
     cfg.callbacks = {}

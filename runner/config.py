@@ -306,6 +306,8 @@ class TrainerConfig:
     progress_bar: bool = True
     # optimizer steps between checkpoints; 0: only when stopped by a signal
     checkpoint_every: NonNegativeInt = 0
+    # seconds between checkpoints, checked at logging steps (as well as checkpoint_every); 0: off
+    checkpoint_every_s: NonNegativeFloat = 0.0
     keep_checkpoints: PositiveInt | None = 2  # newest checkpoints kept; null: all
     # at every logging step whose loss is finite, also save the state to checkpoints/last_finite (replacing
     # it): a run that diverges can resume from just before (costs a save every log_every steps)

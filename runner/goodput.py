@@ -11,6 +11,7 @@ its result. Goodput is productive step time over wall time (docs/checkpoints.md 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -34,7 +35,7 @@ PHASES = {
     "rendezvous": "process group and device set-up",
     "data": "building the data and its loaders",
     "setup": "building and preparing the model, opening the tracker's run",
-    "restore": "loading the checkpoint resumed from",
+    "restore": "loading the checkpoint the run continues from",
     "warmup": "each attempt's first step (compilation, allocator, autotuning)",
     "data_wait": "steps waiting for their batches",
     "checkpoint": "checkpoint saves (the blocking part)",
@@ -231,9 +232,11 @@ def job_began() -> float:
 _job_ended: float | None = None  # when the last job this process ran ended (`end_of_command`)
 
 
+@functools.cache
 def process_start_time() -> float:
     """When this process started (wall clock, to 10 ms), from its start time since boot on Linux;
-    elsewhere, when this module was imported."""
+    elsewhere, when this module was imported. The same value at every call (the command's records and
+    its in-process rank's start together)."""
     try:
         stat = Path("/proc/self/stat").read_text()
         ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22, starttime, after the command name

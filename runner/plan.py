@@ -59,11 +59,11 @@ def describe(
         )
         + f"; evaluate every {trainer.eval_every or 'run end'}, log every {trainer.log_every}",
         "checkpoints": (
-            f"every {trainer.checkpoint_every} steps"
-            if trainer.checkpoint_every
-            else "only when stopped (Ctrl-C, SIGTERM, SIGUSR1, SIGUSR2)"
+            " and ".join(checkpoint_periods(trainer))
+            or "only when stopped (Ctrl-C, SIGTERM, SIGUSR1, SIGUSR2)"
         )
         + f", keep {trainer.keep_checkpoints}; resume from {resume_from or 'nothing (a fresh start)'}",
+        "failure": loss_per_failure(trainer),
         "tracker": _tracker(cfg),
         "model": f"{cfg.model._target_}, {count_text(parameters)} parameters",
         "perf/mfu": None if peak else f"not reported: {mfu_unknown(strategy.device_name())}",
@@ -74,6 +74,36 @@ def describe(
     lines = {k: v for k, v in lines.items() if v is not None}
     width = max(map(len, lines))
     return "plan (nothing was started):\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in lines.items())
+
+
+def checkpoint_periods(trainer: DictConfig) -> list[str]:
+    return [
+        *([f"every {trainer.checkpoint_every} steps"] if trainer.checkpoint_every else []),
+        *(
+            [f"every {trainer.checkpoint_every_s:g} s (at a logging step)"]
+            if trainer.checkpoint_every_s
+            else []
+        ),
+    ]
+
+
+def loss_per_failure(trainer: DictConfig) -> str:
+    """What a failure costs in steps trained again: those since the last periodic checkpoint."""
+    lost = []
+    if trainer.checkpoint_every:
+        every = trainer.checkpoint_every
+        lost.append(f"up to {every} steps ({every / 2:g} on average)")
+    if trainer.checkpoint_every_s:
+        every_s = trainer.checkpoint_every_s
+        lost.append(
+            f"up to {every_s:g} s of steps and {trainer.log_every} more ({every_s / 2:g} s on average)"
+        )
+    if not lost:
+        return (
+            "every step since the start is trained again (no periodic checkpoint: set trainer.checkpoint_every "
+            "or trainer.checkpoint_every_s)"
+        )
+    return f"{' or '.join(lost)} trained again, whichever is less, plus the restart"
 
 
 def _compute(strategy: Strategy) -> str:

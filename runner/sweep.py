@@ -1,6 +1,6 @@
 """Multiruns (`python -m runner -m ...`): every job checked before the first runs; after the last, the
-swept values against each job's final metrics, the jobs ranked by `trainer.objective` (`sweep.direction`)
-and the best named, printed and saved in the sweep's dir as `summary.csv`, and (with the `plots` extra,
+swept values against each job's final metrics and its goodput (`goodput.json`), the jobs ranked by
+`trainer.objective` (`sweep.direction`) and the best named, printed and saved in the sweep's dir as `summary.csv`, and (with the `plots` extra,
 matplotlib) `summary.png` (the objective against each swept setting) and `curves.png` (every job's curves);
 the sweep's parent run (one per sweep in the tracker) gets them and is closed. The sweeper that resumes a sweep is a Hydra plugin: `hydra_plugins/runner_sweeper`."""
 

@@ -271,6 +271,7 @@ class Trainer:
         with self.running() as (received, profiler):
             self.callbacks.on_fit_start(self)
             self.throughput.restart()
+            self.checkpointed = time.monotonic()  # `trainer.checkpoint_every_s` counts from here
             warming_up = True  # the attempt's first step
             while done.step < self.total_steps and self.stopped is None:
                 self.train_loader.set_epoch(done.epoch)
@@ -297,10 +298,11 @@ class Trainer:
                         self.log_window()
                     if last or self.due(trainer.eval_every):
                         self.evaluate()
-                    if self.due(trainer.checkpoint_every):
+                    if self.due(trainer.checkpoint_every) or self.due_by_time():
                         self.watchdog.progress("checkpointing", done.step)
                         path = engine.save_state(blocking=not trainer.async_checkpoint)
                         self.ledger.lap("checkpoint", step=done.step)
+                        self.checkpointed = time.monotonic()
                         log.info("checkpoint %s", path)
                         self.callbacks.on_checkpoint(self, Path(path))
                     self.stop_if_signalled(received)
@@ -358,6 +360,15 @@ class Trainer:
     def due(self, every: int | None) -> bool:
         """Whether a periodic part (every `every` optimizer steps; 0 or None: never) runs at this step."""
         return bool(every) and self.done.step % every == 0
+
+    def due_by_time(self) -> bool:
+        """`trainer.checkpoint_every_s`: at a logging step, whether that long passed since the last
+        checkpoint (or the loop's start) on any rank (one collective, so that every rank saves)."""
+        every_s = self.settings.checkpoint_every_s
+        if not every_s or not self.due(self.settings.log_every):
+            return False
+        passed = float(time.monotonic() - self.checkpointed >= every_s)
+        return bool(self.engine.reduce(torch.tensor(passed, device=self.engine.device), "max").item())
 
     def log_window(self) -> None:
         """The mean loss over the steps since the last log line, the learning rate and the `perf/*`

@@ -16,6 +16,8 @@ from conftest import cli_env, metrics_of, run_to_end, runner_command
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from runner.plan import checkpoint_periods, loss_per_failure
+
 pytestmark = pytest.mark.slow
 
 TESTS = Path(__file__).parent
@@ -316,6 +318,7 @@ def test_plan_prints_what_the_run_would_do_and_starts_nothing(run_cli):
         == "64 per device x 2 device(s) x 1 accumulation step(s) = 128 samples per optimizer step"
     )
     assert plan["steps"].startswith("200 optimizer steps") and "resume from nothing" in plan["checkpoints"]
+    assert plan["failure"].startswith("every step since the start is trained again (no periodic checkpoint")
     assert plan["tracker"].startswith("mlflow -> ")
     assert plan["model"] == "runner.models.MLP, 202K parameters"
     assert plan["perf/mfu"] == "not reported: no peak FLOP/s is known for cpu; set hardware.peak_flops"
@@ -343,6 +346,15 @@ def test_every_problem_is_reported_at_once(run_cli):
     assert paragraphs[0] == "optimizer.lr=-1: must be > 0.", paragraphs
     assert "CPU core(s) for 4096 CPU ranks" in paragraphs[1]
     assert len(paragraphs) == 2  # the data, model and optimizer are not built with a setting known wrong
+
+
+def test_plan_states_what_a_failure_costs_from_the_checkpoint_periods():
+    trainer = OmegaConf.create({"checkpoint_every": 50, "checkpoint_every_s": 600.0, "log_every": 10})
+    assert checkpoint_periods(trainer) == ["every 50 steps", "every 600 s (at a logging step)"]
+    assert loss_per_failure(trainer) == (
+        "up to 50 steps (25 on average) or up to 600 s of steps and 10 more (300 s on average) trained again, "
+        "whichever is less, plus the restart"
+    )
 
 
 def test_plan_estimates_activations_from_a_step_on_meta_tensors(run_cli):

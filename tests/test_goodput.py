@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from conftest import run_to_end
 
 from runner.goodput import LEDGER, PHASES, Ledger, process_start_time, read_ledger, summarize, table
 
@@ -143,3 +144,20 @@ def test_a_process_knows_when_it_started():
     )
     assert before - 0.05 < started < before + 0.25  # the start, not the import 0.3 s later
     assert process_start_time() < before
+
+
+@pytest.mark.slow
+def test_checkpoint_every_s_checkpoints_at_the_logging_steps_once_that_long_passed(tmp_path):
+    """`trainer.checkpoint_every_s` (as short as can be): a checkpoint at every logging step, none between;
+    the ledger records each save with its step."""
+    run_to_end(
+        tmp_path / "run",
+        "trainer.max_steps=40",
+        "trainer.log_every=10",
+        "trainer.eval_every=0",
+        "trainer.checkpoint_every_s=1e-9",
+        "trainer.keep_checkpoints=null",
+    )
+    saved = [r["step"] for r in read_ledger(tmp_path / "run") if r["phase"] == "checkpoint"]
+    assert saved == [10, 20, 30, 40]
+    assert len(list((tmp_path / "run" / "checkpoints").glob("checkpoint_*"))) == 4

@@ -201,6 +201,16 @@ def test_a_rank_that_raises_fails_the_job_with_its_traceback(run_cli, tmp_path):
     assert "runner/train.py" in (proc.run_dir / "runner.log").read_text()  # the whole traceback, in the log
 
 
+def test_restarts_are_not_spent_on_a_failure_that_a_restart_would_repeat(run_cli):
+    """launcher.max_restarts=2 and a run that diverges (a restart would resume and diverge again): the job
+    stops once, saying why it was not restarted."""
+    proc = run_cli(*TWO_RANKS, "optimizer.lr=1e3", "trainer.log_every=1", "launcher.max_restarts=2")
+    assert proc.returncode == 1
+    assert "Training stopped: train/loss=" in proc.stderr and "training diverged" in proc.stderr
+    assert "restart 1 of 2" not in proc.stderr and proc.stderr.count("resumed from") == 0
+    assert "not restarted: a rank stopped with TrainingStopped, which a restart would repeat" in proc.stderr
+
+
 def test_a_rank_killed_by_sigkill_fails_the_job_fast(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()

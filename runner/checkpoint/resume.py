@@ -54,6 +54,7 @@ NOT_RESULTS = (
     "trainer.progress_bar",
     "trainer.plots",
     "trainer.checkpoint_every",
+    "trainer.checkpoint_every_s",
     "trainer.keep_checkpoints",
     "trainer.async_checkpoint",
 )

@@ -31,7 +31,7 @@ from runner.config import NonNegativeFloat, NonNegativeInt, PositiveFloat, check
 from runner.errors import EXIT_INTERRUPTED, ConfigError, RankFailedError, TrainingInterrupted, signal_name
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher, interrupted, run_rank
-from runner.launchers.reports import report_failure, reported_failure
+from runner.launchers.reports import repeated_failure, report_failure, reported_failure
 from runner.watchdog import EXIT_HUNG, read_reports
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,8 @@ class LocalLauncher(Launcher):
             SIGKILL; after a rank failed, how long the others get (half to exit on their own, having lost
             a peer, half after SIGTERM).
         max_restarts: after a rank failed (raised, was killed, hung), start the rank group again this many
-            times; the ranks resume from the run's latest checkpoint (`trainer.resume=auto`).
+            times; the ranks resume from the run's latest checkpoint (`trainer.resume=auto`). Not after a
+            failure a restart would repeat (`reports.REPEATED_BY_A_RESTART`).
     """
 
     @checked("launcher")
@@ -183,6 +184,9 @@ class _Agent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
         result = super()._monitor_workers(worker_group)
         self._failures = result.failures
+        if result.is_failed() and self._remaining_restarts and (kind := repeated_failure(self.error_dir)):
+            log.warning("not restarted: a rank stopped with %s, which a restart would repeat", kind)
+            self._remaining_restarts = 0
         return result
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:

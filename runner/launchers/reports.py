@@ -28,6 +28,10 @@ REPORTED_AS_IS = {  # the most specific first: a rank's error is reported as the
     error.__name__: error for error in (ConfigError, TrainingInterrupted, RendezvousError, TrainingStopped)
 }
 LOST_PEER_GRACE_S = 2.0
+# What a rank may stop with that a restart of the rank group would only repeat: a setting refused, a stop
+# signal (the run resumes when its command runs again), a divergence (resumed from the checkpoint before
+# it, the run diverges again). A rendezvous that failed may succeed the next time.
+REPEATED_BY_A_RESTART = (ConfigError.__name__, TrainingInterrupted.__name__, TrainingStopped.__name__)
 
 
 def lost_a_peer(err: BaseException) -> bool:
@@ -56,6 +60,19 @@ def report_failure(error_dir: Path, rank: int, err: BaseException) -> None:
     }
     error_dir.mkdir(parents=True, exist_ok=True)
     (error_dir / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def repeated_failure(error_dir: Path) -> str | None:
+    """The kind of a reported failure in `error_dir` that a restart would repeat
+    (`REPEATED_BY_A_RESTART`), else None."""
+    for path in error_dir.glob("rank*.json"):
+        try:
+            kind = json.loads(path.read_text())["kind"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if kind in REPEATED_BY_A_RESTART:
+            return kind
+    return None
 
 
 def reported_failure(error_dir: Path, causes_only: bool = False) -> Exception | None:
