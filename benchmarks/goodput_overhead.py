@@ -3,7 +3,8 @@
     python benchmarks/goodput_overhead.py [--baseline b10a19f] [--rounds 5] [--max-steps 2000]
 
 The baseline revision (the last one without the ledger) is checked out into a temporary git worktree
-and run from there; this tree runs as it is. Interleaved rounds of three fresh runs of the default
+and run from there (its conf/ and tasks/ linked in as the install's runner.conf and runner.tasks); this
+tree runs as it is. Interleaved rounds of three fresh runs of the default
 experiment: the baseline, this tree, and the baseline again (the A/A control). Two workloads: the
 default experiment as it is (200 steps: the whole command's wall time, start-up included) and one of
 `--max-steps` steps (the training loop's time, from the run log's "training ..." line to its last step
@@ -61,6 +62,8 @@ def main() -> None:
     subprocess.run(
         ["git", "-C", str(REPO), "worktree", "add", "-f", "-q", str(baseline), args.baseline], check=True
     )
+    for package, folder in (("conf", "conf"), ("tasks", "tasks")):  # installed as runner.conf, runner.tasks
+        (baseline / "runner" / package).symlink_to(Path("..") / folder)
     try:
         trees = {"baseline": baseline, "ledger": REPO, "baseline (A/A)": baseline}
         found: dict[str, dict[str, list[float]]] = {name: {"command": [], "loop": []} for name in trees}
