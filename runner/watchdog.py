@@ -100,7 +100,7 @@ class Watchdog:
         )
         path = report_path(self.run_dir, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        facts = {"rank": self.rank, "host": host, "doing": doing, "in_torch": in_torch}
+        facts = {"rank": self.rank, "host": host, "doing": doing, "where": where, "in_torch": in_torch}
         with open(path, "w") as f:
             f.write(json.dumps({**facts, "message": message}) + "\n\n")
             f.flush()

@@ -108,3 +108,25 @@ class OwnTrainingStep(LanguageModeling):
 
     def training_step(self, model, batch):
         return self.loss(model_outputs(model, batch), batch)
+
+
+class HangOnRank1Once(HangOnRank1):
+    """As HangOnRank1, in the job's first attempt only: the rank group that torch's agent restarts goes on."""
+
+    def training_step(self, model, batch):
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return Regression.training_step(self, model, batch)
+        return super().training_step(model, batch)
+
+
+class SkipCollectiveOnRank1(Regression):
+    """At the third step every rank but 1 enters a barrier: rank 1 skips that collective and goes on to the
+    step's gradient all-reduce, where it waits for ranks that wait in the barrier."""
+
+    steps = 0
+
+    def training_step(self, model, batch):
+        self.steps += 1
+        if os.environ.get("RANK") not in (None, "1") and self.steps == 3:
+            torch.distributed.barrier()
+        return super().training_step(model, batch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -272,6 +273,49 @@ def test_a_rank_that_hangs_is_ended_by_its_watchdog_naming_it_with_every_stack(r
     stacks = (proc.run_dir / "hang" / "rank1.txt").read_text()
     assert re.search(r'faulty_tasks.py", line \d+ in training_step', stacks)
     assert "made no progress either" in proc.stderr or not (proc.run_dir / "hang" / "rank0.txt").exists()
+
+
+def test_a_rank_that_skips_a_collective_ends_the_job_naming_where_each_rank_waits(run_cli):
+    """Rank 0 enters a barrier that rank 1 skips (it goes on to its gradient all-reduce): both wait inside
+    torch, in different collectives. Their watchdogs end the job in seconds, the message says where each
+    rank waits and that they wait in different collectives."""
+    started = time.monotonic()
+    skip = "task._target_=faulty_tasks.SkipCollectiveOnRank1"
+    proc = run_cli(
+        *TWO_RANKS, "trainer.hang_timeout_s=3", "launcher.shutdown_timeout_s=2", skip, pythonpath=TESTS
+    )
+    assert time.monotonic() - started < 40
+    assert proc.returncode == 1
+    assert re.search(
+        r"rank 0 on \S+ made no progress for \d+ s \(trainer.hang_timeout_s: 3 s\) in step 3;", proc.stderr
+    )
+    assert re.search(
+        r"its main thread is at \S+faulty_tasks.py:\d+ in training_step \(waiting inside torch", proc.stderr
+    )
+    assert re.search(r"Rank 1 made no progress either \(in step 3, at \S+ in backward\)\.", proc.stderr)
+    assert "they are in different collectives (a rank skipped a collective" in proc.stderr
+    assert {p.name for p in (proc.run_dir / "hang").iterdir()} == {"rank0.txt", "rank1.txt"}
+
+
+def test_a_rank_that_hangs_with_a_restart_allowed_resumes_and_finishes(run_cli):
+    """launcher.max_restarts=1: rank 1 hangs in the first attempt's third step; its watchdog ends it, the
+    rank group restarts from the checkpoint of step 2 and finishes; the ledger counts the restart."""
+    hang = "task._target_=faulty_tasks.HangOnRank1Once"
+    proc = run_cli(
+        *TWO_RANKS,
+        "trainer.max_steps=20",
+        "trainer.checkpoint_every=2",
+        "trainer.hang_timeout_s=3",
+        "launcher.shutdown_timeout_s=2",
+        "launcher.max_restarts=1",
+        hang,
+        pythonpath=TESTS,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 1 made no progress (see its hang/ report): restart 1 of 1" in proc.stderr
+    assert "at step 2 (epoch 0, batch 2)" in proc.stderr
+    spent = json.loads((proc.run_dir / "goodput.json").read_text())
+    assert (spent["attempts"], spent["restarts"]) == (2, 1)
 
 
 def test_under_torchrun_ranks_train_without_spawning_and_share_one_dir(tmp_path):

@@ -280,6 +280,24 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def _also_hung(reports: dict[int, dict], rank: int) -> str:
+    """The other ranks whose watchdogs ended them, each with where it was; where all waited inside torch
+    at different places of the code, they were in different collectives (one rank skipped one or made
+    one of its own)."""
+    others = [
+        f" Rank {r} made no progress either ({reports[r]['doing']}, at {reports[r].get('where', 'an unknown place')})."
+        for r in sorted(reports)
+        if r != rank
+    ]
+    places = {report.get("where") for report in reports.values()}
+    mismatched = len(places) > 1 and all(report["in_torch"] for report in reports.values())
+    hint = (
+        " The ranks wait inside torch at different places of the code: they are in different collectives (a rank "
+        "skipped a collective, or called one of its own that the others do not)."
+    )
+    return "".join(others) + (hint if mismatched else "")
+
+
 def raise_failure(
     failures: dict[int, ProcessFailure], error_dir: Path, run_dir: Path | None = None
 ) -> NoReturn:
@@ -295,9 +313,9 @@ def raise_failure(
         reports = read_reports(run_dir)
         if reports:
             rank = min(reports, key=lambda r: (reports[r]["in_torch"], r))
-            others = [str(r) for r in sorted(reports) if r != rank]
-            also = f" Rank {', '.join(others)} made no progress either." if others else ""
-            raise RankFailedError(f"{reports[rank]['message']}{also} The other ranks were stopped.")
+            raise RankFailedError(
+                f"{reports[rank]['message']}{_also_hung(reports, rank)} The other ranks were stopped."
+            )
     if all(f.exitcode == EXIT_INTERRUPTED for f in failures.values()):
         if isinstance(reported := reported_failure(error_dir), TrainingInterrupted):
             raise reported  # the rank's own words: the signal, the step, the checkpoint
