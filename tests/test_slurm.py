@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -210,6 +211,24 @@ def test_a_job_whose_rank_is_killed_is_reported_failed(slurm, tmp_path):
         proc.kill()
     assert proc.returncode == 1, stderr
     assert f"Training failed: SLURM job {job} ended FAILED" in stderr
+
+
+def test_a_job_whose_rank_hangs_fails_naming_the_rank_from_its_watchdogs_report(slurm, tmp_path):
+    """Rank 1 of a SLURM job sleeps in its third step: its watchdog ends it (exit 124), and the command
+    says what the report says (the rank, its host, the step, its line), not only the job's state."""
+    proc = subprocess.run(
+        runner_command(
+            tmp_path / "run", *TWO_TASKS, "trainer.hang_timeout_s=3", "task._target_=faulty_tasks.HangOnRank1"
+        ),
+        env=cli_env(TESTS), cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert re.search(
+        r"Training failed: rank 1 on \S+ made no progress for \d+ s \(trainer.hang_timeout_s: 3 s\) in step 3",
+        proc.stderr,
+    )
+    assert re.search(r"its main thread is at \S+faulty_tasks.py:\d+ in training_step", proc.stderr)
+    assert (tmp_path / "run" / "hang" / "rank1.txt").is_file()
 
 
 @pytest.mark.parametrize(

@@ -31,8 +31,8 @@ from runner.config import NonNegativeFloat, NonNegativeInt, PositiveFloat, check
 from runner.errors import EXIT_INTERRUPTED, ConfigError, RankFailedError, TrainingInterrupted, signal_name
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher, interrupted, run_rank
-from runner.launchers.reports import repeated_failure, report_failure, reported_failure
-from runner.watchdog import EXIT_HUNG, read_reports
+from runner.launchers.reports import hang_failure, repeated_failure, report_failure, reported_failure
+from runner.watchdog import EXIT_HUNG
 
 log = logging.getLogger(__name__)
 
@@ -280,24 +280,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _also_hung(reports: dict[int, dict], rank: int) -> str:
-    """The other ranks whose watchdogs ended them, each with where it was; where all waited inside torch
-    at different places of the code, they were in different collectives (one rank skipped one or made
-    one of its own)."""
-    others = [
-        f" Rank {r} made no progress either ({reports[r]['doing']}, at {reports[r].get('where', 'an unknown place')})."
-        for r in sorted(reports)
-        if r != rank
-    ]
-    places = {report.get("where") for report in reports.values()}
-    mismatched = len(places) > 1 and all(report["in_torch"] for report in reports.values())
-    hint = (
-        " The ranks wait inside torch at different places of the code: they are in different collectives (a rank "
-        "skipped a collective, or called one of its own that the others do not)."
-    )
-    return "".join(others) + (hint if mismatched else "")
-
-
 def raise_failure(
     failures: dict[int, ProcessFailure], error_dir: Path, run_dir: Path | None = None
 ) -> NoReturn:
@@ -309,13 +291,9 @@ def raise_failure(
     killed by a signal is the cause (the launcher stops the others only after); otherwise the rank that
     raised first, ranks that merely lost a peer last.
     """
-    if run_dir is not None and any(failure.exitcode == EXIT_HUNG for failure in failures.values()):
-        reports = read_reports(run_dir)
-        if reports:
-            rank = min(reports, key=lambda r: (reports[r]["in_torch"], r))
-            raise RankFailedError(
-                f"{reports[rank]['message']}{_also_hung(reports, rank)} The other ranks were stopped."
-            )
+    hung = any(failure.exitcode == EXIT_HUNG for failure in failures.values())
+    if hung and run_dir is not None and (reported_hang := hang_failure(run_dir)):
+        raise reported_hang
     if all(f.exitcode == EXIT_INTERRUPTED for f in failures.values()):
         if isinstance(reported := reported_failure(error_dir), TrainingInterrupted):
             raise reported  # the rank's own words: the signal, the step, the checkpoint

@@ -21,6 +21,7 @@ from runner.errors import (
     TrainingStopped,
     describe_exception,
 )
+from runner.watchdog import read_reports
 
 # What a rank raised, written for the launcher (the local launcher's ranks, a SLURM job's tasks): the
 # exceptions raised again as they are, by class name; any other is reported with its traceback.
@@ -99,3 +100,31 @@ def reported_failure(error_dir: Path, causes_only: bool = False) -> Exception | 
         f"rank {rank} raised; the other ranks were stopped{also}.\n{report.get('summary') or report['traceback']}",
         details=report["traceback"],
     )
+
+
+def hang_failure(run_dir: Path) -> RankFailedError | None:
+    """What to raise for the watchdogs' reports in `run_dir` (None: no rank hung): the message of the rank
+    whose main thread was in its own code (not waiting inside torch), then where each other rank was."""
+    reports = read_reports(run_dir)
+    if not reports:
+        return None
+    rank = min(reports, key=lambda r: (reports[r]["in_torch"], r))
+    return RankFailedError(f"{reports[rank]['message']}{_also_hung(reports, rank)} The other ranks were stopped.")
+
+
+def _also_hung(reports: dict[int, dict], rank: int) -> str:
+    """The other ranks whose watchdogs ended them, each with where it was; where all waited inside torch
+    at different places of the code, they were in different collectives (one rank skipped one or made
+    one of its own)."""
+    others = [
+        f" Rank {r} made no progress either ({reports[r]['doing']}, at {reports[r].get('where', 'an unknown place')})."
+        for r in sorted(reports)
+        if r != rank
+    ]
+    places = {report.get("where") for report in reports.values()}
+    mismatched = len(places) > 1 and all(report["in_torch"] for report in reports.values())
+    hint = (
+        " The ranks wait inside torch at different places of the code: they are in different collectives (a rank "
+        "skipped a collective, or called one of its own that the others do not)."
+    )
+    return "".join(others) + (hint if mismatched else "")

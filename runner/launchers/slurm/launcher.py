@@ -22,7 +22,7 @@ from runner.config import NonNegativeInt, PositiveFloat, PositiveInt, checked
 from runner.errors import ConfigError, RankFailedError, TrainingInterrupted
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher, Sweep, run_rank
-from runner.launchers.reports import report_failure, reported_failure
+from runner.launchers.reports import hang_failure, report_failure, reported_failure
 from runner.launchers.slurm.jobs import RANK_ERRORS, follow, node_failure
 from runner.launchers.slurm.partitions import check_request, require_slurm
 from runner.launchers.slurm.sweep import in_array_task, queue_sweep
@@ -179,6 +179,8 @@ class SlurmLauncher(Launcher):
         except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
             if failure := node_failure(submitted.job_id, job.output_dir, rank0.paths.stderr):
                 raise failure from None
+            if hung := hang_failure(job.output_dir):  # a rank's watchdog ended it (exit 124): its report
+                raise hung from None
             if reported := reported_failure(
                 errors, causes_only=True
             ):  # what a task raised, as it would be raised here
