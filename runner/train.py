@@ -305,6 +305,7 @@ class Trainer:
                         self.checkpointed = time.monotonic()
                         log.info("checkpoint %s", path)
                         self.callbacks.on_checkpoint(self, Path(path))
+                        self.watchdog.progress("training", done.step)
                     self.stop_if_signalled(received)
                     self.callbacks.on_step_end(self)
                     if last or self.stopped is not None:
@@ -398,6 +399,7 @@ class Trainer:
         self.log_metrics(evaluated)
         log.info("step %d/%d: %s", self.done.step, self.total_steps, _fmt(evaluated))
         self.callbacks.on_eval_end(self, evaluated)
+        self.watchdog.progress("training", self.done.step)
 
     def evaluating(self) -> None:
         """An eval batch done (the watchdog's progress)."""

@@ -63,11 +63,13 @@ class Watchdog:
         self._stop.set()
 
     def progress(self, phase: str, step: int) -> None:
-        """The loop moved on, `step` optimizer steps done: "training" (step `step` ended), "evaluating"
-        (an eval batch done), "checkpointing" (a checkpoint begins)."""
+        """The loop moved on, `step` optimizer steps done: "training" (step `step` ended, or an evaluation
+        or checkpoint after it did: training goes on), "evaluating" (an eval batch done), "checkpointing" (a
+        checkpoint begins). Only a step that followed a step is measured."""
         now = time.monotonic()
-        if phase == "training":  # a step ended: its duration
-            self.steps.append(now - self._step_began)
+        if phase == "training":
+            if self.phase == "training":  # a step ended: its duration
+                self.steps.append(now - self._step_began)
             self._step_began = now
         self.phase, self.step, self.last = phase, step, now
 

@@ -312,7 +312,11 @@ def test_a_rank_that_hangs_with_a_restart_allowed_resumes_and_finishes(run_cli):
         pythonpath=TESTS,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "rank 1 made no progress (see its hang/ report): restart 1 of 1" in proc.stderr
+    assert re.search(
+        r"rank 1 made no progress \(in step 3, at \S+faulty_tasks.py:\d+ in training_step\): restart 1 of 1",
+        proc.stderr,
+    )
+    assert (proc.run_dir / "hang" / "attempt0-rank1.txt").is_file()  # the first attempt's stacks, kept
     assert "at step 2 (epoch 0, batch 2)" in proc.stderr
     spent = json.loads((proc.run_dir / "goodput.json").read_text())
     assert (spent["attempts"], spent["restarts"]) == (2, 1)

@@ -339,6 +339,10 @@ def test_the_watchdogs_limit_follows_the_steps_once_measured(tmp_path):
     assert auto.limit_s == 2000.0
     auto.progress("evaluating", 10)  # an eval batch is progress, not a step
     assert len(auto.steps) == 30 and auto.phase == "evaluating"
+    auto.progress("training", 10)  # back to training after the evaluation: its time is no step's
+    assert len(auto.steps) == 30 and auto.phase == "training"
+    auto.progress("training", 11)
+    assert len(auto.steps) == 31
     assert Watchdog(7.5, tmp_path, 0).limit_s == 7.5
     off = Watchdog(0, tmp_path, 0).start()
     assert off._thread is None

@@ -31,8 +31,14 @@ from runner.config import NonNegativeFloat, NonNegativeInt, PositiveFloat, check
 from runner.errors import EXIT_INTERRUPTED, ConfigError, RankFailedError, TrainingInterrupted, signal_name
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher, interrupted, run_rank
-from runner.launchers.reports import hang_failure, repeated_failure, report_failure, reported_failure
-from runner.watchdog import EXIT_HUNG
+from runner.launchers.reports import (
+    hang_failure,
+    likeliest_hang,
+    repeated_failure,
+    report_failure,
+    reported_failure,
+)
+from runner.watchdog import EXIT_HUNG, HANG_DIR, read_reports
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +150,7 @@ class LocalLauncher(Launcher):
             with (
                 _threads_per_rank(num_processes),
                 _quiet_elastic_logs(),
-                _stopping_within_shutdown_timeout(Path(error_dir)),
+                _stopping_within_shutdown_timeout(Path(error_dir), job.output_dir),
                 _ctrl_c_once() as ctrl_c,
             ):
                 try:
@@ -168,6 +174,7 @@ class _Agent(LocalElasticAgent):
     Before a restart (`launcher.max_restarts`) it says why and clears the failed attempt's reports."""
 
     error_dir: Path  # the ranks' failure reports (`report_failure`)
+    run_dir: Path  # the job's dir: its watchdogs' reports
     _failures: dict[int, ProcessFailure] = {}
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -193,6 +200,11 @@ class _Agent(LocalElasticAgent):
         spec = worker_group.spec
         done = spec.max_restarts - self._remaining_restarts
         causes = "; ".join(_failure_text(rank, f) for rank, f in sorted(self._failures.items()))
+        if reports := read_reports(self.run_dir):  # watchdogs ended ranks: the one in its own code
+            hung = likeliest_hang(reports)
+            causes = (
+                f"rank {hung} made no progress ({reports[hung]['doing']}, at {reports[hung].get('where')})"
+            )
         log.warning(
             "%s: restart %d of %d, the ranks resume from the run's latest checkpoint",
             causes,
@@ -201,6 +213,8 @@ class _Agent(LocalElasticAgent):
         )
         for report in self.error_dir.glob("rank*.json"):
             report.unlink()
+        for stacks in (self.run_dir / HANG_DIR).glob("rank*.txt"):  # kept, under the attempt's number
+            stacks.rename(stacks.with_name(f"attempt{done - 1}-{stacks.name}"))
         super()._restart_workers(worker_group)
 
 
@@ -213,11 +227,13 @@ def _failure_text(rank: int, failure: ProcessFailure) -> str:
 
 
 @contextmanager
-def _stopping_within_shutdown_timeout(error_dir: Path) -> Iterator[None]:
+def _stopping_within_shutdown_timeout(error_dir: Path, run_dir: Path) -> Iterator[None]:
     """`elastic_launch` builds torch's `LocalElasticAgent` by its module name: `_Agent` (reporting into
     `error_dir`) meanwhile."""
     original = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = type("_Agent", (_Agent,), {"error_dir": error_dir})  # type: ignore[misc]
+    launcher_api.LocalElasticAgent = type(  # type: ignore[misc]
+        "_Agent", (_Agent,), {"error_dir": error_dir, "run_dir": run_dir}
+    )
     try:
         yield
     finally:

@@ -108,8 +108,16 @@ def hang_failure(run_dir: Path) -> RankFailedError | None:
     reports = read_reports(run_dir)
     if not reports:
         return None
-    rank = min(reports, key=lambda r: (reports[r]["in_torch"], r))
-    return RankFailedError(f"{reports[rank]['message']}{_also_hung(reports, rank)} The other ranks were stopped.")
+    rank = likeliest_hang(reports)
+    return RankFailedError(
+        f"{reports[rank]['message']}{_also_hung(reports, rank)} The other ranks were stopped."
+    )
+
+
+def likeliest_hang(reports: dict[int, dict]) -> int:
+    """Of the ranks whose watchdogs ended them (`read_reports`), the likeliest cause: one whose main
+    thread was in its own code, not waiting inside torch (for the others); the lowest rank of those."""
+    return min(reports, key=lambda r: (reports[r]["in_torch"], r))
 
 
 def _also_hung(reports: dict[int, dict], rank: int) -> str:
