@@ -116,11 +116,14 @@ def report_path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / HANG_DIR / f"rank{rank}.txt"
 
 
-def read_reports(run_dir: Path) -> dict[int, dict]:
-    """rank -> what its watchdog wrote before ending it (the report's first line)."""
+def read_reports(run_dir: Path, since: float = 0.0) -> dict[int, dict]:
+    """rank -> what its watchdog wrote before ending it (the report's first line), of the reports
+    written at `since` (a wall-clock time) or later."""
     reports = {}
     for path in (Path(run_dir) / HANG_DIR).glob("rank*.txt"):
         try:
+            if path.stat().st_mtime < since:
+                continue
             reports[int(path.stem.removeprefix("rank"))] = json.loads(path.read_text().splitlines()[0])
         except (OSError, ValueError, IndexError):
             continue

@@ -150,7 +150,7 @@ class LocalLauncher(Launcher):
             with (
                 _threads_per_rank(num_processes),
                 _quiet_elastic_logs(),
-                _stopping_within_shutdown_timeout(Path(error_dir), job.output_dir),
+                _stopping_within_shutdown_timeout(Path(error_dir), job.output_dir, started),
                 _ctrl_c_once() as ctrl_c,
             ):
                 try:
@@ -162,7 +162,7 @@ class LocalLauncher(Launcher):
                         signum=signal.SIGINT if ctrl_c else err.sigval,
                     ) from None
                 except ChildFailedError as err:
-                    raise_failure(err.failures, Path(error_dir), job.output_dir)
+                    raise_failure(err.failures, Path(error_dir), job.output_dir, started)
         return results[0]
 
 
@@ -175,6 +175,7 @@ class _Agent(LocalElasticAgent):
 
     error_dir: Path  # the ranks' failure reports (`report_failure`)
     run_dir: Path  # the job's dir: its watchdogs' reports
+    launched: float  # when the launch began: the reports written since are this job's
     _failures: dict[int, ProcessFailure] = {}
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -200,7 +201,8 @@ class _Agent(LocalElasticAgent):
         spec = worker_group.spec
         done = spec.max_restarts - self._remaining_restarts
         causes = "; ".join(_failure_text(rank, f) for rank, f in sorted(self._failures.items()))
-        if reports := read_reports(self.run_dir):  # watchdogs ended ranks: the one in its own code
+        hung_now = any(failure.exitcode == EXIT_HUNG for failure in self._failures.values())
+        if hung_now and (reports := read_reports(self.run_dir, self.launched)):  # the rank in its own code
             hung = likeliest_hang(reports)
             causes = (
                 f"rank {hung} made no progress ({reports[hung]['doing']}, at {reports[hung].get('where')})"
@@ -227,12 +229,12 @@ def _failure_text(rank: int, failure: ProcessFailure) -> str:
 
 
 @contextmanager
-def _stopping_within_shutdown_timeout(error_dir: Path, run_dir: Path) -> Iterator[None]:
+def _stopping_within_shutdown_timeout(error_dir: Path, run_dir: Path, launched: float) -> Iterator[None]:
     """`elastic_launch` builds torch's `LocalElasticAgent` by its module name: `_Agent` (reporting into
     `error_dir`) meanwhile."""
     original = launcher_api.LocalElasticAgent
     launcher_api.LocalElasticAgent = type(  # type: ignore[misc]
-        "_Agent", (_Agent,), {"error_dir": error_dir, "run_dir": run_dir}
+        "_Agent", (_Agent,), {"error_dir": error_dir, "run_dir": run_dir, "launched": launched}
     )
     try:
         yield
@@ -297,18 +299,18 @@ def _die_with_parent() -> None:
 
 
 def raise_failure(
-    failures: dict[int, ProcessFailure], error_dir: Path, run_dir: Path | None = None
+    failures: dict[int, ProcessFailure], error_dir: Path, run_dir: Path | None = None, launched: float = 0.0
 ) -> NoReturn:
     """Raise what the first failure was: ranks that stopped on a signal (TrainingInterrupted), a
     configuration problem found in a rank (ConfigError), or RankFailedError naming the rank and how it
-    failed: it hung (its watchdog's report in `run_dir`), the signal that killed it, or its traceback.
+    failed: it hung (its watchdog's report in `run_dir`, written since `launched`), the signal that killed it, or its traceback.
 
     Of ranks that hung, the one whose main thread was in its own code (not waiting inside torch); a rank
     killed by a signal is the cause (the launcher stops the others only after); otherwise the rank that
     raised first, ranks that merely lost a peer last.
     """
     hung = any(failure.exitcode == EXIT_HUNG for failure in failures.values())
-    if hung and run_dir is not None and (reported_hang := hang_failure(run_dir)):
+    if hung and run_dir is not None and (reported_hang := hang_failure(run_dir, since=launched)):
         raise reported_hang
     if all(f.exitcode == EXIT_INTERRUPTED for f in failures.values()):
         if isinstance(reported := reported_failure(error_dir), TrainingInterrupted):

@@ -102,10 +102,11 @@ def reported_failure(error_dir: Path, causes_only: bool = False) -> Exception | 
     )
 
 
-def hang_failure(run_dir: Path) -> RankFailedError | None:
-    """What to raise for the watchdogs' reports in `run_dir` (None: no rank hung): the message of the rank
-    whose main thread was in its own code (not waiting inside torch), then where each other rank was."""
-    reports = read_reports(run_dir)
+def hang_failure(run_dir: Path, since: float) -> RankFailedError | None:
+    """What to raise for the watchdogs' reports in `run_dir` written since `since` (None: no rank hung):
+    the message of the rank whose main thread was in its own code (not waiting inside torch), then where
+    each other rank was."""
+    reports = read_reports(run_dir, since)
     if not reports:
         return None
     rank = likeliest_hang(reports)

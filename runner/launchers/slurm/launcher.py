@@ -154,6 +154,7 @@ class SlurmLauncher(Launcher):
         executor.update_parameters(**self.sbatch_parameters(tasks_per_node))
         errors = folder / RANK_ERRORS  # what each task raised (`report_failure`), for this launch only
         shutil.rmtree(errors, ignore_errors=True)
+        submitted_at = time.time()  # the watchdogs' reports of this job are newer
         submitted = executor.submit(SlurmTask(job.for_other_processes(), self.nodes, tasks_per_node, errors))
         rank0 = submitted.task(0)
         log.info(
@@ -179,7 +180,9 @@ class SlurmLauncher(Launcher):
         except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
             if failure := node_failure(submitted.job_id, job.output_dir, rank0.paths.stderr):
                 raise failure from None
-            if hung := hang_failure(job.output_dir):  # a rank's watchdog ended it (exit 124): its report
+            if hung := hang_failure(
+                job.output_dir, since=submitted_at
+            ):  # a rank's watchdog ended it (exit 124): its report
                 raise hung from None
             if reported := reported_failure(
                 errors, causes_only=True
