@@ -19,7 +19,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -265,7 +265,8 @@ def _launched(
         raise  # the run goes on later (resumed, requeued, or queued still): so does its ledger
     except BaseException:
         if recorded:
-            end_of_command(job.output_dir)
+            with suppress(OSError):  # the job's own error is what the command reports
+                end_of_command(job.output_dir)
         raise
     if not (recorded and metrics):
         return metrics, None
@@ -318,7 +319,8 @@ def leave_the_heap() -> None:
     would walk the whole heap (torch, its compiler, Hydra) again: about 0.5 s of every command's exit."""
     gc.collect()
     while CLOSING:
-        end_of_command(CLOSING.pop())
+        with suppress(OSError):  # the run ended and said so: its ledger's last moments are no error
+            end_of_command(CLOSING.pop())
     gc.freeze()
 
 
