@@ -11,7 +11,6 @@ its result. Goodput is productive step time over wall time (docs/checkpoints.md 
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import time
@@ -225,18 +224,27 @@ def tracked(summary: dict[str, Any]) -> dict[str, float]:
 
 def job_began() -> float:
     """When this process's job began: when the process started, or, after a job of its own (a sweep's jobs
-    run one after another in one process), when that one ended."""
-    return _job_ended or process_start_time()
+    run one after another in one process), when that one ended (a rank forked since started later)."""
+    return max(_job_ended or 0.0, process_start_time())
 
 
 _job_ended: float | None = None  # when the last job this process ran ended (`end_of_command`)
 
 
-@functools.cache
 def process_start_time() -> float:
     """When this process started (wall clock, to 10 ms), from its start time since boot on Linux;
-    elsewhere, when this module was imported. The same value at every call (the command's records and
-    its in-process rank's start together)."""
+    elsewhere, when this module was imported. The same value at every call in a process (the command's
+    records and its in-process rank's start together), and a forked child's own."""
+    pid = os.getpid()
+    if pid not in _started:
+        _started[pid] = _read_start_time()
+    return _started[pid]
+
+
+_started: dict[int, float] = {}  # pid -> its start: a forked child inherits the parent's entry, not its own
+
+
+def _read_start_time() -> float:
     try:
         stat = Path("/proc/self/stat").read_text()
         ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22, starttime, after the command name

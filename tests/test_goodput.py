@@ -4,6 +4,7 @@ those runs are made: test_resume.py, test_slurm.py, test_sweep_resume.py."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -11,7 +12,16 @@ import time
 import pytest
 from conftest import run_to_end
 
-from runner.goodput import LEDGER, PHASES, Ledger, process_start_time, read_ledger, summarize, table
+from runner.goodput import (
+    LEDGER,
+    PHASES,
+    Ledger,
+    job_began,
+    process_start_time,
+    read_ledger,
+    summarize,
+    table,
+)
 
 
 def record(phase: str, t0: float, t1: float, **facts) -> dict:
@@ -161,3 +171,20 @@ def test_checkpoint_every_s_checkpoints_at_the_logging_steps_once_that_long_pass
     saved = [r["step"] for r in read_ledger(tmp_path / "run") if r["phase"] == "checkpoint"]
     assert saved == [10, 20, 30, 40]
     assert len(list((tmp_path / "run" / "checkpoints").glob("checkpoint_*"))) == 4
+
+
+def test_a_forked_rank_knows_its_own_start_not_its_parents():
+    """The launcher's ranks are forked from the command, which asked for its start time already: a rank's
+    ledger starts when the rank started (else the time of a restart would be counted as its start-up)."""
+    parent = process_start_time()
+    time.sleep(0.05)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the forked rank
+        os.write(write, repr(job_began()).encode())
+        os._exit(0)
+    os.waitpid(child, 0)
+    began = float(os.read(read, 100))
+    os.close(read)
+    os.close(write)
+    assert began > parent + 0.04 and process_start_time() == parent

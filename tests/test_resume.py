@@ -71,7 +71,8 @@ def uninterrupted(references) -> dict[int, bytes]:
     }
 
 
-# What no ledger record can see: torch's own teardown after the command's last exit handler (~0.1 s here).
+# What no ledger record can see: torch's own teardown after the command's last exit handler (~0.1 s here,
+# more on a loaded machine).
 TEARDOWN_S = 0.3
 
 
@@ -244,7 +245,7 @@ def test_a_rank_killed_mid_run_is_restarted_in_the_job_and_finishes_identically(
     )
     assert (summary["attempts"], summary["restarts"]) == (2, 1)
     assert summary["lost_steps"] == trained - resumed_at[1] and summary["phases_s"]["restart"] > 0
-    assert abs(summary["wall_s"] - measured) <= 0.02 * measured
+    assert measured - TEARDOWN_S - 0.02 * measured <= summary["wall_s"] <= measured
     assert f"1 restart(s), {trained - resumed_at[1]} step(s) lost" in stderr
 
 

@@ -181,7 +181,7 @@ def test_a_preempted_job_requeues_itself_and_ends_bitwise_equal_to_an_uninterrup
     assert (summary["attempts"], summary["restarts"], summary["lost_steps"]) == (2, 0, 0)
     assert summary["phases_s"]["queued"] > 0 and "lost" not in summary["phases_s"]
     assert sum(summary["phases_s"].values()) == pytest.approx(summary["wall_s"])
-    assert abs(summary["wall_s"] - measured) <= 0.02 * measured
+    assert measured - 0.3 - 0.02 * measured <= summary["wall_s"] <= measured  # 0.3 s: torch's teardown
     queued = [r for r in read_ledger(run_dir) if r.get("before") == "queued"]
     assert len(queued) == 2  # each attempt's first record says the time before it was the queue
 
@@ -211,6 +211,44 @@ def test_a_job_whose_rank_is_killed_is_reported_failed(slurm, tmp_path):
         proc.kill()
     assert proc.returncode == 1, stderr
     assert f"Training failed: SLURM job {job} ended FAILED" in stderr
+
+
+def test_a_job_whose_rank_is_killed_is_submitted_again_and_finishes_from_its_checkpoint(slurm, tmp_path):
+    """launcher.max_restarts=1: rank 1 killed after a checkpoint; the command submits the job again, which
+    resumes from that checkpoint and finishes; the ledger has both attempts."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    run_dir = tmp_path / "run"
+    overrides = [
+        *TWO_TASKS,
+        "trainer.max_steps=200",
+        "trainer.checkpoint_every=20",
+        "launcher.max_restarts=1",
+    ]
+    proc = subprocess.Popen(
+        runner_command(run_dir, *overrides, "task._target_=faulty_tasks.RecordPid", f"+task.pid_dir={pids}"),
+        env=cli_env(TESTS),
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first = job_id(run_dir, proc)
+        deadline = time.monotonic() + 120
+        while not ((run_dir / "checkpoints" / "latest").exists() and (pids / "rank1").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.05)
+        subprocess.run(["kill", "-KILL", (pids / "rank1").read_text()], check=True)
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert re.search(
+        rf"SLURM job {first} ended FAILED without a result: restart 1 of 1, a new SLURM job resumes", stderr
+    )
+    assert stderr.count("submitted SLURM job") == 2 and "resumed from" in (run_dir / "runner.log").read_text()
+    summary = json.loads((run_dir / "goodput.json").read_text())
+    assert summary["attempts"] == 2 and (run_dir / "metrics.json").exists()
 
 
 def test_a_job_whose_rank_hangs_fails_naming_the_rank_from_its_watchdogs_report(slurm, tmp_path):
@@ -246,6 +284,10 @@ def test_a_job_whose_rank_hangs_fails_naming_the_rank_from_its_watchdogs_report(
         ),
         (["launcher.mem_gb=100000"], "launcher.mem_gb=100000.0: the nodes of partition debug have"),
         (["launcher.time_min=0"], "launcher.time_min=0: must be >= 1."),
+        (
+            ["launcher.max_restarts=1", "launcher.wait=false"],
+            "launcher.max_restarts=1 with launcher.wait=false",
+        ),
     ],
 )
 def test_what_the_cluster_cannot_give_is_refused_before_anything_is_queued(

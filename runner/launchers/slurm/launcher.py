@@ -57,6 +57,9 @@ class SlurmLauncher(Launcher):
         wait: wait for the job and return its metrics; False: return once it is queued.
         signal_delay_s: how long before the time limit SLURM sends the preemption signal.
         max_timeouts: how many times a job that reaches its time limit is requeued.
+        max_restarts: after the job failed (a rank raised, was killed or hung; a node was lost), submit it
+            again this many times; it resumes from the run's latest checkpoint. Not after a configuration
+            error, a stop or a divergence, which a restart would repeat; not with `wait=False`.
         folder: submitit's files (batch script, logs); None: `<job output dir>/slurm`.
         poll_interval_s: how often the log is read and the job's state checked while waiting.
         name: the SLURM job name.
@@ -80,6 +83,7 @@ class SlurmLauncher(Launcher):
         wait: bool = True,
         signal_delay_s: NonNegativeInt = 120,
         max_timeouts: NonNegativeInt = 3,
+        max_restarts: NonNegativeInt = 0,
         folder: str | None = None,
         poll_interval_s: PositiveFloat = 1.0,
         name: str = "runner",
@@ -99,6 +103,7 @@ class SlurmLauncher(Launcher):
         self.wait = wait
         self.signal_delay_s = signal_delay_s
         self.max_timeouts = max_timeouts
+        self.max_restarts = max_restarts
         self.folder = folder
         self.poll_interval_s = poll_interval_s
         self.name = name
@@ -126,6 +131,12 @@ class SlurmLauncher(Launcher):
         """What the cluster would refuse, or queue forever, refused here before anything is queued."""
         if in_array_task():
             return
+        if self.max_restarts and not self.wait:
+            raise ConfigError(
+                f"launcher.max_restarts={self.max_restarts} with launcher.wait=false: the restarts are made by this "
+                "command as it follows the job, and it would not wait. Set launcher.wait=true, or leave "
+                "launcher.max_restarts at 0 (run the command again after a failure: it resumes)."
+            )
         check_request(
             self.partition,
             nodes=self.nodes,
@@ -141,6 +152,11 @@ class SlurmLauncher(Launcher):
         return (
             f"SlurmLauncher: {self.nodes} node(s) x {self.tasks_per_node(cfg, strategy)} task(s){gpus} on partition "
             f"{self.partition or '(default)'}, time limit {self.time_min} min, requeued on preemption"
+            + (
+                f", submitted again up to {self.max_restarts} time(s) after a failure"
+                if self.max_restarts
+                else ""
+            )
         )
 
     def launch(self, job: Job) -> dict[str, float]:
@@ -152,6 +168,29 @@ class SlurmLauncher(Launcher):
         folder = Path(self.folder) if self.folder else job.output_dir / "slurm"
         executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=self.max_timeouts)
         executor.update_parameters(**self.sbatch_parameters(tasks_per_node))
+        restarts = 0
+        while True:
+            try:
+                return self._submit_and_follow(job, executor, folder, tasks_per_node)
+            except (
+                RankFailedError
+            ) as failure:  # not what a restart would repeat: a refusal, a stop, a divergence
+                if restarts == self.max_restarts:
+                    raise
+                restarts += 1
+                log.warning(
+                    "%s: restart %d of %d, a new SLURM job resumes from the run's latest checkpoint",
+                    str(failure).split(". ")[0],
+                    restarts,
+                    self.max_restarts,
+                )
+
+    def _submit_and_follow(
+        self, job: Job, executor: Any, folder: Path, tasks_per_node: int
+    ) -> dict[str, float]:
+        """Submit the job once; its metrics (or {} with `wait=False`); the error of a job that failed."""
+        import submitit
+
         errors = folder / RANK_ERRORS  # what each task raised (`report_failure`), for this launch only
         shutil.rmtree(errors, ignore_errors=True)
         submitted_at = time.time()  # the watchdogs' reports of this job are newer
@@ -182,7 +221,7 @@ class SlurmLauncher(Launcher):
                 raise failure from None
             if hung := hang_failure(
                 job.output_dir, since=submitted_at
-            ):  # a rank's watchdog ended it (exit 124): its report
+            ):  # a rank's watchdog ended it (exit 124)
                 raise hung from None
             if reported := reported_failure(
                 errors, causes_only=True
