@@ -1,6 +1,7 @@
-"""The goodput ledger's arithmetic, in this process: what its records add up to. The runs that write it (an
-undisturbed one, a restarted one, a killed one continued, a requeued SLURM job, a sweep) are checked where
-those runs are made: test_resume.py, test_slurm.py, test_sweep_resume.py."""
+"""The goodput ledger's arithmetic, in this process (what its records add up to), and `checkpoint_every_s`.
+The runs that write a ledger (an undisturbed one, a restarted one, a killed one continued, a requeued
+SLURM job, a SLURM sweep, a restarted hang) are checked where those runs are made: test_resume.py,
+test_slurm.py, test_launch.py."""
 
 from __future__ import annotations
 
