@@ -150,16 +150,7 @@ class Trainer:
         ledger.lap("rendezvous")
         set_seed(trainer.seed)
 
-        with engine.main_process_first():
-            data = build_data(cfg)
-        if trainer.overfit_batches:  # each process's first N batches
-            processes = 1 if trainer.split_batches else engine.state.data_parallel_size
-            data.overfit(trainer.overfit_batches * data.batch_size * processes)
-        self.train_loader, self.eval_loader = engine.prepare(
-            data.train_dataloader(seed=trainer.seed), data.eval_dataloader()
-        )
-        self.train_loader.limit_batches = trainer.limit_train_batches
-        self.eval_loader.limit_batches = trainer.limit_eval_batches
+        data = self.prepare_loaders(cfg)
         ledger.lap("data")
         model = build_model(cfg, data)
         self.throughput = throughput_meter(cfg, data, model, engine)
@@ -219,6 +210,22 @@ class Trainer:
             # None: drawn on a terminal only (piped to a file, a bar's redraws would be hundreds of lines)
             disable=None if trainer.progress_bar and engine.is_local_main_process else True,
         )
+
+    def prepare_loaders(self, cfg: DictConfig) -> DataSource:
+        """Build the run's data (the first process of each node first) and prepare its train and eval
+        loaders, `trainer.overfit_batches` and `limit_*_batches` applied; the data source."""
+        engine, trainer = self.engine, self.settings
+        with engine.main_process_first():
+            data = build_data(cfg)
+        if trainer.overfit_batches:  # each process's first N batches
+            processes = 1 if trainer.split_batches else engine.state.data_parallel_size
+            data.overfit(trainer.overfit_batches * data.batch_size * processes)
+        self.train_loader, self.eval_loader = engine.prepare(
+            data.train_dataloader(seed=trainer.seed), data.eval_dataloader()
+        )
+        self.train_loader.limit_batches = trainer.limit_train_batches
+        self.eval_loader.limit_batches = trainer.limit_eval_batches
+        return data
 
     def start_tracking(self, tracker: Tracker) -> None:
         """Open the tracker's run (each tracker's own project setting), named and tagged after the job, with
