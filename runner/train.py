@@ -618,16 +618,37 @@ def check_finite(
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+# The running loops' lists of stop requests (`request_stop`).
+_RUNNING: list[list[int]] = []
+
+
+def request_stop(signum: int) -> None:
+    """Stop the loop running in this process as the signal `signum` would: it checkpoints and stops at its
+    next logging step. For a loop outside the main thread, where signals cannot be caught (a Ray worker
+    runs it in a thread of its own): its launcher hears of the stop its own way and calls this."""
+    for received in _RUNNING:
+        received.append(signum)
 
 
 @contextmanager
 def stop_signals() -> Iterator[list[int]]:
     """Record SIGTERM, SIGINT (Ctrl-C), SIGUSR1 and SIGUSR2 instead of dying, so that the loop checkpoints
-    and stops at its next logging step (in the main thread only: elsewhere signals cannot be caught). A
-    second Ctrl-C stops at once, without a checkpoint."""
+    and stops at its next logging step (in the main thread only: elsewhere signals cannot be caught, and
+    `request_stop` does the same). A second Ctrl-C stops at once, without a checkpoint."""
     received: list[int] = []
+    _RUNNING.append(received)
+    try:
+        with _caught(received):
+            yield received
+    finally:
+        _RUNNING.remove(received)
+
+
+@contextmanager
+def _caught(received: list[int]) -> Iterator[None]:
+    """The stop signals recorded in `received` inside, in the main thread."""
     if threading.current_thread() is not threading.main_thread():
-        yield received
+        yield
         return
 
     def record(signum: int, frame: Any) -> None:
@@ -637,7 +658,7 @@ def stop_signals() -> Iterator[list[int]]:
 
     previous = {sig: signal.signal(sig, record) for sig in STOP_SIGNALS}
     try:
-        yield received
+        yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

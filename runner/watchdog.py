@@ -50,6 +50,7 @@ class Watchdog:
         self._step_began = self.last
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._loop = threading.get_ident()  # the thread the loop runs in (a Ray worker's is not the main one)
 
     def start(self) -> Watchdog:
         report_path(self.run_dir, self.rank).unlink(missing_ok=True)  # an earlier attempt's
@@ -89,7 +90,7 @@ class Watchdog:
 
     def _end(self, waited: float) -> None:
         """Write what it saw and every thread's stack, say so, and end the process."""
-        where, in_torch = main_thread_position()
+        where, in_torch = thread_position(self._loop)
         host = socket.gethostname()
         doing = (
             f"in step {self.step + 1}" if self.phase == "training" else f"{self.phase} after step {self.step}"
@@ -130,10 +131,10 @@ def read_reports(run_dir: Path, since: float = 0.0) -> dict[int, dict]:
     return reports
 
 
-def main_thread_position() -> tuple[str, bool]:
-    """Where the main thread is: its innermost frame outside torch ("file:line in function"), and whether
-    frames inside torch are below it (it waits in a collective or on the device)."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+def thread_position(ident: int) -> tuple[str, bool]:
+    """Where the thread `ident` is: its innermost frame outside torch ("file:line in function"), and
+    whether frames inside torch are below it (it waits in a collective or on the device)."""
+    frame = sys._current_frames().get(ident)
     stack = []
     while frame is not None:
         stack.append(frame)

@@ -327,6 +327,10 @@ OTHER_VALUES = {
     "entity": "another",
     "group": "another",
     "notes": "another",
+    "address": "10.0.0.1:6379",
+    "placement": "spread",
+    ("launcher/ray", "storage"): "/elsewhere",
+    "runtime_env": {"env_vars": {"ANOTHER": "1"}},
 }
 # Where a setting is valid only next to another one (offload_params needs ZeRO-3).
 BASE_OVERRIDES = {"hardware/deepspeed": ["hardware.zero_stage=3"], "tracker/wandb": ["tracker.mode=offline"]}

@@ -1,4 +1,4 @@
-"""Is this process already one rank of a job started by a launcher (torchrun, srun, our own)? The cluster
+"""Is this process already one rank of a job started by a launcher (torchrun, srun, Ray, our own)? The cluster
 environments (`ClusterEnvironment`: one class per place ranks come from, in this package), and the
 process's own facts (its cores, its rank variables)."""
 
@@ -10,12 +10,14 @@ from contextlib import contextmanager
 from typing import Any
 
 from runner.cluster.base import ClusterEnvironment
+from runner.cluster.ray import RayEnvironment, ray_attempt
 from runner.cluster.slurm import SlurmEnvironment, slurm_job_id
 from runner.cluster.torchelastic import TorchElasticEnvironment, restart_count
 
 __all__ = [
     "ENVIRONMENTS",
     "ClusterEnvironment",
+    "RayEnvironment",
     "SlurmEnvironment",
     "TorchElasticEnvironment",
     "available_cores",
@@ -27,7 +29,12 @@ __all__ = [
 ]
 
 # The places a rank may come from, tried in order: the first whose variables are set says where it sits.
-ENVIRONMENTS: tuple[type[ClusterEnvironment], ...] = (TorchElasticEnvironment, SlurmEnvironment)
+# (Ray's workers also have torch's variables: Ray first.)
+ENVIRONMENTS: tuple[type[ClusterEnvironment], ...] = (
+    RayEnvironment,
+    TorchElasticEnvironment,
+    SlurmEnvironment,
+)
 
 
 def launched_environment() -> ClusterEnvironment | None:
@@ -37,8 +44,9 @@ def launched_environment() -> ClusterEnvironment | None:
 
 def time_before_start(otherwise: str) -> str:
     """What the time before this process started was, as the goodput ledger names it: "restart" in a rank
-    group that torch's agent restarted, "queued" in a SLURM job (its queue, a requeue), else `otherwise`."""
-    if restart_count():
+    group that torch's agent or Ray restarted, "queued" in a SLURM job (its queue, a requeue), else
+    `otherwise`."""
+    if restart_count() or ray_attempt() > 1:
         return "restart"
     if slurm_job_id() is not None:
         return "queued"

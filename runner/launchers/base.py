@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from hydra.core.utils import JobReturn
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, run_job, setup_globals
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
@@ -70,6 +71,31 @@ class Sweep:
             with open_dict(cfg):
                 cfg.hydra.job.num = cfg.hydra.job.id = number
             yield number, list(overrides), cfg
+
+
+@dataclass
+class SweepJob:
+    """One job of a sweep, run in whatever process a launcher sends it to (a SLURM array task, a Ray task):
+    composed as Hydra's launchers compose it, then run by the task function, in which the job's `launch`
+    starts its ranks. Picklable: it travels with Hydra's state (`Singleton.get_state()`)."""
+
+    hydra_context: HydraContext
+    task_function: TaskFunction
+    config: DictConfig
+
+    def __call__(self, overrides: list[str], number: int, singleton_state: dict[Any, Any]) -> JobReturn:
+        Singleton.set_state(singleton_state)
+        setup_globals()
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        with open_dict(cfg):
+            cfg.hydra.job.num = cfg.hydra.job.id = number
+        return run_job(
+            hydra_context=self.hydra_context,
+            task_function=self.task_function,
+            config=cfg,
+            job_dir_key="hydra.sweep.dir",
+            job_subdir_key="hydra.sweep.subdir",
+        )
 
 
 class Launcher(ABC):

@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import logging
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
-from hydra.types import HydraContext, TaskFunction
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.utils import instantiate
-from omegaconf import DictConfig, open_dict
 
 from runner.errors import ConfigError, RankFailedError, TrainingInterrupted
-from runner.launchers.base import Launcher, Sweep
+from runner.launchers.base import Launcher, Sweep, SweepJob
 from runner.launchers.reports import reported_failure
 from runner.launchers.slurm.jobs import RANK_ERRORS
 
@@ -105,31 +102,15 @@ def _sweep_result(overrides: list[str], number: int, job_dir: Path, submitted: A
         return JobReturn(overrides=overrides, status=JobStatus.FAILED, _return_value=failure)
 
 
-@dataclass
-class SweepTask:
-    """What each task of a sweep's array runs (pickled by submitit): its job composed as Hydra's launchers
-    compose it, then run by the task function, in which `SlurmLauncher.launch` runs this task's rank. Its
-    `checkpoint` is what submitit calls on the preemption signal: the same job again, which resumes."""
-
-    hydra_context: HydraContext
-    task_function: TaskFunction
-    config: DictConfig
+class SweepTask(SweepJob):
+    """What each task of a sweep's array runs (pickled by submitit): its job, in which
+    `SlurmLauncher.launch` runs this task's rank. Its `checkpoint` is what submitit calls on the preemption
+    signal: the same job again, which resumes."""
 
     def __call__(self, overrides: list[str], number: int, singleton_state: dict[Any, Any]) -> JobReturn:
         global _in_array_task
-        Singleton.set_state(singleton_state)
-        setup_globals()
-        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
-        with open_dict(cfg):
-            cfg.hydra.job.num = cfg.hydra.job.id = number
         _in_array_task = True
-        return run_job(
-            hydra_context=self.hydra_context,
-            task_function=self.task_function,
-            config=cfg,
-            job_dir_key="hydra.sweep.dir",
-            job_subdir_key="hydra.sweep.subdir",
-        )
+        return super().__call__(overrides, number, singleton_state)
 
     def checkpoint(self, *args: Any) -> Any:
         import submitit

@@ -1,0 +1,114 @@
+"""What runs in the workers of `launcher=ray`'s worker group: runner's Ray Train backend, which gives each
+worker its place as torch's variables (runner forms the process group itself, as under every launcher),
+and the rank's body, which reports to the launching process through files in the run dir (storage every
+node reaches): where each rank runs, what it raised, rank 0's metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runner.checkpoint.files import atomic_write_text
+from runner.cluster.ray import ATTEMPT
+from runner.launchers.base import Job, run_rank
+from runner.launchers.reports import repeated_failure, report_failure
+from runner.train import request_stop
+
+try:  # the `ray` extra; without it `launcher=ray` is refused before anything runs (`require_ray`)
+    from ray.train.backend import Backend, BackendConfig
+except ImportError:
+    Backend = BackendConfig = object  # type: ignore[misc,assignment]
+
+ERRORS = "errors"  # what each rank raised (`report_failure`)
+WORKERS = "workers"  # rank<r>.json: where each rank of the current attempt runs (node, host, pid)
+RESULT = "result.json"  # rank 0's metrics
+STOP = "stop"  # written by the launching process on a stop signal: the signal's number
+STOP_POLL_S = 0.5
+
+
+@dataclass
+class RunnerBackendConfig(BackendConfig):
+    """Ray Train's backend for runner's ranks: no process group (runner forms it), only the variables.
+    `starts` counts the worker group's starts within one `fit` (the controller keeps this object)."""
+
+    starts: int = 0
+
+    @property
+    def backend_cls(self) -> type[Backend]:
+        return RunnerBackend
+
+
+class RunnerBackend(Backend):
+    """Before the ranks run: rank 0's address and a free port on its node for this start of the group, and
+    torch's variables from Ray's train context, in every worker."""
+
+    def on_start(self, worker_group: Any, backend_config: RunnerBackendConfig) -> None:
+        from ray.train._internal.utils import get_address_and_port
+
+        backend_config.starts += 1
+        address, port = worker_group.execute_single(0, get_address_and_port)
+        worker_group.execute(_export, address=address, port=port, attempt=backend_config.starts)
+
+
+def _export(address: str, port: int, attempt: int) -> None:
+    import ray.train
+
+    context = ray.train.get_context()
+    os.environ.update(
+        RANK=str(context.get_world_rank()),
+        WORLD_SIZE=str(context.get_world_size()),
+        LOCAL_RANK=str(context.get_local_rank()),
+        LOCAL_WORLD_SIZE=str(context.get_local_world_size()),
+        NODE_RANK=str(context.get_node_rank()),
+        MASTER_ADDR=address,
+        MASTER_PORT=str(port),
+        **{ATTEMPT: str(attempt)},
+    )
+
+
+def rank_entry(config: dict[str, Any]) -> None:
+    """One rank (Ray Train's `train_loop_per_worker`, in a thread of the worker). It says where it runs,
+    then runs the job; what it raises is reported and raised (Ray restarts the group, up to its failures);
+    a start of the group after a failure that a restart would repeat (a refusal, a stop, a divergence)
+    ends at once, so that the launcher reports that failure."""
+    job: Job = config["job"]
+    reports = Path(config["reports"])
+    rank = int(os.environ["RANK"])
+    if repeated_failure(reports / ERRORS):
+        return
+    import ray
+
+    where = {
+        "rank": rank,
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "host": socket.gethostname(),
+        "ip": ray.util.get_node_ip_address(),
+        "pid": os.getpid(),
+        "attempt": int(os.environ[ATTEMPT]),
+    }
+    (reports / WORKERS).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(reports / WORKERS / f"rank{rank}.json", json.dumps(where))
+    stopped = threading.Event()
+    threading.Thread(target=_stop_when_asked, args=(reports / STOP, stopped), daemon=True).start()
+    try:
+        metrics = run_rank(job)
+    except BaseException as err:
+        report_failure(reports / ERRORS, rank, err)
+        raise
+    finally:
+        stopped.set()
+    if rank == 0:
+        atomic_write_text(reports / RESULT, json.dumps(metrics))
+
+
+def _stop_when_asked(request: Path, done: threading.Event) -> None:
+    """Pass the launching process's stop signal (`STOP`) on to the loop, as the signal would stop it."""
+    while not done.wait(STOP_POLL_S):
+        if request.exists():
+            request_stop(int(request.read_text() or 15))
+            return
