@@ -303,6 +303,17 @@ def _died(reports: Path, error: Exception | None, max_failures: int) -> str:
             if record
             else ""
         )
-        cause = str(failure).strip().splitlines()[0] if str(failure).strip() else type(failure).__name__
-        lines.append(f"rank {rank}{node}: {cause}")
+        lines.append(f"rank {rank}{node}: {_cause(failure)}")
     return f"{'; '.join(lines)}{restarts}. The other ranks were stopped."
+
+
+def _cause(failure: BaseException) -> str:
+    """Ray's account of a worker's failure, shortly: its first line, and why the worker's process died
+    where Ray says (not its list of common causes)."""
+    lines = [line.strip() for line in str(failure).splitlines() if line.strip()]
+    if not lines:
+        return type(failure).__name__
+    dead = [
+        line.split(" Some common causes include")[0] for line in lines if line.startswith("The actor is dead")
+    ]
+    return " ".join(line.rstrip(".") + "." for line in lines[:1] + dead).rstrip(".")
