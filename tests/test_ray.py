@@ -1,6 +1,7 @@
 """`launcher=ray` on a real two-node Ray cluster on this machine (a head and a second raylet in a
-loopback-only network namespace; `bash .ci/ray.sh up` starts it, as CI does). Without one these tests skip,
-saying so. The commands run inside that namespace (`nsenter --net`), where the cluster is 127.0.0.1:6379."""
+loopback-only network namespace, `.ci/ray.sh`), which the first test that needs it starts and the last
+stops. Where it cannot start (not root, no Ray) these tests skip, saying so. The commands run inside that
+namespace (`nsenter --net`), where the cluster is 127.0.0.1:6379."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from runner.launchers.ray.cluster import Node, connect, placement
 pytestmark = pytest.mark.slow
 
 TESTS = Path(__file__).parent
+ROOT = TESTS.parent
 NAMESPACE = Path("/run/netns/runner-ray")
 ADDRESS = "127.0.0.1:6379"
 RAY = ["launcher=ray", f"launcher.address={ADDRESS}"]
@@ -41,20 +44,35 @@ def in_cluster(command: list[str]) -> list[str]:
     return ["nsenter", f"--net={NAMESPACE}", *command]
 
 
-@pytest.fixture(scope="module")
-def cluster() -> None:
-    """Skip unless the cluster of `.ci/ray.sh` answers with its two nodes."""
-    if not NAMESPACE.exists():
-        pytest.skip("no Ray cluster on this machine: `bash .ci/ray.sh up` (as root) starts one")
+def cluster_answers() -> bool:
     status = subprocess.run(
         in_cluster([sys.executable, "-m", "ray.scripts.scripts", "status", "--address", ADDRESS]),
         capture_output=True,
         text=True,
     )
-    if status.returncode != 0 or len(re.findall(r"^ 1 node_", status.stdout, re.M)) < 2:
-        pytest.skip(
-            f"the Ray cluster does not answer with 2 nodes ({status.stderr.strip()[-300:]}): `bash .ci/ray.sh up`"
+    return status.returncode == 0 and len(re.findall(r"^ 1 node_", status.stdout, re.M)) >= 2
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    """The cluster of `.ci/ray.sh`, started for this file's tests and stopped after them when it was not up
+    before (an idle Ray cluster's processes slowed the rest of the suite on 2 cores by a third); skip where
+    it cannot start (not root, no Ray), saying so."""
+    started = False
+    if not (NAMESPACE.exists() and cluster_answers()):
+        up = subprocess.run(
+            ["bash", str(ROOT / ".ci" / "ray.sh"), "up"], capture_output=True, text=True, timeout=300
         )
+        if up.returncode != 0 or not NAMESPACE.exists():
+            pytest.skip(
+                f"no Ray cluster on this machine: `bash .ci/ray.sh up` says {up.stdout.strip()[-300:]}"
+            )
+        started = True
+    if not cluster_answers():
+        pytest.skip("the Ray cluster does not answer with 2 nodes: `bash .ci/ray.sh up`")
+    yield
+    if started:
+        subprocess.run(["bash", str(ROOT / ".ci" / "ray.sh"), "down"], capture_output=True, timeout=120)
 
 
 def run(run_dir: Path, *overrides: str, namespace: bool = True) -> subprocess.CompletedProcess:
