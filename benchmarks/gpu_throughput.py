@@ -17,7 +17,9 @@ compilation and the evaluation stay out. Compiled modes compile the model (`Modu
 and the loss, as runner's `trainer.compile.scope=model` does (`trainer.compile.loss`, on by default; the
 Accelerator's loop computes its loss eagerly, as a ported script does; `cli-compiled-eager-loss` turns
 `trainer.compile.loss` off, `cli-reduce-overhead` adds CUDA graphs), `regional` each block; `fp8` adds
-torchao's float8 linears (compute capability 8.9 or newer). Each row is compared with the plain loop of its
+torchao's float8 linears (compute capability 8.9 or newer). `cli-compiled-tokens` reads token shards from disk (`data=tokens`, synthetic
+ids written once per run) instead of random tokens made in memory, and prints the share of its training
+steps' time spent waiting for batches (the goodput ledger's data wait). Each row is compared with the plain loop of its
 kind (eager or compiled), measured in the same run. The modes take turns, `--rounds` times, in a rotating
 order; each row is the median, with the spread (max - min over median) of its rounds. MFU: model FLOPs per
 token (6 x parameters + 12 x layers x width x sequence) times tokens/s over the device's peak dense bf16
@@ -56,6 +58,9 @@ from runner.data import RandomTokens
 from runner.models import GPT
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from data_scale import synthetic_shards  # noqa: E402
+
 # Dense bf16 peak (FLOP/s) by device name, from the vendors' datasheets (without sparsity).
 PEAK_BF16 = {
     "H200": 989e12,
@@ -82,6 +87,7 @@ class Mode:
     precision: str = "bf16"  # bf16 | fp8 (python -m runner only)
     reference: str | None = "plain"
     model: str = "gpt"  # gpt | llama (Hugging Face's, python -m runner with hardware=fsdp only)
+    data: str = "random_tokens"  # random_tokens | tokens (shards on disk; python -m runner only)
     overrides: tuple[str, ...] = ()  # more `python -m runner` overrides
 
 
@@ -108,6 +114,17 @@ MODES = {
         "model",
         reference="plain-compiled",
         overrides=("trainer.compile.mode=reduce-overhead",),
+    ),
+    "cli-compiled-tokens": Mode(
+        "runner, compile model, data=tokens", "cli", "model", reference="plain-compiled", data="tokens"
+    ),
+    "cli-compiled-tokens-workers": Mode(
+        "runner, compile model, data=tokens, 2 loader processes",
+        "cli",
+        "model",
+        reference="plain-compiled",
+        data="tokens",
+        overrides=("data.num_workers=2",),
     ),
     "cli-regional": Mode("runner, compile regional", "cli", "regional", reference="plain-compiled"),
     "cli-fp8": Mode("runner, fp8, compile model", "cli", "model", "fp8", reference="plain-compiled"),
@@ -332,11 +349,9 @@ def measure_cli(mode: Mode, args: argparse.Namespace, config: dict[str, int], ru
     vocab = llama_vocab(args.size) if mode.model == "llama" else config["vocab_size"]
     overrides = [
         "task=language_modeling",
-        "data=random_tokens",
-        f"data.vocab_size={vocab}",
+        *data_overrides(mode, args, vocab, config["max_seq_len"], run_dir.parent),
         f"data.seq_len={config['max_seq_len']}",
         f"data.batch_size={args.batch}",
-        f"data.num_samples={64 * args.batch}",
         "data.eval_samples=1",
         *model_overrides(mode, args.size, config),
         "optimizer.lr=3e-4",
@@ -374,6 +389,8 @@ def measure_cli(mode: Mode, args: argparse.Namespace, config: dict[str, int], ru
         "memory_gb": metrics.get("perf/peak_memory_gb", float("nan")) * 1024**3 / 1e9,  # GiB logged
         "runner_mfu": metrics.get("perf/mfu", float("nan")),
     }
+    phases = json.loads((run_dir / "goodput.json").read_text())["phases_s"]
+    result["data_wait"] = phases.get("data_wait", 0.0) / (phases.get("data_wait", 0.0) + phases["train"])
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
         table = run_dir / "profile" / "key_averages_rank0.txt"
@@ -382,6 +399,18 @@ def measure_cli(mode: Mode, args: argparse.Namespace, config: dict[str, int], ru
         )  # {key}-{round}
         result["gpu_busy"] = gpu_busy(run_dir / "profile" / "trace_rank0.json")
     return result
+
+
+def data_overrides(
+    mode: Mode, args: argparse.Namespace, vocab: int, seq_len: int, workdir: Path
+) -> list[str]:
+    """The `data=` overrides of `mode`: random tokens made in memory, or token shards on disk (`tokens`:
+    synthetic shards in `workdir` holding each window of the run twice over, written once for all rounds)."""
+    if mode.data == "tokens":
+        windows = 2 * (args.warmup + args.steps) * args.batch
+        shards = synthetic_shards(workdir / f"shards-{vocab}", windows * (seq_len + 1), vocab)
+        return ["data=tokens", f"data.path={shards}"]
+    return ["data=random_tokens", f"data.vocab_size={vocab}", f"data.num_samples={64 * args.batch}"]
 
 
 def model_overrides(mode: Mode, size: str, config: dict[str, int]) -> list[str]:
@@ -492,6 +521,8 @@ def main() -> None:
                     if "gpu_busy" in result
                     else ""
                 )
+                if "data_wait" in result:
+                    busy += f", data wait {result['data_wait']:.2%} of the training steps (goodput ledger)"
                 print(
                     f"round {r + 1}: {mode.label}: {result['tokens_per_s']:.0f} tokens/s ({took:.0f} s){busy}",
                     flush=True,

@@ -143,14 +143,15 @@ class LocalLauncher(Launcher):
                 start_method,
                 error_dir,
                 monitor_interval=self.monitor_interval_s,
-                shutdown_timeout=int(self.shutdown_timeout_s),
                 max_restarts=self.max_restarts,
                 signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",  # passed on to the ranks
             )
             with (
                 _threads_per_rank(num_processes),
                 _quiet_elastic_logs(),
-                _stopping_within_shutdown_timeout(Path(error_dir), job.output_dir, started),
+                _stopping_within_shutdown_timeout(
+                    Path(error_dir), job.output_dir, started, self.shutdown_timeout_s
+                ),
                 _ctrl_c_once() as ctrl_c,
             ):
                 try:
@@ -167,27 +168,32 @@ class LocalLauncher(Launcher):
 
 
 class _Agent(LocalElasticAgent):
-    """torch's agent, but once a rank failed, the others get `shutdown_timeout` to exit before SIGKILL.
-    torch honours it only after a signal: after a failure its process context waits a fixed 30 s for the
-    other ranks (`ProcessContext.join` without a grace period), and its agent 30 s more (`_stop_workers`),
-    so a rank stuck in a collective held the job that long whatever `launcher.shutdown_timeout_s` said.
+    """torch's agent, but the ranks get `shutdown_timeout_s` to exit before SIGKILL, whatever ended them.
+    torch's own `shutdown_timeout` (torch 2.12 and later) counts only after a signal: after a failure its
+    process context waits a fixed 30 s for the other ranks (`ProcessContext.join` without a grace period),
+    and its agent 30 s more (`_stop_workers`), so a rank stuck in a collective held the job that long.
     Before a restart (`launcher.max_restarts`) it says why and clears the failed attempt's reports."""
 
     error_dir: Path  # the ranks' failure reports (`report_failure`)
     run_dir: Path  # the job's dir: its watchdogs' reports
     launched: float  # when the launch began: the reports written since are this job's
+    shutdown_timeout_s: float  # launcher.shutdown_timeout_s
     _failures: dict[int, ProcessFailure] = {}
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids = super()._start_workers(worker_group)
-        if isinstance(self._pcontext, MultiprocessContext):  # fork, spawn, forkserver
+        ranks = self._pcontext
+        if isinstance(ranks, MultiprocessContext):  # fork, spawn, forkserver
             # Half the time to exit on their own (they may have lost the failed peer), half after SIGTERM.
-            ranks = self._pcontext._pc
-            ranks.join = functools.partial(ranks.join, grace_period=self._shutdown_timeout / 2)
-        return pids
+            ranks._pc.join = functools.partial(ranks._pc.join, grace_period=self.shutdown_timeout_s / 2)
+        if ranks is not None:  # every stop (a signal, a failure, a restart): SIGKILL after the timeout
+            close = ranks.close
 
-    def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        self._shutdown(timeout=self._shutdown_timeout)
+            def close_within_timeout(death_sig: signal.Signals | None = None, *_: Any, **__: Any) -> None:
+                close(death_sig, timeout=int(self.shutdown_timeout_s))
+
+            ranks.close = close_within_timeout  # type: ignore[method-assign]
+        return pids
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
         result = super()._monitor_workers(worker_group)
@@ -229,12 +235,15 @@ def _failure_text(rank: int, failure: ProcessFailure) -> str:
 
 
 @contextmanager
-def _stopping_within_shutdown_timeout(error_dir: Path, run_dir: Path, launched: float) -> Iterator[None]:
+def _stopping_within_shutdown_timeout(
+    error_dir: Path, run_dir: Path, launched: float, shutdown_timeout_s: float
+) -> Iterator[None]:
     """`elastic_launch` builds torch's `LocalElasticAgent` by its module name: `_Agent` (reporting into
-    `error_dir`) meanwhile."""
+    `error_dir`, stopping ranks within `shutdown_timeout_s`) meanwhile."""
     original = launcher_api.LocalElasticAgent
+    facts = {"error_dir": error_dir, "run_dir": run_dir, "launched": launched}
     launcher_api.LocalElasticAgent = type(  # type: ignore[misc]
-        "_Agent", (_Agent,), {"error_dir": error_dir, "run_dir": run_dir, "launched": launched}
+        "_Agent", (_Agent,), {**facts, "shutdown_timeout_s": shutdown_timeout_s}
     )
     try:
         yield

@@ -1,5 +1,6 @@
 """The CUDA paths, on a real GPU: mixed precision, FSDP2 and DeepSpeed ZeRO-3 over NCCL, big model
-inference split across the GPU, the CPU and the disk, torch.compile, and bitwise resume.
+inference split across the GPU, the CPU and the disk, torch.compile, bitwise resume and in-job restarts,
+token shards with the best checkpoint kept.
 
 Marked `cuda` and skipped without a GPU: `python -m pytest -m cuda tests/gpu` (runner installed, as the
 README's set-up does). Subprocess runs use `tracker=none` (the GPU machine need not have MLflow).
@@ -7,9 +8,12 @@ README's set-up does). Subprocess runs use `tracker=none` (the GPU machine need 
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +39,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
+SONNETS = Path(__file__).parents[2] / "runner" / "data" / "assets" / "sonnets.txt"
 SIZE = {"vocab_size": 97, "max_seq_len": 32, "d_model": 64, "n_layers": 2, "n_heads": 4}
 DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -197,7 +202,7 @@ def runner_cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 def final_metrics(proc: subprocess.CompletedProcess) -> dict[str, float]:
     assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = proc.stderr.split("final metrics")[1].splitlines()[1:]
+    lines = proc.stderr.split("final metrics")[1].split("time spent")[0].splitlines()[1:]
     return {name: float(value) for name, value in (line.split() for line in lines if line.startswith("  "))}
 
 
@@ -260,27 +265,106 @@ def test_context_parallel_on_two_gpus_matches_the_single_gpu_run(tmp_path, singl
         assert abs(ours[name] - reference[name]) <= tolerance * reference[name], (name, ours, reference)
 
 
-def test_stopped_cli_run_on_cuda_resumes_to_bitwise_the_uninterrupted_weights(tmp_path):
-    train = [
-        "hardware.device=cuda",
-        "trainer.max_steps=1500",
-        "trainer.checkpoint_every=50",
-        "model.dropout=0.1",
-    ]
-    reference = runner_cli(tmp_path / "reference", *train)
-    final_metrics(reference)
-    run_dir = tmp_path / "stopped"
+# The default experiment on CUDA with dropout (the CUDA RNG in the checkpoints), checkpoints every 50 steps.
+CUDA_TRAIN = [
+    "hardware.device=cuda",
+    "trainer.max_steps=1500",
+    "trainer.checkpoint_every=50",
+    "model.dropout=0.1",
+]
+WEIGHTS = "model/model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_weights(tmp_path_factory) -> bytes:
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    final_metrics(runner_cli(run_dir, *CUDA_TRAIN))
+    return (run_dir / WEIGHTS).read_bytes()
+
+
+def test_stopped_cli_run_on_cuda_resumes_to_bitwise_the_uninterrupted_weights(
+    tmp_path, uninterrupted_weights
+):
     proc = subprocess.Popen(
-        runner_command(run_dir, "tracker=none", *train), env=runner_env(), stderr=subprocess.PIPE, text=True
+        runner_command(tmp_path, "tracker=none", *CUDA_TRAIN),
+        env=runner_env(),
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    wait_for_checkpoint(run_dir, proc)
+    wait_for_checkpoint(tmp_path, proc)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 75, stderr[-4000:]
-    final_metrics(runner_cli(run_dir, *train))
-    assert "resumed from" in (run_dir / "runner.log").read_text()
-    weights = "model/model.safetensors"
-    assert (run_dir / weights).read_bytes() == (tmp_path / "reference" / weights).read_bytes()
+    final_metrics(runner_cli(tmp_path, *CUDA_TRAIN))
+    assert "resumed from" in (tmp_path / "runner.log").read_text()
+    assert (tmp_path / WEIGHTS).read_bytes() == uninterrupted_weights
+
+
+def test_a_rank_killed_on_cuda_is_restarted_in_the_job_and_ends_bitwise_as_the_uninterrupted_run(
+    tmp_path, uninterrupted_weights
+):
+    """launcher.max_restarts=1: the rank (a spawned process on CUDA) killed after a checkpoint; the agent
+    starts it again, it resumes from the latest checkpoint, and the ledger counts the restart."""
+    proc = subprocess.Popen(
+        runner_command(tmp_path, "tracker=none", *CUDA_TRAIN, "launcher.max_restarts=1"),
+        env=runner_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_checkpoint(tmp_path, proc)
+    rank = subprocess.check_output(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"], text=True).split()
+    assert len(rank) == 1, rank
+    os.kill(int(rank[0]), signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-4000:]
+    assert "restart 1 of 1, the ranks resume from the run's latest checkpoint" in stderr
+    assert "resumed from" in stderr
+    assert (tmp_path / WEIGHTS).read_bytes() == uninterrupted_weights
+    summary = json.loads((tmp_path / "goodput.json").read_text())
+    assert (summary["attempts"], summary["restarts"]) == (2, 1) and summary["phases_s"]["restart"] > 0
+
+
+def test_token_shards_feed_a_gpt_on_cuda_which_keeps_its_best_checkpoint(tmp_path):
+    """`runner prepare-data` writes the sonnets (100 times over: an epoch is longer than the run) as
+    byte-token shards; a GPT trains on them on the GPU in bf16 (batches from pinned memory),
+    `callbacks=[best_checkpoints]` keeps the evaluation with the lowest eval/loss, and the goodput ledger
+    has the steps waiting for batches a small share of their time."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SONNETS.read_text() * 100)
+    data = ["data=tokens", f"data.path={tmp_path / 'shards'}", f"data.source={corpus}"]
+    prepared = subprocess.run(
+        [sys.executable, "-m", "runner", "prepare-data", *data],
+        cwd=tmp_path,
+        env=runner_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert prepared.returncode == 0, prepared.stderr[-4000:]
+    run_dir = tmp_path / "run"
+    proc = runner_cli(
+        run_dir,
+        "experiment=gpt_sonnets",
+        *data,
+        "data.seq_len=64",
+        "data.batch_size=16",
+        "hardware.device=cuda",
+        "precision=bf16",
+        "trainer.max_steps=300",
+        "trainer.eval_every=50",
+        "trainer.log_every=50",
+        "callbacks=[best_checkpoints]",
+    )
+    metrics = final_metrics(proc)
+    assert metrics["train/loss"] < 3.0  # learned from the bytes (uniform: ln 256 = 5.5)
+    found = re.findall(r"step (\d+)/\d+: eval/loss=([\d.e-]+)", (run_dir / "runner.log").read_text())
+    evaluations = {int(step): float(value) for step, value in found}
+    assert sorted(evaluations) == [50, 100, 150, 200, 250, 300]
+    best = json.loads((run_dir / "best" / "best.json").read_text())["best"]
+    assert [entry["step"] for entry in best] == [min(evaluations, key=evaluations.get)]
+    assert (Path(best[0]["path"]) / "meta.json").is_file()
+    phases = json.loads((run_dir / "goodput.json").read_text())["phases_s"]
+    assert phases.get("data_wait", 0.0) < 0.1 * phases["train"], phases
 
 
 @pytest.mark.parametrize("options", [["trainer.compile.scope=regional"], ["trainer.compile.scope=model"],
