@@ -246,6 +246,18 @@ def test_the_facade_imports_a_module_only_when_one_of_its_names_is_used():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_the_command_imports_no_clusters_client_until_it_launches_there():
+    """`python -m runner`'s own modules import neither Ray nor the Kubernetes packages (Ray Train's import
+    alone took 2 s of every command, and pulled pandas and pyarrow in): a launcher imports its cluster's
+    client when it checks or launches a job there."""
+    code = (
+        "import sys, runner.cli\n"
+        "heavy = [m for m in ('ray', 'kubernetes', 'kubeflow_trainer_api', 'submitit', 'pandas') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_only_the_slurm_environment_reads_slurms_variables():
     """`runner/cluster/slurm.py` (SLURM's `ClusterEnvironment`) is the one place that reads SLURM's variables."""
     readers = sorted(

@@ -25,6 +25,7 @@ from runner.config import NonNegativeFloat, NonNegativeInt, PositiveFloat, check
 from runner.errors import ConfigError, RankFailedError, TrainingInterrupted, signal_name
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher, Sweep, SweepJob, interrupted
+from runner.launchers.ray.backend import backend_config
 from runner.launchers.ray.cluster import (
     PLACEMENTS,
     alive_nodes,
@@ -33,7 +34,7 @@ from runner.launchers.ray.cluster import (
     placement,
     require_ray,
 )
-from runner.launchers.ray.workers import ERRORS, RESULT, STOP, WORKERS, RunnerBackendConfig, rank_entry
+from runner.launchers.ray.workers import ERRORS, RESULT, STOP, WORKERS, rank_entry
 from runner.launchers.reports import hang_failure, reported_failure
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ class RayLauncher(Launcher):
         trainer = DataParallelTrainer(
             rank_entry,
             train_loop_config={"job": job.for_other_processes(), "reports": str(reports)},
-            backend_config=RunnerBackendConfig(),
+            backend_config=backend_config(),
             scaling_config=ScalingConfig(
                 num_workers=strategy.num_processes,
                 use_gpu=bool(gpus),

@@ -1,7 +1,6 @@
-"""What runs in the workers of `launcher=ray`'s worker group: runner's Ray Train backend, which gives each
-worker its place as torch's variables (runner forms the process group itself, as under every launcher),
-and the rank's body, which reports to the launching process through files in the run dir (storage every
-node reaches): where each rank runs, what it raised, rank 0's metrics."""
+"""What runs in the workers of `launcher=ray`'s worker group: the rank's body, which reports to the
+launching process through files in the run dir (storage every node reaches): where each rank runs, what
+it raised, rank 0's metrics. (Their place comes from runner's Ray Train backend, `backend.py`.)"""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import json
 import os
 import socket
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,56 +17,11 @@ from runner.launchers.base import Job, run_rank
 from runner.launchers.reports import repeated_failure, report_failure
 from runner.train import request_stop
 
-try:  # the `ray` extra; without it `launcher=ray` is refused before anything runs (`require_ray`)
-    from ray.train.backend import Backend, BackendConfig
-except ImportError:
-    Backend = BackendConfig = object  # type: ignore[misc,assignment]
-
 ERRORS = "errors"  # what each rank raised (`report_failure`)
 WORKERS = "workers"  # rank<r>.json: where each rank of the current attempt runs (node, host, pid)
 RESULT = "result.json"  # rank 0's metrics
 STOP = "stop"  # written by the launching process on a stop signal: the signal's number
 STOP_POLL_S = 0.5
-
-
-@dataclass
-class RunnerBackendConfig(BackendConfig):
-    """Ray Train's backend for runner's ranks: no process group (runner forms it), only the variables.
-    `starts` counts the worker group's starts within one `fit` (the controller keeps this object)."""
-
-    starts: int = 0
-
-    @property
-    def backend_cls(self) -> type[Backend]:
-        return RunnerBackend
-
-
-class RunnerBackend(Backend):
-    """Before the ranks run: rank 0's address and a free port on its node for this start of the group, and
-    torch's variables from Ray's train context, in every worker."""
-
-    def on_start(self, worker_group: Any, backend_config: RunnerBackendConfig) -> None:
-        from ray.train._internal.utils import get_address_and_port
-
-        backend_config.starts += 1
-        address, port = worker_group.execute_single(0, get_address_and_port)
-        worker_group.execute(_export, address=address, port=port, attempt=backend_config.starts)
-
-
-def _export(address: str, port: int, attempt: int) -> None:
-    import ray.train
-
-    context = ray.train.get_context()
-    os.environ.update(
-        RANK=str(context.get_world_rank()),
-        WORLD_SIZE=str(context.get_world_size()),
-        LOCAL_RANK=str(context.get_local_rank()),
-        LOCAL_WORLD_SIZE=str(context.get_local_world_size()),
-        NODE_RANK=str(context.get_node_rank()),
-        MASTER_ADDR=address,
-        MASTER_PORT=str(port),
-        **{ATTEMPT: str(attempt)},
-    )
 
 
 def rank_entry(config: dict[str, Any]) -> None:
