@@ -49,7 +49,7 @@ from runner.checkpoint.resume import (
     check_resume,
     latest_run,
 )
-from runner.cluster import ClusterEnvironment, launched_environment, time_before_start
+from runner.cluster import ClusterEnvironment, launched_environment, launched_node, time_before_start
 from runner.config import CONF_SEARCH_PATH
 from runner.errors import (
     EXIT_INTERRUPTED,
@@ -74,6 +74,7 @@ from runner.help import help_text
 from runner.inference import infer
 from runner.launchers import Job
 from runner.launchers.base import interrupted
+from runner.launchers.kubernetes import run_node
 from runner.plan import describe as describe_plan
 from runner.prepare_data import main as prepare_data_command
 from runner.run_log import FILE_ONLY, configure_rank_logging
@@ -112,6 +113,7 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
             return {}
         if finished is not None:
             log.info("%s: nothing to train.%s", finished.describe(), AGAIN)
+            built.launcher.skip(f"{finished.describe()}: nothing to train")
             metrics = {k: v for k, v in finished.metrics.items() if v is not None}
         else:
             if built.tracker is not None and (env is None or env.rank == 0):
@@ -353,7 +355,9 @@ def run() -> None:
         _end_command(err)
     _importable_cwd()
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra raise instead of printing its own report
-    env = launched_environment()
+    env, node = launched_environment(), launched_node()
+    if env is None and node is not None and node.node_rank != 0:  # a TrainJob's pod: the first one composes
+        sys.exit(run_node(node))
     if env is not None and env.rank != 0:
         sys.argv += _scratch_output_dir(env.rank)
     try:

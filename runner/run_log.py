@@ -59,11 +59,11 @@ class RunLogHandler(logging.FileHandler):
 
 
 class RankPrefix(logging.Filter):
-    """Prefix each message with the rank that logged it."""
+    """Prefix each message with the process that logged it: "[rank 1] ", "[node 1] "."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, kind: str = "rank") -> None:
         super().__init__()
-        self.prefix = f"[rank {rank}] "
+        self.prefix = f"[{kind} {rank}] "
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not str(record.msg).startswith(self.prefix):
@@ -71,9 +71,10 @@ class RankPrefix(logging.Filter):
         return True
 
 
-def configure_rank_logging(config: dict[str, Any] | None, rank: int) -> None:
+def configure_rank_logging(config: dict[str, Any] | None, rank: int, kind: str = "rank") -> None:
     """Apply the job's logging `config` in a rank (its log files are appended to, never truncated); ranks
-    other than 0 log warnings and errors only, prefixed with their rank."""
+    other than 0 (or the agents of nodes other than 0: `kind` "node") log warnings and errors only,
+    prefixed with their rank."""
     if config is not None:
         config = copy.deepcopy(config)
         for handler in config.get("handlers", {}).values():
@@ -84,4 +85,4 @@ def configure_rank_logging(config: dict[str, Any] | None, rank: int) -> None:
         root = logging.getLogger()
         root.setLevel(logging.WARNING)
         for handler in root.handlers:
-            handler.addFilter(RankPrefix(rank))
+            handler.addFilter(RankPrefix(rank, kind))

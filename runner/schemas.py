@@ -31,6 +31,7 @@ from runner.hardware import DDP, FSDP, DeepSpeed, SingleDevice, TensorParallel
 from runner.hardware.device_map import BigModel
 from runner.hardware.xla import XLA
 from runner.launchers import LocalLauncher
+from runner.launchers.kubernetes import KubernetesLauncher
 from runner.launchers.ray import RayLauncher
 from runner.launchers.slurm import SlurmLauncher
 from runner.precision import Float8Precision, Float16MixedPrecision, MixedPrecision, Precision
@@ -53,7 +54,12 @@ OPTIONS: dict[str, dict[str, type | None]] = {
         "fp16": Float16MixedPrecision,
         "fp8": Float8Precision,
     },
-    "launcher": {"local": LocalLauncher, "slurm": SlurmLauncher, "ray": RayLauncher},
+    "launcher": {
+        "local": LocalLauncher,
+        "slurm": SlurmLauncher,
+        "ray": RayLauncher,
+        "kubernetes": KubernetesLauncher,
+    },
     "tracker": {
         "mlflow": MLflowTracker,
         "tensorboard": TensorBoardTracker,

@@ -331,6 +331,14 @@ OTHER_VALUES = {
     "placement": "spread",
     ("launcher/ray", "storage"): "/elsewhere",
     "runtime_env": {"env_vars": {"ANOTHER": "1"}},
+    ("launcher/kubernetes", "image"): "registry.example.com/another:1",
+    ("launcher/kubernetes", "namespace"): "another",
+    ("launcher/kubernetes", "runtime"): "another-runtime",
+    ("launcher/kubernetes", "volume"): "another-claim",
+    ("launcher/kubernetes", "mount_path"): "/elsewhere",
+    ("launcher/kubernetes", "run_dir"): "/runs/another",
+    ("launcher/kubernetes", "env"): {"ANOTHER": "1"},
+    ("launcher/kubernetes", "name"): "another",
 }
 # Where a setting is valid only next to another one (offload_params needs ZeRO-3).
 BASE_OVERRIDES = {"hardware/deepspeed": ["hardware.zero_stage=3"], "tracker/wandb": ["tracker.mode=offline"]}

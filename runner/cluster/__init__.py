@@ -13,6 +13,7 @@ from runner.cluster.base import ClusterEnvironment
 from runner.cluster.ray import RayEnvironment, ray_attempt
 from runner.cluster.slurm import SlurmEnvironment, slurm_job_id
 from runner.cluster.torchelastic import TorchElasticEnvironment, restart_count
+from runner.cluster.trainjob import TrainJobNode
 
 __all__ = [
     "ENVIRONMENTS",
@@ -20,9 +21,11 @@ __all__ = [
     "RayEnvironment",
     "SlurmEnvironment",
     "TorchElasticEnvironment",
+    "TrainJobNode",
     "available_cores",
     "export_local_rank",
     "launched_environment",
+    "launched_node",
     "patch_environment",
     "rank_variables",
     "time_before_start",
@@ -40,6 +43,12 @@ ENVIRONMENTS: tuple[type[ClusterEnvironment], ...] = (
 def launched_environment() -> ClusterEnvironment | None:
     """The rank this process is, when a launcher started it; None when it is a plain process."""
     return next((found for kind in ENVIRONMENTS if (found := kind.detect()) is not None), None)
+
+
+def launched_node() -> TrainJobNode | None:
+    """The node this process is the agent of, where a cluster started it as one (a TrainJob's pod) to start
+    that node's ranks itself; None elsewhere."""
+    return TrainJobNode.detect()
 
 
 def time_before_start(otherwise: str) -> str:
@@ -61,7 +70,7 @@ def export_local_rank(local_rank: int) -> None:
 
 
 # What `python -m runner.env` shows of the variables the environments read.
-RANK_VARIABLES = tuple(name for kind in ENVIRONMENTS for name in kind.variables)
+RANK_VARIABLES = (*(name for kind in ENVIRONMENTS for name in kind.variables), *TrainJobNode.variables)
 
 
 def rank_variables() -> dict[str, str]:

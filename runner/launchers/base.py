@@ -124,6 +124,10 @@ class Launcher(ABC):
     def check(self, cfg: DictConfig, strategy: Strategy) -> None:
         """Raise ConfigError for what would fail only once launched (e.g. more than a cluster has)."""
 
+    def skip(self, reason: str) -> None:
+        """The job is not launched (`reason`: its run finished before). A launcher whose other nodes wait
+        for the job it would launch (a TrainJob's pods) tells them here."""
+
     @abstractmethod
     def describe(self, cfg: DictConfig, strategy: Strategy) -> str:
         """One line for the plan: where and how the ranks would start."""

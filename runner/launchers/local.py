@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher import api as launcher_api
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from runner.cluster import available_cores, launched_environment
+from runner.cluster import TrainJobNode, available_cores, launched_environment
 from runner.config import NonNegativeFloat, NonNegativeInt, PositiveFloat, checked
 from runner.errors import EXIT_INTERRUPTED, ConfigError, RankFailedError, TrainingInterrupted, signal_name
 from runner.hardware.base import Strategy
@@ -43,6 +43,7 @@ from runner.watchdog import EXIT_HUNG, HANG_DIR, read_reports
 log = logging.getLogger(__name__)
 
 START_METHODS = ("fork", "spawn", "forkserver")
+NODE_WAIT_S = 900  # how long the nodes of a job wait for each other (pods start minutes apart: image pulls)
 
 
 class LocalLauncher(Launcher):
@@ -133,15 +134,28 @@ class LocalLauncher(Launcher):
         restarts = f", restarted up to {self.max_restarts} time(s)" if self.max_restarts else ""
         return f"LocalLauncher: 1 node x {ranks} process(es), started with {start_method}{restarts}"
 
-    def _launch_ranks(self, job: Job, num_processes: int, start_method: str) -> dict[str, float]:
+    def launch_node(self, job: Job, node: TrainJobNode, ranks_per_node: int) -> dict[str, float]:
+        """This node's `ranks_per_node` ranks of a job that spans `node.nodes` nodes, each node's agent
+        started by the cluster (a TrainJob's pods): the agents meet at the first node's
+        (`node.master_addr:master_port`, torch's static rendezvous: each node's rank is given) and the
+        ranks are numbered node by node. Rank 0's metrics on the first node, {} on the others."""
+        strategy: Strategy = job.strategy or instantiate(job.cfg.hardware)
+        results = self._launch_ranks(
+            job.for_other_processes(), ranks_per_node, self.start_method or strategy.start_method, node
+        )
+        return results if node.node_rank == 0 else {}
+
+    def _launch_ranks(
+        self, job: Job, num_processes: int, start_method: str, node: TrainJobNode | None = None
+    ) -> dict[str, float]:
         log.info("starting %d ranks (%s)", num_processes, start_method)
         started = time.time()
         with tempfile.TemporaryDirectory(prefix="runner-elastic-") as error_dir:
-            config = single_node_config(
+            config = rank_group_config(
                 num_processes,
-                "localhost:0",  # a free port: parallel jobs never collide
                 start_method,
                 error_dir,
+                node,
                 monitor_interval=self.monitor_interval_s,
                 max_restarts=self.max_restarts,
                 signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",  # passed on to the ranks
@@ -164,7 +178,7 @@ class LocalLauncher(Launcher):
                     ) from None
                 except ChildFailedError as err:
                     raise_failure(err.failures, Path(error_dir), job.output_dir, started)
-        return results[0]
+        return results.get(0, {})
 
 
 class _Agent(LocalElasticAgent):
@@ -372,19 +386,35 @@ def _quiet_elastic_logs() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def single_node_config(
-    num_processes: int, rdzv_endpoint: str, start_method: str, log_dir: str, **options: Any
+def rank_group_config(
+    num_processes: int,
+    start_method: str,
+    log_dir: str,
+    node: TrainJobNode | None = None,
+    endpoint: str = "localhost:0",
+    **options: Any,
 ) -> LaunchConfig:
-    """torch's elastic launcher on this machine: `num_processes` ranks meeting at `rdzv_endpoint` (c10d),
-    no restarts unless `options` say, each rank's error file under `log_dir`."""
+    """torch's elastic launcher for `num_processes` ranks on this machine, each rank's error file under
+    `log_dir`, no restarts unless `options` say: alone, meeting at `endpoint` (c10d; port 0: a free one,
+    so that parallel jobs never collide); or as one node of `node`'s job, meeting the other nodes' agents
+    at its first node (static: the node ranks are given)."""
+    if node is None:
+        nodes = {"min_nodes": 1, "max_nodes": 1, "rdzv_backend": "c10d", "rdzv_endpoint": endpoint}
+        run_id = uuid.uuid4().hex
+    else:
+        nodes = {
+            "min_nodes": node.nodes,
+            "max_nodes": node.nodes,
+            "rdzv_backend": "static",
+            "rdzv_endpoint": f"{node.master_addr}:{node.master_port}",
+            "rdzv_configs": {"rank": node.node_rank, "timeout": NODE_WAIT_S},
+        }
+        run_id = "runner"  # the same on every node
     return LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
         nproc_per_node=num_processes,
-        run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d",
-        rdzv_endpoint=rdzv_endpoint,
+        run_id=run_id,
         start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        **nodes,
         **{"max_restarts": 0, **options},
     )

@@ -12,7 +12,7 @@ from torch.distributed.launcher.api import elastic_launch
 
 from runner.cluster import patch_environment
 from runner.errors import RankFailedError
-from runner.launchers.local import single_node_config
+from runner.launchers.local import rank_group_config
 
 
 def notebook_launcher(
@@ -45,11 +45,11 @@ def notebook_launcher(
                 "CUDA has been initialised in this process, and processes forked from it cannot use it. Restart "
                 "the notebook and call notebook_launcher before anything touches CUDA."
             )
-        config = single_node_config(
+        config = rank_group_config(
             num_processes,
-            f"{master_addr}:{use_port}",
             "fork",  # a function defined in the notebook cannot be pickled for spawn
             tempfile.mkdtemp(prefix="runner-notebook-"),
+            endpoint=f"{master_addr}:{use_port}",
             max_restarts=max_restarts,
             monitor_interval=monitor_interval,
         )

@@ -1,0 +1,218 @@
+"""`launcher=kubernetes`: the TrainJob it writes, read by Kubeflow's own TrainJob model, and that TrainJob's
+pods run for real as two network namespaces on this machine, each given what the `torch-distributed`
+runtime gives a pod: its `PET_*` variables, the first pod's name in the job's headless service (resolved
+through a hosts file mounted for the pod alone), its own hostname and the volume at the mount path. No
+Kubernetes API server can run here: submitting is refused without a kube context, and not tested further."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import cli_env, runner_command
+
+from runner.errors import ConfigError
+from runner.hardware import DDP
+from runner.launchers.kubernetes import KubernetesLauncher
+
+pytestmark = pytest.mark.slow
+
+BRIDGE, SUBNET = "runner-kbr0", "10.251.79"  # pod i: namespace runner-kpod<i> at SUBNET.(10+i)
+PODS = 2
+TRAIN = [
+    "trainer.max_steps=60",
+    "trainer.eval_every=30",
+    "trainer.checkpoint_every=20",
+    "model.dropout=0.1",
+    "hardware=multi_gpu",
+]
+TRAINJOB = [
+    "launcher=kubernetes",
+    "launcher.image=registry.example.com/runner:test",
+    "launcher.volume=runs",
+    f"launcher.nodes={PODS}",
+    "hardware.num_processes=1",
+]
+WEIGHTS = Path("model") / "model.safetensors"
+
+
+def _ip(*arguments: str) -> None:
+    subprocess.run(["ip", *arguments], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pod_network() -> Iterator[list[str]]:
+    """Two network namespaces on a bridge, as two pods' networks: their addresses."""
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip("network namespaces need `ip` and root")
+    addresses = [f"{SUBNET}.{10 + i}" for i in range(PODS)]
+    _remove_pod_network()  # what an interrupted session left
+    _ip("link", "add", BRIDGE, "type", "bridge")
+    try:
+        _ip("addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
+        _ip("link", "set", BRIDGE, "up")
+        for i, address in enumerate(addresses):
+            namespace, host, pod = f"runner-kpod{i}", f"rk-{i}", f"rkp-{i}"
+            _ip("netns", "add", namespace)
+            _ip("link", "add", host, "type", "veth", "peer", "name", pod)
+            _ip("link", "set", pod, "netns", namespace)
+            _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", pod)
+            _ip("-n", namespace, "link", "set", "lo", "up")
+            _ip("-n", namespace, "link", "set", pod, "up")
+            _ip("link", "set", host, "master", BRIDGE)
+            _ip("link", "set", host, "up")
+        yield addresses
+    finally:
+        _remove_pod_network()
+
+
+def _remove_pod_network() -> None:
+    for i in range(PODS):
+        subprocess.run(["ip", "netns", "del", f"runner-kpod{i}"], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"rk-{i}"], capture_output=True)
+    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+
+
+def run_pods(manifest: dict, addresses: list[str], workdir: Path) -> list[subprocess.CompletedProcess]:
+    """The TrainJob's pods: its command and arguments in each namespace, with the trainer's environment and
+    what the runtime adds (`PET_*`, the master's name, the pod's hostname), the first pod started last."""
+    name, trainer = manifest["metadata"]["name"], manifest["spec"]["trainer"]
+    master = f"{name}-node-0-0.{name}"  # the runtime's PET_MASTER_ADDR: the first pod in the headless service
+    procs = []
+    for rank in reversed(range(PODS)):
+        # As the kubelet writes a pod's /etc/hosts (its own name), with the master's name the cluster's DNS gives.
+        pod = f"{name}-node-0-{rank}"
+        hosts = workdir / f"hosts-{rank}"
+        hosts.write_text(f"127.0.0.1 localhost\n{addresses[rank]} {pod}\n{addresses[0]} {master}\n")
+        env = cli_env() | {e["name"]: e["value"] for e in trainer["env"]}
+        env |= {
+            "PET_NNODES": str(trainer["numNodes"]),
+            "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
+            "PET_NODE_RANK": str(rank),
+            "PET_MASTER_ADDR": master,
+            "PET_MASTER_PORT": "29500",
+        }
+        command = ["nsenter", f"--net=/run/netns/runner-kpod{rank}", "unshare", "--mount", "--uts", "sh", "-c",
+                   f'mount --bind {hosts} /etc/hosts && hostname {pod} && exec "$@"', "sh",
+                   *trainer["command"], *trainer["args"]]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                command, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out))
+    return results[::-1]  # by node rank
+
+
+def test_the_trainjob_matches_kubeflows_schema_and_its_pods_train_bitwise_as_local_ranks(
+    pod_network, tmp_path
+):
+    """The TrainJob of 2 pods x 1 process, read by Kubeflow's model; its pods (network namespaces, the first
+    one's name resolved as the headless service resolves it) form one job of 2 ranks that ends with bitwise
+    the weights of the same run on 2 local processes. Run again, the first pod finds the run finished and
+    the other stops at once."""
+    from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
+
+    local = subprocess.run(
+        runner_command(tmp_path / "local", *TRAIN, "hardware.num_processes=2"),
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert local.returncode == 0, local.stderr
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    written = subprocess.run(
+        runner_command(tmp_path / "submit", *TRAIN, *TRAINJOB, f"launcher.mount_path={volume}"),
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert written.returncode == 0, written.stderr
+    manifest = yaml.safe_load((tmp_path / "submit" / "kubernetes" / "trainjob.yaml").read_text())
+    assert TrainerV1alpha1TrainJob.from_dict(manifest).to_dict() == manifest  # nothing unknown to the schema
+    trainer, name = manifest["spec"]["trainer"], manifest["metadata"]["name"]
+    assert name == "runner-submit" and manifest["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (PODS, 1)
+    assert trainer["command"] == ["python", "-m", "runner"]
+    run_dir = volume / "submit"
+    assert trainer["args"][-1] == f"hydra.run.dir={run_dir}" and "launcher.nodes=2" in trainer["args"]
+    pod = manifest["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][
+        0
+    ]
+    spec = pod["template"]["spec"]["template"]["spec"]
+    assert spec["volumes"][0]["persistentVolumeClaim"]["claimName"] == "runs"
+    assert spec["containers"][0]["volumeMounts"][0]["mountPath"] == str(volume)
+    assert (
+        f"wrote TrainJob {name} to {tmp_path / 'submit' / 'kubernetes' / 'trainjob.yaml'}" in written.stderr
+    )
+    assert not run_dir.exists()  # written, not run
+
+    pods = run_pods(manifest, pod_network, tmp_path)
+    assert [p.returncode for p in pods] == [0, 0], "\n".join(p.stdout[-3000:] for p in pods)
+    assert "final metrics" in pods[0].stdout and "nothing to run" not in pods[1].stdout
+    assert (run_dir / WEIGHTS).read_bytes() == (tmp_path / "local" / WEIGHTS).read_bytes()
+
+    again = run_pods(manifest, pod_network, tmp_path)
+    assert [p.returncode for p in again] == [0, 0], "\n".join(p.stdout[-3000:] for p in again)
+    assert "nothing to train" in again[0].stdout
+    assert f"node 1: nothing to run: {run_dir} holds a run that finished at step 60" in again[1].stdout
+
+
+def test_submitting_without_a_kube_context_is_refused_before_anything_is_written(tmp_path):
+    proc = subprocess.run(
+        runner_command(tmp_path / "run", "hardware=multi_gpu", *TRAINJOB, "launcher.submit=true"),
+        env=cli_env() | {"KUBECONFIG": str(tmp_path / "no-such-config")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Configuration error: launcher.submit=true: no Kubernetes context to submit to" in proc.stderr
+    assert not (tmp_path / "run" / "kubernetes").exists()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"volume": "runs"}, "launcher.image is not set"),
+        ({"image": "i:1"}, "launcher.volume is not set"),
+        (
+            {"image": "i:1", "volume": "runs", "run_dir": "/elsewhere/x"},
+            "is not under launcher.mount_path=/runs",
+        ),
+        (
+            {"image": "i:1", "volume": "runs", "env": {"PET_NODE_RANK": "1"}},
+            "launcher.env sets PET_NODE_RANK",
+        ),
+        ({"image": "i:1", "volume": "runs", "name": "Run_1"}, "launcher.name='Run_1': a TrainJob's name"),
+    ],
+)
+def test_what_a_trainjob_cannot_be_is_refused_naming_the_setting(settings, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        KubernetesLauncher(**settings).check(None, None)  # type: ignore[arg-type]
+
+
+def test_a_pod_of_a_trainjob_written_for_other_settings_is_refused(monkeypatch):
+    for name, value in {"PET_NNODES": "3", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "0",
+                        "PET_MASTER_ADDR": "m", "PET_MASTER_PORT": "29500"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match=r"this pod's TrainJob has 3 node\(s\) of 1 process\(es\)"):
+        KubernetesLauncher(image="i:1", volume="runs", nodes=2).check(None, DDP(num_processes=1))  # type: ignore[arg-type]
+
+
+def test_without_kubeflows_sdk_the_install_line_is_given(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "kubeflow_trainer_api", None)
+    with pytest.raises(ConfigError, match=r"pip install .*\[kubernetes\]"):
+        KubernetesLauncher(image="i:1", volume="runs").check(None, None)  # type: ignore[arg-type]
