@@ -67,7 +67,11 @@ class Server:
         if self.proc is not None:
             self.resume()
             self.proc.terminate()
-            self.proc.wait(timeout=30)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # its graceful shutdown outlasted a loaded machine: it dies anyway
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
 
     def pause(self) -> None:
         """The server stops answering (its connections wait)."""
