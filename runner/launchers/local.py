@@ -183,7 +183,7 @@ class LocalLauncher(Launcher):
 
 class _Agent(LocalElasticAgent):
     """torch's agent, but the ranks get `shutdown_timeout_s` to exit before SIGKILL, whatever ended them.
-    torch's own `shutdown_timeout` (torch 2.12 and later) counts only after a signal: after a failure its
+    torch's own `shutdown_timeout` (newer than torch 2.11) counts only after a signal: after a failure its
     process context waits a fixed 30 s for the other ranks (`ProcessContext.join` without a grace period),
     and its agent 30 s more (`_stop_workers`), so a rank stuck in a collective held the job that long.
     Before a restart (`launcher.max_restarts`) it says why and clears the failed attempt's reports."""
