@@ -12,9 +12,17 @@ A 4-layer MLP, batch 64, AdamW and a LambdaLR schedule, data from a DataLoader; 
    (what the method cannot resolve). Twice: at width 256 (the MLP of the README's numbers) and at width 8,
    where Python dominates and an overhead is easiest to see.
 
+3. `python -m runner`'s loop (the Trainer on the default experiment: the 4 x 256 MLP on the synthetic
+   regression, AdamW, warm-up and cosine decay, a log line every 10 steps, no tracker) against the same
+   training written plainly, which reads the loss and writes a line every 10 steps too. A callback of the
+   run interleaves them: after every `--steps` of the Trainer's steps it runs as many of the plain loop and
+   of its A/A copy, all timed as in 2, and counts the calls of one such round of each.
+
 Not a test: nothing here gates CI.
 
-    python benchmarks/step_overhead.py [--rounds 300] [--steps 20] [--count-steps 50] [--threads 1]
+    python benchmarks/step_overhead.py [--rounds 100] [--steps 10] [--count-steps 50] [--threads 1]
+
+About 2 minutes on the project's 2-core machine. `step_instructions.py` counts the same loops' instructions.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import gc
 import pstats
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -32,11 +41,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from hydra import compose, initialize_config_module
 from torch.utils.data import DataLoader, TensorDataset
 
 import runner
 from runner import Accelerator
+from runner.callbacks import Callback, Run
+from runner.config import CONF_PACKAGE
 from runner.models import MLP
+from runner.schedulers import cosine
+from runner.schemas import register_configs
+from runner.train import Trainer
 
 BATCH = 64
 RUNNER_CODE = str(Path(runner.__file__).parent)
@@ -110,8 +125,9 @@ def runner_loop(mode: str, width: int) -> Callable[[int], None]:
     return run
 
 
-def count_calls(run: Callable[[int], None], steps: int) -> int:
-    """Python and C function calls made by `run(steps)` on this thread."""
+def counting_calls(name: str) -> Callable[[], int]:
+    """Start counting the Python and C calls of this thread (of the loop `name`); the function returned
+    stops and answers."""
     calls = 0
 
     def hook(frame, event, arg) -> None:
@@ -120,10 +136,21 @@ def count_calls(run: Callable[[int], None], steps: int) -> int:
             calls += 1
 
     sys.setprofile(hook)
+
+    def stop() -> int:
+        sys.setprofile(None)
+        return calls
+
+    return stop
+
+
+def count_calls(run: Callable[[int], None], steps: int) -> int:
+    """Python and C function calls made by `run(steps)` on this thread."""
+    stop = counting_calls("")
     try:
         run(steps)
     finally:
-        sys.setprofile(None)
+        calls = stop()
     return calls
 
 
@@ -177,17 +204,147 @@ def measure(mode: str, width: int, rounds: int, steps: int) -> tuple[float, floa
     finally:
         gc.enable()
 
-    def median_difference(name: str) -> float:
-        return statistics.median(a - b for a, b in zip(times[name], times["plain"], strict=True))
-
     plain, ours = statistics.median(times["plain"]), statistics.median(times["runner"])
-    return plain, ours, median_difference("runner"), median_difference("control")
+    return plain, ours, median_difference(times, "runner"), median_difference(times, "control")
+
+
+def median_difference(times: dict[str, list[float]], name: str) -> float:
+    """The median over rounds of `name`'s time less the plain loop's in the same round."""
+    return statistics.median(a - b for a, b in zip(times[name], times["plain"], strict=True))
+
+
+# `python -m runner`'s loop: the default experiment's overrides for each mode
+LOOP_MODES = {"fp32": [], "bf16": ["precision=bf16"], "accum4": ["trainer.gradient_accumulation_steps=4"]}
+LOG_EVERY = 10  # the default experiment's `trainer.log_every`
+
+
+def plain_training(run: Run, accumulation: int, bf16: bool, log: Path) -> Callable[[int], None]:
+    """The default experiment written plainly, on the run's data: a function running `n` optimizer steps,
+    which reads the mean loss and writes a line every LOG_EVERY steps (a plain script's print)."""
+    torch.manual_seed(1)
+    model = MLP(in_features=16, out_features=1, hidden_size=256, num_layers=4)
+    loader = DataLoader(
+        run.train_loader.base_dataloader.dataset,  # type: ignore[attr-defined]  # the run's data
+        batch_size=64,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    scheduler = cosine(optimizer, num_training_steps=run.total_steps, warmup_ratio=0.05, min_lr_ratio=0.1)
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else nullcontext
+    stream = batches(loader)
+    window, done = torch.zeros(()), 0
+    out = log.open("a")
+
+    def train(steps: int) -> None:
+        nonlocal window, done
+        for _ in range(steps):
+            for _ in range(accumulation):
+                batch = next(stream)
+                with autocast():
+                    outputs = model(batch["inputs"])
+                loss = F.mse_loss(outputs.float(), batch["targets"])
+                (loss / accumulation if accumulation > 1 else loss).backward()
+                window += loss.detach()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            done += 1
+            if done % LOG_EVERY == 0:
+                out.write(f"step {done}: loss {window.item() / (LOG_EVERY * accumulation):.4f}\n")
+                out.flush()
+                window.zero_()
+
+    return train
+
+
+class Interleaved(Callback):
+    """The benchmark inside the run (`callbacks.interleaved._target_=step_overhead.Interleaved`): times
+    each round of `steps` of the Trainer's optimizer steps (from this callback's return to its next call
+    `steps` steps later), then runs as many steps of the plain training and of its A/A copy, timed alike;
+    counts the calls of one round of each; stops the run after `rounds` rounds."""
+
+    def __init__(self, mode: str, rounds: int, steps: int, log: str, threads: int) -> None:
+        self.mode, self.rounds, self.steps, self.log, self.threads = mode, rounds, steps, Path(log), threads
+        self.times: dict[str, list[float]] = {"runner": [], "plain": [], "control": []}
+        self.calls: dict[str, float] = {}
+        self.loops: dict[str, Callable[[int], None]] = {}
+        self.began = 0.0
+        self.counting: Callable[[], int] | None = None  # stops the count of the Trainer's round
+
+    def on_fit_start(self, run: Run) -> None:
+        torch.set_num_threads(self.threads)  # the run set its own: both loops run on the benchmark's
+        accumulation, bf16 = run.settings.gradient_accumulation_steps, self.mode == "bf16"
+        self.loops = {
+            name: plain_training(run, accumulation, bf16, self.log) for name in ("plain", "control")
+        }
+        for train in self.loops.values():
+            train(2 * LOG_EVERY)  # warm-up
+
+    def on_step_end(self, run: Run) -> None:
+        if run.step % self.steps:
+            return
+        now = time.thread_time()
+        measured, count_next = len(self.times["plain"]), False
+        if self.counting is not None:
+            self.calls["runner"] = self.counting() / self.steps
+            self.counting = None
+        if run.step > 2 * LOG_EVERY:  # the Trainer's warm-up: its first steps
+            self.times["runner"].append((now - self.began) / self.steps)
+            names = list(self.loops)[measured % 2 :] + list(self.loops)[: measured % 2]
+            for name in names:
+                start = time.thread_time()
+                self.loops[name](self.steps)
+                self.times[name].append((time.thread_time() - start) / self.steps)
+            if measured == 1:  # one more round of each plain loop, counted, then a round of the Trainer
+                for name, train in self.loops.items():
+                    gc.collect()
+                    stop = counting_calls(name)
+                    train(self.steps)
+                    self.calls[name] = stop() / self.steps
+                count_next = True
+        if len(self.times["runner"]) == self.rounds:
+            run.stop("benchmark done")
+        gc.collect()
+        gc.disable()
+        if count_next:
+            self.counting = counting_calls("runner")
+        self.began = time.thread_time()
+
+    def on_fit_end(self, run: Run, metrics: dict[str, float]) -> None:
+        gc.enable()
+
+
+def runner_training(mode: str, rounds: int, steps: int) -> Interleaved:
+    """`python -m runner`'s loop on the default experiment in `mode`, interleaved with the plain training:
+    the callback, holding the times and counts."""
+    register_configs()
+    with tempfile.TemporaryDirectory() as tmp, initialize_config_module(CONF_PACKAGE, version_base="1.3"):
+        overrides = [
+            *LOOP_MODES[mode],
+            "tracker=none",
+            f"trainer.max_steps={(rounds + 4) * steps}",
+            "trainer.eval_every=0",
+            "trainer.save_model=false",
+            "trainer.plots=false",
+            "trainer.progress_bar=false",
+            "+callbacks.interleaved._target_=step_overhead.Interleaved",
+            f"+callbacks.interleaved.mode={mode}",
+            f"+callbacks.interleaved.rounds={rounds}",
+            f"+callbacks.interleaved.steps={steps}",
+            f"+callbacks.interleaved.log={tmp}/plain.log",
+            f"+callbacks.interleaved.threads={torch.get_num_threads()}",
+        ]
+        trainer = Trainer(compose("config", overrides=overrides), Path(tmp))
+        interleaved = trainer.callbacks.named["interleaved"]
+        trainer.fit()
+    return interleaved  # type: ignore[return-value]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=300)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--count-steps", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -217,6 +374,20 @@ def main() -> None:
             print(
                 f"{mode:<8} {plain * 1e6:>14.1f} {ours * 1e6:>15.1f} {overhead * 1e6:>+12.1f} {ratio:>7.3f} {control * 1e6:>+8.1f}"
             )
+    print(f"\n3. python -m runner's loop, default experiment: {args.rounds} rounds x {args.steps} steps")
+    print(
+        f"{'mode':<8} {'plain calls':>12} {'runner calls':>13} {'plain us/step':>14} {'runner us/step':>15} "
+        f"{'overhead us':>12} {'ratio':>7} {'A/A us':>8}"
+    )
+    for mode in LOOP_MODES:
+        run = runner_training(mode, args.rounds, args.steps)
+        times = run.times
+        plain, ours = statistics.median(times["plain"]), statistics.median(times["runner"])
+        overhead, control = median_difference(times, "runner"), median_difference(times, "control")
+        print(
+            f"{mode:<8} {run.calls['plain']:>12.1f} {run.calls['runner']:>13.1f} {plain * 1e6:>14.1f} "
+            f"{ours * 1e6:>15.1f} {overhead * 1e6:>+12.1f} {(plain + overhead) / plain:>7.3f} {control * 1e6:>+8.1f}"
+        )
 
 
 if __name__ == "__main__":

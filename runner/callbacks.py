@@ -24,7 +24,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from runner.checkpoint.files import atomic_write_text
-from runner.config import NonNegativeFloat, PositiveInt
+from runner.config import NonNegativeFloat, PositiveInt, TrainerConfig
 from runner.engine import Engine
 from runner.errors import ConfigError, install_command
 from runner.history import HISTORY
@@ -41,7 +41,7 @@ class Run(Protocol):
 
     engine: Engine
     output_dir: Path
-    settings: Any  # the trainer settings (`trainer.*`)
+    settings: TrainerConfig  # the trainer settings (`trainer.*`), typed
     total_steps: int  # optimizer steps the run trains
     metrics: dict[str, float]  # the latest value of every metric logged
 

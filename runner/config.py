@@ -20,7 +20,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runner.errors import ConfigError
 
@@ -416,3 +416,9 @@ class RunConfig:
         None  # model weights (a save_model dir or file, a run's dir): fine-tune from them, or run them
     )
     mode: Mode = Mode.train  # evaluate: the eval loop on `checkpoint`'s weights, nothing trained
+
+
+def trainer_settings(trainer: DictConfig) -> TrainerConfig:
+    """The composed `trainer` node as its dataclass, nested configs included (a node loaded from YAML,
+    untyped, is checked against the schema on the way)."""
+    return OmegaConf.to_object(OmegaConf.merge(TrainerConfig, trainer))  # type: ignore[return-value]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from functools import partial
 from typing import Any
 
 import torch
@@ -20,23 +19,26 @@ def apply_to_tensors(fn: Callable[[torch.Tensor], Any], data: Any, strict: bool 
     """
     if isinstance(data, torch.Tensor):
         return fn(data)
-    walk = partial(apply_to_tensors, fn, strict=strict)
-    if type(data) is dict:  # the common case first
-        return {k: walk(v) for k, v in data.items()}
+    if type(data) is dict:  # the common cases first: every batch walks through here
+        return {k: apply_to_tensors(fn, v, strict) for k, v in data.items()}
     if isinstance(data, (list, tuple)):
-        items = [walk(v) for v in data]
+        items = [apply_to_tensors(fn, v, strict) for v in data]
         if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
             return type(data)(*items)
         return type(data)(items)
     if isinstance(data, MutableMapping):
         out = copy.copy(data)
         for k, v in data.items():
-            out[k] = walk(v)
+            out[k] = apply_to_tensors(fn, v, strict)
         return out
     if isinstance(data, Mapping):
-        return {k: walk(v) for k, v in data.items()}
+        return {k: apply_to_tensors(fn, v, strict) for k, v in data.items()}
     if dataclasses.is_dataclass(data) and not isinstance(data, type):
-        changes = {f.name: walk(getattr(data, f.name)) for f in dataclasses.fields(data) if f.init}
+        changes = {
+            f.name: apply_to_tensors(fn, getattr(data, f.name), strict)
+            for f in dataclasses.fields(data)
+            if f.init
+        }
         return dataclasses.replace(data, **changes)
     if strict:
         raise TypeError(f"{type(data).__name__} is neither a tensor nor a container of tensors")
@@ -75,16 +77,18 @@ def send_to_device(
     """Move every tensor in `data` to `device` (one already there is kept, without a `.to` call); the
     entries of a top-level mapping named in `skip_keys` stay where they are (Accelerate's signature)."""
     device = torch.device(device)
-
-    def move(tensors: Any) -> Any:
-        return apply_to_tensors(
-            lambda t: t if t.device == device else t.to(device, non_blocking=non_blocking), tensors
-        )
-
     if skip_keys is None or not isinstance(data, Mapping):
-        return move(data)
+        return _moved(data, device, non_blocking)
     skipped = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys)
-    return type(data)({key: value if key in skipped else move(value) for key, value in data.items()})
+    return type(data)(
+        {key: value if key in skipped else _moved(value, device, non_blocking) for key, value in data.items()}
+    )
+
+
+def _moved(data: Any, device: torch.device, non_blocking: bool) -> Any:
+    return apply_to_tensors(
+        lambda t: t if t.device == device else t.to(device, non_blocking=non_blocking), data
+    )
 
 
 def concatenate(data: list[Any], dim: int = 0) -> Any:
@@ -114,4 +118,5 @@ def _half_to_fp32(tensor: torch.Tensor) -> torch.Tensor:
 
 def on_device(batches: Iterator[Any], device: torch.device, non_blocking: bool = False) -> Iterator[Any]:
     """Each batch of `batches` moved to `device` (asynchronously from pinned memory with `non_blocking`)."""
-    return (send_to_device(batch, device, non_blocking=non_blocking) for batch in batches)
+    device = torch.device(device)
+    return (_moved(batch, device, non_blocking) for batch in batches)

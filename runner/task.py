@@ -88,8 +88,10 @@ def batch_units(batch: Any) -> tuple[str, int]:
         inputs = batch.get("inputs", batch.get("input_ids"))
     else:
         inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
-    if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 and not inputs.is_floating_point():
-        return "tokens", inputs.numel()
+    if isinstance(inputs, torch.Tensor) and inputs.ndim:  # every batch: the inputs' rows, without a walk
+        if inputs.ndim == 2 and not inputs.is_floating_point():
+            return "tokens", inputs.numel()
+        return "samples", len(inputs)
     return "samples", find_batch_size(batch) or 1
 
 

@@ -120,8 +120,9 @@ class AcceleratedScheduler:
             if self.gradient_state.adjust_scheduler:  # counted, not taken (bounds OneCycleLR)
                 self.scheduler._step_count += 1
             return
-        if any(opt.step_was_skipped for opt in self.optimizers):
-            return
+        for optimizer in self.optimizers:
+            if optimizer.step_was_skipped:
+                return
         for _ in range(self.num_processes):
             total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR refuses to step past its end
             if total is None or self.scheduler._step_count <= total:
