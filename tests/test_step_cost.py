@@ -1,6 +1,6 @@
 """What the training loop does per step beyond a plain loop, counted (deterministic, unlike a time): the
 Python calls of `python -m runner`'s loop over a round of steps against the same training written plainly.
-A setting read from a DictConfig at every step (~100 calls each), a generator-based context per
+A setting read from a DictConfig at every step (~80 calls each), a generator-based context per
 micro-batch or a walk over every batch shows here as a count over the budget (benchmarks/step_overhead.py
 measures the time)."""
 
