@@ -20,9 +20,9 @@ A 4-layer MLP, batch 64, AdamW and a LambdaLR schedule, data from a DataLoader; 
 
 Not a test: nothing here gates CI.
 
-    python benchmarks/step_overhead.py [--rounds 100] [--steps 10] [--count-steps 50] [--threads 1]
+    python benchmarks/step_overhead.py [--rounds 60] [--steps 10] [--count-steps 50] [--threads 1]
 
-About 2 minutes on the project's 2-core machine. `step_instructions.py` counts the same loops' instructions.
+About 2 minutes on the project's 2-core machine (4.3 on a slow day). `step_instructions.py` counts the same loops' instructions.
 """
 
 from __future__ import annotations
@@ -343,7 +343,7 @@ def runner_training(mode: str, rounds: int, steps: int) -> Interleaved:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--count-steps", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
