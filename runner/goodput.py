@@ -203,7 +203,7 @@ def table(summary: dict[str, Any]) -> str:
     counts = [f"{summary['attempts']} attempt(s)"] if summary["attempts"] > 1 else []
     if summary["restarts"]:
         counts.append(f"{summary['restarts']} restart(s)")
-    if summary["lost_steps"]:
+    if summary["attempts"] > 1 or summary["lost_steps"]:
         counts.append(f"{summary['lost_steps']} step(s) lost")
     lines = [f"goodput {summary['goodput']:.1%} of {wall:.1f} s{''.join(', ' + c for c in counts)}"]
     for name, value in summary["phases_s"].items():

@@ -86,6 +86,21 @@ def test_steps_past_the_checkpoint_a_later_attempt_resumed_from_are_lost():
     assert "  lost            6.00 s   16.7%  steps trained after the last checkpoint" in said
 
 
+def test_a_restart_that_lost_no_step_says_so():
+    """Killed right after its checkpoint: the headline still counts the lost steps, as 0, not leaving them out."""
+    records = [
+        record("restore", 0, 1, resumed_at=0),
+        record("train", 1, 5, first=1, step=8),
+        record("checkpoint", 5, 6, step=8),
+        record("startup", 7, 8, before="restart"),
+        record("restore", 8, 9, resumed_at=8),
+        record("train", 9, 12, first=9, step=12),
+    ]
+    summary = summarize(records)
+    assert (summary["restarts"], summary["lost_steps"]) == (1, 0)
+    assert table(summary).startswith("goodput 58.3% of 12.0 s, 2 attempt(s), 1 restart(s), 0 step(s) lost\n")
+
+
 def test_a_run_started_afresh_in_the_dir_loses_every_step_before_it():
     records = [
         record("restore", 0, 1, resumed_at=0),
