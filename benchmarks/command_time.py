@@ -238,7 +238,8 @@ def main() -> None:
 
     print(f"{os.cpu_count()} cores; rounds: {args.rounds} (commands, answers), {args.sweep_rounds} (sweep)")
     table("1. Whole command", commanded, "plain PyTorch script", ["first step", "exit"])
-    table("2. Sweep", swept, "ten plain scripts, one after another", ["exit"])
+    if args.sweep_rounds:
+        table("2. Sweep", swept, "ten plain scripts, one after another", ["exit"])
     table("3. Answers", answered, 'python -c "import torch"', ["exit"])
 
 

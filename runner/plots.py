@@ -1,11 +1,13 @@
 """Pictures of runs: a run's curves drawn from its history (`runner.history`) into `<run dir>/plots/`: the
 losses, the other eval metrics, the learning rates and the throughput, one PNG each; and a sweep's, its
 jobs ranked by the objective (`sweep_figures`, drawn by `runner.sweep`). A run starts
-`python -m runner.plots <run dir>` in a process of its own at each evaluation and waits for it at its end
-(`trainer.plots`); run by hand, it draws any run dir again. Needs matplotlib (the `plots` extra)."""
+`python -m runner.plots --idle --serve <run dir>` when it starts training, which imports matplotlib while the
+run trains and draws each time the run asks (`trainer.plots`); run by hand, `python -m runner.plots <run dir>`
+draws any run dir again. Needs matplotlib (the `plots` extra)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -170,17 +172,38 @@ def yield_the_cpu() -> None:
         os.nice(19)
 
 
+def serve(run_dir: Path) -> None:
+    """Draw the run each time a line arrives on stdin, until it ends; answer each with one JSON line on
+    stdout: `{"drawn": [paths]}` or `{"error": why}`. matplotlib is imported before the first request, so a
+    run that starts this as it starts training waits only for the drawing itself."""
+    import matplotlib.figure  # noqa: F401  (the import, ahead of the first request)
+
+    for _ in sys.stdin:
+        try:
+            answer = {"drawn": [str(path) for path in draw_run(run_dir)]}
+        except Exception as err:  # the run warns and goes on: a picture is never worth its training
+            answer = {"error": f"{type(err).__name__}: {err}"}
+        print(json.dumps(answer), flush=True)
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--idle"]:
         yield_the_cpu()
         argv = argv[1:]
+    serving = argv[:1] == ["--serve"]
+    argv = argv[serving:]
     if len(argv) != 1 or not Path(argv[0]).is_dir():
         print(
-            "usage: python -m runner.plots [--idle] RUN_DIR (a run's dir, holding its history.jsonl; --idle: only "
-            "on CPU time nothing else wants)",
+            "usage: python -m runner.plots [--idle] [--serve] RUN_DIR (a run's dir, holding its history.jsonl; "
+            "--idle: only on CPU time nothing else wants; --serve: draw at each line on stdin, answering each "
+            "with a JSON line)",
             file=sys.stderr,
         )
         return 2
+    if serving:
+        serve(Path(argv[0]))
+        sys.stdout.flush()
+        os._exit(0)  # every answer given: no teardown of matplotlib for the run to wait out
     for path in draw_run(Path(argv[0])):
         print(path)
     return 0

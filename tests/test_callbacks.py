@@ -7,8 +7,11 @@ launch."""
 from __future__ import annotations
 
 import json
+import logging
 import re
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import probes
 import pytest
@@ -16,10 +19,11 @@ from conftest import run_to_end
 from hydra import compose, initialize_config_dir
 from PIL import Image
 
+from runner.callbacks import PlotCurves
 from runner.config import CONF_DIR
 from runner.errors import ConfigError
 from runner.history import History, read_history
-from runner.plots import curve, run_figures, sweep_figures
+from runner.plots import curve, draw_run, run_figures, sweep_figures
 from runner.schemas import register_configs
 from runner.validate import check_job
 
@@ -165,6 +169,63 @@ def test_the_history_keeps_each_step_once_and_the_figures_draw_what_it_holds(tmp
     (tmp_path / "nan").mkdir()
     nan.add(5, {"train/loss": float("inf")})
     assert read_history(tmp_path / "nan") == [{"step": 5, "train/loss": float("inf")}]
+
+
+class _Run:
+    """The little of a run PlotCurves reads: its dir and that this is the main process."""
+
+    def __init__(self, output_dir: Path) -> None:
+        self.output_dir = output_dir
+        self.engine = SimpleNamespace(is_main_process=True)
+
+
+def _drawing(tmp_path: Path) -> tuple[PlotCurves, _Run, History]:
+    plots, run, history = PlotCurves(), _Run(tmp_path), History(tmp_path)
+    history.add(5, {"train/loss": 0.5, "train/lr": 0.1})
+    plots.spare_core, plots.every_s = True, 0.0  # a drawing at every evaluation
+    plots.on_fit_start(run)
+    return plots, run, history
+
+
+def test_one_process_started_with_the_training_draws_at_evaluations_and_the_whole_history_at_the_end(
+    tmp_path, caplog
+):
+    """The drawer starts with the training (matplotlib imported while the run trains), draws at an
+    evaluation without the loop waiting, and at the end draws again what was logged since: the run waits
+    for that one and names the files. One process for all of it, gone at the end."""
+    plots, run, history = _drawing(tmp_path)
+    drawer = plots.drawer
+    history.add(10, {"train/loss": 0.25, "eval/loss": 0.3})
+    plots.on_eval_end(run, {"eval/loss": 0.3})
+    assert plots.asked and plots._answered(wait=True) and "drawn" in plots.answer
+    history.add(20, {"train/loss": 0.125})  # logged after that drawing started: drawn again at the end
+    with caplog.at_level(logging.INFO, logger="runner.callbacks"):
+        plots.on_fit_end(run, {})
+    pictures = sorted(map(str, (tmp_path / "plots").glob("*.png")))
+    assert [Path(p).stem for p in pictures] == ["loss", "lr"]
+    assert f"plots: {' '.join(pictures)}" in caplog.text
+    assert drawer.returncode == 0 and plots.drawer is None  # the one process, ended
+    whole = tmp_path / "whole"  # the whole history drawn here: the same pictures
+    whole.mkdir()
+    shutil.copy(tmp_path / "history.jsonl", whole)
+    assert [p.read_bytes() for p in draw_run(whole)] == [Path(p).read_bytes() for p in pictures]
+
+
+@pytest.mark.parametrize("failure", ["a file where plots/ goes", "the drawer killed"])
+def test_a_drawing_that_fails_is_a_warning_that_says_why_and_the_run_ends_as_it_would(
+    tmp_path, caplog, failure
+):
+    plots, run, _ = _drawing(tmp_path)
+    if failure == "the drawer killed":
+        plots.drawer.kill()
+        said = "the drawing process ended (exit -9)"
+    else:
+        (tmp_path / "plots").write_text("not a dir")
+        said = "the plots could not be drawn: FileExistsError"
+    with caplog.at_level(logging.INFO, logger="runner.callbacks"):
+        plots.on_fit_end(run, {})
+    assert said in caplog.text and "plots: " not in caplog.text
+    assert plots.drawer is None
 
 
 def test_a_sweeps_pictures_rank_its_jobs_by_the_objective_and_mark_the_best():
