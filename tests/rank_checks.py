@@ -402,7 +402,7 @@ def reference_training(
 
 
 # --- the correctness matrix: one tiny GPT, every hardware group, same global batches -------------------------
-MATRIX_STEPS, MATRIX_BATCH, MATRIX_SEQ = 20, 8, 16
+MATRIX_STEPS, MATRIX_BATCH, MATRIX_SEQ = 10, 8, 16
 
 
 def matrix_strategy(hardware: str):
