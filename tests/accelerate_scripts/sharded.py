@@ -3,7 +3,7 @@ each layout named on the command line. `tests/test_accelerate_compat.py` runs it
 import lines changed) under torchrun with 2 processes; under Accelerate itself it cannot be the
 reference: on CPU ranks Accelerate wraps the model in DDP whatever the plugin says.
 
-Usage: python sharded.py <out dir> <layout>
+Usage: python sharded.py <out dir> <layout> [<layout> ...]  (each in turn, in the same processes)
 """
 
 import json
@@ -77,4 +77,5 @@ def main(out: Path, layout: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    for name in sys.argv[2:]:
+        main(Path(sys.argv[1]), name)
