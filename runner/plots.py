@@ -191,7 +191,7 @@ def main(argv: list[str]) -> int:
         yield_the_cpu()
         argv = argv[1:]
     serving = argv[:1] == ["--serve"]
-    argv = argv[serving:]
+    argv = argv[1:] if serving else argv
     if len(argv) != 1 or not Path(argv[0]).is_dir():
         print(
             "usage: python -m runner.plots [--idle] [--serve] RUN_DIR (a run's dir, holding its history.jsonl; "

@@ -116,12 +116,10 @@ def test_the_goodput_ledger_of_an_undisturbed_run_accounts_for_its_wall_time(ref
 @pytest.mark.parametrize(
     ("ranks", "stop"),
     [
-        (1, signal.SIGTERM),
-        (2, signal.SIGTERM),
+        (2, signal.SIGTERM),  # (1 process: test_async_checkpoint's stop signal)
         (1, signal.SIGUSR1),
         (2, signal.SIGUSR2),
-        (1, signal.SIGINT),  # Ctrl-C: the same, not a KeyboardInterrupt traceback
-        (2, signal.SIGINT),
+        (1, signal.SIGINT),  # Ctrl-C: the same, not a KeyboardInterrupt traceback (2 ranks: the test below)
     ],
 )
 def test_a_stop_signal_checkpoints_exits_75_and_a_rerun_finishes_identically(

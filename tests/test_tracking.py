@@ -274,10 +274,8 @@ def test_tracker_none_tracks_nothing(run_cli):
     assert not (proc.run_dir / "tracking").exists()
 
 
-def test_a_server_that_dies_mid_run_loses_no_metric(tmp_path):
-    server = Server(tmp_path / "server")
-    server.directory.mkdir()
-    server.start()
+def test_a_server_that_dies_mid_run_loses_no_metric(server, tmp_path):
+    """The module's server, stopped mid-run and started again on its store (as the tests after it find it)."""
     run_dir, gate = tmp_path / "run", tmp_path / "server-stopped"
     command = [
         sys.executable, "-m", "runner", f"hydra.run.dir={run_dir}", "trainer.progress_bar=false", "trainer.plots=false",
@@ -296,11 +294,13 @@ def test_a_server_that_dies_mid_run_loses_no_metric(tmp_path):
         assert proc.poll() is None and time.monotonic() < deadline, "nothing reached the server"
         time.sleep(0.05)
     server.stop()
-    gate.touch()  # the run goes on from step 55 with the server gone
-    _, stderr = proc.communicate(timeout=300)
+    try:
+        gate.touch()  # the run goes on from step 55 with the server gone
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        server.start()  # the same store, back up
     assert proc.returncode == 0, stderr  # training went on
     assert stderr.count("MLflow at") == 1 and "python -m runner.trackers.upload" in stderr  # one warning
-    server.start()  # the same store, back up
     upload = subprocess.run(
         [sys.executable, "-m", "runner.trackers.upload", str(run_dir)],
         env=cli_env(),
@@ -322,7 +322,6 @@ def test_a_server_that_dies_mid_run_loses_no_metric(tmp_path):
         capture_output=True,
         text=True,
     )
-    server.stop()
     assert again.returncode == 0 and "nothing to upload" in again.stdout
 
 
