@@ -198,13 +198,13 @@ def test_sigterm_to_the_command_checkpoints_the_ranks_exits_75_and_the_run_resum
 
 
 def test_a_sweep_runs_its_jobs_at_once_on_the_cluster_and_a_second_run_skips_the_finished(cluster, tmp_path):
-    """Four jobs, each its own worker group, run concurrently as far as the cluster holds them; each
-    trains exactly as its own local run; the same command again runs nothing."""
+    """Two jobs, each its own worker group, run concurrently (the cluster holds both); each trains exactly
+    as its own local run; the same command again runs nothing."""
     sweep_dir = tmp_path / "sweep"
     command = [
         sys.executable, "-m", "runner", "-m", *RAY, "tracker=none", "trainer.plots=false",
         "trainer.progress_bar=false", f"hydra.sweep.dir={sweep_dir}", "trainer.max_steps=50",
-        "optimizer.lr=1e-3,2e-3,3e-3,4e-3",
+        "optimizer.lr=1e-3,3e-3",
     ]  # fmt: skip
     proc = subprocess.run(
         in_cluster(command), env=cli_env(TESTS), capture_output=True, text=True, timeout=600
@@ -212,9 +212,9 @@ def test_a_sweep_runs_its_jobs_at_once_on_the_cluster_and_a_second_run_skips_the
     assert proc.returncode == 0, proc.stderr
     with open(sweep_dir / "summary.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 4 and len({row["eval/loss"] for row in rows}) == 4
+    assert len(rows) == 2 and len({row["eval/loss"] for row in rows}) == 2
     spans = []
-    for job in range(4):
+    for job in range(2):
         records = read_ledger(sweep_dir / str(job))
         spans.append((min(r["t0"] for r in records), max(r["t1"] for r in records)))
     overlapping = sum(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1 :])
@@ -229,7 +229,7 @@ def test_a_sweep_runs_its_jobs_at_once_on_the_cluster_and_a_second_run_skips_the
         in_cluster(command), env=cli_env(TESTS), capture_output=True, text=True, timeout=300
     )
     assert again.returncode == 0, again.stderr
-    assert "job(s) 0, 1, 2, 3 finished before and are not run again" in again.stdout + again.stderr
+    assert "job(s) 0, 1 finished before and are not run again" in again.stdout + again.stderr
 
 
 def test_what_the_cluster_cannot_run_is_refused_before_anything_is_submitted(cluster, tmp_path):
