@@ -1,13 +1,20 @@
-"""What each of 2 real ranks (gloo) runs for tests/test_distributed.py; the results are checked there."""
+"""What each of 2 real ranks (gloo) runs for tests/test_distributed.py; the results are checked there. And
+`command`: `python -m runner` forked from the same forkserver, for what the command decides before it starts
+anything."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+import traceback
+from multiprocessing import forkserver
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +25,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.utils.data import DataLoader, IterableDataset
 
+import runner.cli
 from runner import Accelerator
 from runner.hardware import DDP
 from runner.task import model_outputs
@@ -34,9 +42,7 @@ def run_ranks(fn, *args: Any, num_processes: int = 2) -> dict[int, Any]:
     os.environ.setdefault(
         "OMP_NUM_THREADS", "1"
     )  # each rank computes on one thread, as ParallelStrategy's do
-    if not _SERVER_ENVIRONMENT:
-        _SERVER_ENVIRONMENT.update(os.environ)  # what the forkserver, started by this first launch, inherits
-        multiprocessing.set_forkserver_preload([__name__])
+    _forkserver()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -59,6 +65,73 @@ def run_ranks(fn, *args: Any, num_processes: int = 2) -> dict[int, Any]:
 
 
 LAUNCH_TIMEOUT_S = 600
+
+
+def _forkserver() -> multiprocessing.context.ForkServerContext:
+    """The forkserver, preloading this module (so torch, torch._dynamo and runner), started by its first use.
+    It imports what it preloads with its own sys.path (Python 3.11 hands it the parent's but never sets it),
+    so it starts with this module's dir on its PYTHONPATH; without it the preload failed silently and every
+    rank imported torch and runner again (2 s a process here)."""
+    if not _SERVER_ENVIRONMENT:
+        here = os.path.dirname(os.path.abspath(__file__))
+        server = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
+        }
+        multiprocessing.set_forkserver_preload([__name__])
+        before = dict(os.environ)
+        os.environ.update(server)
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(before)
+        _SERVER_ENVIRONMENT.update(server)  # what the forkserver inherited
+    return multiprocessing.get_context("forkserver")
+
+
+def command(
+    cwd: Path, *arguments: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """`python -m runner <arguments>` run in `cwd` as a process forked from the forkserver, which imported
+    torch and runner once (a fresh interpreter imports them in 3 s here): its exit status and output as
+    `subprocess.run` gives them. For what the command decides before it starts anything (a refusal, a plan):
+    it runs `runner.cli.run`, not `python -m runner`'s early SIGTERM handler or MLflow sender."""
+    with tempfile.TemporaryDirectory() as outputs:
+        out, err = Path(outputs) / "stdout", Path(outputs) / "stderr"
+        environment = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+        process = _forkserver().Process(
+            target=_command, args=(list(arguments), str(cwd), environment, str(out), str(err))
+        )
+        process.start()
+        process.join(timeout)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+            raise subprocess.TimeoutExpired(["runner", *arguments], timeout)
+        return subprocess.CompletedProcess(
+            ["runner", *arguments], process.exitcode, out.read_text(), err.read_text()
+        )
+
+
+def _command(arguments: list[str], cwd: str, environment: dict[str, str], out: str, err: str) -> None:
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environment)
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.argv = ["runner", *arguments]
+    status = 0
+    try:
+        runner.cli.run()
+    except SystemExit as ended:
+        status = ended.code if isinstance(ended.code, int) else int(ended.code is not None)
+    except BaseException:  # as the interpreter would: the traceback, status 1
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 _SERVER_ENVIRONMENT: dict[str, str] = {}

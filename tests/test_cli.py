@@ -6,11 +6,11 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import probes
 import pytest
+import rank_checks
 import torch
 from conftest import cli_env, metrics_of, run_to_end, runner_command
 from omegaconf import OmegaConf
@@ -488,10 +488,7 @@ def test_a_file_where_a_directory_goes_is_refused_in_one_paragraph(tmp_path):
         ("init", str(blocker / "project")): f"cannot write {blocker / 'project'} (Not a directory)",
     }  # fmt: skip
     for arguments, expected in cases.items():
-        proc = subprocess.run(
-            [sys.executable, "-m", "runner", *arguments], cwd=tmp_path, env=cli_env(), capture_output=True,
-            text=True, timeout=240,
-        )  # fmt: skip
+        proc = rank_checks.command(tmp_path, *arguments, env=cli_env())
         message = proc.stderr.strip()
         assert proc.returncode == 2, proc.stderr
         assert message.startswith("Configuration error: ") and expected in message, message
