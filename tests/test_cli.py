@@ -268,8 +268,8 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
         (["hardware=deepspeed", "hardware.config=missing.json"], "not a readable DeepSpeed JSON file"),
     ],
 )
-def test_bad_input_gives_one_paragraph_and_no_traceback(run_cli, overrides, expected):
-    proc = run_cli(*overrides)
+def test_bad_input_gives_one_paragraph_and_no_traceback(forked_cli, overrides, expected):
+    proc = forked_cli(*overrides)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
     message = proc.stderr.strip()
@@ -329,8 +329,8 @@ def test_plan_prints_what_the_run_would_do_and_starts_nothing(run_cli):
     assert not (proc.run_dir / "resolved_config.yaml").exists() and not (proc.run_dir / "tracking").exists()
 
 
-def test_every_problem_is_reported_at_once(run_cli):
-    proc = run_cli(
+def test_every_problem_is_reported_at_once(forked_cli):
+    proc = forked_cli(
         "trainer.gradient_accumulation_steps=0", "trainer.max_grad_norm=-1", "model._target_=nope.Model"
     )
     assert proc.returncode == 2
@@ -340,7 +340,7 @@ def test_every_problem_is_reported_at_once(run_cli):
     assert "trainer.gradient_accumulation_steps=0: must be >= 1" in paragraphs[1]
     assert "trainer.max_grad_norm=-1.0: must be > 0" in paragraphs[2]
     # The launcher's checks and those that build the data, the model and the optimizer: together too.
-    proc = run_cli("hardware=multi_gpu", "hardware.num_processes=4096", "optimizer.lr=-1")
+    proc = forked_cli("hardware=multi_gpu", "hardware.num_processes=4096", "optimizer.lr=-1")
     assert proc.returncode == 2
     paragraphs = proc.stderr.removeprefix("Configuration error: ").strip().split("\n\n")
     assert paragraphs[0] == "optimizer.lr=-1: must be > 0.", paragraphs
@@ -357,24 +357,24 @@ def test_plan_states_what_a_failure_costs_from_the_checkpoint_periods():
     )
 
 
-def test_plan_estimates_activations_from_a_step_on_meta_tensors(run_cli):
+def test_plan_estimates_activations_from_a_step_on_meta_tensors(forked_cli):
     sizes = []
     for batch in (16, 32):
-        proc = run_cli("plan=true", "experiment=gpt_sonnets", f"data.batch_size={batch}")
+        proc = forked_cli("plan=true", "experiment=gpt_sonnets", f"data.batch_size={batch}")
         assert proc.returncode == 0, proc.stderr
         line = next(line for line in proc.stdout.splitlines() if line.strip().startswith("activations"))
         sizes.append(float(line.split("about ")[1].split(" MB")[0]))
     assert sizes[0] > 1 and sizes[1] == pytest.approx(2 * sizes[0], rel=0.02)  # linear in the batch
 
 
-def test_plan_still_refuses_bad_input(run_cli):
-    proc = run_cli("plan=true", "hardware=multi_gpu", "hardware.num_processes=0")
+def test_plan_still_refuses_bad_input(forked_cli):
+    proc = forked_cli("plan=true", "hardware=multi_gpu", "hardware.num_processes=0")
     assert proc.returncode == 2 and "hardware.num_processes=0: must be >= 1" in proc.stderr
 
 
 @pytest.mark.parametrize(("momentum", "optimizer_mb"), [(0.9, "0.8"), (0.0, "0.0")])
-def test_plan_counts_sgd_momentum_buffers(run_cli, momentum, optimizer_mb):
-    proc = run_cli("plan=true", "optimizer=sgd", f"optimizer.momentum={momentum}")
+def test_plan_counts_sgd_momentum_buffers(forked_cli, momentum, optimizer_mb):
+    proc = forked_cli("plan=true", "optimizer=sgd", f"optimizer.momentum={momentum}")
     assert proc.returncode == 0, proc.stderr
     assert f"optimizer {optimizer_mb} MB;" in proc.stdout  # 0.2M fp32 parameters, one process
 
@@ -419,12 +419,12 @@ def test_a_diverged_run_keeps_its_last_finite_state_and_resumes_from_it_with_a_l
     assert "trainer.checkpoint_last_finite=true keeps the state" in plain.stderr
 
 
-def test_a_broken_data_file_is_refused_before_launch_and_its_traceback_is_in_the_log(run_cli, tmp_path):
+def test_a_broken_data_file_is_refused_before_launch_and_its_traceback_is_in_the_log(forked_cli, tmp_path):
     """The command's side of what tests/test_config.py checks for every broken file: exit 2 and one
     paragraph, with and without plan=true; the user's code's traceback goes to the log only."""
     (tmp_path / "table.csv.gz").write_bytes(b"not gzip at all")
     for plan in ([], ["plan=true"]):  # the plan refuses it the same way
-        proc = run_cli("data=table", "data.path=table.csv.gz", "data.target=y", *plan)
+        proc = forked_cli("data=table", "data.path=table.csv.gz", "data.target=y", *plan)
         message = proc.stderr.strip()
         assert proc.returncode == 2, proc.stderr
         assert (
@@ -436,10 +436,10 @@ def test_a_broken_data_file_is_refused_before_launch_and_its_traceback_is_in_the
     assert "Traceback" in log and "BadGzipFile: Not a gzipped file" in log
 
 
-def test_a_bad_value_in_a_sweep_list_fails_the_sweep_before_any_job(run_cli, tmp_path):
+def test_a_bad_value_in_a_sweep_list_fails_the_sweep_before_any_job(forked_cli, tmp_path):
     sweep = tmp_path / "sweep"
     overrides = ["optimizer.lr=1e-3,-1,1e-2", "model.hidden_size=8,0", "trainer.max_steps=5"]
-    proc = run_cli(*overrides, f"hydra.sweep.dir={sweep}", "-m")
+    proc = forked_cli(*overrides, f"hydra.sweep.dir={sweep}", "-m")
     assert proc.returncode == 2, proc.stderr
     message = proc.stderr.strip().splitlines()
     assert message[0].startswith("Configuration error: job 1 (") and "model.hidden_size=0:" in message[0], (

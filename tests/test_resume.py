@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import rank_checks
 from conftest import cli_env, metrics_of, runner_command, wait_for_checkpoint
 from hydra import compose, initialize_config_dir
 
@@ -41,6 +42,11 @@ def run(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         runner_command(run_dir, *overrides), env=cli_env(), capture_output=True, text=True, timeout=300
     )
+
+
+def refused(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`run` for a command that ends before it starts anything: forked (`rank_checks.command`, 0.3 s)."""
+    return rank_checks.command(Path.cwd(), *runner_command(run_dir, *overrides)[3:], env=cli_env())
 
 
 def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
@@ -294,9 +300,9 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_training(tmp_path):
                 "config",
                 overrides=["trainer.max_steps=30", "model.hidden_size=64", "tracker=none", *overrides],
             )
-            with pytest.raises(ConfigError) as refused:
+            with pytest.raises(ConfigError) as error:
                 checks_before_launch(cfg, tmp_path, env=None)
-            assert expected in str(refused.value), str(refused.value)
+            assert expected in str(error.value), str(error.value)
     # Through the CLI (DeepSpeed's strategy built in a process of its own): the job's .hydra/ (written at
     # launch) is untouched.
     launched = (tmp_path / ".hydra" / "config.yaml").stat().st_mtime_ns
@@ -310,7 +316,7 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_training(tmp_path):
         ): "holds 'full' model state and this run's hardware reads 'deepspeed'",
     }
     for overrides, expected in cli_cases.items():
-        proc = run(tmp_path, "trainer.max_steps=30", "model.hidden_size=64", "tracker=none", *overrides)
+        proc = refused(tmp_path, "trainer.max_steps=30", "model.hidden_size=64", "tracker=none", *overrides)
         message = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode == 2, proc.stderr
         assert message.startswith("Configuration error: ") and expected in message, message
@@ -365,10 +371,7 @@ def test_damaged_checkpoints_and_weights_are_refused_before_launch(tmp_path):
     }
     for override, expected in cases.items():
         run_dir = tmp_path / "refused"
-        proc = subprocess.run(
-            runner_command(run_dir, "trainer.max_steps=30", override),
-            env=cli_env(), capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+        proc = refused(run_dir, "trainer.max_steps=30", override)
         message = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode == 2, proc.stderr
         assert message.startswith("Configuration error: ") and expected in message, message
@@ -407,7 +410,7 @@ def test_a_second_run_into_a_busy_dir_is_refused_and_a_dead_runs_dir_is_free(tmp
     first = start(tmp_path, "trainer.max_steps=100000", "trainer.checkpoint_every=50")
     wait_for_checkpoint(tmp_path, first)
     recorded = (tmp_path / ".hydra" / "overrides.yaml").read_text()
-    second = run(tmp_path, "trainer.max_steps=20", "optimizer.lr=0.5")
+    second = refused(tmp_path, "trainer.max_steps=20", "optimizer.lr=0.5")
     message = second.stderr.strip().splitlines()[-1]
     assert second.returncode == 2, second.stderr
     assert message.startswith(f"Configuration error: hydra.run.dir={tmp_path} is in use by another run (pid ")
@@ -505,11 +508,11 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks_with_a_global_b
     ours, theirs = metrics_of(resumed), metrics_of(whole)
     assert abs(ours["train/loss"] - theirs["train/loss"]) <= 1e-5, (ours, theirs)
     # With a batch size per rank, the global batch (and so the data position) would change: refused.
-    refused = run(
+    proc = refused(
         tmp_path / "refused", *fsdp, *steps, "hardware.num_processes=1", f"trainer.resume={checkpoint}"
     )
-    assert refused.returncode == 2, refused.stderr
-    assert "needs trainer.split_batches=true" in refused.stderr and "starting" not in refused.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert "needs trainer.split_batches=true" in proc.stderr and "starting" not in proc.stderr
 
 
 def results_of(metrics_file: Path) -> dict[str, float]:
@@ -527,7 +530,7 @@ def test_a_finished_runs_results_are_replaced_only_by_a_run_that_continues_it(tm
     results = {name: (tmp_path / name).read_bytes() for name in ("metrics.json", "model/model.safetensors")}
     first_metrics = tmp_path.parent / "first_metrics.json"
     first_metrics.write_bytes(results["metrics.json"])
-    changed = run(tmp_path, *quick, "optimizer.lr=0.01")
+    changed = refused(tmp_path, *quick, "optimizer.lr=0.01")
     assert changed.returncode == 2, changed.stderr
     assert (
         "holds a run that finished" in changed.stderr
@@ -573,14 +576,14 @@ def test_a_run_interrupted_resumed_and_finished_is_never_rewound(tmp_path):
     assert "final metrics" in again.stderr and "resumed from" not in again.stderr
     assert "resumed from" not in (tmp_path / "runner.log").read_text()[len(log_before) :]
 
-    changed = run(tmp_path, *steps, "optimizer.lr=0.01")
+    changed = refused(tmp_path, *steps, "optimizer.lr=0.01")
     assert changed.returncode == 2, changed.stderr
     assert (
         "finished at step 300" in changed.stderr and "optimizer.lr=0.001 there, 0.01 here" in changed.stderr
     )
     assert "trainer.overwrite=true" in changed.stderr and "Traceback" not in changed.stderr
     # Longer: its only checkpoint (step 110) is older than its end, so it cannot be continued in place.
-    longer = run(tmp_path, "trainer.max_steps=400", *steps[1:])
+    longer = refused(tmp_path, "trainer.max_steps=400", *steps[1:])
     assert longer.returncode == 2, longer.stderr
     assert (
         "trainer.max_steps=300 there, 400 here" in longer.stderr and "is older than its end" in longer.stderr

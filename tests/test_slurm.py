@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import rank_checks
 from conftest import cli_env, metrics_of, runner_command
 
 from runner.goodput import read_ledger
@@ -44,6 +45,11 @@ def run(run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> su
         text=True,
         timeout=300,
     )
+
+
+def refused(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`run` for a command refused before anything is queued: forked (`rank_checks.command`, 0.3 s)."""
+    return rank_checks.command(run_dir.parent, *runner_command(run_dir, *overrides)[3:], env=cli_env(TESTS))
 
 
 def job_id(run_dir: Path, proc: subprocess.Popen) -> str:
@@ -293,7 +299,7 @@ def test_a_job_whose_rank_hangs_fails_naming_the_rank_from_its_watchdogs_report(
 def test_what_the_cluster_cannot_give_is_refused_before_anything_is_queued(
     slurm, tmp_path, overrides, message
 ):
-    proc = run(tmp_path / "run", *TWO_TASKS, *overrides)
+    proc = refused(tmp_path / "run", *TWO_TASKS, *overrides)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr and "submitted" not in proc.stderr
