@@ -160,8 +160,8 @@ def test_a_stop_signal_writes_its_checkpoint_after_the_pending_one(tmp_path):
     assert steps == sorted(steps)  # the signal's checkpoint is the newest
 
 
-def test_async_checkpoints_with_deepspeed_are_refused_before_launch(run_cli):
-    proc = run_cli("hardware=deepspeed", "hardware.num_processes=1", "trainer.async_checkpoint=true")
+def test_async_checkpoints_with_deepspeed_are_refused_before_launch(forked_cli):
+    proc = forked_cli("hardware=deepspeed", "hardware.num_processes=1", "trainer.async_checkpoint=true")
     assert proc.returncode == 2, proc.stderr
     assert (
         "trainer.async_checkpoint=true: runner.hardware.deepspeed.DeepSpeed writes its checkpoints itself"

@@ -316,8 +316,8 @@ def test_generate_streams_the_same_text_with_weights_in_memory_or_on_disk(run_cl
         (["checkpoint={model}", "hardware=cpu"], "is an inference task: it runs with hardware=big_model"),
     ],
 )
-def test_bad_generate_input_is_one_paragraph_and_exit_2(run_cli, sonnets_model, overrides, message):
-    proc = run_cli(*GENERATE, *(o.format(model=sonnets_model) for o in overrides))
+def test_bad_generate_input_is_one_paragraph_and_exit_2(forked_cli, sonnets_model, overrides, message):
+    proc = forked_cli(*GENERATE, *(o.format(model=sonnets_model) for o in overrides))
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not proc.stdout  # nothing generated

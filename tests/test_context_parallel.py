@@ -189,8 +189,8 @@ def test_context_parallel_from_the_command_line_trains_as_one_process(run_cli):
         ),
     ],
 )
-def test_what_context_parallel_cannot_do_is_refused_before_launch(run_cli, overrides, message):
-    proc = run_cli("hardware=fsdp", "hardware.device=cpu", "hardware.num_processes=2", *overrides)
+def test_what_context_parallel_cannot_do_is_refused_before_launch(forked_cli, overrides, message):
+    proc = forked_cli("hardware=fsdp", "hardware.device=cpu", "hardware.num_processes=2", *overrides)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert "starting" not in proc.stderr  # no rank was started

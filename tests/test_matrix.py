@@ -108,8 +108,8 @@ def test_hsdp_replicates_across_groups_and_shards_within_one():
         ),
     ],
 )
-def test_a_layout_that_does_not_fit_the_world_is_refused_before_launch(run_cli, overrides, message):
-    proc = run_cli("hardware=fsdp", "hardware.device=cpu", "hardware.num_processes=2", *overrides)
+def test_a_layout_that_does_not_fit_the_world_is_refused_before_launch(forked_cli, overrides, message):
+    proc = forked_cli("hardware=fsdp", "hardware.device=cpu", "hardware.num_processes=2", *overrides)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert "starting" not in proc.stderr  # no rank was started

@@ -77,8 +77,8 @@ def test_tp_by_dp_checkpoints_with_dcp_resumes_and_saves_full_weights(run_cli):
         (["experiment=gpt_sonnets", "hardware.tp_size=0"], "hardware.tp_size=0: must be >= 1"),
     ],
 )
-def test_what_tensor_parallel_cannot_do_is_refused_before_launch(run_cli, overrides, message):
-    proc = run_cli("hardware=megatron", *overrides)
+def test_what_tensor_parallel_cannot_do_is_refused_before_launch(forked_cli, overrides, message):
+    proc = forked_cli("hardware=megatron", *overrides)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert "starting" not in proc.stderr  # no rank was started

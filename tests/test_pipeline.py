@@ -98,15 +98,15 @@ def test_a_pipeline_run_trains_as_one_process_and_ends_with_the_full_weights(run
         ),
     ],
 )
-def test_a_pipeline_that_cannot_run_is_refused_before_launch(run_cli, overrides, message):
-    proc = run_cli(*PIPELINE, "experiment=gpt_sonnets", *overrides, pythonpath=TESTS)
+def test_a_pipeline_that_cannot_run_is_refused_before_launch(forked_cli, overrides, message):
+    proc = forked_cli(*PIPELINE, "experiment=gpt_sonnets", *overrides)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert "starting" not in proc.stderr  # no rank was started
 
 
-def test_a_model_without_stages_is_refused_before_launch(run_cli):
-    proc = run_cli(*PIPELINE, "experiment=mlp_digits")
+def test_a_model_without_stages_is_refused_before_launch(forked_cli):
+    proc = forked_cli(*PIPELINE, "experiment=mlp_digits")
     assert proc.returncode == 2, proc.stderr
     assert "MLP declares no pipeline stages" in proc.stderr and "Traceback" not in proc.stderr
 
