@@ -4,9 +4,8 @@ and each evaluation there, `overfit_batches` trains and evaluates on the first b
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
+import rank_checks
 import torch
 from conftest import cli_env, run_to_end, runner_command
 from hydra import compose, initialize_config_dir
@@ -110,8 +109,6 @@ def test_fast_dev_run_runs_every_part_once_and_leaves_no_results(tmp_path):
     left = {path.name for path in run_dir.iterdir()}
     assert not left & {"checkpoints", "model", "best", "plots", "tracking", "finished.json", "metrics.json"}
     # its dir is not a place for another check run: refused before launch
-    again = subprocess.run(
-        runner_command(run_dir, *overrides), cwd=tmp_path, env=cli_env(), capture_output=True, text=True
-    )
+    again = rank_checks.command(tmp_path, *runner_command(run_dir, *overrides)[3:], env=cli_env())
     assert again.returncode == 2
     assert f"trainer.fast_dev_run=2 in {run_dir}, the dir of a run" in again.stderr

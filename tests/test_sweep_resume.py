@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import rank_checks
 from conftest import cli_env, wait_for_delivery
 from mlflow import MlflowClient
 
@@ -39,6 +40,11 @@ def multirun(sweep: Path, *overrides: str) -> subprocess.CompletedProcess:
         multirun_command(sweep, *overrides), env=cli_env(), cwd=sweep.parent, capture_output=True, text=True,
         timeout=600,
     )  # fmt: skip
+
+
+def refused_multirun(sweep: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`multirun` for a sweep refused before any job: forked (`rank_checks.command`, 0.3 s)."""
+    return rank_checks.command(sweep.parent, *multirun_command(sweep, *overrides)[3:], env=cli_env())
 
 
 def snapshot(job_dir: Path) -> dict[str, tuple[int, int]]:
@@ -110,7 +116,7 @@ def test_another_sweep_in_the_dir_is_refused_naming_the_difference_and_resume_fa
     assert first.returncode == 0, first.stderr
     job0 = snapshot(sweep / "0")
 
-    changed = multirun(sweep, "trainer.max_steps=5", "tracker=none", "optimizer.lr=1e-3,3e-4,1e-5")
+    changed = refused_multirun(sweep, "trainer.max_steps=5", "tracker=none", "optimizer.lr=1e-3,3e-4,1e-5")
     assert changed.returncode == 2, changed.stderr
     message = changed.stderr.strip()
     assert message.startswith(
@@ -120,7 +126,7 @@ def test_another_sweep_in_the_dir_is_refused_naming_the_difference_and_resume_fa
     assert "sweep.resume=false" in message and "Traceback" not in changed.stderr
     assert not (sweep / "2").exists() and snapshot(sweep / "0") == job0  # nothing ran
 
-    steps = multirun(
+    steps = refused_multirun(
         sweep, "trainer.max_steps=6", "tracker=none", "optimizer.lr=1e-3,1e-4"
     )  # same values, other steps
     assert (
@@ -130,7 +136,7 @@ def test_another_sweep_in_the_dir_is_refused_naming_the_difference_and_resume_fa
 
     record = (sweep / "sweep.json").read_text()
     (sweep / "sweep.json").write_text(record[: len(record) // 2])  # cut short
-    cut = multirun(sweep, "trainer.max_steps=5", "tracker=none", "optimizer.lr=1e-3,1e-4")
+    cut = refused_multirun(sweep, "trainer.max_steps=5", "tracker=none", "optimizer.lr=1e-3,1e-4")
     assert cut.returncode == 2 and "Traceback" not in cut.stderr, cut.stderr
     assert cut.stderr.strip().startswith(
         f"Configuration error: hydra.sweep.dir={sweep}: its sweep.json cannot be read (JSONDecodeError: "

@@ -15,6 +15,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
+import rank_checks
 import torch
 from conftest import REPO, cli_env, metrics_of, run_to_end
 from hydra import compose, initialize_config_dir
@@ -316,9 +317,9 @@ def gpt_shards(corpus, tmp_path_factory) -> list[str]:
 
 
 def test_prepare_data_refuses_data_without_shards_or_a_path_before_reading_anything(tmp_path):
-    refused = _command("prepare-data", "data=sonnets", cwd=tmp_path)
+    refused = rank_checks.command(tmp_path, "prepare-data", "data=sonnets", env=cli_env())
     assert refused.returncode == 2 and "nothing to prepare" in refused.stderr, refused.stderr
-    refused = _command("prepare-data", "data=tokens", "data.source=corpus.txt", cwd=tmp_path)
+    refused = rank_checks.command(tmp_path, "prepare-data", "data=tokens", "data.source=corpus.txt", env=cli_env())
     assert refused.returncode == 2 and "data.path: no value was given" in refused.stderr, refused.stderr
 
 

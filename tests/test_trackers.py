@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import rank_checks
 import torch
 import wandb
 from conftest import cli_env, run_to_end, runner_command
@@ -278,10 +279,9 @@ def test_a_tracker_of_ones_own_by_target_in_a_config_dir_gets_every_call(tmp_pat
     assert received == {
         step: {f"mine/{key}": value for key, value in row.items()} for step, row in logged(run_dir).items()
     }
-    typo = subprocess.run(
-        runner_command(tmp_path / "typo", *mine, "+tracker.pathh=x"),
-        cwd=tmp_path, env=cli_env(TESTS), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    typo = rank_checks.command(
+        tmp_path, *runner_command(tmp_path / "typo", *mine, "+tracker.pathh=x")[3:], env=cli_env(TESTS)
+    )
     assert typo.returncode == 2
     assert "tracker: probes.FileTracker does not accept these settings" in typo.stderr
     assert not (tmp_path / "typo" / "resolved_config.yaml").exists()  # no rank started
