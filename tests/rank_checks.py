@@ -65,6 +65,7 @@ def run_ranks(fn, *args: Any, num_processes: int = 2) -> dict[int, Any]:
 
 
 LAUNCH_TIMEOUT_S = 600
+IMPORTED_IN = os.getpid()  # the forkserver's, where a rank forked from it has this module already
 
 
 def _forkserver() -> multiprocessing.context.ForkServerContext:
@@ -161,6 +162,7 @@ def execution_and_collectives(workdir: str) -> dict[str, Any]:
     accelerator = Accelerator(strategy=DDP(device="cpu"))
     rank = accelerator.process_index
     out: dict[str, Any] = {"rank": rank, "num_processes": accelerator.num_processes}
+    out["preloaded"] = os.getpid() != IMPORTED_IN  # this module came with the fork, not imported here
 
     with accelerator.main_process_first():
         entered = time.time()

@@ -27,6 +27,11 @@ def test_process_info_and_decorators(ranks):
     assert [r["on_local_process_1"] for r in ranks] == [None, 1]
 
 
+def test_ranks_fork_from_a_forkserver_that_imported_torch_and_runner_already(ranks):
+    """Else every rank of every launch in the suite imports them again (2 s a process here)."""
+    assert [r["preloaded"] for r in ranks] == [True, True]
+
+
 def test_main_process_first_runs_the_main_process_to_the_end_first(ranks):
     main_enter, main_exit = ranks[0]["main_first"]
     other_enter, _ = ranks[1]["main_first"]
