@@ -106,8 +106,8 @@ def forked_cli(tmp_path):
 
     def run(*overrides: str, timeout: float = 120) -> subprocess.CompletedProcess:
         run_dir = tmp_path / "run"
-        arguments = runner_command(run_dir, "trainer.overwrite=true", *overrides)[3:]  # after python -m runner
-        proc = rank_checks.command(tmp_path, *arguments, env=cli_env(), timeout=timeout)
+        command = runner_command(run_dir, "trainer.overwrite=true", *overrides)
+        proc = rank_checks.command(command, tmp_path, env=cli_env(), timeout=timeout)
         proc.run_dir = run_dir  # type: ignore[attr-defined]
         return proc
 

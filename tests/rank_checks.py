@@ -91,28 +91,31 @@ def _forkserver() -> multiprocessing.context.ForkServerContext:
     return multiprocessing.get_context("forkserver")
 
 
+RUNNER = [sys.executable, "-m", "runner"]
+
+
 def command(
-    cwd: Path, *arguments: str, env: dict[str, str] | None = None, timeout: float = 120
+    argv: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess:
-    """`python -m runner <arguments>` run in `cwd` as a process forked from the forkserver, which imported
-    torch and runner once (a fresh interpreter imports them in 3 s here): its exit status and output as
-    `subprocess.run` gives them. For what the command decides before it starts anything (a refusal, a plan):
-    it runs `runner.cli.run`, not `python -m runner`'s early SIGTERM handler or MLflow sender."""
+    """`argv` (`python -m runner ...`, as `runner_command` makes it) run in `cwd` as a process forked from the
+    forkserver, which imported torch and runner once (a fresh interpreter imports them in 3 s here): its exit
+    status and output as `subprocess.run` gives them. For what the command decides before it starts anything
+    (a refusal, a plan): it runs `runner.cli.run`, not `python -m runner`'s early SIGTERM handler or MLflow
+    sender."""
+    assert argv[:3] == RUNNER, argv
     with tempfile.TemporaryDirectory() as outputs:
         out, err = Path(outputs) / "stdout", Path(outputs) / "stderr"
         environment = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
         process = _forkserver().Process(
-            target=_command, args=(list(arguments), str(cwd), environment, str(out), str(err))
+            target=_command, args=(argv[3:], str(cwd), environment, str(out), str(err))
         )
         process.start()
         process.join(timeout)
         if process.exitcode is None:
             process.kill()
             process.join()
-            raise subprocess.TimeoutExpired(["runner", *arguments], timeout)
-        return subprocess.CompletedProcess(
-            ["runner", *arguments], process.exitcode, out.read_text(), err.read_text()
-        )
+            raise subprocess.TimeoutExpired(argv, timeout)
+        return subprocess.CompletedProcess(argv, process.exitcode, out.read_text(), err.read_text())
 
 
 def _command(arguments: list[str], cwd: str, environment: dict[str, str], out: str, err: str) -> None:

@@ -488,7 +488,7 @@ def test_a_file_where_a_directory_goes_is_refused_in_one_paragraph(tmp_path):
         ("init", str(blocker / "project")): f"cannot write {blocker / 'project'} (Not a directory)",
     }  # fmt: skip
     for arguments, expected in cases.items():
-        proc = rank_checks.command(tmp_path, *arguments, env=cli_env())
+        proc = rank_checks.command([*rank_checks.RUNNER, *arguments], tmp_path, env=cli_env())
         message = proc.stderr.strip()
         assert proc.returncode == 2, proc.stderr
         assert message.startswith("Configuration error: ") and expected in message, message

@@ -109,6 +109,6 @@ def test_fast_dev_run_runs_every_part_once_and_leaves_no_results(tmp_path):
     left = {path.name for path in run_dir.iterdir()}
     assert not left & {"checkpoints", "model", "best", "plots", "tracking", "finished.json", "metrics.json"}
     # its dir is not a place for another check run: refused before launch
-    again = rank_checks.command(tmp_path, *runner_command(run_dir, *overrides)[3:], env=cli_env())
+    again = rank_checks.command(runner_command(run_dir, *overrides), tmp_path, env=cli_env())
     assert again.returncode == 2
     assert f"trainer.fast_dev_run=2 in {run_dir}, the dir of a run" in again.stderr

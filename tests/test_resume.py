@@ -46,7 +46,7 @@ def run(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 def refused(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     """`run` for a command that ends before it starts anything: forked (`rank_checks.command`, 0.3 s)."""
-    return rank_checks.command(Path.cwd(), *runner_command(run_dir, *overrides)[3:], env=cli_env())
+    return rank_checks.command(runner_command(run_dir, *overrides), Path.cwd(), env=cli_env())
 
 
 def start(run_dir: Path, *overrides: str) -> subprocess.Popen:

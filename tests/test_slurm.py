@@ -49,7 +49,7 @@ def run(run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> su
 
 def refused(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     """`run` for a command refused before anything is queued: forked (`rank_checks.command`, 0.3 s)."""
-    return rank_checks.command(run_dir.parent, *runner_command(run_dir, *overrides)[3:], env=cli_env(TESTS))
+    return rank_checks.command(runner_command(run_dir, *overrides), run_dir.parent, env=cli_env(TESTS))
 
 
 def job_id(run_dir: Path, proc: subprocess.Popen) -> str:

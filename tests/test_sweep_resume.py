@@ -44,7 +44,7 @@ def multirun(sweep: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 def refused_multirun(sweep: Path, *overrides: str) -> subprocess.CompletedProcess:
     """`multirun` for a sweep refused before any job: forked (`rank_checks.command`, 0.3 s)."""
-    return rank_checks.command(sweep.parent, *multirun_command(sweep, *overrides)[3:], env=cli_env())
+    return rank_checks.command(multirun_command(sweep, *overrides), sweep.parent, env=cli_env())
 
 
 def snapshot(job_dir: Path) -> dict[str, tuple[int, int]]:

@@ -317,9 +317,11 @@ def gpt_shards(corpus, tmp_path_factory) -> list[str]:
 
 
 def test_prepare_data_refuses_data_without_shards_or_a_path_before_reading_anything(tmp_path):
-    refused = rank_checks.command(tmp_path, "prepare-data", "data=sonnets", env=cli_env())
+    refused = rank_checks.command([*rank_checks.RUNNER, "prepare-data", "data=sonnets"], tmp_path, env=cli_env())
     assert refused.returncode == 2 and "nothing to prepare" in refused.stderr, refused.stderr
-    refused = rank_checks.command(tmp_path, "prepare-data", "data=tokens", "data.source=corpus.txt", env=cli_env())
+    refused = rank_checks.command(
+        [*rank_checks.RUNNER, "prepare-data", "data=tokens", "data.source=corpus.txt"], tmp_path, env=cli_env()
+    )
     assert refused.returncode == 2 and "data.path: no value was given" in refused.stderr, refused.stderr
 
 

@@ -280,7 +280,7 @@ def test_a_tracker_of_ones_own_by_target_in_a_config_dir_gets_every_call(tmp_pat
         step: {f"mine/{key}": value for key, value in row.items()} for step, row in logged(run_dir).items()
     }
     typo = rank_checks.command(
-        tmp_path, *runner_command(tmp_path / "typo", *mine, "+tracker.pathh=x")[3:], env=cli_env(TESTS)
+        runner_command(tmp_path / "typo", *mine, "+tracker.pathh=x"), tmp_path, env=cli_env(TESTS)
     )
     assert typo.returncode == 2
     assert "tracker: probes.FileTracker does not accept these settings" in typo.stderr
