@@ -25,16 +25,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from hydra._internal.hydra import Hydra
-from hydra._internal.utils import create_automatic_config_search_path, get_args_parser
+from hydra._internal.utils import get_args_parser
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.object_type import ObjectType
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import SearchPathException
 from hydra.types import RunMode
 from omegaconf import DictConfig, ListConfig
 
 from runner.build import locate
-from runner.config import CONF_SEARCH_PATH, Range, RunConfig
+from runner.compose import CONFIG_NAME, command_hydra
+from runner.config import Range, RunConfig
 from runner.schemas import settings_of
 
 INTERNAL_GROUPS = ("hydra", "schema")
@@ -77,7 +77,7 @@ def help_text(arguments: list[str], width: int = 100) -> str:
     overrides = first_job(args.overrides) if args.multirun else args.overrides
     hydra = command_hydra(args.config_dir)
     try:
-        cfg = hydra.compose_config("config", overrides, run_mode=RunMode.RUN)
+        cfg = hydra.compose_config(CONFIG_NAME, overrides, run_mode=RunMode.RUN)
         comments = _comments(hydra, overrides)
         groups = [g for g in hydra.list_all_config_groups() if not g.startswith(INTERNAL_GROUPS)]
         options = {g: hydra.config_loader.get_group_options(g, ObjectType.CONFIG) for g in groups}
@@ -289,7 +289,7 @@ def _comments(hydra: Hydra, overrides: list[str]) -> dict[str, str]:
     those of the files that set the key again, each named (`experiment/mine: ...`)."""
     loader = hydra.config_loader
     found: dict[str, str] = {}
-    for default in loader.compute_defaults_list("config", overrides, RunMode.RUN).defaults:
+    for default in loader.compute_defaults_list(CONFIG_NAME, overrides, RunMode.RUN).defaults:
         path, package = default.config_path, default.package or ""
         if path is None or package.startswith("hydra") or path.startswith(INTERNAL_GROUPS):
             continue
@@ -352,17 +352,6 @@ def _summary(target: str | None) -> str:
         return ""
     first = (doc or "").split("\n\n")[0].replace("\n", " ")
     return first.split(". ")[0].rstrip(".") + "." if first else ""
-
-
-def command_hydra(config_dir: str | None) -> Hydra:
-    """Hydra with the command's search path: runner's groups, and `--config-dir`'s first."""
-    search_path = create_automatic_config_search_path(None, None, CONF_SEARCH_PATH)
-    if config_dir is not None:
-        directory = Path(config_dir).absolute()
-        if not directory.is_dir():
-            raise SearchPathException(f"Additional config directory '{directory}' not found")
-        search_path.prepend("command-line", f"file://{directory}")
-    return Hydra.create_main_hydra2(task_name="runner", config_search_path=search_path)
 
 
 @cache

@@ -11,8 +11,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
 from hydra.utils import instantiate
 
+from runner.compose import CONFIG_NAME, command_hydra
 from runner.errors import ConfigError
-from runner.help import command_hydra
 from runner.validate import missing_values
 
 
@@ -21,7 +21,7 @@ def main(arguments: list[str]) -> None:
     args = get_args_parser().parse_args(arguments)
     hydra = command_hydra(args.config_dir)
     try:
-        cfg = hydra.compose_config(args.config_name or "config", args.overrides, run_mode=RunMode.RUN)
+        cfg = hydra.compose_config(args.config_name or CONFIG_NAME, args.overrides, run_mode=RunMode.RUN)
     finally:
         GlobalHydra.instance().clear()
     missing = missing_values(cfg.data)

@@ -34,7 +34,7 @@ GROUPS = (
 def hydra():
     from hydra.core.global_hydra import GlobalHydra
 
-    from runner.help import command_hydra
+    from runner.compose import command_hydra
 
     register_configs()
     yield command_hydra(None)
@@ -130,6 +130,19 @@ def test_help_in_a_users_project_reads_its_yaml_and_its_classes(tmp_path):
         == "a .csv or .jsonl file; experiment/example: relative to the directory you run in"
     )
     assert not (project / "outputs").exists()  # help starts no run
+
+
+def test_help_composes_as_the_run_where_a_users_option_has_a_shipped_options_name(tmp_path, forked_cli):
+    """Hydra puts `--config-dir` after runner's own groups: the run takes the shipped `model/mlp.yaml` over a
+    user's file of that name, and `--help` shows what the run composes."""
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "mlp.yaml").write_text("_target_: runner.models.MLP\nhidden_size: 7\n")
+    run = forked_cli("--config-dir", str(tmp_path / "conf"), "--cfg", "job")
+    assert run.returncode == 0, run.stderr
+    assert "  hidden_size: 256\n" in run.stdout
+    register_configs()
+    lines = help_text(["--config-dir", str(tmp_path / "conf"), "--help"]).splitlines()
+    assert "  model.hidden_size=256  (int >= 1)" in lines
 
 
 def test_yaml_comments_by_dotted_key():

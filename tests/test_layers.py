@@ -66,6 +66,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "entry points",
         [
             "runner.cli",
+            "runner.compose",
             "runner.env",
             "runner.estimate_memory",
             "runner.help",

@@ -1,0 +1,89 @@
+"""The command's Hydra: the config search path as `@hydra.main` builds it, and a single run composed once.
+
+Hydra 1.3's `@hydra.main` composes a run's config twice: in MULTIRUN mode to read `hydra.mode` (a config
+may ask for a sweep without `-m`), then in RUN mode for the job, 0.1-0.2 s each on a small CPU machine on
+the way to every run's first step. `run_composed_once` composes in RUN mode once and runs the job from
+that composition as `Hydra.run` does; a command it does not take (a sweep, `--cfg`, `--info`, help, a
+config whose `hydra.mode` is MULTIRUN, a composition that fails) goes through `@hydra.main`, which composes
+as it always does and raises its own errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from hydra._internal.callbacks import Callbacks
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import create_automatic_config_search_path
+from hydra.core.config_search_path import SearchPathQuery
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.utils import run_job
+from hydra.errors import SearchPathException
+from hydra.types import HydraContext, RunMode, TaskFunction
+
+from runner.config import CONF_SEARCH_PATH
+
+CONFIG_NAME = "config"  # the primary config: conf/config.yaml
+
+
+def command_hydra(config_dir: str | None) -> Hydra:
+    """Hydra with the command's search path as `@hydra.main` builds it: Hydra's and runner's groups, then
+    `--config-dir`'s, before the structured configs (so a shipped option wins over a user's of its name)."""
+    search_path = create_automatic_config_search_path(None, None, CONF_SEARCH_PATH)
+    if config_dir is not None:
+        directory = os.path.abspath(config_dir)
+        if not os.path.isdir(directory):
+            raise SearchPathException(f"Additional config directory '{directory}' not found")
+        search_path.prepend("command-line", f"file://{directory}", anchor=SearchPathQuery(provider="schema"))
+    return Hydra.create_main_hydra2(task_name="runner", config_search_path=search_path)
+
+
+def run_composed_once(args: argparse.Namespace, task_function: TaskFunction) -> bool:
+    """Run `task_function` on the config that Hydra's parsed command line `args` compose, as `Hydra.run`
+    does, composing it once. False, having run nothing, where the command is not one run (Hydra's own path
+    takes it then): `-m`, `--cfg`, `--info`, help, completion, `--config-path`, a config that sets
+    `hydra.mode` to MULTIRUN, or one that does not compose (Hydra composes it again and raises its error)."""
+    if (
+        args.multirun
+        or args.cfg
+        or args.info
+        or args.help
+        or args.hydra_help
+        or args.shell_completion
+        or args.resolve
+        or args.experimental_rerun is not None
+        or args.config_path is not None
+    ):
+        return False
+    config_name = args.config_name or CONFIG_NAME
+    try:
+        hydra = command_hydra(args.config_dir)
+    except SearchPathException:
+        return False
+    try:
+        try:
+            cfg = hydra.compose_config(
+                config_name, list(args.overrides), run_mode=RunMode.RUN, with_log_configuration=True
+            )
+        except Exception:  # `@hydra.main` composes it again and raises what it raises
+            return False
+        if cfg.hydra.mode == RunMode.MULTIRUN:
+            return False
+        if cfg.hydra.mode is None:  # what `@hydra.main` adds for a run that no config gave a mode
+            cfg.hydra.mode = RunMode.RUN
+            cfg.hydra.overrides.hydra.append("hydra.mode=RUN")
+        callbacks = Callbacks(cfg)
+        callbacks.on_run_start(config=cfg, config_name=config_name)
+        job = run_job(
+            hydra_context=HydraContext(config_loader=hydra.config_loader, callbacks=callbacks),
+            task_function=task_function,
+            config=cfg,
+            job_dir_key="hydra.run.dir",
+            job_subdir_key=None,
+        )
+        callbacks.on_run_end(config=cfg, config_name=config_name, job_return=job)
+        _ = job.return_value  # raises what the job raised
+        return True
+    finally:
+        GlobalHydra.instance().clear()
