@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 import hydra
 import torch
 import yaml
+from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import IntervalSweep
@@ -50,6 +51,7 @@ from runner.checkpoint.resume import (
     latest_run,
 )
 from runner.cluster import ClusterEnvironment, launched_environment, launched_node, time_before_start
+from runner.compose import CONFIG_NAME, VERSION_BASE, run_composed_once
 from runner.config import CONF_SEARCH_PATH
 from runner.errors import (
     EXIT_INTERRUPTED,
@@ -88,7 +90,6 @@ log = logging.getLogger("runner")
 FAILED = "failed.json"  # in a sweep job's dir: why its training failed
 
 
-@hydra.main(version_base="1.3", config_path=CONF_SEARCH_PATH, config_name="config")
 def main(cfg: DictConfig) -> float | dict[str, float]:
     """One job: validate, then the launcher runs its ranks. Rank 0's final metrics (also in the job dir's
     `metrics.json`) are returned: `trainer.objective` among them is what Hydra's sweepers get."""
@@ -158,6 +159,13 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
     if spent is not None:
         log.info("time spent (%s):\n%s", output_dir / SUMMARY, goodput_table(spent))
     return _objective(cfg, metrics)
+
+
+# Hydra's own entry for what `run_composed_once` leaves to it: a sweep, --cfg, --info, a config asking for
+# MULTIRUN, a composition error.
+hydra_main = hydra.main(version_base=VERSION_BASE, config_path=CONF_SEARCH_PATH, config_name=CONFIG_NAME)(
+    main
+)
 
 
 # What the same command says in the dir of a finished run: how to train it again.
@@ -367,7 +375,8 @@ def run() -> None:
             if HELP_FLAGS & set(sys.argv[1:]):
                 print(help_text(sys.argv[1:], width=shutil.get_terminal_size().columns))
                 return
-            main()
+            if not run_composed_once(get_args_parser().parse_args(), main):
+                hydra_main()
     except UserWarning as err:
         _end_command(ConfigError(describe_missing_search_path(str(err))))
     except (HydraException, OmegaConfBaseException) as err:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from hydra import version
 from hydra._internal.callbacks import Callbacks
 from hydra._internal.hydra import Hydra
 from hydra._internal.utils import create_automatic_config_search_path
@@ -25,11 +26,13 @@ from hydra.types import HydraContext, RunMode, TaskFunction
 from runner.config import CONF_SEARCH_PATH
 
 CONFIG_NAME = "config"  # the primary config: conf/config.yaml
+VERSION_BASE = "1.3"  # Hydra's defaults of that version (`hydra.job.chdir: false`, ...)
 
 
 def command_hydra(config_dir: str | None) -> Hydra:
     """Hydra with the command's search path as `@hydra.main` builds it: Hydra's and runner's groups, then
     `--config-dir`'s, before the structured configs (so a shipped option wins over a user's of its name)."""
+    version.setbase(VERSION_BASE)
     search_path = create_automatic_config_search_path(None, None, CONF_SEARCH_PATH)
     if config_dir is not None:
         directory = os.path.abspath(config_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import pickle
 import random
 import re
@@ -756,6 +757,88 @@ def test_multirun_flag_after_the_overrides_runs_the_sweep(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("LocalLauncher: 1 node x 1 process") == 2, proc.stdout
+
+
+COMPOSED_TWO_WAYS = """
+import json, sys
+import hydra
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import get_args_parser
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.plugins import Plugins
+from hydra_plugins.runner_launcher.launcher import RunnerLauncher
+from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
+from omegaconf import OmegaConf
+from runner.compose import CONFIG_NAME, VERSION_BASE, run_composed_once
+from runner.config import CONF_SEARCH_PATH
+from runner.schemas import register_configs
+
+compositions, seen = [], {}
+compose = Hydra.compose_config
+def counted(self, *args, **kwargs):
+    compositions.append(kwargs["run_mode"].name)
+    return compose(self, *args, **kwargs)
+Hydra.compose_config = counted
+def capture(cfg):
+    seen[way] = {"compositions": compositions[:], "config": OmegaConf.to_container(cfg),
+                 "hydra": OmegaConf.to_container(HydraConfig.get(), enum_to_str=True)}
+    compositions.clear()
+register_configs()
+for plugin in (ResumableSweeper, RunnerLauncher):
+    Plugins.instance().register(plugin)
+sys.argv[1:] = json.loads(sys.argv[1])
+way = "once"
+ran = run_composed_once(get_args_parser().parse_args(), capture)
+if not ran:
+    seen["declined"] = compositions[:]
+compositions.clear()
+way = "hydra"
+hydra.main(version_base=VERSION_BASE, config_path=CONF_SEARCH_PATH, config_name=CONFIG_NAME)(capture)()
+print(json.dumps(seen, default=str))
+"""
+
+
+@pytest.mark.slow
+def test_a_run_composes_once_what_hydra_main_composes_twice(tmp_path):
+    """`python -m runner` composes a run's config once (Hydra's `@hydra.main` composes it in MULTIRUN mode
+    to read `hydra.mode`, then again): the config and Hydra's own config are what `@hydra.main` gives,
+    with a user's `--config-dir`, an experiment, a key and a Hydra key overridden."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: mlp\ntrainer:\n  max_steps: 3\n"
+    )
+    overrides = ["--config-dir", str(tmp_path / "conf"), "experiment=mine", "model.hidden_size=8",
+                 f"hydra.run.dir={tmp_path / 'run'}", "hydra.job.name=mine"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", COMPOSED_TWO_WAYS, json.dumps(overrides)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    assert seen["once"]["compositions"] == ["RUN"]
+    assert seen["hydra"]["compositions"] == ["MULTIRUN", "RUN"]
+    assert seen["once"]["config"] == seen["hydra"]["config"]
+    assert seen["once"]["config"]["model"]["hidden_size"] == 8
+    assert seen["once"]["config"]["trainer"]["max_steps"] == 3
+    assert seen["once"]["hydra"] == seen["hydra"]["hydra"]
+    assert seen["once"]["hydra"]["mode"] == "RUN" and seen["once"]["hydra"]["job"]["name"] == "mine"
+    assert "hydra.mode=RUN" in seen["once"]["hydra"]["overrides"]["hydra"]
+
+
+@pytest.mark.slow
+def test_a_config_that_sets_hydra_mode_multirun_sweeps_without_m(tmp_path):
+    """A config may ask for a sweep itself (`hydra.mode: MULTIRUN` and the sweeper's params): composing once
+    leaves it to Hydra, which sweeps."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "seeds.yaml").write_text(
+        "# @package _global_\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n      trainer.seed: 1,2\n"
+    )
+    overrides = ["--config-dir", str(tmp_path / "conf"), "experiment=seeds",
+                 f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", COMPOSED_TWO_WAYS, json.dumps(overrides)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    assert seen["declined"] == ["RUN"] and "once" not in seen  # composed, then left to Hydra: nothing ran
+    assert seen["hydra"]["hydra"]["mode"] == "MULTIRUN"
 
 
 def test_every_runner_path_in_conf_resolves():
