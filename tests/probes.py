@@ -8,6 +8,7 @@ Each rank appends to `<record>.rank<N>.<kind>`; `read` collects them.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 from pathlib import Path
@@ -155,7 +156,8 @@ class ComputeRecordingLanguageModeling(LanguageModeling):
 
 class RecordingCallback(Callback):
     """Records each point the loop calls it at ("<point>|<step>|<calls>"), and counts the calls in its
-    state (what a resumed run continues)."""
+    state (what a resumed run continues); at the fit's start, whether the cyclic garbage collector is on
+    ("gc")."""
 
     def __init__(self, record: str) -> None:
         self.record = record
@@ -167,6 +169,7 @@ class RecordingCallback(Callback):
 
     def on_fit_start(self, run: Any) -> None:
         self._seen(run, "fit_start")
+        _append(self.record, "gc", "collecting" if gc.isenabled() else "paused")
 
     def on_step_end(self, run: Any) -> None:
         self._seen(run, "step_end")

@@ -85,6 +85,7 @@ def test_callbacks_stop_keep_the_best_log_and_resume_their_state(tmp_path):
     assert [row["step"] for row in read_history(whole) if "eval/loss" in row] == [5, 10, 15, 20, 25]
     points = [line.split("|")[0] for line in probes.read(whole / "probe", "callback")]
     assert points[0] == "fit_start" and points[-1] == "fit_end"
+    assert probes.read(whole / "probe", "gc") == ["collecting"]  # paused for the command's imports only
     assert points.count("step_end") == 25 and points.count("eval_end:eval/loss,eval/mae") == 5
     assert [p for p in points if p.startswith("checkpoint")] == [
         "checkpoint:checkpoint_0",
