@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from hydra import version
 from hydra._internal.callbacks import Callbacks
@@ -23,7 +24,8 @@ from hydra.core.utils import run_job
 from hydra.errors import SearchPathException
 from hydra.types import HydraContext, RunMode, TaskFunction
 
-from runner.config import CONF_SEARCH_PATH
+from runner.config import CONF_DIR, CONF_SEARCH_PATH
+from runner.errors import ConfigError
 
 CONFIG_NAME = "config"  # the primary config: conf/config.yaml
 VERSION_BASE = "1.3"  # Hydra's defaults of that version (`hydra.job.chdir: false`, ...)
@@ -40,6 +42,37 @@ def command_hydra(config_dir: str | None) -> Hydra:
             raise SearchPathException(f"Additional config directory '{directory}' not found")
         search_path.prepend("command-line", f"file://{directory}", anchor=SearchPathQuery(provider="schema"))
     return Hydra.create_main_hydra2(task_name="runner", config_search_path=search_path)
+
+
+def check_config_dir(config_dir: str | None) -> None:
+    """Refuse a `--config-dir` holding files named as runner's own (`model/mlp.yaml`): Hydra reads runner's
+    groups first, so those would never be read, and the run would train runner's option as if it were the
+    user's."""
+    if (
+        config_dir is None
+        or not os.path.isdir(config_dir)
+        or Path(config_dir).resolve() == CONF_DIR.resolve()
+    ):
+        return  # a missing dir is Hydra's error; runner's own conf dir shadows nothing
+    shadowed = sorted(
+        path.relative_to(config_dir).as_posix()
+        for path in Path(config_dir).rglob("*.yaml")
+        if (CONF_DIR / path.relative_to(config_dir)).is_file()
+    )
+    if not shadowed:
+        return
+    options = ", ".join(
+        f"{name.rpartition('/')[0]}={Path(name).stem}" if "/" in name else name for name in shadowed
+    )
+    group, _, option = shadowed[0].rpartition("/")
+    rename = (
+        f"{group}/my_{option} and choose it with {group}=my_{Path(option).stem}" if group else f"my_{option}"
+    )
+    raise ConfigError(
+        f"--config-dir {config_dir}: {', '.join(shadowed)} {'has' if len(shadowed) == 1 else 'have'} the name of "
+        f"runner's own {options}, which Hydra reads first (runner's groups come before --config-dir's in its "
+        f"search path): yours would never be read. Rename yours (e.g. {rename})."
+    )
 
 
 def run_composed_once(args: argparse.Namespace, task_function: TaskFunction) -> bool:

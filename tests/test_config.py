@@ -841,6 +841,22 @@ def test_a_config_that_sets_hydra_mode_multirun_sweeps_without_m(tmp_path):
     assert seen["hydra"]["hydra"]["mode"] == "MULTIRUN"
 
 
+def test_a_config_dir_option_named_as_a_shipped_one_is_refused(forked_cli, tmp_path):
+    """Hydra reads runner's groups before `--config-dir`'s: a user's `model/mlp.yaml` would never be read."""
+    conf = tmp_path / "conf"
+    for name in ("model/mlp.yaml", "hardware/fsdp.yaml", "model/mine.yaml"):
+        (conf / name).parent.mkdir(parents=True, exist_ok=True)
+        (conf / name).write_text("_target_: runner.models.MLP\n")
+    proc = forked_cli("--config-dir", str(conf), "model=mine", "plan=true")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"Configuration error: --config-dir {conf}: hardware/fsdp.yaml, model/mlp.yaml ")
+    assert "hardware=fsdp, model=mlp" in proc.stderr and "Rename" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "run").exists()
+    (conf / "model" / "mlp.yaml").unlink()
+    (conf / "hardware" / "fsdp.yaml").unlink()
+    assert forked_cli("--config-dir", str(conf), "model=mine", "plan=true").returncode == 0
+
+
 def test_every_runner_path_in_conf_resolves():
     """The dotted paths the YAML names (`_target_`, a logging handler's `class`) import: a module moved
     without its YAML fails here, not in the first run."""
