@@ -8,9 +8,11 @@ import sys
 from itertools import zip_longest
 
 import pytest
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.object_type import ObjectType
 from hydra.errors import HydraException
 
+from runner.compose import command_hydra
 from runner.help import docstring_args, first_job, help_text, sections, type_text, yaml_comments
 from runner.scaffold import init_project
 from runner.schemas import register_configs
@@ -32,10 +34,6 @@ GROUPS = (
 
 @pytest.fixture
 def hydra():
-    from hydra.core.global_hydra import GlobalHydra
-
-    from runner.compose import command_hydra
-
     register_configs()
     yield command_hydra(None)
     GlobalHydra.instance().clear()
@@ -132,17 +130,24 @@ def test_help_in_a_users_project_reads_its_yaml_and_its_classes(tmp_path):
     assert not (project / "outputs").exists()  # help starts no run
 
 
-def test_help_composes_as_the_run_where_a_users_option_has_a_shipped_options_name(tmp_path, forked_cli):
-    """Hydra puts `--config-dir` after runner's own groups: the run takes the shipped `model/mlp.yaml` over a
-    user's file of that name, and `--help` shows what the run composes."""
+def test_help_composes_with_the_search_path_of_the_run(tmp_path, forked_cli):
+    """`--help` (and `runner prepare-data`) compose with the search path `@hydra.main` gives the run, which
+    Hydra's `--info searchpath` prints: `--config-dir` after runner's own groups, before the schemas."""
     (tmp_path / "conf" / "model").mkdir(parents=True)
-    (tmp_path / "conf" / "model" / "mlp.yaml").write_text("_target_: runner.models.MLP\nhidden_size: 7\n")
-    run = forked_cli("--config-dir", str(tmp_path / "conf"), "--cfg", "job")
+    run = forked_cli("--config-dir", str(tmp_path / "conf"), "--info", "searchpath")
     assert run.returncode == 0, run.stderr
-    assert "  hidden_size: 256\n" in run.stdout
+    printed = [
+        tuple(cell.strip() for cell in line.strip("|").split("|"))
+        for line in run.stdout.splitlines()
+        if line.startswith("| ") and "Provider" not in line
+    ]
     register_configs()
-    lines = help_text(["--config-dir", str(tmp_path / "conf"), "--help"]).splitlines()
-    assert "  model.hidden_size=256  (int >= 1)" in lines
+    try:
+        path = command_hydra(str(tmp_path / "conf")).config_loader.get_search_path().get_path()
+    finally:
+        GlobalHydra.instance().clear()
+    assert [(entry.provider, entry.path) for entry in path] == printed
+    assert [provider for provider, _ in printed] == ["hydra", "main", "command-line", "schema"]
 
 
 def test_yaml_comments_by_dotted_key():
