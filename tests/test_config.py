@@ -14,8 +14,10 @@ import typing
 from pathlib import Path
 
 import pytest
+import rank_checks
 import torch
 import yaml
+from conftest import cli_env
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, HydraException
 from hydra.utils import instantiate
@@ -852,6 +854,9 @@ def test_a_config_dir_option_named_as_a_shipped_one_is_refused(forked_cli, tmp_p
     assert proc.stderr.startswith(f"Configuration error: --config-dir {conf}: hardware/fsdp.yaml, model/mlp.yaml ")
     assert "hardware=fsdp, model=mlp" in proc.stderr and "Rename" in proc.stderr
     assert proc.stderr.count("\n") == 1 and not (tmp_path / "run").exists()
+    preparing = [*rank_checks.RUNNER, "prepare-data", "--config-dir", str(conf), "data=tokens"]
+    prepared = rank_checks.command(preparing, tmp_path, env=cli_env())
+    assert prepared.returncode == 2 and "hardware/fsdp.yaml, model/mlp.yaml have the name" in prepared.stderr
     (conf / "model" / "mlp.yaml").unlink()
     (conf / "hardware" / "fsdp.yaml").unlink()
     assert forked_cli("--config-dir", str(conf), "model=mine", "plan=true").returncode == 0
