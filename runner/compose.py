@@ -1,4 +1,5 @@
-"""The command's Hydra: the config search path as `@hydra.main` builds it, and a single run composed once.
+"""The command's Hydra: the config search path as `@hydra.main` builds it (and the refusal of a user's file
+that a shipped one would hide there), and a single run composed once.
 
 Hydra 1.3's `@hydra.main` composes a run's config twice: in MULTIRUN mode to read `hydra.mode` (a config
 may ask for a sweep without `-m`), then in RUN mode for the job, 0.1-0.2 s each on a small CPU machine on
@@ -33,7 +34,8 @@ VERSION_BASE = "1.3"  # Hydra's defaults of that version (`hydra.job.chdir: fals
 
 def command_hydra(config_dir: str | None) -> Hydra:
     """Hydra with the command's search path as `@hydra.main` builds it: Hydra's and runner's groups, then
-    `--config-dir`'s, before the structured configs (so a shipped option wins over a user's of its name)."""
+    `--config-dir`'s, before the structured configs (a shipped option hides a user's of its name, which
+    `check_config_dir` refuses)."""
     version.setbase(VERSION_BASE)
     search_path = create_automatic_config_search_path(None, None, CONF_SEARCH_PATH)
     if config_dir is not None:
