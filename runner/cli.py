@@ -51,7 +51,7 @@ from runner.checkpoint.resume import (
     latest_run,
 )
 from runner.cluster import ClusterEnvironment, launched_environment, launched_node, time_before_start
-from runner.compose import CONFIG_NAME, VERSION_BASE, check_config_dir, run_composed_once
+from runner.compose import CONFIG_NAME, VERSION_BASE, check_config_dirs, run_composed_once, user_config_dirs
 from runner.config import CONF_SEARCH_PATH
 from runner.errors import (
     EXIT_INTERRUPTED,
@@ -359,7 +359,7 @@ def run() -> None:
     try:
         check_intervals(sys.argv[1:])
         sys.argv[1:] = resume_last(sys.argv[1:])
-        check_config_dir(get_args_parser().parse_args().config_dir)
+        check_config_dirs(user_config_dirs(get_args_parser().parse_args()))
     except ConfigError as err:
         _end_command(err)
     _importable_cwd()

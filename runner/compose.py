@@ -21,8 +21,9 @@ from hydra._internal.hydra import Hydra
 from hydra._internal.utils import create_automatic_config_search_path
 from hydra.core.config_search_path import SearchPathQuery
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import run_job
-from hydra.errors import SearchPathException
+from hydra.errors import HydraException, SearchPathException
 from hydra.types import HydraContext, RunMode, TaskFunction
 
 from runner.config import CONF_DIR, CONF_SEARCH_PATH
@@ -35,7 +36,7 @@ VERSION_BASE = "1.3"  # Hydra's defaults of that version (`hydra.job.chdir: fals
 def command_hydra(config_dir: str | None) -> Hydra:
     """Hydra with the command's search path as `@hydra.main` builds it: Hydra's and runner's groups, then
     `--config-dir`'s, before the structured configs (a shipped option hides a user's of its name, which
-    `check_config_dir` refuses)."""
+    `check_config_dirs` refuses)."""
     version.setbase(VERSION_BASE)
     search_path = create_automatic_config_search_path(None, None, CONF_SEARCH_PATH)
     if config_dir is not None:
@@ -46,35 +47,52 @@ def command_hydra(config_dir: str | None) -> Hydra:
     return Hydra.create_main_hydra2(task_name="runner", config_search_path=search_path)
 
 
-def check_config_dir(config_dir: str | None) -> None:
-    """Refuse a `--config-dir` holding files named as runner's own (`model/mlp.yaml`): Hydra reads runner's
-    groups first, so those would never be read, and the run would train runner's option as if it were the
-    user's."""
-    if (
-        config_dir is None
-        or not os.path.isdir(config_dir)
-        or Path(config_dir).resolve() == CONF_DIR.resolve()
-    ):
-        return  # a missing dir is Hydra's error; runner's own conf dir shadows nothing
-    shadowed = sorted(
-        path.relative_to(config_dir).as_posix()
-        for path in Path(config_dir).rglob("*.yaml")
-        if (CONF_DIR / path.relative_to(config_dir)).is_file()
-    )
-    if not shadowed:
-        return
-    options = ", ".join(
-        f"{name.rpartition('/')[0]}={Path(name).stem}" if "/" in name else name for name in shadowed
-    )
-    group, _, option = shadowed[0].rpartition("/")
-    rename = (
-        f"{group}/my_{option} and choose it with {group}=my_{Path(option).stem}" if group else f"my_{option}"
-    )
-    raise ConfigError(
-        f"--config-dir {config_dir}: {', '.join(shadowed)} {'has' if len(shadowed) == 1 else 'have'} the name of "
-        f"runner's own {options}, which Hydra reads first (runner's groups come before --config-dir's in its "
-        f"search path): yours would never be read. Rename yours (e.g. {rename})."
-    )
+def user_config_dirs(args: argparse.Namespace) -> dict[str, str]:
+    """The directories of the user's own config groups that Hydra's parsed command line `args` add, each by
+    how it was given: `--config-dir`, and the `file://` entries of a `hydra.searchpath=[...]` override (both
+    come after runner's groups in the search path). An override that does not parse is Hydra's error."""
+    dirs = {} if args.config_dir is None else {args.config_dir: f"--config-dir {args.config_dir}"}
+    given = [o for o in args.overrides if o.startswith("hydra.searchpath=")]
+    if not given:
+        return dirs
+    try:
+        entries = [e for o in OverridesParser.create().parse_overrides(given) for e in o.value() or []]
+    except (HydraException, TypeError):
+        return dirs
+    for entry in entries:
+        if isinstance(entry, str) and entry.startswith("file://"):
+            dirs.setdefault(entry.removeprefix("file://"), f"hydra.searchpath entry {entry}")
+    return dirs
+
+
+def check_config_dirs(dirs: dict[str, str]) -> None:
+    """Refuse a user's config dir (`user_config_dirs`) holding files named as runner's own (`model/mlp.yaml`):
+    Hydra reads runner's groups first, so those would never be read, and the run would train runner's option
+    as if it were the user's."""
+    for config_dir, given in dirs.items():
+        if not os.path.isdir(config_dir) or Path(config_dir).resolve() == CONF_DIR.resolve():
+            continue  # a missing dir is Hydra's error; runner's own conf dir shadows nothing
+        shadowed = sorted(
+            path.relative_to(config_dir).as_posix()
+            for path in Path(config_dir).rglob("*.yaml")
+            if (CONF_DIR / path.relative_to(config_dir)).is_file()
+        )
+        if not shadowed:
+            continue
+        options = ", ".join(
+            f"{name.rpartition('/')[0]}={Path(name).stem}" if "/" in name else name for name in shadowed
+        )
+        group, _, option = shadowed[0].rpartition("/")
+        rename = (
+            f"{group}/my_{option} and choose it with {group}=my_{Path(option).stem}"
+            if group
+            else f"my_{option}"
+        )
+        raise ConfigError(
+            f"{given}: {', '.join(shadowed)} {'has' if len(shadowed) == 1 else 'have'} the name of runner's own "
+            f"{options}, which Hydra reads first (runner's groups come before yours in its search path): yours "
+            f"would never be read. Rename yours (e.g. {rename})."
+        )
 
 
 def run_composed_once(args: argparse.Namespace, task_function: TaskFunction) -> bool:

@@ -11,7 +11,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.types import RunMode
 from hydra.utils import instantiate
 
-from runner.compose import CONFIG_NAME, check_config_dir, command_hydra
+from runner.compose import CONFIG_NAME, check_config_dirs, command_hydra, user_config_dirs
 from runner.errors import ConfigError
 from runner.validate import missing_values
 
@@ -19,7 +19,7 @@ from runner.validate import missing_values
 def main(arguments: list[str]) -> None:
     """Prepare the data the config `arguments` compose; print what was written."""
     args = get_args_parser().parse_args(arguments)
-    check_config_dir(args.config_dir)
+    check_config_dirs(user_config_dirs(args))
     hydra = command_hydra(args.config_dir)
     try:
         cfg = hydra.compose_config(args.config_name or CONFIG_NAME, args.overrides, run_mode=RunMode.RUN)

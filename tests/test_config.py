@@ -857,6 +857,10 @@ def test_a_config_dir_option_named_as_a_shipped_one_is_refused(forked_cli, tmp_p
     preparing = [*rank_checks.RUNNER, "prepare-data", "--config-dir", str(conf), "data=tokens"]
     prepared = rank_checks.command(preparing, tmp_path, env=cli_env())
     assert prepared.returncode == 2 and "hardware/fsdp.yaml, model/mlp.yaml have the name" in prepared.stderr
+    searched = forked_cli(f"hydra.searchpath=[pkg://runner.conf,file://{conf}]", "model=mine", "plan=true")
+    assert searched.returncode == 2 and searched.stderr.startswith(
+        f"Configuration error: hydra.searchpath entry file://{conf}: hardware/fsdp.yaml, model/mlp.yaml have"
+    )
     (conf / "model" / "mlp.yaml").unlink()
     (conf / "hardware" / "fsdp.yaml").unlink()
     assert forked_cli("--config-dir", str(conf), "model=mine", "plan=true").returncode == 0
