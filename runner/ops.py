@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,10 +18,19 @@ def apply_to_tensors(fn: Callable[[torch.Tensor], Any], data: Any, strict: bool 
     copied and refilled, so constructors with other signatures are never called) and dataclass instances.
     Anything else passes through unchanged, or raises TypeError with `strict`.
     """
-    if isinstance(data, torch.Tensor):
+    kind = type(data)
+    # Every batch walks through here: the common cases first, by exact type (an isinstance against
+    # torch.Tensor's metaclass takes longer), and a tensor in a list or a dict is applied without a call.
+    if kind is torch.Tensor:
         return fn(data)
-    if type(data) is dict:  # the common cases first: every batch walks through here
-        return {k: apply_to_tensors(fn, v, strict) for k, v in data.items()}
+    if kind is list or kind is tuple:
+        return kind([fn(v) if type(v) is torch.Tensor else apply_to_tensors(fn, v, strict) for v in data])
+    if kind is dict:
+        return {
+            k: fn(v) if type(v) is torch.Tensor else apply_to_tensors(fn, v, strict) for k, v in data.items()
+        }
+    if isinstance(data, torch.Tensor):  # a subclass: a parameter, a DTensor
+        return fn(data)
     if isinstance(data, (list, tuple)):
         items = [apply_to_tensors(fn, v, strict) for v in data]
         if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
@@ -76,19 +86,22 @@ def send_to_device(
 ) -> Any:
     """Move every tensor in `data` to `device` (one already there is kept, without a `.to` call); the
     entries of a top-level mapping named in `skip_keys` stay where they are (Accelerate's signature)."""
-    device = torch.device(device)
+    place = _placing(torch.device(device), non_blocking)
     if skip_keys is None or not isinstance(data, Mapping):
-        return _moved(data, device, non_blocking)
+        return apply_to_tensors(place, data)
     skipped = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys)
     return type(data)(
-        {key: value if key in skipped else _moved(value, device, non_blocking) for key, value in data.items()}
+        {key: value if key in skipped else apply_to_tensors(place, value) for key, value in data.items()}
     )
 
 
-def _moved(data: Any, device: torch.device, non_blocking: bool) -> Any:
-    return apply_to_tensors(
-        lambda t: t if t.device == device else t.to(device, non_blocking=non_blocking), data
-    )
+def _placing(device: torch.device, non_blocking: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A tensor on `device`: itself where it is there already, else moved."""
+
+    def place(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.device == device else tensor.to(device, non_blocking=non_blocking)
+
+    return place
 
 
 def concatenate(data: list[Any], dim: int = 0) -> Any:
@@ -118,5 +131,4 @@ def _half_to_fp32(tensor: torch.Tensor) -> torch.Tensor:
 
 def on_device(batches: Iterator[Any], device: torch.device, non_blocking: bool = False) -> Iterator[Any]:
     """Each batch of `batches` moved to `device` (asynchronously from pinned memory with `non_blocking`)."""
-    device = torch.device(device)
-    return (_moved(batch, device, non_blocking) for batch in batches)
+    return map(partial(apply_to_tensors, _placing(torch.device(device), non_blocking)), batches)

@@ -67,4 +67,5 @@ class GradientState:
 
     @property
     def end_of_dataloader(self) -> bool:
-        return bool(self.active_dataloaders) and self.active_dataloaders[-1].end_of_dataloader
+        loaders = self.active_dataloaders
+        return loaders[-1].end_of_dataloader if loaders else False

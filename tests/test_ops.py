@@ -14,6 +14,10 @@ class Batch:
     label: str
 
 
+class Listed(list):
+    pass
+
+
 class Tagged(dict):
     def __init__(self, tag, *args, **kwargs):  # a constructor that does not take a plain dict
         super().__init__(*args, **kwargs)
@@ -28,6 +32,8 @@ def test_apply_to_tensors_keeps_container_types_and_leaves_others():
         "batch": Batch(torch.ones(3), "keep"),
         "tagged": tagged,
         "text": "unchanged",
+        "weights": (torch.nn.Parameter(torch.ones(1)), {"bias": torch.nn.Parameter(torch.ones(1))}),
+        "listed": Listed([torch.ones(1)]),
     }
     out = apply_to_tensors(lambda t: t + 1, data)
     assert isinstance(out["pair"], Pair) and torch.equal(out["pair"].a, torch.full((2,), 2.0))
@@ -38,6 +44,10 @@ def test_apply_to_tensors_keeps_container_types_and_leaves_others():
     assert isinstance(out["tagged"], Tagged) and out["tagged"].tag == "t"
     assert torch.equal(out["tagged"]["w"], torch.full((1,), 2.0)) and torch.equal(tagged["w"], torch.ones(1))
     assert out["text"] == "unchanged"
+    # a tensor subclass inside the plain containers that the walker takes first, and a list subclass
+    assert type(out["weights"]) is tuple and torch.equal(out["weights"][0], torch.full((1,), 2.0))
+    assert torch.equal(out["weights"][1]["bias"], torch.full((1,), 2.0))
+    assert type(out["listed"]) is Listed and torch.equal(out["listed"][0], torch.full((1,), 2.0))
 
 
 def test_send_to_device_and_convert_to_fp32():

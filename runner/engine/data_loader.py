@@ -469,12 +469,13 @@ class DataLoaderShard:
                 if self.device is not None:
                     iterator = (self.place or on_device)(iterator, self.device)
                 batch = next(iterator, _END)
+            stream = self.stream  # read once: this class's `__getattr__` makes every read of self slower
             while batch is not _END:
                 upcoming = next(iterator, _END)
                 position.pass_finished = self.end_of_dataloader = upcoming is _END
                 position.batches_yielded += 1
-                if self.stream is not None:
-                    self.stream.handed_out()
+                if stream is not None:
+                    stream.handed_out()
                 yield batch
                 batch = upcoming
             position.iteration += 1

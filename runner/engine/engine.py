@@ -35,7 +35,7 @@ from runner.engine.data_loader import (
 from runner.engine.prepared import AcceleratedOptimizer, AcceleratedScheduler
 from runner.engine.process_control import ProcessControl, activate, deactivate
 from runner.hardware import Strategy
-from runner.hardware.base import DummyOptim, DummyScheduler
+from runner.hardware.base import NOTHING, DummyOptim, DummyScheduler
 from runner.ops import apply_to_tensors, is_tensor_structure
 from runner.precision import Precision
 from runner.state import GradientState
@@ -102,18 +102,26 @@ class MicroBatch:
         self.skipping: AbstractContextManager | None = None  # the models' no_sync, between syncs
 
     def __enter__(self) -> None:
-        engine = self.engine
-        engine._do_sync()
-        state = engine.gradient_state
+        """Sync on every `num_steps`-th micro-batch and on the loader's last; skip syncing otherwise."""
+        engine, state = self.engine, self.engine.gradient_state
+        if state.sync_with_dataloader and state.end_of_dataloader:
+            engine.step = 0
+            state.sync_gradients = True
+            return
+        engine.step += 1
+        state.sync_gradients = engine.step % state.num_steps == 0
         if state.sync_gradients or state.sync_each_batch or not self.models:
             return
+        no_sync = engine.strategy.no_sync
         if len(self.models) == 1:
-            self.skipping = engine.no_sync(self.models[0])
-            self.skipping.__enter__()
+            skipping = no_sync(self.models[0])
+            if skipping is not NOTHING:  # a backend that syncs no gradients has nothing to skip
+                skipping.__enter__()
+                self.skipping = skipping
             return
         with ExitStack() as stack:
             for model in self.models:
-                stack.enter_context(engine.no_sync(model))
+                stack.enter_context(no_sync(model))
             self.skipping = stack.pop_all()
 
     def __exit__(self, *exc_info: Any) -> bool | None:
@@ -405,19 +413,11 @@ class Engine(ProcessControl):
         """`loss.backward()`, divided by the accumulation steps and scaled for fp16."""
         if self.gradient_state.num_steps > 1:
             loss = loss / self.gradient_state.num_steps
-        self.strategy.backward(loss, self.precision, sync_gradients=self.sync_gradients, **kwargs)
+        self.strategy.backward(loss, self.precision, self.gradient_state.sync_gradients, **kwargs)
 
     def accumulate(self, *models: torch.nn.Module) -> MicroBatch:
         """One micro-batch: sets `sync_gradients` and skips gradient sync on the models in between."""
         return MicroBatch(self, models)
-
-    def _do_sync(self) -> None:
-        if self.gradient_state.sync_with_dataloader and self.gradient_state.end_of_dataloader:
-            self.step = 0
-            self.gradient_state.sync_gradients = True
-        else:
-            self.step += 1
-            self.gradient_state.sync_gradients = self.step % self.gradient_state.num_steps == 0
 
     def no_sync(self, model: torch.nn.Module) -> AbstractContextManager:
         """Gradients computed inside are not synchronised across processes."""

@@ -113,20 +113,22 @@ class AcceleratedScheduler:
         self.step_with_optimizer = step_with_optimizer
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        # Each attribute read once: this class's `__getattr__` makes every read of one slower.
+        state, scheduler = self.gradient_state, self.scheduler
         if not self.step_with_optimizer:
-            self.scheduler.step(*args, **kwargs)
+            scheduler.step(*args, **kwargs)
             return
-        if not self.gradient_state.sync_gradients:
-            if self.gradient_state.adjust_scheduler:  # counted, not taken (bounds OneCycleLR)
-                self.scheduler._step_count += 1
+        if not state.sync_gradients:
+            if state.adjust_scheduler:  # counted, not taken (bounds OneCycleLR)
+                scheduler._step_count += 1
             return
         for optimizer in self.optimizers:
             if optimizer.step_was_skipped:
                 return
+        total = getattr(scheduler, "total_steps", None)  # OneCycleLR refuses to step past its end
         for _ in range(self.num_processes):
-            total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR refuses to step past its end
-            if total is None or self.scheduler._step_count <= total:
-                self.scheduler.step(*args, **kwargs)
+            if total is None or scheduler._step_count <= total:
+                scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:
         return self.scheduler.get_last_lr()

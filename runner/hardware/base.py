@@ -29,6 +29,8 @@ from runner.precision import Precision
 from runner.state import DistributedType, ProcessState
 from runner.task import model_outputs
 
+NOTHING = nullcontext()  # the context of what a backend need not do (reusable: it holds no state)
+
 
 @dataclass(frozen=True)
 class ProcessGroupOptions:
@@ -338,12 +340,12 @@ class Strategy(ABC):
 
     def no_sync(self, module: torch.nn.Module) -> AbstractContextManager:
         """Skip gradient synchronisation inside this context (gradient accumulation)."""
-        return nullcontext()
+        return NOTHING
 
     def trigger_sync_in_backward(self, module: torch.nn.Module) -> AbstractContextManager:
         """Make the next backward synchronise gradients, even after forwards under `no_sync` (nothing to do
         where gradients are not synchronised by the wrapper)."""
-        return nullcontext()
+        return NOTHING
 
     def join(self, joinables: list[Any]) -> AbstractContextManager:
         """In a job of several processes: let those that run out of batches early shadow the collectives
