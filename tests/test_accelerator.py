@@ -122,6 +122,21 @@ def test_fp16_inf_gradient_skips_step_halves_scale_and_holds_scheduler():
     assert not all(torch.equal(p, q) for p, q in zip(params, model.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("mixed_precision", ["no", "fp16"])
+def test_backward_passes_its_keyword_arguments_to_the_tensors_backward(mixed_precision):
+    model, loader = make_setup()
+    accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
+    model, loader = accelerator.prepare(model, loader)
+    x, y = next(iter(loader))
+    first, *others = model.parameters()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    accelerator.backward(loss, retain_graph=True, inputs=[first])
+    assert first.grad is not None and all(p.grad is None for p in others)  # only `inputs` got gradients
+    once = first.grad.clone()
+    accelerator.backward(loss)  # the graph was kept: a second backward through it accumulates
+    assert torch.allclose(first.grad, 2 * once) and all(p.grad is not None for p in others)
+
+
 def test_bf16_autocasts_the_forward_returns_fp32_and_loss_falls():
     model, loader = make_setup(num_samples=256, batch_size=32)
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")

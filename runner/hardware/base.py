@@ -378,11 +378,15 @@ class Strategy(ABC):
         return loss_fn(model_outputs(module, batch), batch)
 
     def backward(
-        self, loss: torch.Tensor, precision: Precision, sync_gradients: bool = True, **kwargs: Any
+        self,
+        loss: torch.Tensor,
+        precision: Precision,
+        sync_gradients: bool = True,
+        options: Mapping[str, Any] | None = None,
     ) -> None:
         """Backpropagate `loss` (already divided by the accumulation steps); `sync_gradients` is False on
-        the micro-steps of an accumulation."""
-        precision.backward(loss, **kwargs)
+        the micro-steps of an accumulation; `options`: `Tensor.backward`'s keyword arguments."""
+        precision.backward(loss, options)
 
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, precision: Precision, closure: Any = None

@@ -271,10 +271,14 @@ class DeepSpeed(ParallelStrategy):
         return module.module if module is self.engine else module
 
     def backward(
-        self, loss: torch.Tensor, precision: Precision, sync_gradients: bool = True, **kwargs: Any
+        self,
+        loss: torch.Tensor,
+        precision: Precision,
+        sync_gradients: bool = True,
+        options: Mapping[str, Any] | None = None,
     ) -> None:
         self.engine.set_gradient_accumulation_boundary(sync_gradients)
-        self.engine.backward(loss, scale_wrt_gas=False, **kwargs)  # the Accelerator divided the loss
+        self.engine.backward(loss, scale_wrt_gas=False, **(options or {}))  # the Accelerator divided the loss
         if sync_gradients:
             self.engine.step()
 

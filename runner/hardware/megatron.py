@@ -4,7 +4,7 @@ and data parallel (FSDP2) over the rest of the world, on one ("pp", "dp_shard", 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -281,11 +281,15 @@ class TensorParallel(ShardedState, MeshStrategy):
         return loss
 
     def backward(
-        self, loss: torch.Tensor, precision: Precision, sync_gradients: bool = True, **kwargs: Any
+        self,
+        loss: torch.Tensor,
+        precision: Precision,
+        sync_gradients: bool = True,
+        options: Mapping[str, Any] | None = None,
     ) -> None:
         """Under pipeline parallel the schedule ran the backward in `training_loss`: nothing to do."""
         if self.pp_size == 1:
-            super().backward(loss, precision, sync_gradients, **kwargs)
+            super().backward(loss, precision, sync_gradients, options)
 
     def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full weights on rank 0 (a collective); under pipeline parallel each stage's, gathered from
