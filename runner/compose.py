@@ -25,6 +25,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import run_job
 from hydra.errors import HydraException, SearchPathException
 from hydra.types import HydraContext, RunMode, TaskFunction
+from omegaconf import ListConfig, OmegaConf
 
 from runner.config import CONF_DIR, CONF_SEARCH_PATH
 from runner.errors import ConfigError
@@ -49,20 +50,40 @@ def command_hydra(config_dir: str | None) -> Hydra:
 
 def user_config_dirs(args: argparse.Namespace) -> dict[str, str]:
     """The directories of the user's own config groups that Hydra's parsed command line `args` add, each by
-    how it was given: `--config-dir`, and the `file://` entries of a `hydra.searchpath=[...]` override (both
-    come after runner's groups in the search path). An override that does not parse is Hydra's error."""
+    how it was given: `--config-dir`, and the `file://` entries of `hydra.searchpath`, from an override or
+    else from the user's primary config (all come after runner's groups in the search path). An override or
+    a primary config that does not parse is Hydra's error."""
     dirs = {} if args.config_dir is None else {args.config_dir: f"--config-dir {args.config_dir}"}
     given = [o for o in args.overrides if o.startswith("hydra.searchpath=")]
-    if not given:
-        return dirs
     try:
         entries = [e for o in OverridesParser.create().parse_overrides(given) for e in o.value() or []]
     except (HydraException, TypeError):
         return dirs
+    where = ""
+    if not given:  # as Hydra: an override replaces the primary config's own
+        entries, where = primary_searchpath(args)
     for entry in entries:
         if isinstance(entry, str) and entry.startswith("file://"):
-            dirs.setdefault(entry.removeprefix("file://"), f"hydra.searchpath entry {entry}")
+            dirs.setdefault(entry.removeprefix("file://"), f"hydra.searchpath entry {entry}{where}")
     return dirs
+
+
+def primary_searchpath(args: argparse.Namespace) -> tuple[list[object], str]:
+    """The `hydra.searchpath` of the user's primary config (`--config-name` in `--config-dir`, where Hydra
+    reads that key too), and " in <its file>"; nothing where the primary config is runner's own."""
+    if args.config_dir is None or args.config_name is None:
+        return [], ""
+    name = args.config_name if args.config_name.endswith(".yaml") else f"{args.config_name}.yaml"
+    path = Path(args.config_dir) / name
+    # Runner's own of that name is the one read (`check_config_dirs` refuses the user's); a missing one is
+    # Hydra's error.
+    if (CONF_DIR / name).is_file() or not path.is_file():
+        return [], ""
+    try:
+        entries = OmegaConf.select(OmegaConf.load(path), "hydra.searchpath")
+    except Exception:  # a file that does not load: Hydra's error when it composes
+        return [], ""
+    return (list(entries), f" in {path}") if isinstance(entries, ListConfig) else ([], "")
 
 
 def check_config_dirs(dirs: dict[str, str]) -> None:

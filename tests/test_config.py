@@ -861,9 +861,18 @@ def test_a_config_dir_option_named_as_a_shipped_one_is_refused(forked_cli, tmp_p
     assert searched.returncode == 2 and searched.stderr.startswith(
         f"Configuration error: hydra.searchpath entry file://{conf}: hardware/fsdp.yaml, model/mlp.yaml have"
     )
+    # a user's primary config may name the search path itself (Hydra reads `hydra.searchpath` there too)
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "main.yaml").write_text(f"defaults:\n  - config\n  - _self_\nhydra:\n  searchpath: [file://{conf}]\n")
+    primary = forked_cli("--config-dir", str(own), "--config-name", "main", "model=mine", "plan=true")
+    assert primary.returncode == 2 and primary.stderr.startswith(
+        f"Configuration error: hydra.searchpath entry file://{conf} in {own / 'main.yaml'}: hardware/fsdp.yaml"
+    )
     (conf / "model" / "mlp.yaml").unlink()
     (conf / "hardware" / "fsdp.yaml").unlink()
     assert forked_cli("--config-dir", str(conf), "model=mine", "plan=true").returncode == 0
+    assert forked_cli("--config-dir", str(own), "--config-name", "main", "model=mine", "plan=true").returncode == 0
 
 
 def test_every_runner_path_in_conf_resolves():
