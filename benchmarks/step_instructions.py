@@ -10,6 +10,11 @@ optimizer step: the instructions of each loop, the extra of runner's, the A/A di
 method is exact), and the extra as microseconds at the plain loop's instructions per microsecond, timed
 natively in this run (an estimate: Python's own instructions run at about the rate of the loop's).
 
+Then `python -m runner`'s loop the same way (`step_overhead.py`'s section 3: the Trainer on the default
+experiment in fp32, against the same training written plainly): a callback of the run
+counts `--steps` of the Trainer's optimizer steps after a warm-up, then as many of the plain training and
+of its A/A copy, each between a zeroing and a dump; natively, the same callback times the plain training.
+
 Needs valgrind (with its headers, valgrind/callgrind.h) and a C compiler. Not a test: nothing here gates CI.
 
     python benchmarks/step_instructions.py [--steps 20]
@@ -27,13 +32,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from step_overhead import plain_loop, runner_loop
+from step_overhead import LOG_EVERY, plain_loop, plain_training, runner_loop, trainer_with
+
+from runner.callbacks import Callback, Run
 
 MODES = ("fp32", "bf16", "accum4")
+# `python -m runner`'s loop, fp32 only: with accumulation its epoch (58 batches) ends on a shorter step,
+# which the plain training, one stream of batches, does not take
+TRAINER_MODES = ("loop-fp32",)
 LOOPS = ("plain", "runner", "control")
 REQUESTS = r"""
 #include <valgrind/callgrind.h>
@@ -51,11 +62,85 @@ def build_requests(directory: Path) -> Path:
     return library
 
 
-def child(mode: str, steps: int, library: Path) -> None:
-    """Under callgrind: `steps` optimizer steps of each loop counted alone, dumped under its name."""
-    torch.set_num_threads(1)
+class Counted(Callback):
+    """In `python -m runner`'s loop (`step_overhead.trainer_with`): after `warmup` optimizer steps, `steps`
+    of the Trainer's, then as many of the plain training and of its A/A copy, each between a zeroing and a
+    dump of callgrind's counters (the client requests of `library`); then it stops the run. Without a
+    `library` (natively) it times the plain training instead: `seconds`, per optimizer step."""
+
+    def __init__(
+        self, mode: str, steps: int, log: str, library: str = "", warmup: int = 2 * LOG_EVERY
+    ) -> None:
+        self.mode, self.steps, self.log, self.warmup = mode, steps, Path(log), warmup
+        self.requests = requests_of(Path(library)) if library else None
+        self.loops: dict[str, Callable[[int], None]] = {}
+        self.seconds = 0.0
+
+    def on_fit_start(self, run: Run) -> None:
+        torch.set_num_threads(1)
+        accumulation = run.settings.gradient_accumulation_steps
+        self.loops = {
+            name: plain_training(run, accumulation, False, self.log) for name in ("plain", "control")
+        }
+        for train in self.loops.values():
+            train(self.warmup)
+
+    def on_step_end(self, run: Run) -> None:
+        if run.step == self.warmup and self.requests is not None:
+            gc.collect()
+            gc.disable()
+            self.requests.start()
+            self.requests.zero()
+        if run.step < self.warmup + self.steps:
+            return
+        if self.requests is None:
+            self.seconds = statistics.median(timed(self.loops["plain"], self.steps) for _ in range(20))
+        else:
+            self.requests.dump(b"runner")
+            for name, train in self.loops.items():
+                gc.collect()
+                self.requests.zero()
+                train(self.steps)
+                self.requests.dump(name.encode())
+            gc.enable()
+        run.stop("counted")
+
+
+def requests_of(library: Path) -> ctypes.CDLL:
+    """The client requests (start, zero, dump) of the library `build_requests` made."""
     requests = ctypes.CDLL(str(library))
     requests.dump.argtypes = [ctypes.c_char_p]
+    return requests
+
+
+def timed(run: Callable[[int], None], steps: int) -> float:
+    """Seconds of this thread's CPU time per step of `run(steps)`, collection paused."""
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.thread_time()
+        run(steps)
+        return (time.thread_time() - start) / steps
+    finally:
+        gc.enable()
+
+
+def trainer_counted(mode: str, steps: int, library: Path | None) -> Counted:
+    """`python -m runner`'s loop in `mode` (`loop-fp32`, ...) with `Counted` in it."""
+    arguments: dict[str, object] = {"steps": steps, "warmup": 2 * LOG_EVERY}
+    if library is not None:
+        arguments["library"] = library
+    loop_mode = mode.removeprefix("loop-")
+    return trainer_with(loop_mode, "step_instructions.Counted", 2 * LOG_EVERY + steps + 1, arguments)  # type: ignore[return-value]
+
+
+def child(mode: str, steps: int, library: Path) -> None:
+    """Under callgrind: `steps` optimizer steps of each loop counted alone, dumped under its name."""
+    if mode in TRAINER_MODES:
+        trainer_counted(mode, steps, library)
+        return
+    torch.set_num_threads(1)
+    requests = requests_of(library)
     loops = {"plain": plain_loop(mode, 8), "runner": runner_loop(mode, 8), "control": plain_loop(mode, 8)}
     for run in loops.values():
         run(3)  # warm-up: first-call paths are not per step
@@ -106,27 +191,27 @@ def counted(mode: str, steps: int, library: Path, directory: Path) -> dict[str, 
 
 def plain_rate(mode: str, steps: int) -> float:
     """The plain loop's seconds per optimizer step, natively (a median over rounds)."""
+    if mode in TRAINER_MODES:
+        return trainer_counted(mode, steps, None).seconds
     torch.set_num_threads(1)
     run = plain_loop(mode, 8)
     run(3)
-    times = []
-    for _ in range(20):
-        start = time.thread_time()
-        run(steps)
-        times.append((time.thread_time() - start) / steps)
-    return statistics.median(times)
+    return statistics.median(timed(run, steps) for _ in range(20))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=MODES + TRAINER_MODES, help=argparse.SUPPRESS)
     parser.add_argument("--library", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child, args.steps, args.library)
         return
-    print(f"torch {torch.__version__}; instructions per optimizer step (accum4: 4 micro-batches), width 8")
+    print(
+        f"torch {torch.__version__}; instructions per optimizer step (accum4: 4 micro-batches); the Accelerator's "
+        "loops at width 8, `python -m runner`'s (loop-*) on the default experiment"
+    )
     print(
         f"{'mode':<8} {'plain':>12} {'runner':>12} {'extra':>10} {'ratio':>7} {'A/A':>7} "
         f"{'plain us':>9} {'extra us (est.)':>16}"
@@ -134,7 +219,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         directory = Path(tmp)
         library = build_requests(directory)
-        runs = {mode: pool.submit(counted, mode, args.steps, library, directory) for mode in MODES}
+        runs = {
+            mode: pool.submit(counted, mode, args.steps, library, directory) for mode in MODES + TRAINER_MODES
+        }
         counts_of = {mode: run.result() for mode, run in runs.items()}
         for mode, counts in counts_of.items():
             plain, ours = counts["plain"], counts["runner"]

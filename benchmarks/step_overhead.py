@@ -318,27 +318,33 @@ class Interleaved(Callback):
 def runner_training(mode: str, rounds: int, steps: int) -> Interleaved:
     """`python -m runner`'s loop on the default experiment in `mode`, interleaved with the plain training:
     the callback, holding the times and counts."""
+    arguments = {"rounds": rounds, "steps": steps, "threads": torch.get_num_threads()}
+    return trainer_with(mode, "step_overhead.Interleaved", (rounds + 4) * steps, arguments)  # type: ignore[return-value]
+
+
+def trainer_with(mode: str, callback: str, max_steps: int, arguments: dict[str, object]) -> Callback:
+    """Run `python -m runner`'s loop on the default experiment in `mode` (no tracker, evaluation, saved model
+    or plots) for at most `max_steps`, with the callback `callback` (a dotted path) made with `mode`,
+    `arguments` and `log` (a file for the plain training's lines); return that callback."""
     register_configs()
     with tempfile.TemporaryDirectory() as tmp, initialize_config_module(CONF_PACKAGE, version_base="1.3"):
         overrides = [
             *LOOP_MODES[mode],
             "tracker=none",
-            f"trainer.max_steps={(rounds + 4) * steps}",
+            f"trainer.max_steps={max_steps}",
             "trainer.eval_every=0",
             "trainer.save_model=false",
             "trainer.plots=false",
             "trainer.progress_bar=false",
-            "+callbacks.interleaved._target_=step_overhead.Interleaved",
-            f"+callbacks.interleaved.mode={mode}",
-            f"+callbacks.interleaved.rounds={rounds}",
-            f"+callbacks.interleaved.steps={steps}",
-            f"+callbacks.interleaved.log={tmp}/plain.log",
-            f"+callbacks.interleaved.threads={torch.get_num_threads()}",
+            f"+callbacks.measured._target_={callback}",
+            f"+callbacks.measured.mode={mode}",
+            f"+callbacks.measured.log={tmp}/plain.log",
+            *(f"+callbacks.measured.{key}={value}" for key, value in arguments.items()),
         ]
         trainer = Trainer(compose("config", overrides=overrides), Path(tmp))
-        interleaved = trainer.callbacks.named["interleaved"]
+        measured = trainer.callbacks.named["measured"]
         trainer.fit()
-    return interleaved  # type: ignore[return-value]
+    return measured
 
 
 def main() -> None:
