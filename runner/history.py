@@ -1,26 +1,29 @@
 """A run's metric history: `<run dir>/history.jsonl`, one line per logged set of metrics with its step,
-whatever the tracker (also `tracker=none`). Each line is on disk once written (a killed run keeps what it
-logged); a run resumed from a checkpoint first drops the lines past its step, which it logs again. What
-`runner.plots` draws."""
+whatever the tracker (also `tracker=none`). Each line is written through to the file at once (a killed
+run keeps what it logged); a run resumed from a checkpoint first drops the lines past its step, which it
+logs again. What `runner.plots` draws."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 HISTORY = "history.jsonl"
 
 
 class History:
-    """Appends to `<directory>/history.jsonl` (the main process's; others hold None and write nothing)."""
+    """Appends to `<directory>/history.jsonl` (the main process's; others hold None and write nothing),
+    through one handle opened at the first line (an open per line cost a log step 10 us) until `close`."""
 
     def __init__(self, directory: Path | None) -> None:
         self.path = None if directory is None else Path(directory) / HISTORY
+        self._file: IO[str] | None = None
 
     def resume_at(self, step: int) -> None:
         """Keep the lines of steps up to `step` (a resumed run logs the later ones again)."""
+        self.close()
         if self.path is None or not self.path.is_file():
             return
         kept = [row for row in read_history(self.path.parent) if row["step"] <= step]
@@ -29,9 +32,17 @@ class History:
         partial.replace(self.path)
 
     def add(self, step: int, values: dict[str, float]) -> None:
-        if self.path is not None:
-            with open(self.path, "a") as f:
-                f.write(_line({"step": step, **values}))
+        if self.path is None:
+            return
+        if self._file is None:
+            self._file = open(self.path, "a")  # noqa: SIM115  # kept open until `close`
+        self._file.write(_line({"step": step, **values}))
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def _line(row: dict[str, Any]) -> str:

@@ -118,37 +118,33 @@ class Throughput:
     peak_flops: float | None
     devices_per_batch: int = 1
     units: int = 0
-    steps: int = 0
+    began_at: int = 0  # the optimizer step the count began after
     start: float = field(default_factory=time.perf_counter)
 
-    def restart(self) -> None:
-        """Count from now (the loop starts)."""
-        self.units, self.steps, self.start = 0, 0, time.perf_counter()
+    def restart(self, step: int) -> None:
+        """Count from now, `step` optimizer steps done (the loop starts)."""
+        self.units, self.began_at, self.start = 0, step, time.perf_counter()
 
     def add(self, units: int) -> None:
         """A micro-batch of `units` tokens or samples went through this rank."""
         self.units += units
 
-    def step(self) -> None:
-        """An optimizer step was done."""
-        self.steps += 1
-
-    def read(self, device: torch.device) -> dict[str, float]:
-        """This rank's `perf/*` metrics since the last read (call it where the device was waited for),
-        and start counting again."""
+    def read(self, device: torch.device, step: int) -> dict[str, float]:
+        """This rank's `perf/*` metrics since the last read (call it where the device was waited for), `step`
+        optimizer steps done now, and start counting again."""
         now = time.perf_counter()
         elapsed = max(now - self.start, 1e-9)
         per_device = self.units / self.devices_per_batch / elapsed
         device_gb, host_gb = peak_memory_gb(device)
         metrics = {
             f"perf/{self.unit}_per_s": per_device,
-            "perf/step_time_s": elapsed / max(self.steps, 1),
+            "perf/step_time_s": elapsed / max(step - self.began_at, 1),
             "perf/peak_memory_gb": device_gb,
             "perf/peak_host_memory_gb": host_gb,
         }
         if self.flops_per_unit is not None and self.peak_flops:
             metrics["perf/mfu"] = per_device * self.flops_per_unit / self.peak_flops
-        self.units, self.steps, self.start = 0, 0, now
+        self.units, self.began_at, self.start = 0, step, now
         return metrics
 
 

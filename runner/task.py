@@ -62,18 +62,12 @@ def model_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The arguments the model is called with for `batch`: runner's samples (`{"inputs", "targets"}`) and
     `(inputs, targets)` tuples pass `inputs` (and a sample's `positions` in their documents, by name);
     Hugging Face batches (`{"input_ids", "attention_mask", ..., "labels"}`) pass every key but the labels,
-    by name."""
-    if not is_mapping(batch):
+    by name. (`(dict, Mapping)`: a dict is answered before the Mapping ABC's check, 0.3 us a micro-batch.)"""
+    if not isinstance(batch, (dict, Mapping)):
         return (batch[0],), {}
     if "inputs" not in batch:
         return (), {key: value for key, value in batch.items() if key != HF_LABELS}
-    return (batch["inputs"],), {key: batch[key] for key in (POSITIONS,) if key in batch}
-
-
-def is_mapping(batch: Any) -> bool:
-    """`isinstance(batch, Mapping)`, a dict's answered without the ABC's check (0.3 us here, several times a
-    step)."""
-    return type(batch) is dict or isinstance(batch, Mapping)
+    return (batch["inputs"],), ({POSITIONS: batch[POSITIONS]} if POSITIONS in batch else {})
 
 
 def model_outputs(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -90,19 +84,19 @@ def batch_units(batch: Any) -> tuple[str, int]:
     """What throughput counts in `batch`: ("tokens", their number) when the model's input is token ids (an
     integer (batch, seq) tensor: runner's `inputs`, Hugging Face's `input_ids`, a tuple's first item;
     padding included, as the FLOPs are), else ("samples", the batch size)."""
-    if is_mapping(batch):
-        inputs = batch.get("inputs", batch.get("input_ids"))
+    if isinstance(batch, (dict, Mapping)):
+        inputs = batch["inputs"] if "inputs" in batch else batch.get("input_ids")
     else:
         inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
     if isinstance(inputs, torch.Tensor) and inputs.ndim:  # every batch: the inputs' rows, without a walk
         if inputs.ndim == 2 and not inputs.is_floating_point():
             return "tokens", inputs.numel()
-        return "samples", len(inputs)
+        return "samples", inputs.shape[0]
     return "samples", find_batch_size(batch) or 1
 
 
 def batch_targets(batch: Any) -> torch.Tensor:
     """The targets of `batch`: `targets`, Hugging Face's `labels`, or a tuple's second item."""
-    if is_mapping(batch):
+    if isinstance(batch, (dict, Mapping)):
         return batch["targets"] if "targets" in batch else batch[HF_LABELS]
     return batch[1]

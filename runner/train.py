@@ -277,10 +277,16 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         """Train to `total_steps`, logging, evaluating and checkpointing on the way; then `finish`."""
         engine, trainer, done = self.engine, self.settings, self.done
+        state = engine.gradient_state  # its attribute, not the engine's property, at every micro-batch
+        log_every, eval_every, checkpoint_every = (
+            trainer.log_every,
+            trainer.eval_every,
+            trainer.checkpoint_every,
+        )
         self.model.train()
         with self.running() as (received, profiler):
             self.callbacks.on_fit_start(self)
-            self.throughput.restart()
+            self.throughput.restart(done.step)
             self.checkpointed = time.monotonic()  # `trainer.checkpoint_every_s` counts from here
             warming_up = True  # the attempt's first step
             while done.step < self.total_steps and self.stopped is None:
@@ -293,22 +299,24 @@ class Trainer:
                             f"(at optimizer step {done.step + 1} of {self.total_steps}, epoch {done.epoch})"
                         )
                         raise
-                    if not engine.sync_gradients:
+                    if not state.sync_gradients:
                         continue  # a micro-batch of an accumulation
                     done.step += 1
-                    self.throughput.step()
-                    self.progress.update()
+                    if not self.progress.disable:
+                        self.progress.update()
                     self.watchdog.progress("training", done.step)
-                    self.ledger.step_done(done.step, first=warming_up)
+                    self.ledger.step_done(done.step, warming_up)
                     warming_up = False
                     if profiler is not None:
                         profiler.step()
                     last = done.step >= self.total_steps
-                    if last or self.due(trainer.log_every):
+                    log_step = done.step % log_every == 0
+                    if last or log_step:
                         self.log_window()
-                    if last or self.due(trainer.eval_every):
+                    if last or (eval_every and done.step % eval_every == 0):
                         self.evaluate()
-                    if self.due(trainer.checkpoint_every) or self.due_by_time():
+                    checkpoint_step = checkpoint_every and done.step % checkpoint_every == 0
+                    if checkpoint_step or (log_step and self.due_by_time()):
                         self.watchdog.progress("checkpointing", done.step)
                         path = engine.save_state(blocking=not trainer.async_checkpoint)
                         self.ledger.lap("checkpoint", step=done.step)
@@ -316,7 +324,8 @@ class Trainer:
                         log.info("checkpoint %s", path)
                         self.callbacks.on_checkpoint(self, Path(path))
                         self.watchdog.progress("training", done.step)
-                    self.stop_if_signalled(received)
+                    if log_step:
+                        self.stop_if_signalled(received)
                     self.callbacks.on_step_end(self)
                     if last or self.stopped is not None:
                         break
@@ -368,15 +377,11 @@ class Trainer:
         self.done.add(loss)
         self.throughput.add(batch_units(batch)[1])
 
-    def due(self, every: int | None) -> bool:
-        """Whether a periodic part (every `every` optimizer steps; 0 or None: never) runs at this step."""
-        return bool(every) and self.done.step % every == 0
-
     def due_by_time(self) -> bool:
-        """`trainer.checkpoint_every_s`: at a logging step, whether that long passed since the last
+        """`trainer.checkpoint_every_s` (asked at logging steps): whether that long passed since the last
         checkpoint (or the loop's start) on any rank (one collective, so that every rank saves)."""
         every_s = self.settings.checkpoint_every_s
-        if not every_s or not self.due(self.settings.log_every):
+        if not every_s:
             return False
         passed = float(time.monotonic() - self.checkpointed >= every_s)
         return bool(self.engine.reduce(torch.tensor(passed, device=self.engine.device), "max").item())
@@ -385,20 +390,32 @@ class Trainer:
         """The mean loss over the steps since the last log line, the learning rate and the `perf/*`
         metrics: checked finite, logged, and (`trainer.checkpoint_last_finite`) the state kept."""
         engine, done = self.engine, self.done
-        window_loss = engine.reduce(done.window_loss / done.window_batches, "mean").item()
+        window_loss = done.window_loss.item() / done.window_batches
         # After the .item(), which waited for the device: the window's time is its work.
-        perf = read_throughput(engine, self.throughput)
-        logged = {"train/loss": window_loss, "train/lr": self.scheduler.get_last_lr()[0], **perf}
+        window = across_processes(
+            engine, {"train/loss": window_loss, **self.throughput.read(engine.device, done.step)}
+        )
+        logged = {
+            "train/loss": window.pop("train/loss"),
+            "train/lr": self.scheduler.get_last_lr()[0],
+            **window,
+        }
         done.window_loss.zero_()
         done.window_batches = 0
         self.log_metrics(logged)
         if self.settings.checkpoint_last_finite:
             self.checkpointer.save_last_finite(engine.step)
-        self.progress.set_postfix(
-            {"loss": f"{logged['train/loss']:.4f}"}
-            | {name.removeprefix("perf/"): f"{logged[name]:.3g}" for name in PROGRESS_BAR if name in logged}
-        )
-        log.info("step %d/%d: %s", done.step, self.total_steps, _fmt(logged))
+        if not self.progress.disable:
+            self.progress.set_postfix(
+                {"loss": f"{logged['train/loss']:.4f}"}
+                | {
+                    name.removeprefix("perf/"): f"{logged[name]:.3g}"
+                    for name in PROGRESS_BAR
+                    if name in logged
+                }
+            )
+        if log.isEnabledFor(logging.INFO):
+            log.info("step %d/%d: %s", done.step, self.total_steps, _fmt(logged))
 
     def evaluate(self) -> None:
         """The task's metrics over the whole eval set, checked finite and logged. What it draws from the
@@ -424,21 +441,29 @@ class Trainer:
         self.engine.log(values, step=self.done.step)
 
     def check_finite(self) -> None:
-        check_finite(
-            self.metrics,
-            self.done.step,
-            self.settings,
-            self.engine.precision.name,
-            self.checkpointer.project.checkpoints_dir,
+        """Stop the run (TrainingDiverged, on every rank: the metrics are reduced over all of them) when a
+        metric is NaN or infinite, naming the step, the learning rate, the precision and what to resume from.
+        Nothing is saved now: the checkpoints written before stay, `latest` the last of them."""
+        metrics, trainer = self.metrics, self.settings
+        bad = {name: value for name, value in metrics.items() if not math.isfinite(value)}
+        if not bad:
+            return
+        raise TrainingDiverged(
+            f"{', '.join(f'{name}={value}' for name, value in bad.items())} at step {self.done.step} "
+            f"(train/loss is the mean of the last {trainer.log_every} steps' losses; learning rate "
+            f"{metrics.get('train/lr', float('nan')):.3g}, precision {self.engine.precision.name}): training "
+            "diverged and was stopped. Lower optimizer.lr, clip gradients (trainer.max_grad_norm=1.0), "
+            "prefer precision=bf16 to fp16, and check the data for NaN or inf. "
+            f"{resume_hint(self.checkpointer.project.checkpoints_dir, trainer.checkpoint_last_finite)}"
         )
 
     def stop_if_signalled(self, received: list[int]) -> None:
-        """After a stop signal on any rank: checkpoint at the next logging step (where the loss is read
-        anyway: the check waits for the device and the other ranks) and raise `TrainingInterrupted`."""
+        """At a logging step (where the loss is read anyway: the check waits for the device and the other
+        ranks), after a stop signal on any rank: checkpoint and raise `TrainingInterrupted`."""
         engine, step = self.engine, self.done.step
         if received:
             engine.set_trigger()
-        if step % self.settings.log_every == 0 and engine.check_trigger():
+        if engine.check_trigger():
             path = engine.save_state()
             self.ledger.lap("checkpoint", step=step)
             self.callbacks.on_checkpoint(self, Path(path))
@@ -473,6 +498,7 @@ class Trainer:
             finally:
                 self.watchdog.stop()
                 self.ledger.flush()  # the steps of a run that failed: lost, once it resumes
+                self.history.close()
 
     def finish(self) -> dict[str, float]:
         """Evaluate a run that had nothing left to train, save the model, log the artifacts, and release
@@ -494,6 +520,7 @@ class Trainer:
             spent = tracked(write_summary(output_dir))
             self.history.add(self.done.step, spent)
             engine.log(spent, step=self.done.step)
+        self.history.close()  # its last line
         if self.settings.fast_dev_run:
             log.info("trainer.fast_dev_run: everything ran; no results recorded")
         elif engine.is_main_process:  # the results are whole: a run in this dir now finds them finished
@@ -573,14 +600,15 @@ def throughput_meter(cfg: DictConfig, data: DataSource, model: torch.nn.Module, 
     return Throughput(unit, flops_per_unit, peak, devices_per_batch=engine.num_processes // data_parallel)
 
 
-def read_throughput(engine: Engine, throughput: Throughput) -> dict[str, float]:
-    """The `perf/*` metrics over the processes: rates averaged, peak memory the largest."""
-    local = throughput.read(engine.device)
-    values = torch.tensor(list(local.values()), device=engine.device)
-    every = engine.gather(values[None]).view(-1, len(local))
+def across_processes(engine: Engine, local: dict[str, float]) -> dict[str, float]:
+    """This process's window metrics over all processes, in one gather: memory peaks the largest, the
+    others (the loss, the rates) averaged."""
+    if not engine.use_distributed:
+        return local
+    every = engine.gather(torch.tensor([list(local.values())], device=engine.device)).tolist()
     return {
-        name: (every[:, i].max() if "memory" in name else every[:, i].mean()).item()
-        for i, name in enumerate(local)
+        name: max(column) if "memory" in name else sum(column) / len(column)
+        for name, column in zip(local, zip(*every, strict=True), strict=True)
     }
 
 
@@ -600,24 +628,6 @@ def closed_on_failure(engine: Engine) -> Iterator[None]:
             tracker.close("KILLED" if isinstance(err, TrainingInterrupted | KeyboardInterrupt) else "FAILED")
         engine.trackers.clear()
         raise
-
-
-def check_finite(
-    metrics: dict[str, float], step: int, trainer: TrainerConfig, precision: str, checkpoints_dir: Path
-) -> None:
-    """Stop the run (TrainingDiverged, on every rank: the metrics are reduced over all of them) when a
-    metric is NaN or infinite, naming the step, the learning rate, the precision and what to resume from.
-    Nothing is saved now: the checkpoints written before stay, `latest` the last of them."""
-    bad = {name: value for name, value in metrics.items() if not math.isfinite(value)}
-    if not bad:
-        return
-    raise TrainingDiverged(
-        f"{', '.join(f'{name}={value}' for name, value in bad.items())} at step {step} (train/loss is the mean "
-        f"of the last {trainer.log_every} steps' losses; learning rate {metrics.get('train/lr', float('nan')):.3g}, "
-        f"precision {precision}): training diverged and was stopped. Lower optimizer.lr, "
-        "clip gradients (trainer.max_grad_norm=1.0), prefer precision=bf16 to fp16, and check the data for NaN "
-        f"or inf. {resume_hint(checkpoints_dir, trainer.checkpoint_last_finite)}"
-    )
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)

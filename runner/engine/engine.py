@@ -391,8 +391,8 @@ class Engine(ProcessControl):
         `backward`. Under pipeline parallel (`hardware=megatron hardware.pp_size=N`) the model trains only
         so: the schedule runs forward and backward over microbatches here, the last stage computing
         `loss_fn` on each one's rows, and every rank gets their mean (`backward` has nothing left to do)."""
-        scale = 1.0 / self.gradient_state.num_steps
-        return self.strategy.training_loss(model, batch, loss_fn, scale, self.sync_gradients)
+        state = self.gradient_state
+        return self.strategy.training_loss(model, batch, loss_fn, 1.0 / state.num_steps, state.sync_gradients)
 
     def loss_of_batch(
         self, model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]
@@ -404,10 +404,9 @@ class Engine(ProcessControl):
         loss_fn = self.strategy.compile_loss(self.precision.upcast_outputs(loss_fn))
 
         def loss_of(batch: Any) -> torch.Tensor:
-            with self.precision.outputs_in_compute_dtype():
-                return self.training_loss(model, batch, loss_fn)
+            return self.training_loss(model, batch, loss_fn)
 
-        return loss_of
+        return self.precision.keeping_outputs(loss_of)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """`loss.backward(**kwargs)`, divided by the accumulation steps and scaled for fp16."""
