@@ -29,7 +29,9 @@ import ctypes
 import gc
 import math
 import os
+import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -165,8 +167,12 @@ def child(mode: str, steps: int, library: Path) -> None:
 def counted(mode: str, steps: int, library: Path, directory: Path) -> dict[str, float]:
     """Instructions per optimizer step of each loop in `mode`."""
     out = directory / f"callgrind.{mode}"
+    # Without address-space randomization where `setarch` can turn it off: where allocations land moves
+    # the count of two identical runs of the Trainer's loop by up to 40k instructions a step.
+    fixed_layout = ["setarch", platform.machine(), "-R"] if shutil.which("setarch") else []
     subprocess.run(
         [
+            *fixed_layout,
             "valgrind",
             "--tool=callgrind",
             "--instr-atstart=no",
