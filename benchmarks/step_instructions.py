@@ -8,10 +8,11 @@ loop as the A/A control) runs `--steps` optimizer steps between a zeroing and a 
 counters (client requests from a small C library built here), garbage collection paused. Reported per
 optimizer step: the instructions of each loop, the extra of runner's, the A/A difference (0 where the
 method is exact), and the extra as microseconds at the plain loop's instructions per microsecond, timed
-natively in this run (an estimate: Python's own instructions run at about the rate of the loop's).
+natively in this run (an estimate: Python's own instructions run at about the rate of the loop's; the
+Trainer's bf16 row at its fp32 row's rate, `RATE_OF`).
 
 Then `python -m runner`'s loop the same way (`step_overhead.py`'s section 3: the Trainer on the default
-experiment in fp32, against the same training written plainly): a callback of the run
+experiment in fp32 and bf16, against the same training written plainly): a callback of the run
 counts `--steps` of the Trainer's optimizer steps after a warm-up, then as many of the plain training and
 of its A/A copy, each between a zeroing and a dump; natively, the same callback times the plain training.
 Its goodput ledger's writes, which come every 5 s (every ~1,800 steps natively, every ~40 under callgrind),
@@ -48,9 +49,12 @@ from runner import goodput
 from runner.callbacks import Callback, Run
 
 MODES = ("fp32", "bf16", "accum4")
-# `python -m runner`'s loop, fp32 only: with accumulation its epoch (58 batches) ends on a shorter step,
-# which the plain training, one stream of batches, does not take
-TRAINER_MODES = ("loop-fp32",)
+# `python -m runner`'s loop, not with accumulation: its epoch (58 batches) ends on a shorter step, which the
+# plain training, one stream of batches, does not take
+TRAINER_MODES = ("loop-fp32", "loop-bf16")
+# The loop's bf16 matmuls (width 256) take another path under valgrind: 9x the fp32 loop's instructions where
+# they take 1.2x its time natively. Its extra is converted to time at the fp32 loop's rate instead.
+RATE_OF = {"loop-bf16": "loop-fp32"}
 LOOPS = ("plain", "runner", "control")
 REQUESTS = r"""
 #include <valgrind/callgrind.h>
@@ -86,7 +90,8 @@ class Counted(Callback):
         torch.set_num_threads(1)
         accumulation = run.settings.gradient_accumulation_steps
         self.loops = {
-            name: plain_training(run, accumulation, False, self.log) for name in ("plain", "control")
+            name: plain_training(run, accumulation, self.mode == "bf16", self.log)
+            for name in ("plain", "control")
         }
         for train in self.loops.values():
             train(self.warmup)
@@ -228,7 +233,7 @@ def main() -> None:
     )
     print(
         f"{'mode':<8} {'plain':>12} {'runner':>12} {'extra':>10} {'ratio':>7} {'A/A':>7} "
-        f"{'plain us':>9} {'extra us (est.)':>16}"
+        f"{'plain us':>9} {'extra us (est.)':>16}"  # plain us: of the loop whose rate converts
     )
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         directory = Path(tmp)
@@ -237,13 +242,17 @@ def main() -> None:
             mode: pool.submit(counted, mode, args.steps, library, directory) for mode in MODES + TRAINER_MODES
         }
         counts_of = {mode: run.result() for mode, run in runs.items()}
+        seconds_of: dict[str, float] = {}  # timed once the counting processes are done
         for mode, counts in counts_of.items():
             plain, ours = counts["plain"], counts["runner"]
-            seconds = plain_rate(mode, args.steps)  # once the counting processes are done
+            rate = RATE_OF.get(mode, mode)
+            if rate not in seconds_of:
+                seconds_of[rate] = plain_rate(rate, args.steps)
+            per_instruction = seconds_of[rate] / counts_of[rate]["plain"]
             print(
                 f"{mode:<8} {plain:>12.0f} {ours:>12.0f} {ours - plain:>+10.0f} {ours / plain:>7.4f} "
-                f"{counts['control'] - plain:>+7.0f} {seconds * 1e6:>9.1f} "
-                f"{(ours - plain) / plain * seconds * 1e6:>+16.1f}"
+                f"{counts['control'] - plain:>+7.0f} {seconds_of[rate] * 1e6:>9.1f} "
+                f"{(ours - plain) * per_instruction * 1e6:>+16.1f}"
             )
 
 
