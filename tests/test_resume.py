@@ -218,6 +218,12 @@ def test_kill_9_after_a_checkpoint_then_rerun_finishes_identically(tmp_path, uni
     # The steps after the checkpoint, logged by the killed run and again by the rerun, are in its MLflow
     # run once (in the store when the rerun exits).
     assert_each_step_logged_once(tmp_path, "train/loss", list(range(10, 301, 10)))
+    # Each window's samples per second times its seconds per step is its samples per step (64 a rank; an
+    # epoch's last batch is 38): the rerun counts its first window's steps from the step it resumed at.
+    windows = [row for row in read_history(tmp_path) if "perf/samples_per_s" in row]
+    assert windows and all(
+        50 <= row["perf/samples_per_s"] * row["perf/step_time_s"] <= 64.5 for row in windows
+    ), windows
 
 
 def test_a_rank_killed_mid_run_is_restarted_in_the_job_and_finishes_identically(tmp_path, uninterrupted):
