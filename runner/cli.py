@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import copy
 import errno
-import fcntl
 import gc
 import json
 import logging
@@ -53,6 +52,7 @@ from runner.checkpoint.resume import (
 from runner.cluster import ClusterEnvironment, launched_environment, launched_node, time_before_start
 from runner.compose import CONFIG_NAME, VERSION_BASE, check_config_dirs, run_composed_once, user_config_dirs
 from runner.config import CONF_SEARCH_PATH
+from runner.dir_lock import run_dir_lock
 from runner.errors import (
     EXIT_INTERRUPTED,
     SEARCH_PATH_MISSING,
@@ -517,41 +517,6 @@ def _checking() -> Iterator[None]:
         torch.set_num_threads(threads)
         if collecting:
             gc.enable()
-
-
-@contextmanager
-def run_dir_lock(output_dir: Path) -> Iterator[None]:
-    """Hold an exclusive lock on the run dir (the directory itself: no file is left behind; the kernel
-    drops it when the process dies, so a lock is never stale): a second run into the same dir is refused
-    before it writes anything but its log line."""
-    fd = os.open(output_dir, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _lock_holder(output_dir)
-            raise ConfigError(
-                f"hydra.run.dir={output_dir} is in use by another run{f' (pid {holder})' if holder else ''}: two runs "
-                "in one dir would overwrite each other's checkpoints, metrics and model. Wait for it to end, or give "
-                "this run a dir of its own (hydra.run.dir=<another dir>)."
-            ) from None
-        yield
-    finally:
-        os.close(fd)
-
-
-def _lock_holder(path: Path) -> int | None:
-    """The pid holding a flock on `path`, from /proc/locks (Linux), if it can be told."""
-    stat = os.stat(path)
-    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
-    try:
-        for line in Path("/proc/locks").read_text().splitlines():
-            fields = line.split()
-            if "FLOCK" in fields and device in fields:
-                return int(fields[fields.index(device) - 1])
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def _save_job_config(cfg: DictConfig, hydra_cfg: DictConfig, output_dir: Path) -> None:

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.state",
             "runner.cluster",
             "runner.run_log",
+            "runner.dir_lock",
             "runner.history",
             "runner.goodput",
             "runner.plots",

@@ -413,7 +413,19 @@ def test_an_interrupt_before_any_checkpoint_does_not_promise_a_resume(tmp_path, 
 
 
 def test_a_second_run_into_a_busy_dir_is_refused_and_a_dead_runs_dir_is_free(tmp_path):
-    first = start(tmp_path, "trainer.max_steps=100000", "trainer.checkpoint_every=50")
+    """The first run reads with loader workers: forked, they share its lock on the dir, and one busy on a
+    sample when the run is killed lives on until it is done (here 10 s after the first checkpoint; an idle
+    one looks for its parent every 5 s). The rerun waits for them instead of refusing the dir as busy."""
+    marker = tmp_path / "checkpoints" / "latest"  # the workers slow down once a checkpoint is marked
+    command = runner_command(
+        tmp_path,
+        "trainer.max_steps=100000",
+        "trainer.checkpoint_every=50",
+        "+data.num_workers=2",
+        "data._target_=faulty_tasks.SlowSamplesOnceMarked",
+    )
+    env = cli_env(Path(__file__).parent) | {"SLOW_SAMPLES_MARKER": str(marker)}
+    first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_checkpoint(tmp_path, first)
     recorded = (tmp_path / ".hydra" / "overrides.yaml").read_text()
     second = refused(tmp_path, "trainer.max_steps=20", "optimizer.lr=0.5")
@@ -424,11 +436,14 @@ def test_a_second_run_into_a_busy_dir_is_refused_and_a_dead_runs_dir_is_free(tmp
     assert (
         tmp_path / ".hydra" / "overrides.yaml"
     ).read_text() == recorded  # nothing of the first was touched
+    workers = subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True, text=True).stdout.split()
     first.kill()  # kill -9: no cleanup ran, yet nothing stale is left behind
-    first.communicate(timeout=60)
+    first.wait(timeout=60)
+    assert any(Path(f"/proc/{pid}").exists() for pid in workers), "its workers exited with it"
     # its checkpoints are past 20 steps: a run of 20 starts over (resuming them would train nothing)
     third = run(tmp_path, "trainer.max_steps=20", "trainer.resume=null")
     assert third.returncode == 0, third.stderr
+    assert f"the run that held it (pid {first.pid}) is gone; waiting" in third.stderr
 
 
 @pytest.mark.skipif(
