@@ -54,7 +54,6 @@ def _acquire(fd: int, output_dir: Path) -> None:
                 "runs in one dir would overwrite each other's checkpoints, metrics and model. Wait for it to end, "
                 "or give this run a dir of its own (hydra.run.dir=<another dir>)."
             )
-        holders = _holders(output_dir)
         if deadline is None:
             deadline = time.monotonic() + LEFTOVER_WAIT_S
             log.info(
@@ -63,13 +62,13 @@ def _acquire(fd: int, output_dir: Path) -> None:
                 output_dir,
                 owner,
                 LEFTOVER_WAIT_S,
-                ", ".join(map(str, holders)) or "unknown",
+                ", ".join(map(str, _holders(output_dir))) or "unknown",
             )
         elif time.monotonic() > deadline:
-            pids = " ".join(map(str, holders))
+            pids = " ".join(map(str, _holders(output_dir)))
             raise ConfigError(
                 f"hydra.run.dir={output_dir} is still held, {LEFTOVER_WAIT_S:.0f} s on, by processes that the "
-                f"run pid {owner} started before it was killed (its DataLoader workers or ranks"
+                f"run pid {owner} started and that outlived it (its DataLoader workers or ranks"
                 f"{': pid ' + pids if pids else ''}). Stop them{f' (kill {pids})' if pids else ''} and run the "
                 "same command again, or give this run a dir of its own (hydra.run.dir=<another dir>)."
             )

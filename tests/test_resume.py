@@ -19,6 +19,7 @@ import rank_checks
 from conftest import cli_env, metrics_of, runner_command, wait_for_checkpoint
 from hydra import compose, initialize_config_dir
 
+from runner import dir_lock
 from runner.cli import checks_before_launch
 from runner.config import CONF_DIR
 from runner.errors import ConfigError
@@ -444,6 +445,49 @@ def test_a_second_run_into_a_busy_dir_is_refused_and_a_dead_runs_dir_is_free(tmp
     third = run(tmp_path, "trainer.max_steps=20", "trainer.resume=null")
     assert third.returncode == 0, third.stderr
     assert f"the run that held it (pid {first.pid}) is gone; waiting" in third.stderr
+
+
+# Takes the lock on argv[1], forks a child that keeps it for argv[2] s, prints the child's pid and exits.
+HOLD_THEN_EXIT = """import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+child = os.fork()
+if child:
+    print(child, flush=True)
+    os._exit(0)
+for stream in (1, 2):  # let go of the output pipes: the caller reads them to their end
+    os.dup2(os.open(os.devnull, os.O_WRONLY), stream)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_a_dir_held_by_what_a_dead_run_left_is_waited_for_then_refused_naming_the_holders(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setattr(dir_lock, "LEFTOVER_WAIT_S", 1.0)
+
+    def left_holding(seconds: float) -> int:
+        command = [sys.executable, "-c", HOLD_THEN_EXIT, str(tmp_path), str(seconds)]
+        return int(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+
+    child = left_holding(60)
+    try:
+        with (
+            pytest.raises(
+                ConfigError, match=rf"still held, 1 s on, .* pid {child}\). Stop them \(kill {child}\)"
+            ),
+            dir_lock.run_dir_lock(tmp_path),
+        ):
+            pass
+    finally:
+        os.kill(child, signal.SIGKILL)
+    child = left_holding(0.3)  # gone within the wait: the dir is this run's
+    with caplog.at_level("INFO", logger="runner.dir_lock"), dir_lock.run_dir_lock(tmp_path):
+        pass
+    assert (
+        f"is gone; waiting up to 1 s for the processes it started that still hold it to exit (pid {child})"
+        in (caplog.text)
+    )
 
 
 @pytest.mark.skipif(
