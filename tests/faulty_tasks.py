@@ -103,26 +103,29 @@ class SlowToLoad(SyntheticRegression):
         return super().load()
 
 
-class SlowSamplesOnceMarked(SyntheticRegression):
-    """Data whose loader workers each take 10 s over one sample once `$SLOW_SAMPLES_MARKER` exists: a
-    worker busy on it when its run is killed lives on until it is done (and so does what it inherited)."""
+class HeldOnceMarked(SyntheticRegression):
+    """Data whose loader workers, once `$SLOW_SAMPLES_MARKER` exists, each stop at their next sample
+    until `$SLOW_SAMPLES_HOLD` is gone: a worker busy on a sample when its run is killed lives on until
+    it is done (and so does what it inherited)."""
 
     def load(self):
         train, eval_, dims = super().load()
-        return _SlowOnceMarked(train, Path(os.environ["SLOW_SAMPLES_MARKER"])), eval_, dims
+        marker, hold = Path(os.environ["SLOW_SAMPLES_MARKER"]), Path(os.environ["SLOW_SAMPLES_HOLD"])
+        return _HeldOnceMarked(train, marker, hold), eval_, dims
 
 
-class _SlowOnceMarked(torch.utils.data.Dataset):
-    def __init__(self, samples, marker: Path) -> None:
-        self.samples, self.marker, self.slept = samples, marker, False
+class _HeldOnceMarked(torch.utils.data.Dataset):
+    def __init__(self, samples, marker: Path, hold: Path) -> None:
+        self.samples, self.marker, self.hold, self.held = samples, marker, hold, False
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, index):
-        if not self.slept and torch.utils.data.get_worker_info() is not None and self.marker.exists():
-            self.slept = True  # in this worker's copy
-            time.sleep(10)
+        if not self.held and torch.utils.data.get_worker_info() is not None and self.marker.exists():
+            self.held = True  # in this worker's copy
+            while self.hold.exists():
+                time.sleep(0.05)
         return self.samples[index]
 
 

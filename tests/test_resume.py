@@ -415,36 +415,58 @@ def test_an_interrupt_before_any_checkpoint_does_not_promise_a_resume(tmp_path, 
 
 def test_a_second_run_into_a_busy_dir_is_refused_and_a_dead_runs_dir_is_free(tmp_path):
     """The first run reads with loader workers: forked, they share its lock on the dir, and one busy on a
-    sample when the run is killed lives on until it is done (here 10 s after the first checkpoint; an idle
-    one looks for its parent every 5 s). The rerun waits for them instead of refusing the dir as busy."""
-    marker = tmp_path / "checkpoints" / "latest"  # the workers slow down once a checkpoint is marked
+    sample when the run is killed lives on until it is done (an idle one looks for its parent every 5 s).
+    Here they stop at a sample after the first checkpoint until the rerun says it waits for them: the
+    rerun waits for them instead of refusing the dir as busy, then runs."""
+    hold = tmp_path.parent / f"{tmp_path.name}.hold"
+    hold.touch()
     command = runner_command(
         tmp_path,
         "trainer.max_steps=100000",
         "trainer.checkpoint_every=50",
         "+data.num_workers=2",
-        "data._target_=faulty_tasks.SlowSamplesOnceMarked",
+        "data._target_=faulty_tasks.HeldOnceMarked",
     )
-    env = cli_env(Path(__file__).parent) | {"SLOW_SAMPLES_MARKER": str(marker)}
+    marker = tmp_path / "checkpoints" / "latest"
+    env = cli_env(Path(__file__).parent) | {
+        "SLOW_SAMPLES_MARKER": str(marker),
+        "SLOW_SAMPLES_HOLD": str(hold),
+    }
     first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_checkpoint(tmp_path, first)
-    recorded = (tmp_path / ".hydra" / "overrides.yaml").read_text()
-    second = refused(tmp_path, "trainer.max_steps=20", "optimizer.lr=0.5")
-    message = second.stderr.strip().splitlines()[-1]
-    assert second.returncode == 2, second.stderr
-    assert message.startswith(f"Configuration error: hydra.run.dir={tmp_path} is in use by another run (pid ")
-    assert f"(pid {first.pid})" in message and "Traceback" not in second.stderr
-    assert (
-        tmp_path / ".hydra" / "overrides.yaml"
-    ).read_text() == recorded  # nothing of the first was touched
-    workers = subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True, text=True).stdout.split()
-    first.kill()  # kill -9: no cleanup ran, yet nothing stale is left behind
-    first.wait(timeout=60)
-    assert any(Path(f"/proc/{pid}").exists() for pid in workers), "its workers exited with it"
-    # its checkpoints are past 20 steps: a run of 20 starts over (resuming them would train nothing)
-    third = run(tmp_path, "trainer.max_steps=20", "trainer.resume=null")
-    assert third.returncode == 0, third.stderr
-    assert f"the run that held it (pid {first.pid}) is gone; waiting" in third.stderr
+    try:
+        wait_for_checkpoint(tmp_path, first)
+        recorded = (tmp_path / ".hydra" / "overrides.yaml").read_text()
+        second = refused(tmp_path, "trainer.max_steps=20", "optimizer.lr=0.5")
+        message = second.stderr.strip().splitlines()[-1]
+        assert second.returncode == 2, second.stderr
+        assert message.startswith(
+            f"Configuration error: hydra.run.dir={tmp_path} is in use by another run (pid "
+        )
+        assert f"(pid {first.pid})" in message and "Traceback" not in second.stderr
+        assert (
+            tmp_path / ".hydra" / "overrides.yaml"
+        ).read_text() == recorded  # nothing of the first was touched
+        first.kill()  # kill -9: no cleanup ran, yet nothing stale is left behind
+        first.wait(timeout=60)
+        # its checkpoints are past 20 steps: a run of 20 starts over (resuming them would train nothing)
+        third = subprocess.Popen(
+            runner_command(tmp_path, "trainer.max_steps=20", "trainer.resume=null"),
+            env=cli_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        said = []
+        for line in third.stderr:  # to the end, should it not wait
+            said.append(line)
+            if f"the run that held it (pid {first.pid}) is gone; waiting" in line:
+                break
+        hold.unlink()  # the workers go on, see their parent gone and exit
+        said.append(third.communicate(timeout=300)[1])
+        assert third.returncode == 0 and "is gone; waiting" in said[-2], "".join(said)
+    finally:
+        hold.unlink(missing_ok=True)
+        first.kill()
 
 
 # Takes the lock on argv[1], forks a child that keeps it for argv[2] s, prints the child's pid and exits.
