@@ -12,6 +12,7 @@ as it always does and raises its own errors.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import run_job
 from hydra.errors import HydraException, SearchPathException
 from hydra.types import HydraContext, RunMode, TaskFunction
-from omegaconf import ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runner.config import CONF_DIR, CONF_SEARCH_PATH
 from runner.errors import ConfigError
@@ -116,6 +117,25 @@ def check_config_dirs(dirs: dict[str, str]) -> None:
         )
 
 
+def claim_run_dir(cfg: DictConfig) -> None:
+    """A time-stamped run dir (`${now:...}` in `hydra.run.dir`, as the default) names a new run: this run
+    claims it by creating it, and where another run started in the same second has it, takes `<dir>_1`,
+    `<dir>_2`, ... instead (runs started together from a shell loop each get their own). A dir named
+    outright is left as it is: running there again resumes its run (or is refused while it runs)."""
+    if "${now:" not in str(cfg.hydra.run._get_node("dir")._value()):
+        return
+    base = Path(cfg.hydra.run.dir)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for number in itertools.count():
+        claimed = base.with_name(f"{base.name}_{number}") if number else base
+        try:
+            claimed.mkdir()
+        except FileExistsError:
+            continue
+        cfg.hydra.run.dir = str(claimed)
+        return
+
+
 def run_composed_once(args: argparse.Namespace, task_function: TaskFunction) -> bool:
     """Run `task_function` on the config that Hydra's parsed command line `args` compose, as `Hydra.run`
     does, composing it once. False, having run nothing, where the command is not one run (Hydra's own path
@@ -150,6 +170,7 @@ def run_composed_once(args: argparse.Namespace, task_function: TaskFunction) -> 
         if cfg.hydra.mode is None:  # what `@hydra.main` adds for a run that no config gave a mode
             cfg.hydra.mode = RunMode.RUN
             cfg.hydra.overrides.hydra.append("hydra.mode=RUN")
+        claim_run_dir(cfg)
         callbacks = Callbacks(cfg)
         callbacks.on_run_start(config=cfg, config_name=config_name)
         job = run_job(

@@ -469,6 +469,21 @@ def test_a_second_run_into_a_busy_dir_is_refused_and_a_dead_runs_dir_is_free(tmp
         first.kill()
 
 
+def test_runs_started_in_the_same_second_each_get_their_own_run_dir(tmp_path):
+    """A time-stamped run dir (the default's `${now:...}`) names a new run: those that runs started in the
+    same second (here: year) have, `<dir>` and `<dir>_1`, are left alone, and the new run takes `<dir>_2`."""
+    year = time.strftime("%Y")
+    for taken in (tmp_path / year, tmp_path / f"{year}_1"):
+        taken.mkdir()
+        (taken / "runner.log").write_text("another run's log\n")
+    proc = refused(tmp_path / "${now:%Y}", "trainer.max_steps=-5")  # refused once its checks began
+    assert "trainer.max_steps=-5: must be >= 1" in proc.stderr, proc.stderr
+    assert "trainer.max_steps=-5" in (tmp_path / f"{year}_2" / "runner.log").read_text()
+    for taken in (tmp_path / year, tmp_path / f"{year}_1"):
+        assert [p.name for p in taken.iterdir()] == ["runner.log"]
+        assert (taken / "runner.log").read_text() == "another run's log\n"
+
+
 # Takes the lock on argv[1], forks a child that keeps it for argv[2] s, prints the child's pid and exits.
 HOLD_THEN_EXIT = """import fcntl, os, sys, time
 fd = os.open(sys.argv[1], os.O_RDONLY)
