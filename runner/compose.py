@@ -122,7 +122,7 @@ def claim_run_dir(cfg: DictConfig) -> None:
     claims it by creating it, and where another run started in the same second has it, takes `<dir>_1`,
     `<dir>_2`, ... instead (runs started together from a shell loop each get their own). A dir named
     outright is left as it is: running there again resumes its run (or is refused while it runs)."""
-    if "${now:" not in str(cfg.hydra.run._get_node("dir")._value()):
+    if "${now:" not in str(OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]):
         return
     base = Path(cfg.hydra.run.dir)
     base.parent.mkdir(parents=True, exist_ok=True)

@@ -100,8 +100,8 @@ def _alive(pid: int) -> bool:
 
 
 def _holders(path: Path) -> list[int]:
-    """The other processes with `path` open (Linux; those of other users cannot be seen): who holds its
-    lock."""
+    """The other processes with `path` open (Linux; those of other users cannot be seen): its lock's
+    holders among them."""
     target, this = os.path.realpath(path), str(os.getpid())
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
