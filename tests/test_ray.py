@@ -19,9 +19,12 @@ from pathlib import Path
 import pytest
 from conftest import cli_env, runner_command
 
-from runner.errors import ConfigError
+from runner.errors import ConfigError, RankFailedError
 from runner.goodput import read_ledger
 from runner.launchers.ray.cluster import Node, connect, placement
+from runner.launchers.ray.launcher import REPORTS, outcome
+from runner.launchers.ray.workers import ERRORS, WORKERS
+from runner.launchers.reports import report_failure
 
 pytestmark = pytest.mark.slow
 
@@ -283,6 +286,37 @@ def test_placement_fills_nodes_as_ray_places_each_strategy():
         placement(nodes, 3, 1, 0, "strict_spread")
     with pytest.raises(ConfigError, match=r"1 worker\(s\) of launcher.cpus_per_worker=5 .* they do not fit"):
         placement(nodes, 1, 5, 0, "pack")
+
+
+def test_a_worker_that_died_is_named_as_the_cause_over_what_another_rank_raised_after_it(tmp_path):
+    """Ray reports rank 1's worker dead (no report of its own: it was killed); rank 0, which had not yet met
+    it in a collective, raised an error of its own meanwhile (under load: its process group's connection
+    refused). The dead worker is the cause, as a killed rank is under the local launcher."""
+    from ray.train import WorkerGroupError
+
+    reports = tmp_path / REPORTS
+    (reports / WORKERS).mkdir(parents=True)
+    where = {
+        "rank": 1,
+        "node_id": "0123456789abcdef",
+        "host": "vm",
+        "ip": "127.0.0.1",
+        "pid": 4242,
+        "attempt": 1,
+    }
+    (reports / WORKERS / "rank1.json").write_text(json.dumps(where))
+    try:
+        raise RuntimeError("[gloo] connect to 127.0.0.1:29500 failed: Connection refused")
+    except RuntimeError as err:
+        report_failure(reports / ERRORS, 0, err)
+    died = RuntimeError(
+        "A worker health check failed. The actor is dead because its worker process has died."
+    )
+    with pytest.raises(RankFailedError) as raised:
+        outcome(tmp_path, 0.0, [], WorkerGroupError("rank 1 died", {1: died}), 0)
+    assert str(raised.value).startswith(
+        "rank 1 on node 127.0.0.1 (01234567, host vm), pid 4242: A worker health"
+    )
 
 
 def test_a_head_that_does_not_answer_is_refused_at_once():

@@ -267,7 +267,8 @@ def outcome(
     run_dir: Path, launched: float, stopped: list[int], error: Exception | None, max_failures: int
 ) -> dict[str, float]:
     """Rank 0's metrics, or what to raise for the launch that began at `launched`: the stop this command
-    passed on, a rank that hung, what a rank raised, else the worker that died (rank, node, cause)."""
+    passed on, a rank that hung, a worker that died (rank, node, cause: what another rank raised after it
+    is its consequence, as under the local launcher), what a rank raised, else Ray's error."""
     reports = run_dir / REPORTS
     if error is None and (reports / RESULT).exists():
         return json.loads((reports / RESULT).read_text())
@@ -277,7 +278,9 @@ def outcome(
         raise TrainingInterrupted(interrupted(signal_name(signum), run_dir, since=launched), signum=signum)
     if hung := hang_failure(run_dir, since=launched):
         raise hung
-    if reported is not None:
+    failed = getattr(error, "worker_failures", None) or {}
+    raised = {int(path.stem.removeprefix("rank")) for path in (reports / ERRORS).glob("rank*.json")}
+    if reported is not None and set(failed) <= raised:
         raise reported
     raise RankFailedError(_died(reports, error, max_failures))
 
