@@ -292,8 +292,7 @@ def test_a_worker_that_died_is_named_as_the_cause_over_what_another_rank_raised_
     """Ray reports rank 1's worker dead (no report of its own: it was killed); rank 0, which had not yet met
     it in a collective, raised an error of its own meanwhile (under load: its process group's connection
     refused). The dead worker is the cause, as a killed rank is under the local launcher."""
-    from ray.train import WorkerGroupError
-
+    WorkerGroupError = pytest.importorskip("ray.train").WorkerGroupError
     reports = tmp_path / REPORTS
     (reports / WORKERS).mkdir(parents=True)
     where = {
