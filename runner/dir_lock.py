@@ -48,7 +48,7 @@ def _acquire(fd: int, output_dir: Path) -> None:
         except BlockingIOError:
             pass
         owner = _lock_owner(output_dir)
-        if owner is None or _alive(owner):
+        if owner is None or (owner and _alive(owner)):
             raise ConfigError(
                 f"hydra.run.dir={output_dir} is in use by another run{f' (pid {owner})' if owner else ''}: two "
                 "runs in one dir would overwrite each other's checkpoints, metrics and model. Wait for it to end, "
@@ -57,10 +57,10 @@ def _acquire(fd: int, output_dir: Path) -> None:
         if deadline is None:
             deadline = time.monotonic() + LEFTOVER_WAIT_S
             log.info(
-                "hydra.run.dir=%s: the run that held it (pid %d) is gone; waiting up to %.0f s for the "
+                "hydra.run.dir=%s: the run that held it%s is gone; waiting up to %.0f s for the "
                 "processes it started that still hold it to exit (pid %s)",
                 output_dir,
-                owner,
+                f" (pid {owner})" if owner else "",
                 LEFTOVER_WAIT_S,
                 ", ".join(map(str, _holders(output_dir))) or "unknown",
             )
@@ -68,7 +68,7 @@ def _acquire(fd: int, output_dir: Path) -> None:
             pids = " ".join(map(str, _holders(output_dir)))
             raise ConfigError(
                 f"hydra.run.dir={output_dir} is still held, {LEFTOVER_WAIT_S:.0f} s on, by processes that the "
-                f"run pid {owner} started and that outlived it (its DataLoader workers or ranks"
+                f"run{f' pid {owner}' if owner else ''} started and that outlived it (its DataLoader workers or ranks"
                 f"{': pid ' + pids if pids else ''}). Stop them{f' (kill {pids})' if pids else ''} and run the "
                 "same command again, or give this run a dir of its own (hydra.run.dir=<another dir>)."
             )
@@ -76,18 +76,23 @@ def _acquire(fd: int, output_dir: Path) -> None:
 
 
 def _lock_owner(path: Path) -> int | None:
-    """The pid that took the flock on `path`, from /proc/locks (Linux), if it can be told: the lock stays
-    with it there after it died while processes it forked hold it."""
+    """The pid that took the flock on `path`, from /proc/locks (Linux; it stays there after that process
+    died while processes it forked hold the lock); 0 where the lock is not listed: inside a pid namespace
+    (a container) the kernel leaves out a lock whose owner is dead and reaped; None without /proc/locks."""
     stat = os.stat(path)
     device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
     try:
-        for line in Path("/proc/locks").read_text().splitlines():
-            fields = line.split()
-            if "FLOCK" in fields and device in fields:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if "FLOCK" in fields and device in fields:
+            try:
                 return int(fields[fields.index(device) - 1])
-    except (OSError, ValueError):
-        pass
-    return None
+            except ValueError:
+                return None
+    return 0
 
 
 def _alive(pid: int) -> bool:

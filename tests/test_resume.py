@@ -462,7 +462,9 @@ def test_a_second_run_into_a_busy_dir_is_refused_and_a_dead_runs_dir_is_free(tmp
         said = []
         for line in third.stderr:  # to the end, should it not wait
             said.append(line)
-            if f"the run that held it (pid {first.pid}) is gone; waiting" in line:
+            if (
+                "hydra.run.dir" in line and "is gone; waiting" in line
+            ):  # with its pid where /proc/locks has it
                 break
         hold.unlink()  # the workers go on, see their parent gone and exit
         said.append(third.communicate(timeout=300)[1])
@@ -521,11 +523,12 @@ def test_a_dir_held_by_what_a_dead_run_left_is_waited_for_then_refused_naming_th
             pass
     finally:
         os.kill(child, signal.SIGKILL)
-    child = left_holding(0.3)  # gone within the wait: the dir is this run's
+    monkeypatch.setattr(dir_lock, "LEFTOVER_WAIT_S", 10.0)
+    child = left_holding(1.5)  # gone within the wait (and not before it began): the dir is this run's
     with caplog.at_level("INFO", logger="runner.dir_lock"), dir_lock.run_dir_lock(tmp_path):
         pass
     assert (
-        f"is gone; waiting up to 1 s for the processes it started that still hold it to exit (pid {child})"
+        f"is gone; waiting up to 10 s for the processes it started that still hold it to exit (pid {child})"
         in (caplog.text)
     )
 
