@@ -6,8 +6,10 @@ sit until the process group's timeout (30 minutes for gloo) or forever. The loop
 (`Watchdog.progress`) after each optimizer step, each eval batch and before each checkpoint; where none
 comes for the limit, the watchdog writes `<run dir>/hang/rank<r>.txt` (what it saw, then the stacks), logs
 one paragraph naming the rank, its host, the step, the phase and where its main thread is, and exits
-the process with `EXIT_HUNG`; the launcher then stops the other ranks and reports the rank whose main
-thread was in its own code (not waiting inside torch), which is the likelier cause.
+the process with `EXIT_HUNG` `PEERS_REPORT_S` later (ranks waiting for it in a collective reach their
+limit meanwhile and report too, rather than fail on a lost peer); the launcher then stops the other
+ranks and reports the rank whose main thread was in its own code (not waiting inside torch), which is
+the likelier cause.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ FIRST_STEPS_S = 1800.0  # auto: the limit until enough steps are measured (compi
 AUTO_FLOOR_S = 600.0  # auto: never less than this
 AUTO_TIMES_MEDIAN = 20  # auto: this many times the median step
 MEASURED_STEPS = 10  # auto: steps measured before the limit follows them
+PEERS_REPORT_S = 1.0  # a rank that hung exits this long after its report: ranks waiting for it report too
 TORCH_DIR = str(Path(torch.__file__).parent)
 
 
@@ -83,9 +86,12 @@ class Watchdog:
         return max(AUTO_FLOOR_S, AUTO_TIMES_MEDIAN * statistics.median(self.steps))
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        """Wake when the limit passes (not at the next poll after it: ranks that stopped together, in one
+        collective, reach their limits together and each reports before a peer's exit ends the
+        collective with a lost-peer error), and at least every `poll_s` (the limit may change)."""
+        while not self._stop.wait(min(self.poll_s, max(self.last + self.limit_s - time.monotonic(), 0.0))):
             waited = time.monotonic() - self.last
-            if waited > self.limit_s:
+            if waited >= self.limit_s:
                 self._end(waited)
 
     def _end(self, waited: float) -> None:
@@ -110,6 +116,7 @@ class Watchdog:
             faulthandler.dump_traceback(f, all_threads=True)
         log.error("Training hung: %s", message)
         logging.shutdown()
+        time.sleep(PEERS_REPORT_S)
         os._exit(EXIT_HUNG)
 
 

@@ -281,9 +281,10 @@ def test_a_rank_that_skips_a_collective_ends_the_job_naming_where_each_rank_wait
     rank waits and that they wait in different collectives."""
     started = time.monotonic()
     skip = "task._target_=faulty_tasks.SkipCollectiveOnRank1"
-    # The first watchdog to fire ends its rank; the other's fires within its 0.5 s poll, inside the 3 s that
-    # the launcher gives the ranks to exit on their own (half of launcher.shutdown_timeout_s; with 1 s, a
-    # loaded machine stopped the second before it reported).
+    # Both watchdogs fire 3 s after step 2, and each rank exits 1 s after its report: the second reports
+    # before the first's exit breaks its collective (a watchdog that fired at its next poll, up to 0.5 s
+    # late, lost that race on a loaded CI), inside the 3 s that the launcher gives the ranks to exit on
+    # their own (half of launcher.shutdown_timeout_s).
     proc = run_cli(
         *TWO_RANKS, "trainer.hang_timeout_s=3", "launcher.shutdown_timeout_s=6", skip, pythonpath=TESTS
     )

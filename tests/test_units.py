@@ -9,6 +9,7 @@ import gc
 import re
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -346,3 +347,24 @@ def test_the_watchdogs_limit_follows_the_steps_once_measured(tmp_path):
     assert Watchdog(7.5, tmp_path, 0).limit_s == 7.5
     off = Watchdog(0, tmp_path, 0).start()
     assert off._thread is None
+
+
+def test_the_watchdog_ends_a_rank_at_its_limit_not_at_its_next_poll(tmp_path):
+    """Ranks that stop together (in one collective) reach their limits together: each watchdog fires when
+    its limit has passed, not up to a poll later, so that a rank whose poll came first does not end the
+    others' collective with a lost peer before their own watchdogs report."""
+    fired, fired_at = threading.Event(), []
+    watchdog = Watchdog(1.0, tmp_path, 0, poll_s=0.5)
+
+    def end(waited: float) -> None:  # in place of writing the report and exiting
+        fired_at.append(time.monotonic())
+        fired.set()
+        watchdog.stop()
+
+    watchdog._end = end  # type: ignore[method-assign]
+    watchdog.start()
+    time.sleep(0.3)  # progress between two polls
+    watchdog.progress("training", 1)
+    assert fired.wait(5)
+    late = fired_at[0] - (watchdog.last + 1.0)
+    assert 0 <= late < 0.1, late
