@@ -122,18 +122,32 @@ def claim_run_dir(cfg: DictConfig) -> None:
     claims it by creating it, and where another run started in the same second has it, takes `<dir>_1`,
     `<dir>_2`, ... instead (runs started together from a shell loop each get their own). A dir named
     outright is left as it is: running there again resumes its run (or is refused while it runs)."""
-    if "${now:" not in str(OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]):
-        return
-    base = Path(cfg.hydra.run.dir)
+    _claim(cfg.hydra.run)
+
+
+def claim_sweep_dir(cfg: DictConfig) -> None:
+    """`claim_run_dir` for a multirun's `hydra.sweep.dir` (sweeps started in the same second each get
+    their own), before anything of the sweep is written there. The claimed dir is added to the command's
+    Hydra overrides too: each job's config is composed again from them."""
+    if _claim(cfg.hydra.sweep):
+        cfg.hydra.overrides.hydra.append(f"hydra.sweep.dir={cfg.hydra.sweep.dir}")
+
+
+def _claim(node: DictConfig) -> bool:
+    """Where `node.dir` is time-stamped, create it (else the first of `<dir>_1`, `<dir>_2`, ... that
+    is free) and set `node.dir` to it; whether it was."""
+    if "${now:" not in str(OmegaConf.to_container(node, resolve=False)["dir"]):
+        return False
+    base = claimed = Path(node.dir)
     base.parent.mkdir(parents=True, exist_ok=True)
-    for number in itertools.count():
-        claimed = base.with_name(f"{base.name}_{number}") if number else base
+    for number in itertools.count(1):
         try:
             claimed.mkdir()
+            break
         except FileExistsError:
-            continue
-        cfg.hydra.run.dir = str(claimed)
-        return
+            claimed = base.with_name(f"{base.name}_{number}")
+    node.dir = str(claimed)
+    return True
 
 
 def run_composed_once(args: argparse.Namespace, task_function: TaskFunction) -> bool:
