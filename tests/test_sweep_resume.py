@@ -111,8 +111,6 @@ def test_a_sweep_interrupted_in_its_fourth_job_resumes_it_and_runs_only_what_is_
 
 
 def test_another_sweep_in_the_dir_is_refused_naming_the_difference_and_resume_false_starts_over(tmp_path):
-    """A sweep dir named outright that holds another sweep is refused (the difference named) and is
-    started over with sweep.resume=false; a time-stamped one goes on to a free dir."""
     sweep = tmp_path / "sweep"
     first = multirun(sweep, "trainer.max_steps=5", "tracker=none", "optimizer.lr=1e-3,1e-4")
     assert first.returncode == 0, first.stderr
@@ -154,14 +152,27 @@ def test_another_sweep_in_the_dir_is_refused_naming_the_difference_and_resume_fa
     assert [row["optimizer.lr"] for row in summary_rows(sweep)] == ["0.001", "0.0003", "1e-05"]
     assert "resumed from" not in (sweep / "0" / "runner.log").read_text()  # a fresh job in a fresh dir
 
-    # A time-stamped sweep dir (the default's `${now:...}`) names a new sweep: one started in the same
-    # second (here: year) as the sweep in `<year>` takes `<year>_1` and leaves that one alone.
-    taken = sweep.rename(tmp_path / time.strftime("%Y"))
-    before = snapshot(taken)
-    new = multirun(tmp_path / "${now:%Y}", "trainer.max_steps=5", "tracker=none", "optimizer.lr=1e-4")
-    assert new.returncode == 0, new.stderr
-    assert snapshot(taken) == before
-    assert [row["optimizer.lr"] for row in summary_rows(tmp_path / f"{taken.name}_1")] == ["0.0001"]
+
+def test_a_sweep_started_in_the_same_second_as_another_takes_a_dir_of_its_own_and_ranks_by_direction(
+    tmp_path,
+):
+    """A time-stamped sweep dir (the default's `${now:...}`) names a new sweep: one started in the same
+    second (here: year) as the sweep in `<year>` takes `<year>_1` and leaves that one alone. Its summary
+    ranks the jobs by `sweep.direction` (maximize: the highest eval/loss first)."""
+    taken = tmp_path / time.strftime("%Y")
+    taken.mkdir()
+    (taken / "sweep.json").write_text("another sweep's record, being written\n")
+    proc = multirun(
+        tmp_path / "${now:%Y}", "trainer.max_steps=5", "tracker=none", "optimizer.lr=1e-4,1e-2",
+        "sweep.direction=maximize",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in taken.iterdir()] == ["sweep.json"]
+    rows = summary_rows(tmp_path / f"{taken.name}_1")
+    assert [row["optimizer.lr"] for row in rows] == ["0.0001", "0.01"]
+    best = max(rows, key=lambda row: float(row["eval/loss"]))
+    assert rows[0]["eval/loss"] != rows[1]["eval/loss"] and best["rank (eval/loss)"] == "1"
+    assert f"best: job {best['job']} (optimizer.lr={best['optimizer.lr']}): eval/loss=" in proc.stdout + proc.stderr
 
 
 def test_a_diverging_job_is_recorded_and_the_sweep_goes_on_and_fails_at_the_end(tmp_path):
