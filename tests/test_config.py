@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 from safetensors.torch import save_file
 
+from hydra_plugins.runner_sweeper.resumable_sweeper import unfinished_batches
 from runner.build import locate
 from runner.cli import check_intervals, options_first
 from runner.config import CONF_DIR, Declared, Range, TrainerConfig, declared_ranges
@@ -747,6 +748,16 @@ def test_a_sweep_interval_written_backwards_is_refused_before_the_sweep():
     check_intervals(["-m", "optimizer.lr=interval(1e-5,1e-2)", "trainer.seed=1,2", "broken=interval("])
     with pytest.raises(ConfigError, match=re.escape("Write optimizer.lr=interval(1e-05,0.01).")):
         check_intervals(["optimizer.lr=interval(1e-2,1e-5)"])
+
+
+def test_a_sweeps_unfinished_jobs_go_out_in_runs_of_at_most_max_batch_size():
+    """`hydra.sweeper.max_batch_size` reaches runner's sweeper, which launches runs of consecutive
+    unfinished jobs (on SLURM an array each) cut to that size."""
+    cfg = compose("config", overrides=["hydra.sweeper.max_batch_size=2"], return_hydra_config=True)
+    size = instantiate(cfg.hydra.sweeper).max_batch_size
+    jobs = [[f"trainer.seed={seed}"] for seed in range(5)]
+    assert unfinished_batches(jobs, {1}, None) == [(0, jobs[:1]), (2, jobs[2:])]
+    assert unfinished_batches(jobs, {1}, size) == [(0, jobs[:1]), (2, jobs[2:4]), (4, jobs[4:])]
 
 
 @pytest.mark.slow
