@@ -116,6 +116,19 @@ def test_ddp_and_process_group_kwargs_reach_ddp(accelerator_made):
     assert accelerator.strategy.timeout == timedelta(seconds=42) and accelerator.strategy.backend == "gloo"
 
 
+def test_the_ddp_settings_of_hardware_multi_gpu_reach_ddp(accelerator_made):
+    """hardware=multi_gpu's DDP settings (its YAML's names) on torch's DistributedDataParallel, each
+    against torch's default."""
+    settings = {
+        "find_unused_parameters": True, "bucket_cap_mb": 2, "gradient_as_bucket_view": True, "static_graph": True,
+    }  # fmt: skip
+    for strategy, expected in ((DDP(device="cpu", num_processes=1), (False, 25, False, False)),
+                               (DDP(device="cpu", num_processes=1, **settings), (True, 2, True, True))):  # fmt: skip
+        model = accelerator_made(strategy=strategy).prepare(torch.nn.Linear(3, 3))
+        seen = (model.find_unused_parameters, model.bucket_bytes_cap / 2**20, model.gradient_as_bucket_view)
+        assert (*seen, model.static_graph) == expected
+
+
 def test_handlers_are_refused_where_they_configure_nothing_or_twice(accelerator_made):
     with pytest.raises(ConfigError, match="DistributedDataParallelKwargs configures what FSDP"):
         apply_handlers([DistributedDataParallelKwargs()], FSDP(device="cpu", num_processes=1), Precision())

@@ -17,6 +17,7 @@ import probes
 import pytest
 from conftest import run_to_end
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from PIL import Image
 
 from runner.callbacks import PlotCurves
@@ -109,6 +110,22 @@ def test_callbacks_stop_keep_the_best_log_and_resume_their_state(tmp_path):
     lines = [line.split("|") for line in probes.read(parts / "probe", "callback")]
     saved = next(int(n) for point, step, n in lines if point.startswith("eval_end") and step == "20")
     assert [line for line in lines if line[0] == "fit_start"][1] == ["fit_start", "20", str(saved + 1)]
+
+
+@pytest.mark.parametrize(("min_delta", "stops_at"), [(0.0, None), (0.1, 3)])
+def test_early_stopping_counts_only_improvements_by_more_than_min_delta(min_delta, stops_at):
+    """eval/loss falls by 0.05 per evaluation: every fall is an improvement with min_delta 0; with 0.1
+    none is, and patience 2 stops the run at the third evaluation."""
+    register_configs()
+    overrides = ["callbacks=[early_stopping]", "callbacks.early_stopping.patience=2"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, f"callbacks.early_stopping.min_delta={min_delta}"])
+    stopping = instantiate(cfg.callbacks.early_stopping)
+    stopped: list[int] = []
+    for evaluation, loss in enumerate([1.0, 0.95, 0.9, 0.85], start=1):
+        run = SimpleNamespace(stop=lambda reason, at=evaluation: stopped.append(at))
+        stopping.on_eval_end(run, {"eval/loss": loss})
+    assert stopped[:1] == ([stops_at] if stops_at else [])
 
 
 REFUSED = {

@@ -10,10 +10,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from runner.config import CONF_DIR
-from runner.data import RandomTokens, TableFile
+from runner.data import RandomTokens, SyntheticRegression, TableFile, TextFile, digits
 from runner.errors import ConfigError
 from runner.schemas import register_configs
-from runner.tasks import Regression
+from runner.tasks import Classification, Regression
 from runner.train import Trainer
 
 
@@ -119,3 +119,65 @@ def test_data_pin_memory_pins_the_run_loaders_and_makes_their_copies_non_blockin
     built = Trainer(cfg, tmp_path)
     assert built.train_loader.pin_memory == built.eval_loader.pin_memory == pinned
     assert built.engine.non_blocking == pinned
+
+
+def _set_up(source):
+    source.setup()
+    return source
+
+
+def _stacked(dataset, key: str) -> torch.Tensor:
+    return torch.stack([dataset[i][key] for i in range(len(dataset))])
+
+
+def test_synthetic_regression_draws_the_sizes_noise_and_samples_its_settings_say():
+    """data=regression: num_features and num_targets are each sample's sizes (and the model's), noise is
+    the spread of the targets around the teacher's output, the seed draws another set."""
+
+    def regression(**options) -> SyntheticRegression:
+        return _set_up(SyntheticRegression(num_samples=400, batch_size=8, **options))
+
+    wide = regression(num_features=5, num_targets=3)
+    assert wide.train_set[0]["inputs"].shape == (5,) and wide.train_set[0]["targets"].shape == (3,)
+    assert wide.dims == {"in_features": 5, "out_features": 3}
+    quiet, noisy = regression(noise=0.0), regression(noise=0.5)
+    assert torch.equal(_stacked(quiet.train_set, "inputs"), _stacked(noisy.train_set, "inputs"))
+    spread = (_stacked(noisy.train_set, "targets") - _stacked(quiet.train_set, "targets")).std().item()
+    assert 0.45 < spread < 0.55
+    other = regression(seed=1)
+    assert not torch.equal(_stacked(other.train_set, "inputs"), _stacked(quiet.train_set, "inputs"))
+
+
+def test_text_windows_start_every_stride_bytes(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_bytes(bytes(range(32, 127)))  # 95 bytes: the eval split is the last 19
+
+    def windows(stride: int):
+        return _set_up(TextFile(path=str(path), seq_len=8, stride=stride, eval_fraction=0.2, batch_size=4))
+
+    every, fourth = windows(1).train_set, windows(4).train_set
+    assert (len(every), len(fourth)) == (68, 17)
+    for i in range(len(fourth)):
+        assert torch.equal(fourth[i]["inputs"], every[4 * i]["inputs"])
+
+
+def test_normalize_standardises_each_feature_by_the_training_rows():
+    """data=digits (a table): data.normalize=true (the default) gives each pixel column of the training
+    split mean 0 and std 1 (blank columns only centred); false keeps the pixels' 0-16 counts."""
+    raw = _stacked(_set_up(digits(normalize=False, batch_size=8)).train_set, "inputs")
+    assert raw.min() == 0 and raw.max() == 16 and torch.equal(raw, raw.round())
+    standard = _stacked(_set_up(digits(batch_size=8)).train_set, "inputs")
+    assert standard.mean(0).abs().max() < 1e-4
+    varied = raw.std(0) > 1e-6
+    assert torch.allclose(standard.std(0)[varied], torch.ones(int(varied.sum())), atol=1e-4)
+
+
+def test_label_smoothing_spreads_the_targets_over_the_classes():
+    """task.label_smoothing: a confident, right prediction costs more with smoothing, by what
+    cross-entropy against the smoothed targets says."""
+    logits, batch = torch.tensor([[8.0, 0.0, 0.0, 0.0]]), {"targets": torch.tensor([0])}
+    plain = Classification().loss(logits, batch)
+    smoothed = Classification(label_smoothing=0.2).loss(logits, batch)
+    targets = torch.tensor([[0.85, 0.05, 0.05, 0.05]])  # 1 - 0.2 + 0.2 / 4, and 0.2 / 4
+    expected = -(targets * torch.log_softmax(logits, dim=1)).sum()
+    assert plain < smoothed and torch.allclose(smoothed, expected)

@@ -37,6 +37,9 @@ TRAINJOB = [
     "launcher.volume=runs",
     f"launcher.nodes={PODS}",
     "hardware.num_processes=1",
+    "launcher.cpus_per_node=1.5",
+    "launcher.mem_gb=2",
+    "+launcher.env.RUNNER_TEST_POD=yes",
 ]
 WEIGHTS = Path("model") / "model.safetensors"
 
@@ -144,6 +147,9 @@ def test_the_trainjob_matches_kubeflows_schema_and_its_pods_train_bitwise_as_loc
     trainer, name = manifest["spec"]["trainer"], manifest["metadata"]["name"]
     assert name == "runner-submit" and manifest["spec"]["runtimeRef"]["name"] == "torch-distributed"
     assert (trainer["numNodes"], trainer["numProcPerNode"]) == (PODS, 1)
+    resources = {"cpu": "1.5", "memory": "2G"}  # launcher.cpus_per_node and mem_gb, for each pod
+    assert trainer["resourcesPerNode"] == {"limits": resources, "requests": resources}
+    assert {"name": "RUNNER_TEST_POD", "value": "yes"} in trainer["env"]
     assert trainer["command"] == ["python", "-m", "runner"]
     run_dir = volume / "submit"
     assert trainer["args"][-1] == f"hydra.run.dir={run_dir}" and "launcher.nodes=2" in trainer["args"]

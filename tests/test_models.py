@@ -28,3 +28,14 @@ def test_gpt_refuses_bad_shapes():
 
 def test_mlp_shapes():
     assert MLP(in_features=5, out_features=3, hidden_size=7, num_layers=2)(torch.randn(4, 5)).shape == (4, 3)
+
+
+def test_gpt_mlp_ratio_sizes_each_blocks_mlp_and_tie_embeddings_shares_the_output_layer():
+    tied = GPT(vocab_size=32, max_seq_len=8, d_model=16, n_layers=2, n_heads=2, mlp_ratio=3)
+    assert all(block.mlp.fc_in.out_features == 48 for block in tied.blocks)
+    untied = GPT(
+        vocab_size=32, max_seq_len=8, d_model=16, n_layers=2, n_heads=2, mlp_ratio=3, tie_embeddings=False
+    )
+    assert untied.lm_head.weight is not untied.tok_emb.weight
+    count = [sum(p.numel() for p in model.parameters()) for model in (tied, untied)]
+    assert count[1] - count[0] == 32 * 16  # an output layer of its own

@@ -335,6 +335,40 @@ def test_without_submitit_launcher_slurm_names_the_pip_install(tmp_path):
     assert "pip install 'runner-ml[slurm]'" in proc.stderr
 
 
+def test_every_setting_of_launcher_slurm_reaches_the_batch_script(tmp_path):
+    """launcher=slurm's settings as sbatch and srun get them: each in the batch script that submitit
+    writes for the job (a setting dropped on the way would be missing), the requeues at the time limit
+    in the executor that queues it (a sweep's arrays are queued by the same executor)."""
+    pytest.importorskip("submitit")
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from runner.config import CONF_DIR
+    from runner.schemas import register_configs
+
+    register_configs()
+    settings = {
+        "partition": "big", "nodes": "2", "gpus_per_node": "4", "cpus_per_task": "6", "mem_gb": "64",
+        "time_min": "90", "account": "lab", "qos": "high", "constraint": "a100", "signal_delay_s": "77",
+        "max_timeouts": "5", "name": "mine", "setup": "['module load cuda']", "srun_args": "['--cpu-bind=none']",
+    }  # fmt: skip
+    overrides = [f"launcher.{key}={value}" for key, value in settings.items()]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["launcher=slurm", *overrides, "+launcher.sbatch_args.mail-type=END"])
+    executor = instantiate(cfg.launcher).executor(tmp_path, tasks_per_node=4)
+    script = executor._make_submission_file_text("python -m submitit.core._submit", "uid").splitlines()
+    sbatch = {line.removeprefix("#SBATCH ") for line in script if line.startswith("#SBATCH ")}
+    assert {
+        "--partition=big", "--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--cpus-per-task=6",
+        "--mem=65536MB", "--time=90", "--account=lab", "--qos=high", "--constraint=a100",
+        "--signal=USR2@77", "--job-name=mine", "--mail-type=END",
+    } <= sbatch  # fmt: skip
+    assert script[script.index("# setup") + 1] == "module load cuda"
+    srun = next(line for line in script if line.startswith("srun "))
+    assert "--kill-on-bad-exit=1 --cpu-bind=none python -m submitit" in srun
+    assert executor.max_num_timeout == 5
+
+
 def test_slurm_time_limits_and_gres_are_read_as_sinfo_prints_them():
     from runner.launchers.slurm.partitions import _gpus, _minutes
 

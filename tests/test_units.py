@@ -6,6 +6,8 @@ a strategy accepts."""
 from __future__ import annotations
 
 import gc
+import itertools
+import math
 import re
 import signal
 import threading
@@ -33,6 +35,7 @@ from runner.hardware.mesh import ParallelDims
 from runner.hardware.pipeline import check_pipeline, local_stage_indices, stage_blocks
 from runner.launchers.reports import lost_a_peer, report_failure, reported_failure
 from runner.models import GPT
+from runner.schedulers import cosine
 from runner.watchdog import AUTO_FLOOR_S, FIRST_STEPS_S, Watchdog
 
 
@@ -326,6 +329,22 @@ def test_every_way_a_command_ends_has_one_heading_and_exit_status():
     assert ending(RankFailedError("x")) == ("Training failed", 1)
     assert ending(TrainingDiverged("x")) == ending(RendezvousError("x")) == ("Training stopped", 1)
     assert ending(RuntimeError("x")) == ("Training failed", 1)
+
+
+def test_the_cosine_schedule_warms_up_then_decays_to_min_lr_ratio():
+    """scheduler=cosine: the rate rises linearly over warmup_ratio of the steps, then falls along a cosine
+    to min_lr_ratio x the peak after the last step (as Hugging Face's schedule reaches 0 there)."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
+    schedule = cosine(optimizer, num_training_steps=100, warmup_ratio=0.1, min_lr_ratio=0.2)
+    rates = []
+    for _ in range(100):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert rates[0] == pytest.approx(0.5 / 11) and rates[10] == pytest.approx(0.5)
+    assert all(a < b for a, b in itertools.pairwise(rates[:11]))
+    assert rates[-1] == pytest.approx(0.5 * (0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * 89 / 90))))
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # after the last step: 0.2 x 0.5
 
 
 def test_the_watchdogs_limit_follows_the_steps_once_measured(tmp_path):

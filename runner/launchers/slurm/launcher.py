@@ -160,14 +160,11 @@ class SlurmLauncher(Launcher):
         )
 
     def launch(self, job: Job) -> dict[str, float]:
-        import submitit
-
         tasks_per_node = self.tasks_per_node(job.cfg, job.strategy or instantiate(job.cfg.hardware))
         if in_array_task():  # a job of a sweep, queued by `launch_sweep`: this task is one of its ranks
             return SlurmTask(job, self.nodes, tasks_per_node, job.output_dir / "slurm" / RANK_ERRORS)()
         folder = Path(self.folder) if self.folder else job.output_dir / "slurm"
-        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=self.max_timeouts)
-        executor.update_parameters(**self.sbatch_parameters(tasks_per_node))
+        executor = self.executor(folder, tasks_per_node)
         restarts = 0
         while True:
             try:
@@ -236,6 +233,15 @@ class SlurmLauncher(Launcher):
     def launch_sweep(cls, sweep: Sweep) -> list[JobReturn]:
         """A sweep's jobs as SLURM arrays (`runner.launchers.slurm.sweep.queue_sweep`)."""
         return queue_sweep(cls, sweep)
+
+    def executor(self, folder: Path, tasks_per_node: int) -> Any:
+        """submitit's SlurmExecutor for a job (or an array of jobs) of `tasks_per_node` tasks on each node,
+        its batch script and logs in `folder`."""
+        import submitit
+
+        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=self.max_timeouts)
+        executor.update_parameters(**self.sbatch_parameters(tasks_per_node))
+        return executor
 
     def sbatch_parameters(self, tasks_per_node: int) -> dict[str, Any]:
         """What submitit's SlurmExecutor is given for a job of `tasks_per_node` tasks on each node."""

@@ -34,9 +34,7 @@ def queue_sweep(launcher_class: type[Launcher], sweep: Sweep) -> list[JobReturn]
     `launcher.nodes` x tasks per node SLURM tasks (one per rank), queued together, then waited for. Every
     job was checked before (`runner.sweep.SweepCheck`, the cluster's limits included). The jobs' results,
     in order; a job whose tasks died without one is FAILED with what its ranks reported."""
-    import submitit
-
-    arrays: list[tuple[tuple[dict[str, Any], Path, int], list[tuple[list[str], int, Path]]]] = []
+    arrays: list[tuple[Any, list[tuple[list[str], int, Path]]]] = []  # (SlurmExecutor, its jobs)
     config = sweep.config
     for number, overrides, cfg in sweep.jobs():
         launcher = instantiate(cfg.launcher)
@@ -51,19 +49,16 @@ def queue_sweep(launcher_class: type[Launcher], sweep: Sweep) -> list[JobReturn]
                 "run again resumes from that). Leave launcher.wait=true, and run the sweep where it may wait "
                 "(tmux, nohup, or a small SLURM job of its own)."
             )
-        parameters = launcher.sbatch_parameters(launcher.tasks_per_node(cfg, instantiate(cfg.hardware)))
         folder = Path(launcher.folder) if launcher.folder else Path(config.hydra.sweep.dir) / "slurm"
-        asks = (parameters, folder, launcher.max_timeouts)
+        executor = launcher.executor(folder, launcher.tasks_per_node(cfg, instantiate(cfg.hardware)))
         job = (list(overrides), number, Path(config.hydra.sweep.dir) / str(cfg.hydra.sweep.subdir))
-        if arrays and arrays[-1][0] == asks:
+        if arrays and asks(arrays[-1][0]) == asks(executor):
             arrays[-1][1].append(job)
         else:
-            arrays.append((asks, [job]))
+            arrays.append((executor, [job]))
     task = SweepTask(sweep.hydra_context, sweep.task_function, config)
     queued = []
-    for (parameters, folder, max_timeouts), jobs in arrays:
-        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=max_timeouts)
-        executor.update_parameters(**parameters)
+    for executor, jobs in arrays:
         overrides, numbers, dirs = zip(*jobs, strict=True)
         for job_dir in dirs:  # what a job's tasks raised, for this launch only
             shutil.rmtree(job_dir / "slurm" / RANK_ERRORS, ignore_errors=True)
@@ -72,9 +67,9 @@ def queue_sweep(launcher_class: type[Launcher], sweep: Sweep) -> list[JobReturn]
             "submitted SLURM array %s: job(s) %s of the sweep, each %d node(s) x %d task(s); logs in %s",
             submitted[0].job_id.partition("_")[0],
             ", ".join(map(str, numbers)),
-            parameters["nodes"],
-            parameters["ntasks_per_node"],
-            folder,
+            executor.parameters["nodes"],
+            executor.parameters["ntasks_per_node"],
+            executor.folder,
         )
         queued += zip(jobs, submitted, strict=True)
     try:
@@ -85,6 +80,11 @@ def queue_sweep(launcher_class: type[Launcher], sweep: Sweep) -> list[JobReturn]
             f"stopped waiting; the sweep's SLURM arrays go on (`scancel {ids}` stops them). The same command "
             "resumes the sweep: it skips the jobs that finished."
         ) from None
+
+
+def asks(executor: Any) -> tuple[dict[str, Any], Path, int]:
+    """What jobs of one array ask alike: the sbatch options, the folder, the requeues at the time limit."""
+    return executor.parameters, Path(executor.folder), executor.max_num_timeout
 
 
 def _sweep_result(overrides: list[str], number: int, job_dir: Path, submitted: Any) -> JobReturn:
