@@ -24,12 +24,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from runner import Accelerator
 from runner.checkpoint.weights import load_weights
-from runner.config import CONF_DIR, ActivationCheckpointingConfig, CompileConfig
+from runner.config import CONF_DIR, ActivationCheckpointingConfig, CompileConfig, ProfileConfig
 from runner.errors import ConfigError
 from runner.hardware import SingleDevice
 from runner.hardware.parallelize import apply_compile
 from runner.models import GPT, MLP
-from runner.perf import PEAK_FLOPS, count_flops, kept_for_backward, peak_flops
+from runner.perf import PEAK_FLOPS, count_flops, kept_for_backward, peak_flops, profiled
 from runner.plan import describe
 from runner.precision import Float8Precision
 from runner.schemas import register_configs
@@ -390,6 +390,18 @@ def test_an_fp8_run_trains_float8_linears_and_saves_plain_weights(tmp_path):
 
 def resolved_model(run_dir: Path) -> dict:
     return yaml.safe_load((run_dir / "resolved_config.yaml").read_text())["model"]
+
+
+def test_the_profiler_records_the_steps_after_its_wait_and_warmup(tmp_path):
+    """trainer.profile: `wait` steps skipped, `warmup` steps run under the profiler unrecorded, then
+    `active` steps recorded (the run's own test sees the defaults, 1 and 1)."""
+    with profiled(ProfileConfig(wait=2, warmup=1, active=2), tmp_path, 0, torch.device("cpu")) as profiler:
+        for _ in range(6):
+            torch.ones(4) @ torch.ones(4)
+            profiler.step()
+    trace = json.loads((tmp_path / "trace_rank0.json").read_text())
+    steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#3", "ProfilerStep#4"}
 
 
 class CompileRecorder(torch.nn.Module):
