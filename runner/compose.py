@@ -1,5 +1,6 @@
 """The command's Hydra: the config search path as `@hydra.main` builds it (and the refusal of a user's file
-that a shipped one would hide there), and a single run composed once.
+that a shipped one would hide there), a single run composed once, and the claim of a new run's or
+sweep's dir (`ClaimDirs`).
 
 Hydra 1.3's `@hydra.main` composes a run's config twice: in MULTIRUN mode to read `hydra.mode` (a config
 may ask for a sweep without `-m`), then in RUN mode for the job, 0.1-0.2 s each on a small CPU machine on
@@ -15,6 +16,7 @@ import argparse
 import itertools
 import os
 from pathlib import Path
+from typing import Any
 
 from hydra import version
 from hydra._internal.callbacks import Callbacks
@@ -25,6 +27,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import run_job
 from hydra.errors import HydraException, SearchPathException
+from hydra.experimental.callback import Callback
 from hydra.types import HydraContext, RunMode, TaskFunction
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -117,20 +120,20 @@ def check_config_dirs(dirs: dict[str, str]) -> None:
         )
 
 
-def claim_run_dir(cfg: DictConfig) -> None:
-    """A time-stamped run dir (`${now:...}` in `hydra.run.dir`, as the default) names a new run: this run
-    claims it by creating it, and where another run started in the same second has it, takes `<dir>_1`,
-    `<dir>_2`, ... instead (runs started together from a shell loop each get their own). A dir named
-    outright is left as it is: running there again resumes its run (or is refused while it runs)."""
-    _claim(cfg.hydra.run)
+class ClaimDirs(Callback):
+    """Hydra callback (registered in `conf/config.yaml`): a time-stamped run or sweep dir (`${now:...}` in
+    `hydra.run.dir` or `hydra.sweep.dir`, as the defaults) names a new run or sweep. It is claimed by
+    creating it before anything is written there, and where another command started in the same second
+    has it, `<dir>_1`, `<dir>_2`, ... is taken instead (commands started together from a shell loop each
+    get their own). A dir named outright is left as it is: running there again resumes its run or sweep
+    (or is refused while it runs)."""
 
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _claim(config.hydra.run)
 
-def claim_sweep_dir(cfg: DictConfig) -> None:
-    """`claim_run_dir` for a multirun's `hydra.sweep.dir` (sweeps started in the same second each get
-    their own), before anything of the sweep is written there. The claimed dir is added to the command's
-    Hydra overrides too: each job's config is composed again from them."""
-    if _claim(cfg.hydra.sweep):
-        cfg.hydra.overrides.hydra.append(f"hydra.sweep.dir={cfg.hydra.sweep.dir}")
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if _claim(config.hydra.sweep):  # each job's config is composed again from the Hydra overrides
+            config.hydra.overrides.hydra.append(f"hydra.sweep.dir={config.hydra.sweep.dir}")
 
 
 def _claim(node: DictConfig) -> bool:
@@ -184,7 +187,6 @@ def run_composed_once(args: argparse.Namespace, task_function: TaskFunction) -> 
         if cfg.hydra.mode is None:  # what `@hydra.main` adds for a run that no config gave a mode
             cfg.hydra.mode = RunMode.RUN
             cfg.hydra.overrides.hydra.append("hydra.mode=RUN")
-        claim_run_dir(cfg)
         callbacks = Callbacks(cfg)
         callbacks.on_run_start(config=cfg, config_name=config_name)
         job = run_job(

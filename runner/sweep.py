@@ -26,7 +26,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.checkpoint.resume import FINISHED, JOB_CONFIG_DIR
 from runner.cli import FAILED
-from runner.compose import claim_sweep_dir
 from runner.errors import REPLACED_OPTIONS, ConfigError, describe_compose_error, install_command
 from runner.goodput import SUMMARY
 from runner.history import read_history
@@ -79,12 +78,10 @@ class SweepCheck(Callback):
 
 
 class SweepSummary(Callback):
-    """Hydra callback (registered in `conf/config.yaml`). Before any job starts, the sweep's dir is claimed
-    (`claim_sweep_dir`) and its parent run created, so that jobs running at once (SLURM array tasks) all
-    find it."""
+    """Hydra callback (registered in `conf/config.yaml`). The sweep's parent run is created before any
+    job starts, so that jobs running at once (SLURM array tasks) all find it."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        claim_sweep_dir(config)
         if config.tracker.get("_target_") and not config.tracker.get("parent_run_id"):
             instantiate(config.tracker).start_sweep(Path(config.hydra.sweep.dir))
 

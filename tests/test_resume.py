@@ -487,6 +487,10 @@ def test_runs_started_in_the_same_second_each_get_their_own_run_dir(tmp_path):
     for taken in (tmp_path / year, tmp_path / f"{year}_1"):
         assert [p.name for p in taken.iterdir()] == ["runner.log"]
         assert (taken / "runner.log").read_text() == "another run's log\n"
+    # a command that Hydra runs its own way (`--config-path`) claims its dir too
+    own_way = refused(tmp_path / "${now:%Y}", "--config-path", str(CONF_DIR), "trainer.max_steps=-5")
+    assert "trainer.max_steps=-5: must be >= 1" in own_way.stderr, own_way.stderr
+    assert "trainer.max_steps=-5" in (tmp_path / f"{year}_3" / "runner.log").read_text()
 
 
 # Takes the lock on argv[1], forks a child that keeps it for argv[2] s, prints the child's pid and exits.
