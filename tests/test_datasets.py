@@ -143,6 +143,9 @@ def test_hf_language_modeling_blocks_and_classification_samples(files):
     assert len(classes.train_set) == 150 and len(classes.eval_set) == 46  # the saved splits
     assert classes.dims == {"vocab_size": 400, "num_labels": 2}
     assert classes.train_set[0]["labels"].item() in (0, 1)
+    tested = HFDataset(str(files / "saved"), str(files / "tokenizer"), task="classification", split="test")
+    tested.setup()  # data.split: the saved dict's test split is the one divided into training and eval
+    assert len(tested.train_set) + len(tested.eval_set) == 46 and len(tested.eval_set) == 5
 
 
 def test_hf_data_is_tokenized_once_per_machine_and_again_when_its_files_change(files, tmp_path, monkeypatch):
