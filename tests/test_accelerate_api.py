@@ -118,12 +118,16 @@ def test_ddp_and_process_group_kwargs_reach_ddp(accelerator_made):
 
 def test_the_ddp_settings_of_hardware_multi_gpu_reach_ddp(accelerator_made):
     """hardware=multi_gpu's DDP settings (its YAML's names) on torch's DistributedDataParallel, each
-    against torch's default."""
-    settings = {
-        "find_unused_parameters": True, "bucket_cap_mb": 2, "gradient_as_bucket_view": True, "static_graph": True,
+    against torch's default (static_graph apart: with it, DDP finds unused parameters itself)."""
+    cases = {
+        (): (False, 25, False, False),
+        (("find_unused_parameters", True), ("bucket_cap_mb", 2), ("gradient_as_bucket_view", True)): (
+            True, 2, True, False,
+        ),
+        (("static_graph", True),): (False, 25, False, True),
     }  # fmt: skip
-    for strategy, expected in ((DDP(device="cpu", num_processes=1), (False, 25, False, False)),
-                               (DDP(device="cpu", num_processes=1, **settings), (True, 2, True, True))):  # fmt: skip
+    for settings, expected in cases.items():
+        strategy = DDP(device="cpu", num_processes=1, **dict(settings))
         model = accelerator_made(strategy=strategy).prepare(torch.nn.Linear(3, 3))
         seen = (model.find_unused_parameters, model.bucket_bytes_cap / 2**20, model.gradient_as_bucket_view)
         assert (*seen, model.static_graph) == expected
