@@ -138,17 +138,21 @@ class ClaimDirs(Callback):
 
 def _claim(node: DictConfig) -> bool:
     """Where `node.dir` is time-stamped, create it (else the first of `<dir>_1`, `<dir>_2`, ... that
-    is free) and set `node.dir` to it; whether it was."""
+    is free) and set `node.dir` to it; whether it was. A dir that cannot be made is left to the run's
+    own check, which refuses it saying why (a callback's exception would be only Hydra's warning)."""
     if "${now:" not in str(OmegaConf.to_container(node, resolve=False)["dir"]):
         return False
     base = claimed = Path(node.dir)
-    base.parent.mkdir(parents=True, exist_ok=True)
-    for number in itertools.count(1):
-        try:
-            claimed.mkdir()
-            break
-        except FileExistsError:
-            claimed = base.with_name(f"{base.name}_{number}")
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+        for number in itertools.count(1):
+            try:
+                claimed.mkdir()
+                break
+            except FileExistsError:
+                claimed = base.with_name(f"{base.name}_{number}")
+    except OSError:
+        return False
     node.dir = str(claimed)
     return True
 

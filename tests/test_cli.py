@@ -6,6 +6,7 @@ import json
 import math
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import probes
@@ -476,14 +477,20 @@ def test_a_users_config_dir_adds_options_and_its_yaml_errors_are_one_paragraph(r
 
 
 def test_a_file_where_a_directory_goes_is_refused_in_one_paragraph(tmp_path):
-    """The run dir, a sweep dir, a tracker's logging dir or `runner init`'s dir being a file."""
+    """The run dir, a sweep dir (given or time-stamped), a tracker's logging dir or `runner init`'s dir
+    being a file."""
     blocker = tmp_path / "a_file"
     blocker.write_text("")
+    year = time.strftime("%Y")  # a time-stamped dir's
     train = ["trainer.max_steps=2", "trainer.progress_bar=false"]
     cases = {
         ("tracker=none", f"hydra.run.dir={blocker}", *train): f"the run's dir cannot be made at {blocker} (File exists)",
         ("tracker=none", f"hydra.run.dir={blocker / 'sub'}", *train): f"cannot be made at {blocker / 'sub'} (Not a directory)",
         ("tracker=none", f"hydra.sweep.dir={blocker}", "-m", "trainer.seed=1,2", *train): f"cannot be made at {blocker}",
+        ("tracker=none", f"hydra.run.dir={blocker}/${{now:%Y}}", *train): f"cannot be made at {blocker / year}",
+        ("tracker=none", f"hydra.sweep.dir={blocker}/${{now:%Y}}", "-m", "trainer.seed=1,2", *train): (
+            f"cannot be made at {blocker / year}"
+        ),
         ("tracker=tensorboard", f"tracker.logging_dir={blocker}", *train): f"{blocker} is a file, not a directory",
         ("init", str(blocker / "project")): f"cannot write {blocker / 'project'} (Not a directory)",
     }  # fmt: skip
