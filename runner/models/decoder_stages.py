@@ -3,6 +3,10 @@ modules: no import of transformers until a stage runs (the `hf` extra is optiona
 
 from __future__ import annotations
 
+import functools
+import inspect
+from typing import Any
+
 import torch
 
 
@@ -59,10 +63,18 @@ class DecoderStage(torch.nn.Module):
             config=self.config,
             inputs_embeds=h,
             attention_mask=None,
-            past_key_values=None,
             position_ids=position_ids,
+            **_no_cache(create_causal_mask),
         )
         rotary = inner.rotary_emb(h, position_ids=position_ids)
         for layer in inner.layers.values():
             h = layer(h, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids)
         return self.lm_head(inner.norm(h)) if self.last else h
+
+
+@functools.cache
+def _no_cache(create_causal_mask: Any) -> dict[str, None]:
+    """No key-value cache, in the name `create_causal_mask` takes: `cache` (transformers 5.x, whose
+    `past_key_values` is deprecated) or `past_key_values`."""
+    name = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+    return {name: None}
