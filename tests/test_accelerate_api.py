@@ -133,6 +133,27 @@ def test_the_ddp_settings_of_hardware_multi_gpu_reach_ddp(accelerator_made):
         assert (*seen, model.static_graph) == expected
 
 
+class Block(torch.nn.Module):
+    """A unit that `hardware.shard_modules=[Block]` shards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_reshard_after_forward_shards_each_unit_again_or_keeps_it_gathered_for_backward(accelerator_made):
+    """hardware.reshard_after_forward (fsdp): after a unit's forward its parameters are its shards again
+    (true, the default: memory freed, gathered again for backward) or stay whole until backward (false)."""
+    for reshard, kind in ((True, "DTensor"), (False, "Parameter")):
+        strategy = FSDP(device="cpu", num_processes=1, shard_modules=["Block"], reshard_after_forward=reshard)
+        model = accelerator_made(strategy=strategy).prepare(torch.nn.Sequential(Block(), Block()))
+        model(torch.ones(2, 4))
+        assert [type(block.fc.weight).__name__ for block in model] == [kind, kind]
+
+
 def test_handlers_are_refused_where_they_configure_nothing_or_twice(accelerator_made):
     with pytest.raises(ConfigError, match="DistributedDataParallelKwargs configures what FSDP"):
         apply_handlers([DistributedDataParallelKwargs()], FSDP(device="cpu", num_processes=1), Precision())
