@@ -52,7 +52,7 @@ def queue_sweep(launcher_class: type[Launcher], sweep: Sweep) -> list[JobReturn]
         folder = Path(launcher.folder) if launcher.folder else Path(config.hydra.sweep.dir) / "slurm"
         executor = launcher.executor(folder, launcher.tasks_per_node(cfg, instantiate(cfg.hardware)))
         job = (list(overrides), number, Path(config.hydra.sweep.dir) / str(cfg.hydra.sweep.subdir))
-        if arrays and asks(arrays[-1][0]) == asks(executor):
+        if arrays and _asks(arrays[-1][0]) == _asks(executor):
             arrays[-1][1].append(job)
         else:
             arrays.append((executor, [job]))
@@ -82,7 +82,7 @@ def queue_sweep(launcher_class: type[Launcher], sweep: Sweep) -> list[JobReturn]
         ) from None
 
 
-def asks(executor: Any) -> tuple[dict[str, Any], Path, int]:
+def _asks(executor: Any) -> tuple[dict[str, Any], Path, int]:
     """What jobs of one array ask alike: the sbatch options, the folder, the requeues at the time limit."""
     return executor.parameters, Path(executor.folder), executor.max_num_timeout
 
