@@ -202,17 +202,23 @@ def test_sigterm_to_the_command_checkpoints_the_ranks_exits_75_and_the_run_resum
 
 def test_a_sweep_runs_its_jobs_at_once_on_the_cluster_and_a_second_run_skips_the_finished(cluster, tmp_path):
     """Two jobs, each its own worker group, run concurrently (the cluster holds both); each trains exactly
-    as its own local run; the same command again runs nothing."""
-    sweep_dir = tmp_path / "sweep"
+    as its own local run; the same command again runs nothing. `launcher.runtime_env` reaches the
+    workers: its variable, not the command's, names the file where their models count themselves."""
+    sweep_dir, counted = tmp_path / "sweep", tmp_path / "counted"
     command = [
         sys.executable, "-m", "runner", "-m", *RAY, "tracker=none", "trainer.plots=false",
         "trainer.progress_bar=false", f"hydra.sweep.dir={sweep_dir}", "trainer.max_steps=50",
-        "optimizer.lr=1e-3,3e-3",
+        "optimizer.lr=1e-3,3e-3", "model._target_=probes.CountedMLP",
+        f"+launcher.runtime_env.env_vars.PROBE_MODELS={counted / 'workers'}",
     ]  # fmt: skip
-    proc = subprocess.run(
-        in_cluster(command), env=cli_env(TESTS), capture_output=True, text=True, timeout=600
-    )
+    counted.mkdir()
+    env = cli_env(TESTS) | {"PROBE_MODELS": str(counted / "command")}
+    proc = subprocess.run(in_cluster(command), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
+    def devices(name: str) -> list[str]:  # of each model built: meta for the checks, cpu to train
+        return [line.split(":")[1] for line in (counted / name).read_text().split()]
+
+    assert devices("workers").count("cpu") == 2 and "cpu" not in devices("command")  # one per job's worker
     with open(sweep_dir / "summary.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 and len({row["eval/loss"] for row in rows}) == 2
@@ -228,9 +234,7 @@ def test_a_sweep_runs_its_jobs_at_once_on_the_cluster_and_a_second_run_skips_the
     assert (sweep_dir / job / "model" / "model.safetensors").read_bytes() == (
         tmp_path / "alone" / "model" / "model.safetensors"
     ).read_bytes()
-    again = subprocess.run(
-        in_cluster(command), env=cli_env(TESTS), capture_output=True, text=True, timeout=300
-    )
+    again = subprocess.run(in_cluster(command), env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert "job(s) 0, 1 finished before and are not run again" in again.stdout + again.stderr
 
