@@ -215,6 +215,7 @@ def test_a_sweep_runs_its_jobs_at_once_on_the_cluster_and_a_second_run_skips_the
     env = cli_env(TESTS) | {"PROBE_MODELS": str(counted / "command")}
     proc = subprocess.run(in_cluster(command), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
+
     def devices(name: str) -> list[str]:  # of each model built: meta for the checks, cpu to train
         return [line.split(":")[1] for line in (counted / name).read_text().split()]
 

@@ -462,9 +462,7 @@ def test_a_second_run_into_a_busy_dir_is_refused_and_a_dead_runs_dir_is_free(tmp
         said = []
         for line in third.stderr:  # to the end, should it not wait
             said.append(line)
-            if (
-                "hydra.run.dir" in line and "is gone; waiting" in line
-            ):  # with its pid where /proc/locks has it
+            if "hydra.run.dir" in line and "is gone; waiting" in line:  # its pid where /proc/locks has it
                 break
         hold.unlink()  # the workers go on, see their parent gone and exit
         said.append(third.communicate(timeout=300)[1])
