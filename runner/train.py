@@ -182,6 +182,7 @@ class Trainer:
         evaluating = cfg.get("mode") == "evaluate"  # the eval loop only (`evaluate_only`): no callbacks
         self.callbacks = Callbacks({} if evaluating else built_callbacks(cfg))
         self.stopped: str | None = None  # why a callback ended the run early
+        self.evaluated_at: int | None = None  # the step of the latest evaluation
         engine.register_for_checkpointing(self.done, self.callbacks)
         ledger.lap("setup")
         self.resume(enabled=not evaluating)
@@ -335,6 +336,8 @@ class Trainer:
                 log.info("stopped at step %d/%d: %s", done.step, self.total_steps, self.stopped)
                 if done.window_batches:  # the loss since the last log line, for the final metrics
                     self.log_window()
+                if self.evaluated_at != done.step:  # the final evaluation a run's end makes
+                    self.evaluate()
         return self.finish()
 
     def evaluate_only(self) -> dict[str, float]:
@@ -423,6 +426,7 @@ class Trainer:
         with rng_kept():
             evaluated = evaluate(self.engine, self.model, self.task, self.eval_loader, self.evaluating)
         self.ledger.lap("eval", step=self.done.step)
+        self.evaluated_at = self.done.step
         self.log_metrics(evaluated)
         log.info("step %d/%d: %s", self.done.step, self.total_steps, _fmt(evaluated))
         self.callbacks.on_eval_end(self, evaluated)

@@ -193,6 +193,17 @@ class RecordingCallback(Callback):
         self.calls = state["calls"]
 
 
+class StopAtStep(Callback):
+    """Ends the run after optimizer step `at` (as a user's stopping callback, docs/callbacks.md)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, run: Any) -> None:
+        if run.step >= self.at:
+            run.stop(f"step {self.at} reached")
+
+
 class FileTracker(GeneralTracker):
     """A user's own tracker (Accelerate's GeneralTracker contract), by `_target_` in a `tracker/` option of
     the user's config dir: each call a JSON line of `path`."""

@@ -112,6 +112,21 @@ def test_callbacks_stop_keep_the_best_log_and_resume_their_state(tmp_path):
     assert [line for line in lines if line[0] == "fit_start"][1] == ["fit_start", "20", str(saved + 1)]
 
 
+@pytest.mark.slow
+def test_a_run_a_callback_stops_before_its_first_evaluation_evaluates_and_exits_0(tmp_path):
+    """A callback's stop at step 20 of 200 (the first evaluation due at 100): the run evaluates there, as at
+    its end, so its objective (eval/loss) is among the final metrics and it exits 0."""
+    run_dir = tmp_path / "run"
+    done = run_to_end(
+        run_dir, "+callbacks.stop._target_=probes.StopAtStep", "+callbacks.stop.at=20", pythonpath=TESTS
+    )
+    assert "stopped at step 20/200: step 20 reached" in done.stderr
+    assert sorted(_evaluations(run_dir)) == [20]
+    final = json.loads((run_dir / "metrics.json").read_text())
+    assert final["eval/loss"] == pytest.approx(_evaluations(run_dir)[20], rel=1e-3)
+    assert json.loads((run_dir / "finished.json").read_text())["step"] == 20
+
+
 @pytest.mark.parametrize(("min_delta", "stops_at"), [(0.0, None), (0.1, 3)])
 def test_early_stopping_counts_only_improvements_by_more_than_min_delta(min_delta, stops_at):
     """eval/loss falls by 0.05 per evaluation: every fall is an improvement with min_delta 0; with 0.1
