@@ -439,10 +439,10 @@ def options_first(arguments: list[str]) -> list[str]:
 
 
 def resume_last(arguments: list[str]) -> list[str]:
-    """`trainer.resume=last` (as Lightning's `ckpt_path="last"`): the command runs again in the newest dir
-    of outputs/runs that a run of the same `experiment=` wrote, resuming its latest checkpoint (a changed
-    setting is refused there as in any resume, a finished run trains nothing); ConfigError where there is
-    none, or with a sweep or a run dir of its own."""
+    """`trainer.resume=last` (as Lightning's `ckpt_path="last"`): the command runs again in the dir of
+    outputs/runs that a run of the same `experiment=` wrote last (`latest_run`: by time, not by name),
+    resuming its latest checkpoint (a changed setting is refused there as in any resume, a finished run
+    trains nothing); ConfigError where there is none, or two tie, or with a sweep or a run dir of its own."""
     asked = f"trainer.resume={LAST}"
     if asked not in arguments:
         return arguments
@@ -451,20 +451,26 @@ def resume_last(arguments: list[str]) -> list[str]:
         "--multirun",
     } & set(arguments):
         raise ConfigError(
-            f"{asked} picks the run dir itself (the newest of {RUNS_DIR}); it takes no hydra.run.dir and no sweep "
+            f"{asked} picks the run dir itself (the one of {RUNS_DIR} written last); it takes no hydra.run.dir and no sweep "
             "(-m: a sweep resumes with its own command). Give trainer.resume=auto hydra.run.dir=<the run's dir> instead."
         )
     chosen = [a.split("=", 1)[1] for a in arguments if a.startswith("experiment=")]
     experiment = chosen[-1] if chosen else None
-    run = latest_run(Path(RUNS_DIR), experiment)
-    if run is None:
+    latest = latest_run(Path(RUNS_DIR), experiment)
+    if latest is None:
         raise ConfigError(
             f"{asked}: {Path(RUNS_DIR).absolute()} holds no run of "
             f"{f'experiment={experiment}' if experiment else 'the default experiment'} to resume. Run it first "
             "(without trainer.resume), or name a checkpoint: trainer.resume=<dir>."
         )
-    print(f"{asked}: resuming {run}", file=sys.stderr)
-    return [a for a in arguments if a != asked] + ["trainer.resume=auto", f"hydra.run.dir={run}"]
+    which = f"experiment={experiment}" if experiment else "the default experiment"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(latest.written))
+    before = f"; the one before it: {latest.runner_up}" if latest.runner_up else ""
+    print(
+        f"{asked}: resuming {latest.run_dir} (the run of {which} written last: {latest.what} at {when}{before})",
+        file=sys.stderr,
+    )
+    return [a for a in arguments if a != asked] + ["trainer.resume=auto", f"hydra.run.dir={latest.run_dir}"]
 
 
 def check_intervals(arguments: list[str]) -> None:

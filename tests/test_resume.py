@@ -20,7 +20,7 @@ from conftest import cli_env, metrics_of, runner_command, wait_for_checkpoint
 from hydra import compose, initialize_config_dir
 
 from runner import dir_lock
-from runner.cli import checks_before_launch
+from runner.cli import checks_before_launch, resume_last
 from runner.config import CONF_DIR
 from runner.errors import ConfigError
 from runner.goodput import read_ledger, summarize
@@ -724,3 +724,39 @@ def test_resume_last_continues_the_newest_run_of_the_same_experiment_in_its_dir(
     assert len(list((tmp_path / "outputs" / "runs").iterdir())) == 1  # no new run dir
     other = runner("experiment=gpt_sonnets", "trainer.resume=last")
     assert other.returncode == 2 and "holds no run of experiment=gpt_sonnets to resume" in other.stderr
+
+
+def _run_dir(runs: Path, name: str, written: float, checkpoint_written: float | None = None) -> Path:
+    """A run dir of the default experiment whose log was last written at `written` (and, given, whose
+    latest checkpoint at `checkpoint_written`)."""
+    run = runs / name
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text("- trainer.max_steps=20\n")
+    (run / "runner.log").write_text("...\n")
+    os.utime(run / "runner.log", (written, written))
+    if checkpoint_written is not None:
+        meta = run / "checkpoints" / "checkpoint_0" / "meta.json"
+        meta.parent.mkdir(parents=True)
+        meta.write_text("{}")
+        os.utime(meta, (checkpoint_written, checkpoint_written))
+    return run
+
+
+def test_resume_last_takes_the_run_written_last_not_the_last_name_and_refuses_a_tie(tmp_path, monkeypatch, capsys):
+    """`trainer.resume=last` goes by when a run last wrote (its log, its newest checkpoint), not by its dir's
+    name: a dir named `baseline` sorts after every dated one. It names the run it chose and why; two runs last
+    written at the same moment are refused, naming both."""
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "outputs" / "runs"
+    now = time.time()
+    _run_dir(runs, "baseline", now - 3600, checkpoint_written=now - 3700)
+    _run_dir(runs, "2026-12-01_10-00-00", now - 60)  # the newest: its log
+    _run_dir(runs, "2026-11-30_10-00-00", now - 7200, checkpoint_written=now - 120)
+    arguments = resume_last(["trainer.resume=last"])
+    assert arguments[-1] == "hydra.run.dir=outputs/runs/2026-12-01_10-00-00"
+    said = capsys.readouterr().err
+    assert "trainer.resume=last: resuming outputs/runs/2026-12-01_10-00-00 (the run of the default experiment " in said
+    assert "outputs/runs/2026-11-30_10-00-00" in said  # the next newest, named
+    _run_dir(runs, "copy", now - 60)  # written at the same moment as the newest
+    with pytest.raises(ConfigError, match=r"2026-12-01_10-00-00 and .*copy|copy and .*2026-12-01_10-00-00"):
+        resume_last(["trainer.resume=last"])

@@ -76,20 +76,54 @@ RUNS_DIR = "outputs/runs"  # where runs go by default (hydra.run.dir in conf/con
 LAST = "last"  # trainer.resume=last: the latest run of the same experiment, in its own dir
 
 
-def latest_run(runs_dir: Path, experiment: str | None) -> Path | None:
-    """The newest run dir in `runs_dir` (by its name: a date and time) whose command chose the same
-    `experiment=` (None: none), or None."""
-    for run in sorted((d for d in runs_dir.glob("*") if d.is_dir()), key=lambda d: d.name, reverse=True):
-        overrides = run / ".hydra" / "overrides.yaml"
-        if overrides.is_file():
-            chosen = [
-                o.split("=", 1)[1]
-                for o in yaml.safe_load(overrides.read_text()) or []
-                if o.startswith("experiment=")
-            ]
-            if (chosen[-1] if chosen else None) == experiment:
-                return run
-    return None
+@dataclass(frozen=True)
+class LatestRun:
+    """`trainer.resume=last`'s choice: the run dir, when it last wrote (seconds since the epoch) and what
+    (its log or its newest checkpoint), and the next newest run of the experiment (None: it was the only
+    one)."""
+
+    run_dir: Path
+    written: float
+    what: str
+    runner_up: Path | None = None
+
+
+def last_written(run_dir: Path) -> tuple[float, str] | None:
+    """When the run in `run_dir` last wrote, and what: the later of its log's last line and its newest
+    checkpoint's completion (`meta.json` is written last); None for a dir with neither."""
+    records = [(run_dir / LOG_FILE, "its log"), *((meta, "its newest checkpoint") for meta in
+               run_dir.glob("checkpoints/checkpoint_*/meta.json"))]  # fmt: skip
+    times = [(path.stat().st_mtime, what) for path, what in records if path.is_file()]
+    return max(times, default=None)
+
+
+def latest_run(runs_dir: Path, experiment: str | None) -> LatestRun | None:
+    """The run dir in `runs_dir` whose command chose the same `experiment=` (None: none) and that wrote last
+    (`last_written`: by time, not by the dir's name, which may be any), or None. A ConfigError when two
+    such runs wrote last at the same moment (a copied dir): which one is meant cannot be told."""
+    written: list[tuple[float, str, Path]] = []
+    for run in (d for d in runs_dir.glob("*") if d.is_dir()):
+        overrides = run / JOB_CONFIG_DIR / "overrides.yaml"
+        if not overrides.is_file():
+            continue
+        chosen = [
+            o.split("=", 1)[1]
+            for o in yaml.safe_load(overrides.read_text()) or []
+            if o.startswith("experiment=")
+        ]
+        if (chosen[-1] if chosen else None) == experiment and (when := last_written(run)) is not None:
+            written.append((*when, run))
+    if not written:
+        return None
+    written.sort(key=lambda entry: entry[0], reverse=True)
+    (newest, what, run), *older = written
+    if older and older[0][0] == newest:
+        raise ConfigError(
+            f"trainer.resume=last: {run} and {older[0][2]} were last written at the same moment "
+            f"({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(newest))}), so which run is the latest cannot be "
+            "told. Resume one of them by its dir: trainer.resume=auto hydra.run.dir=<the run's dir>."
+        )
+    return LatestRun(run, newest, what, older[0][2] if older else None)
 
 
 def damaged_error(checkpoint: Path, problems: list[str], key: str = "trainer.resume") -> ConfigError:
