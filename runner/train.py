@@ -262,8 +262,10 @@ class Trainer:
         if not resumed:
             self.history.resume_at(0)  # a run started afresh: none of an earlier one's history
         else:
-            self.engine.step = self.checkpointer.resume(Path(resumed))
+            steps = self.checkpointer.resume(Path(resumed))
             done = self.done
+            # The loop's count of optimizer steps (its Progress) is the one a checkpoint records.
+            self.engine.optimizer_step, self.engine.micro_step = done.step, steps.micro
             self.history.resume_at(done.step)
             check_not_past(resumed, done.step, self.total_steps)  # a length in epochs: known here
             self.resumed_at = done.step
@@ -407,7 +409,7 @@ class Trainer:
         done.window_batches = 0
         self.log_metrics(logged)
         if self.settings.checkpoint_last_finite:
-            self.checkpointer.save_last_finite(engine.step)
+            self.checkpointer.save_last_finite(done.step)
         if not self.progress.disable:
             self.progress.set_postfix(
                 {"loss": f"{logged['train/loss']:.4f}"}
@@ -528,7 +530,7 @@ class Trainer:
         if self.settings.fast_dev_run:
             log.info("trainer.fast_dev_run: everything ran; no results recorded")
         elif engine.is_main_process:  # the results are whole: a run in this dir now finds them finished
-            final = self.checkpointer.latest_at(engine.step)
+            final = self.checkpointer.latest_at(self.done.step)
             record_finished(output_dir, self.done.step, self.config, self.metrics, final)
         for run_tracker in engine.trackers:  # the main process's
             for artifact in (output_dir / RESOLVED, *output_dir.glob("*.log")):  # and Hydra's

@@ -193,6 +193,32 @@ def test_a_run_resumed_from_a_resumed_runs_checkpoint_finishes_identically(tmp_p
     assert final == (tmp_path / "first" / "model" / "model.safetensors").read_bytes()
 
 
+def test_a_checkpoint_records_the_optimizer_step_with_accumulation_and_across_epochs(tmp_path):
+    """With 4 micro-batches a step (15 optimizer steps an epoch), each checkpoint records the optimizer step it
+    was written at, the step `trainer.max_steps` counts (not the micro-batches, which the engine counts from 0
+    again each epoch): the check against a shorter run uses it, and a run resumed in the second epoch goes on
+    with its accumulation where it was and ends as the uninterrupted run."""
+    every = [
+        "trainer.gradient_accumulation_steps=4",
+        "trainer.checkpoint_every=10",
+        "trainer.keep_checkpoints=null",
+    ]
+    whole = tmp_path / "whole"
+    first = run(whole, *every, "trainer.max_steps=30")
+    assert first.returncode == 0, first.stderr
+    checkpoints = [whole / "checkpoints" / f"checkpoint_{i}" for i in range(3)]
+    assert [json.loads((c / "meta.json").read_text())["step"] for c in checkpoints] == [10, 20, 30]
+    shorter = refused(tmp_path / "shorter", *every, "trainer.max_steps=15", f"trainer.resume={checkpoints[0]}", "plan=true")
+    assert shorter.returncode == 0, shorter.stderr
+    past = refused(tmp_path / "past", *every, "trainer.max_steps=25", f"trainer.resume={checkpoints[2]}")
+    assert past.returncode == 2 and "was written at step 30, past it" in past.stderr, past.stderr
+    resumed = run(tmp_path / "resumed", *every, "trainer.max_steps=30", f"trainer.resume={checkpoints[1]}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "at step 20 (epoch 1, batch 20)" in (tmp_path / "resumed" / "runner.log").read_text()
+    final = (tmp_path / "resumed" / "model" / "model.safetensors").read_bytes()
+    assert final == (whole / "model" / "model.safetensors").read_bytes()
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_kill_9_after_a_checkpoint_then_rerun_finishes_identically(tmp_path, uninterrupted, ranks):
     proc = start(tmp_path, *TRAIN, *RANKS[ranks], "tracker=mlflow")
@@ -716,11 +742,18 @@ def test_resume_last_continues_the_newest_run_of_the_same_experiment_in_its_dir(
     first = runner("trainer.max_steps=20", "trainer.checkpoint_every=10")
     assert first.returncode == 0, first.stderr
     (run_dir,) = (tmp_path / "outputs" / "runs").iterdir()
+    results = {name: (run_dir / name).read_bytes() for name in ("metrics.json", "model/model.safetensors")}
     longer = runner("trainer.max_steps=30", "trainer.checkpoint_every=10", "trainer.resume=last")
     assert longer.returncode == 0, longer.stderr
     assert f"trainer.resume=last: resuming outputs/runs/{run_dir.name}" in longer.stderr
     assert f"resumed from {run_dir / 'checkpoints' / 'checkpoint_1'} at step 20" in longer.stderr
     assert json.loads((run_dir / "finished.json").read_text())["step"] == 30
+    # The shorter run's results are kept, moved aside and named on the console with the schedule's change.
+    (aside,) = run_dir.glob("replaced-*")
+    assert {name: (aside / name).read_bytes() for name in results} == results
+    assert json.loads((aside / "finished.json").read_text())["step"] == 20
+    assert f"its results (metrics.json, model/, finished.json) moved to {aside}" in longer.stderr
+    assert "the learning-rate schedule is recomputed for 30 steps" in longer.stderr
     assert len(list((tmp_path / "outputs" / "runs").iterdir())) == 1  # no new run dir
     other = runner("experiment=gpt_sonnets", "trainer.resume=last")
     assert other.returncode == 2 and "holds no run of experiment=gpt_sonnets to resume" in other.stderr

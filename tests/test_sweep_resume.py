@@ -72,6 +72,9 @@ def test_a_sweep_interrupted_in_its_fourth_job_resumes_it_and_runs_only_what_is_
     finally:
         proc.kill()
     assert proc.returncode == 75, stderr  # stopped with a checkpoint: run the same command to resume
+    # the sweep's command resumes it (a job's own hydra.run.dir would resume it outside its sweep)
+    assert "Run the same command with hydra.sweep.dir=sweep to resume" in stderr, stderr
+    assert "hydra.run.dir=" not in stderr
     assert [(sweep / str(n) / "metrics.json").exists() for n in range(6)] == [True] * 3 + [False] * 3
     assert not (sweep / "4").exists()
     before = {n: snapshot(sweep / str(n)) for n in range(3)}

@@ -294,6 +294,15 @@ class Accelerator(Engine):
         return self.is_main_process
 
     @property
+    def step(self) -> int:
+        """Accelerate's `step`: micro-batches since the accumulation's last reset (the engine's `micro_step`)."""
+        return self.micro_step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.micro_step = value
+
+    @property
     def optimizer_step_was_skipped(self) -> bool:
         """True when the last optimizer step was skipped (fp16 overflow)."""
         return any(opt.step_was_skipped for opt in self.checkpointer.of_kind("optimizer"))

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,16 @@ from runner.ops import host_copy
 from runner.precision import Precision
 from runner.rng import rng_state, set_rng_state
 from runner.state import ProcessState
+
+
+class Steps(NamedTuple):
+    """Where a checkpoint was written: the optimizer steps done (what `trainer.max_steps` counts; None in
+    checkpoints that recorded only the micro-batches: runner's before it recorded both, Accelerate's), and
+    the micro-batches of the accumulation (Accelerate's `step`)."""
+
+    optimizer: int | None
+    micro: int
+
 
 log = logging.getLogger(__name__)
 
@@ -192,8 +202,11 @@ class Checkpointer:
         }
 
     # ----------------------------------------------------------------------------------------- save
-    def save(self, output_dir: str | None = None, step: int = 0, blocking: bool = True) -> Path:
-        """Write a checkpoint of everything registered, atomically, and return its directory.
+    def save(
+        self, output_dir: str | None = None, step: int = 0, blocking: bool = True, micro_step: int = 0
+    ) -> Path:
+        """Write a checkpoint of everything registered, at optimizer step `step` and micro-batch
+        `micro_step` of the accumulation (0: at the end of an optimizer step), atomically; its directory.
 
         Without `output_dir`, automatic naming writes `<project_dir>/checkpoints/checkpoint_<iteration>`,
         marks it latest and keeps at most `total_limit`. A crash during the save leaves the previous
@@ -227,7 +240,7 @@ class Checkpointer:
                 shutil.rmtree(staging, ignore_errors=True)
 
         try:
-            write = self._writer(staging, step, blocking)
+            write = self._writer(staging, Steps(step, micro_step), blocking)
             if blocking:
                 write()
                 commit()
@@ -242,7 +255,7 @@ class Checkpointer:
             self.strategy.barrier()
         return final
 
-    def _writer(self, staging: Path, step: int, blocking: bool) -> Callable[[], None]:
+    def _writer(self, staging: Path, steps: Steps, blocking: bool) -> Callable[[], None]:
         """What writes every process's part of a checkpoint into `staging`, then the main process's
         `meta.json` (once every part is there). Blocking, the weights are written here; else they and
         the other states are copied into host memory here (`CheckpointFormat.stage`), and the writer
@@ -268,14 +281,15 @@ class Checkpointer:
         for_accelerate = self.format.accelerate_readable
         if for_accelerate:
             precision_state = files.get("precision.pt", {})
-            files |= accelerate_files(rank, step, main, precision_state, self.of_kind("dataloader"))
+            files |= accelerate_files(rank, steps.micro, main, precision_state, self.of_kind("dataloader"))
         counts = self._counts(models)
         meta = {
             "num_processes": self.state.num_processes,
             "data_parallel_size": self.state.data_parallel_size,
             "split_batches": self.split_batches,
             "checkpoint_format": self.strategy.checkpoint_format,
-            "step": step,
+            "step": steps.optimizer,
+            "micro_step": steps.micro,
             "counts": counts,
             "optimizer_classes": [qualified_name(opt) for opt in optimizers],
         }
@@ -373,9 +387,9 @@ class Checkpointer:
             self.project.automatic_checkpoint_naming = automatic
 
     # ----------------------------------------------------------------------------------------- load
-    def load(self, input_dir: str | None = None) -> int:
+    def load(self, input_dir: str | None = None) -> Steps:
         """Restore a checkpoint that `save` wrote (without `input_dir`: the project's latest) into the
-        objects registered, in the same order; return the step it was written at. A sharded (DCP)
+        objects registered, in the same order; return the steps it was written at. A sharded (DCP)
         checkpoint loads onto another number of ranks or another layout: DCP reshards it."""
         directory = Path(input_dir) if input_dir is not None else self._latest()
         if is_accelerate_checkpoint(directory):
@@ -411,11 +425,13 @@ class Checkpointer:
         if self.project.automatic_checkpoint_naming and (number := checkpoint_number(directory)) is not None:
             # Past a newer one the dir may hold (written by a run killed before it was marked latest).
             self.project.iteration = max(self.project.iteration, number + 1)
-        return meta["step"]
+        if "micro_step" not in meta:  # written before both were recorded: its `step` counted micro-batches
+            return Steps(None, meta["step"])
+        return Steps(meta["step"], meta["micro_step"])
 
-    def _load_accelerate(self, directory: Path) -> int:
+    def _load_accelerate(self, directory: Path) -> Steps:
         """Restore what Accelerate's `save_state` wrote (`accelerate_layout.load_accelerate_checkpoint`);
-        the step it recorded."""
+        the micro-batch step it recorded."""
         if not self.format.accelerate_readable:
             raise ConfigError(
                 f"load_state input_dir={directory}: a checkpoint of Accelerate's save_state holds whole models, which "
@@ -424,7 +440,7 @@ class Checkpointer:
                 "the weights to load_checkpoint_in_model."
             )
         modules = [self.strategy.unwrap_module(m) for m in self._models_to_load(directory)]
-        return load_accelerate_checkpoint(
+        micro = load_accelerate_checkpoint(
             directory,
             modules,
             self.of_kind,
@@ -432,14 +448,15 @@ class Checkpointer:
             self.state.process_index,
             self.state.num_processes,
         )
+        return Steps(None, micro)
 
-    def resume(self, checkpoint: Path) -> int:
+    def resume(self, checkpoint: Path) -> Steps:
         """`load` for `trainer.resume`: a checkpoint that does not fit this run is a ConfigError, and the
-        learning rates stay the configured ones (`keep_configured_lr`); the step it was written at."""
+        learning rates stay the configured ones (`keep_configured_lr`); the steps it was written at."""
         schedulers = self.of_kind("scheduler")
         configured = [list(s.scheduler.base_lrs) for s in schedulers]
         try:
-            step = self.load(str(checkpoint))
+            steps = self.load(str(checkpoint))
         except (RuntimeError, KeyError, ValueError) as err:
             if isinstance(err, ConfigError):
                 raise
@@ -450,7 +467,7 @@ class Checkpointer:
             ) from err
         for scheduler, lrs in zip(schedulers, configured, strict=True):
             keep_configured_lr(scheduler.scheduler, lrs)
-        return step
+        return steps
 
     def _models_to_load(self, directory: Path) -> list[torch.nn.Module]:
         """The prepared models that `load` fills, after the load hooks took theirs."""
@@ -465,9 +482,12 @@ class Checkpointer:
         return [model for model, m in zip(prepared, unwrapped, strict=True) if id(m) in left]
 
     def latest_at(self, step: int) -> Path | None:
-        """The project's latest checkpoint when it holds the state at `step` (the engine's), else None."""
+        """The project's latest checkpoint when it holds the state at optimizer step `step`, else None."""
         latest = latest_checkpoint(self.project.checkpoints_dir) if self.project.project_dir else None
-        return latest if latest is not None and read_meta(latest).get("step") == step else None
+        if latest is None:
+            return None
+        meta = read_meta(latest)
+        return latest if "micro_step" in meta and meta["step"] == step else None
 
     def _latest(self) -> Path:
         latest = latest_checkpoint(self.project.checkpoints_dir) if self.project.project_dir else None

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import shlex
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,11 +66,24 @@ CANDIDATE = ".last_finite.candidate"  # the newest state, until the next window'
 
 def resume_override(output_dir: Path) -> str:
     """The override that runs a command again in `output_dir` (relative to the working dir when inside
-    it), which resumes a stopped run there: what its user is told to add."""
-    shown = (
-        os.path.relpath(output_dir) if Path(output_dir).resolve().is_relative_to(Path.cwd()) else output_dir
-    )
-    return f"hydra.run.dir={shlex.quote(str(shown))}"
+    it), which resumes a stopped run there: what its user is told to add. For a sweep's job, the sweep's
+    dir: the sweep's command resumes the job in its sweep (its summary gets it)."""
+    key, directory = "hydra.run.dir", Path(output_dir)
+    if (sweep := sweep_of(directory)) is not None:
+        key, directory = "hydra.sweep.dir", sweep
+    shown = os.path.relpath(directory) if directory.resolve().is_relative_to(Path.cwd()) else directory
+    return f"{key}={shlex.quote(str(shown))}"
+
+
+def sweep_of(output_dir: Path) -> Path | None:
+    """The sweep dir of the job in `output_dir` (its parent), from the job's `.hydra/hydra.yaml`, which the
+    command writes before it launches the ranks; None for a single run or without that file."""
+    written = output_dir / JOB_CONFIG_DIR / "hydra.yaml"
+    try:
+        mode = ((yaml.safe_load(written.read_text()) or {}).get("hydra") or {}).get("mode")
+    except (OSError, yaml.YAMLError):
+        return None
+    return output_dir.parent if str(mode) in ("MULTIRUN", "RunMode.MULTIRUN") else None
 
 
 RUNS_DIR = "outputs/runs"  # where runs go by default (hydra.run.dir in conf/config.yaml)
@@ -314,7 +328,7 @@ def check_resume(
             check_model_fits(checkpoint, checkpoint_format, model)
         if optimizer_class is not None:
             check_optimizer_classes(checkpoint, meta, [qualified_name(optimizer_class)])
-        if max_steps is not None and meta.get("step") is not None:
+        if max_steps is not None and "micro_step" in meta:  # earlier versions recorded micro-batches only
             check_not_past(checkpoint, meta["step"], max_steps)
     return checkpoint
 
@@ -439,8 +453,23 @@ def check_finished_run(
         if finished.final_checkpoint is not None and finished.final_checkpoint == latest_checkpoint(
             output_dir / "checkpoints"
         ):
-            log.info("continuing the run that finished at step %s (%s)", finished.step, shown)
-            return None  # trainer.resume=auto takes its checkpoint of that step
+            # trainer.resume=auto takes its checkpoint of that step; its results are kept, not replaced
+            kept = (
+                ""
+                if dry_run
+                else f": its results ({', '.join(RESULTS)}) moved to {_aside(output_dir, RESULTS)}"
+            )
+            length = settings.get("trainer", {})  # type: ignore[union-attr]
+            steps = length.get("max_steps") or f"{length.get('max_epochs')} epochs'"
+            log.warning(
+                "continuing the run that finished at step %s (%s)%s; the learning-rate schedule is recomputed for "
+                "%s steps, so from its checkpoint on the rates follow the longer schedule, not the finished one's.",
+                finished.step,
+                shown,
+                kept,
+                steps,
+            )
+            return None
         if not overwrite:
             latest = latest_checkpoint(output_dir / "checkpoints")
             older = (
@@ -480,11 +509,7 @@ def check_finished_run(
         )
     if dry_run:
         return None
-    aside = output_dir / time.strftime("replaced-%Y%m%d-%H%M%S")
-    aside.mkdir()
-    for entry in output_dir.iterdir():
-        if entry.name != LOG_FILE and not entry.name.startswith("replaced-"):
-            entry.rename(aside / entry.name)
+    aside = _aside(output_dir)
     log.warning(
         "trainer.overwrite=true: the finished run in %s%s moved to %s",
         output_dir,
@@ -495,6 +520,30 @@ def check_finished_run(
 
 
 LENGTH = ("trainer.max_steps", "trainer.max_epochs")  # a finished run given more of these trains on
+RESULTS = (FINISHED, "model/", FINISHED_RECORD)  # what a finished run trained on in its dir moves aside
+REPLACED = "replaced-"  # + a time: a dir of a finished run's files moved aside
+
+
+def _aside(output_dir: Path, names: tuple[str, ...] | None = None) -> Path:
+    """Move `names` of `output_dir` (None: everything but its log and earlier such dirs) into a new
+    `replaced-<time>/` there (`_1`, `_2` added within a second), copying its resolved config too; that dir."""
+    stamp = time.strftime(f"{REPLACED}%Y%m%d-%H%M%S")
+    aside, n = output_dir / stamp, 0
+    while aside.exists():
+        n += 1
+        aside = output_dir / f"{stamp}_{n}"
+    aside.mkdir()
+    if names is None:
+        entries = [e for e in output_dir.iterdir() if e.name != LOG_FILE and not e.name.startswith(REPLACED)]
+    else:
+        entries = [
+            output_dir / name.rstrip("/") for name in names if (output_dir / name.rstrip("/")).exists()
+        ]
+        if (output_dir / RESOLVED).is_file():
+            shutil.copy2(output_dir / RESOLVED, aside / RESOLVED)
+    for entry in entries:
+        entry.rename(aside / entry.name)
+    return aside
 
 
 def _only_longer(changes: list[str], finished: FinishedRun, settings: dict[str, Any]) -> bool:

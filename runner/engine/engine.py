@@ -102,15 +102,20 @@ class MicroBatch:
         self.skipping: AbstractContextManager | None = None  # the models' no_sync, between syncs
 
     def __enter__(self) -> None:
-        """Sync on every `num_steps`-th micro-batch and on the loader's last; skip syncing otherwise."""
+        """Sync on every `num_steps`-th micro-batch and on the loader's last (an optimizer step, counted);
+        skip syncing otherwise."""
         engine, state = self.engine, self.engine.gradient_state
         if state.sync_with_dataloader and state.end_of_dataloader:
-            engine.step = 0
+            engine.micro_step = 0
             state.sync_gradients = True
+            engine.optimizer_step += 1
             return
-        engine.step += 1
-        state.sync_gradients = engine.step % state.num_steps == 0
-        if state.sync_gradients or state.sync_each_batch or not self.models:
+        engine.micro_step += 1
+        state.sync_gradients = engine.micro_step % state.num_steps == 0
+        if state.sync_gradients:
+            engine.optimizer_step += 1
+            return
+        if state.sync_each_batch or not self.models:
             return
         no_sync = engine.strategy.no_sync
         if len(self.models) == 1:
@@ -185,7 +190,10 @@ class Engine(ProcessControl):
         self.rng_types = ["generator"] if rng_types is None else list(rng_types)
         rng_generators(self.rng_types, self.device)  # a ValueError for an unknown one, now
         self.loading = loading or Loading()
-        self.step = 0
+        # Micro-batches since the last reset (Accelerate's `step`: the accumulation's phase; 0 again at the
+        # end of a dataloader), and the optimizer steps `accumulate()` ended: what a checkpoint records.
+        self.micro_step = 0
+        self.optimizer_step = 0
         self._trigger = False
         self._micro_batch_size: int | None = None  # per process, of the first prepared dataloader
         self.project_configuration = project_config or ProjectConfiguration()
@@ -509,14 +517,20 @@ class Engine(ProcessControl):
         their own); the checkpoint becomes latest only once complete. The next save, `wait_for_checkpoint` and
         `end_training` wait for the write.
         """
-        return str(self.checkpointer.save(output_dir, step=self.step, blocking=blocking))
+        return str(
+            self.checkpointer.save(
+                output_dir, step=self.optimizer_step, blocking=blocking, micro_step=self.micro_step
+            )
+        )
 
     def load_state(self, input_dir: str | None = None) -> None:
         """Restore a checkpoint that `save_state` wrote (without `input_dir`: the latest one of the
         project), into the objects prepared and registered, in the same order. A sharded (DCP) checkpoint
         loads onto another number of ranks or another layout (fsdp 4 -> 2, fsdp -> tensor parallel):
         DCP reshards it."""
-        self.step = self.checkpointer.load(input_dir)
+        steps = self.checkpointer.load(input_dir)
+        self.micro_step = steps.micro
+        self.optimizer_step = steps.optimizer or 0  # None: a checkpoint that did not record it
 
     def wait_for_checkpoint(self, everyone: bool = True) -> None:
         """Wait until the checkpoint that `save_state(blocking=False)` is writing is complete (and marked
@@ -572,7 +586,7 @@ class Engine(ProcessControl):
         """Drop the references held to prepared objects, collect garbage, empty the device cache."""
         self.checkpointer.clear()
         self._micro_batch_size = None
-        self.step = 0
+        self.micro_step = self.optimizer_step = 0
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
