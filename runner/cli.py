@@ -359,7 +359,9 @@ def run() -> None:
     try:
         check_intervals(sys.argv[1:])
         sys.argv[1:] = resume_last(sys.argv[1:])
-        check_config_dirs(user_config_dirs(get_args_parser().parse_args()))
+        parsed = get_args_parser().parse_args()
+        check_one_mode(parsed)
+        check_config_dirs(user_config_dirs(parsed))
     except ConfigError as err:
         _end_command(err)
     _importable_cwd()
@@ -471,6 +473,27 @@ def resume_last(arguments: list[str]) -> list[str]:
         file=sys.stderr,
     )
     return [a for a in arguments if a != asked] + ["trainer.resume=auto", f"hydra.run.dir={latest.run_dir}"]
+
+
+def check_one_mode(args: Any) -> None:
+    """ConfigError for Hydra's modes given together (`-m --cfg job`: Hydra raises a bare ValueError)."""
+    modes = [
+        flag
+        for flag, given in (
+            ("-m", args.multirun),
+            ("--cfg", args.cfg),
+            ("--info", args.info),
+            ("--run", args.run),
+            ("--shell-completion", args.shell_completion),
+        )
+        if given
+    ]
+    if len(modes) > 1:
+        raise ConfigError(
+            f"{' and '.join(modes)} cannot be given together: each is a way to run the command (a sweep, print the "
+            "config, print information, one run). To see the config of one job of a sweep, give --cfg job with that "
+            "job's values and without -m (optimizer.lr=1e-3, not optimizer.lr=1e-3,1e-2)."
+        )
 
 
 def check_intervals(arguments: list[str]) -> None:

@@ -17,7 +17,9 @@ from typing import Any
 
 from hydra import compose
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ValueType
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
@@ -61,8 +63,19 @@ class SweepCheck(Callback):
         params = config.hydra.sweeper.get("params") or {}
         arguments = [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)
         problems = []
+        # With the config loader, as the sweeper's own parser: glob() lists a group's options.
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
         try:
-            jobs = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(arguments), None)[0]
+            parsed = parser.parse_overrides(arguments)
+            if sampled := [o.input_line for o in parsed if o.value_type == ValueType.INTERVAL_SWEEP]:
+                raise ConfigError(
+                    f"{', '.join(sampled)}: interval() is a range to sample from, and the grid sweeper runs a list "
+                    "of values. Sample it with Optuna (hydra/sweeper=optuna, the sweeps extra), or sweep a list: "
+                    "optimizer.lr=1e-3,3e-3,1e-2."
+                )
+            jobs = BasicSweeper.split_arguments(parsed, None)[0]
+        except ConfigError as err:
+            jobs, problems = [], [str(err)]
         except (HydraException, OmegaConfBaseException) as err:
             jobs, problems = [], [describe_compose_error(err)]
         for number, overrides in enumerate(jobs):
@@ -73,7 +86,8 @@ class SweepCheck(Callback):
             except (HydraException, OmegaConfBaseException) as err:
                 problems.append(f"job {number} ({' '.join(overrides)}): {describe_compose_error(err)}")
         if problems:
-            print(f"Configuration error: {chr(10).join(problems)} No job was run.", file=sys.stderr)
+            said = chr(10).join(problems).rstrip()
+            print(f"Configuration error: {said}{'' if said.endswith('.') else '.'} No job was run.", file=sys.stderr)
             sys.exit(2)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -452,6 +453,29 @@ def test_a_bad_value_in_a_sweep_list_fails_the_sweep_before_any_job(forked_cli, 
     assert len(bad) == 4  # (lr -1 or hidden 0): jobs 1, 2, 3 and 5 of the 6
     assert message[-1].endswith("No job was run.") and "Traceback" not in proc.stderr
     assert not list(sweep.glob("[0-9]*"))  # no job dir
+
+
+def test_a_sweep_over_glob_runs_each_option_and_an_interval_points_to_optuna(forked_cli, tmp_path):
+    """`optimizer=glob(*)` sweeps every option of the group (the check before the first job lists them as
+    the sweeper does); `interval()` is for a sweeper that samples: the grid's refusal says which one, in a
+    sentence of its own before "No job was run."."""
+    globbed = forked_cli("optimizer=glob(*)", "plan=true", f"hydra.sweep.dir={tmp_path / 'globbed'}", "-m")
+    assert globbed.returncode == 0, globbed.stderr
+    launched = re.findall(r"#(\d) : .*optimizer=(\w+)", globbed.stdout)
+    assert launched == [("0", "adamw"), ("1", "sgd")], globbed.stdout
+    interval = forked_cli("optimizer.lr=interval(0.001,0.01)", f"hydra.sweep.dir={tmp_path / 'interval'}", "-m")
+    assert interval.returncode == 2, interval.stderr
+    message = interval.stderr.strip()
+    assert "optimizer.lr=interval(0.001,0.01)" in message and "hydra/sweeper=optuna" in message, message
+    assert message.endswith(". No job was run.") and "Traceback" not in interval.stderr
+
+
+def test_two_of_hydras_modes_at_once_are_one_paragraph(forked_cli):
+    """`-m --cfg job` (Hydra raises a bare ValueError): refused naming both, exit 2, no traceback."""
+    proc = forked_cli("-m", "--cfg", "job", "optimizer.lr=1e-3,1e-2")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("Configuration error: -m and --cfg cannot be given together"), proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_a_users_config_dir_adds_options_and_its_yaml_errors_are_one_paragraph(run_cli, tmp_path):
