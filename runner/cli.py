@@ -50,7 +50,14 @@ from runner.checkpoint.resume import (
     latest_run,
 )
 from runner.cluster import ClusterEnvironment, launched_environment, launched_node, time_before_start
-from runner.compose import CONFIG_NAME, VERSION_BASE, check_config_dirs, run_composed_once, user_config_dirs
+from runner.compose import (
+    CONFIG_NAME,
+    VERSION_BASE,
+    check_config_dirs,
+    check_hydra_settings,
+    run_composed_once,
+    user_config_dirs,
+)
 from runner.config import CONF_SEARCH_PATH
 from runner.dir_lock import run_dir_lock
 from runner.errors import (
@@ -105,6 +112,7 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
         # Until the loop records stop signals (and after it), a SIGTERM stops the job where it is, as a Ctrl-C.
         owned.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, raise_terminated))
     try:
+        check_hydra_settings(hydra_cfg)
         if env is None:
             owned.enter_context(run_dir_lock(output_dir))
         fast_dev_run(cfg)

@@ -120,6 +120,18 @@ def check_config_dirs(dirs: dict[str, str]) -> None:
         )
 
 
+def check_hydra_settings(hydra_cfg: DictConfig) -> None:
+    """ConfigError for a Hydra setting runner does not take: `hydra.job.chdir=true` (a job run inside its
+    own dir), where the config's relative paths (data.path, checkpoint=, a sweep's too) are the user's,
+    taken from the directory the command runs in, as the ranks take them."""
+    if hydra_cfg.job.get("chdir"):
+        raise ConfigError(
+            "hydra.job.chdir=true: runner runs each job in the directory you run the command in, so that relative "
+            "paths (data.path, checkpoint=, trainer.resume=) mean the same before launch and in every rank; the "
+            "job's files go to its run dir (hydra.run.dir) all the same. Leave hydra.job.chdir out."
+        )
+
+
 class ClaimDirs(Callback):
     """Hydra callback (registered in `conf/config.yaml`): a time-stamped run or sweep dir (`${now:...}` in
     `hydra.run.dir` or `hydra.sweep.dir`, as the defaults) names a new run or sweep. It is claimed by

@@ -28,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.checkpoint.resume import FINISHED, JOB_CONFIG_DIR
 from runner.cli import FAILED
+from runner.compose import check_hydra_settings
 from runner.errors import REPLACED_OPTIONS, ConfigError, describe_compose_error, install_command
 from runner.goodput import SUMMARY
 from runner.history import read_history
@@ -63,6 +64,10 @@ class SweepCheck(Callback):
         params = config.hydra.sweeper.get("params") or {}
         arguments = [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)
         problems = []
+        try:
+            check_hydra_settings(config.hydra)
+        except ConfigError as err:
+            problems.append(str(err))
         # With the config loader, as the sweeper's own parser: glob() lists a group's options.
         parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
         try:

@@ -478,6 +478,20 @@ def test_two_of_hydras_modes_at_once_are_one_paragraph(forked_cli):
     assert "Traceback" not in proc.stderr
 
 
+def test_hydra_job_chdir_is_refused_before_a_run_or_a_sweep_starts(forked_cli, tmp_path):
+    """`hydra.job.chdir=true` would make a relative data.path mean another file in the job than in the
+    command's check (which refused a file that is there, "taken from the directory you run in"): it is
+    refused, in one paragraph, before a run and before a sweep's first job."""
+    for sweep in ([], ["trainer.max_steps=5,6", f"hydra.sweep.dir={tmp_path / 'sweep'}", "-m"]):
+        proc = forked_cli("hydra.job.chdir=true", *sweep)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith("Configuration error: hydra.job.chdir=true: runner runs each job in the"), (
+            proc.stderr
+        )
+        assert "Leave hydra.job.chdir out." in proc.stderr and "Traceback" not in proc.stderr
+    assert not list((tmp_path / "sweep").glob("[0-9]*"))  # no job dir
+
+
 def test_a_users_config_dir_adds_options_and_its_yaml_errors_are_one_paragraph(run_cli, tmp_path):
     (tmp_path / "conf" / "model").mkdir(parents=True)
     (tmp_path / "conf" / "model" / "small.yaml").write_text("_target_: runner.models.MLP\nhidden_size: 8\n")
