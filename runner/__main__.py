@@ -1,5 +1,8 @@
 """`python -m runner` and the `runner` command. A SIGTERM while the command still imports and composes ends
-it with one line (exit 143), not silently; from the job on, `runner.cli.main` says how far the run got."""
+it with one line (exit 143), not silently; from the job on, `runner.cli.main` says how far the run got.
+A process that multiprocessing starts from the command (a rank, a `prepare-data` worker) imports the
+command's main module again (as `__mp_main__`): there, this module neither catches SIGTERM nor starts
+anything."""
 
 import atexit
 import gc
@@ -19,11 +22,15 @@ def _stopped_while_starting(signum: int, frame: object) -> None:
     sys.exit(128 + signum)
 
 
-signal.signal(signal.SIGTERM, _stopped_while_starting)  # before the imports, which are most of the start
+# `python -m runner` or the `runner` command, not a process multiprocessing started from it (the `runner`
+# script's worker imports this module under its own name, from the script it runs as `__mp_main__`)
+COMMAND = "__mp_main__" not in (__name__, getattr(sys.modules.get("__main__"), "__name__", None))
+if COMMAND:
+    signal.signal(signal.SIGTERM, _stopped_while_starting)  # before the imports, which are most of the start
 
 from runner.trackers.mlflow import Sender  # noqa: E402  (no torch: it imports MLflow beside torch's import)
 
-if __name__ != "__mp_main__":  # `python -m runner` or the `runner` command, not a rank it spawned
+if COMMAND:
     Sender.start_early(sys.argv[1:])
 
 from runner.cli import leave_the_heap, run  # noqa: E402

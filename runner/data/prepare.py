@@ -332,8 +332,10 @@ def _run(
         return
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
-    with context.Pool(workers, initializer=_one_thread) as pool:
+    with context.Pool(workers, initializer=_one_thread) as pool:  # its exit terminates: on a failure
         yield from pool.imap_unordered(_make_shard, todo)
+        pool.close()  # done: the workers exit by themselves, no SIGTERM sent
+        pool.join()
 
 
 def _one_thread() -> None:
