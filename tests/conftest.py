@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,12 +21,42 @@ REPO = Path(__file__).resolve().parents[1]
 # cluster share a group, so their jobs never wait behind each other's.
 GROUPS = {"test_slurm": "slurm", "test_slurm_multinode": "slurm"}
 
+# `.ci/run` sets RUNNER_CI=1: there (root, the README's command, every extra installed) each test runs, so
+# a skip is a failure, except those of the tests that run in an environment of their own (`cuda`:
+# `.ci/gpu.sh` on a GPU, `tpu`: `.ci/tpu.sh` with torch_xla).
+ON_CI = os.environ.get("RUNNER_CI") == "1"
+RUN_ELSEWHERE = ("cuda", "tpu")
+
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         module = item.path.stem
         item.add_marker(pytest.mark.xdist_group(GROUPS.get(module, module)))
+
+
+def _failed_on_ci(report: pytest.CollectReport | pytest.TestReport) -> None:
+    """A skip reported on CI becomes a failure that gives the skip's reason."""
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"skipped on CI (RUNNER_CI=1), where every test must run: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    elsewhere = any(item.get_closest_marker(name) for name in RUN_ELSEWHERE)
+    if ON_CI and report.skipped and not hasattr(report, "wasxfail") and not elsewhere:
+        _failed_on_ci(report)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if ON_CI and report.skipped:  # a module-level skip (pytest.importorskip, allow_module_level)
+        _failed_on_ci(report)
 
 
 def runner_command(run_dir: Path, *overrides: str) -> list[str]:

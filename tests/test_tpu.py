@@ -15,7 +15,7 @@ import probes
 import pytest
 from conftest import cli_env, metrics_of
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.tpu]
 
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 needs_xla = pytest.mark.skipif(
