@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import re
 import sys
 
 import torch
@@ -14,15 +15,10 @@ from runner.cluster import available_cores, rank_variables
 from runner.config import CONF_DIR, CONF_SEARCH_PATH
 from runner.errors import DISTRIBUTION
 
-# Distribution name -> what it gives runner (the extra that installs it, if any).
-INTEGRATIONS = {
-    "hydra-core": "config composition",
-    "omegaconf": "config objects",
-    "mlflow-skinny": "tracker=mlflow (the client; the `mlflow` package adds the UI and server)",
-    "deepspeed": "hardware=deepspeed (extra: deepspeed)",
-    "hydra-optuna-sweeper": "hydra/sweeper=optuna (extra: sweeps)",
-    "safetensors": "model files",
-}
+# The extras of the distribution that are tooling, not integrations a run uses.
+TOOLING = ("test", "docs", "tpu")
+# Packages runner works with that no extra installs: shown where they are installed.
+ALSO = ("peft", "accelerate", "matplotlib")
 ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MLFLOW_TRACKING_URI", "DS_ACCELERATOR")
 
 
@@ -38,11 +34,27 @@ def report() -> str:
         "- distributed backends: "
         + ", ".join(f"{name} {'yes' if available() else 'no'}" for name, available in _backends().items()),
         "- integrations:",
-        *(f"  - {name}: {_version(name)} ({use})" for name, use in INTEGRATIONS.items()),
+        *(f"  - {name}: {_version(name)} ({source})" for name, source in integrations().items()),
         f"- config search path: {CONF_SEARCH_PATH} ({CONF_DIR}), then Hydra's `--config-dir` / `hydra.searchpath`",
         "- environment: " + (", ".join(f"{k}={v}" for k, v in _variables().items()) or "none set"),
     ]
     return "\n".join(lines)
+
+
+def integrations() -> dict[str, str]:
+    """Each package runner requires or an extra of it installs (from the installed distribution's own
+    requirements, so none is left out), as its name -> where it comes from; then those of `ALSO` installed."""
+    found: dict[str, str] = {}
+    for requirement in importlib.metadata.requires(DISTRIBUTION) or []:
+        name = re.match(r"[A-Za-z0-9._-]+", requirement).group(0)  # type: ignore[union-attr]
+        extra = re.search(r"""extra == ["']([^"']+)["']""", requirement)
+        if name == "torch" or (extra and extra.group(1) in TOOLING):
+            continue
+        found.setdefault(name, f"extra: {extra.group(1)}" if extra else "required")
+    for name in ALSO:
+        if name not in found and _version(name) != "not installed":
+            found[name] = "installed beside runner"
+    return found
 
 
 def _variables() -> dict[str, str]:

@@ -12,6 +12,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 FILE_ONLY = {"file_only": True}  # `log.info(..., extra=FILE_ONLY)`: for the log file, not the console
+# `log.error(..., extra=LAUNCHER_REPORTS)`: what runner's launcher reads from the run dir and reports itself
+# (a watchdog's hang report): in a rank that it started, for the log file only, not said twice on the console
+LAUNCHER_REPORTS = {"launcher_reports": True}
 # Libraries whose info and warnings (a kernel library that cannot load, a deprecation in torch) are for
 # the run's log file: the console shows runner's lines, the user's own, and anyone's errors.
 LIBRARIES = (
@@ -58,6 +61,10 @@ class RunLogHandler(logging.FileHandler):
             )
 
 
+def _not_reported_by_the_launcher(record: logging.LogRecord) -> bool:
+    return not getattr(record, "launcher_reports", False)
+
+
 class RankPrefix(logging.Filter):
     """Prefix each message with the process that logged it: "[rank 1] ", "[node 1] "."""
 
@@ -71,16 +78,24 @@ class RankPrefix(logging.Filter):
         return True
 
 
-def configure_rank_logging(config: dict[str, Any] | None, rank: int, kind: str = "rank") -> None:
-    """Apply the job's logging `config` in a rank (its log files are appended to, never truncated); ranks
-    other than 0 (or the agents of nodes other than 0: `kind` "node") log warnings and errors only,
-    prefixed with their rank."""
+def configure_rank_logging(
+    config: dict[str, Any] | None, rank: int, kind: str = "rank", launcher_reports: bool = False
+) -> None:
+    """Apply the job's logging `config` in a rank (its log files are appended to, never truncated; None: a
+    rank that another launcher started, torchrun or srun); ranks other than 0 (or the agents of nodes other
+    than 0: `kind` "node") log warnings and errors only, prefixed with their rank. `launcher_reports`: a
+    launcher of runner's waits for this rank and reports its failures itself, so its console leaves out
+    what is logged with LAUNCHER_REPORTS."""
     if config is not None:
         config = copy.deepcopy(config)
         for handler in config.get("handlers", {}).values():
             if "filename" in handler:
                 handler["mode"] = "a"
         logging.config.dictConfig(config)
+    if launcher_reports:
+        for handler in logging.getLogger().handlers:
+            if not isinstance(handler, logging.FileHandler):
+                handler.addFilter(_not_reported_by_the_launcher)
     if rank != 0:
         root = logging.getLogger()
         root.setLevel(logging.WARNING)

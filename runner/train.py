@@ -177,7 +177,10 @@ class Trainer:
             else partial(self.task.training_step, self.model)
         )
         self.done = Progress(window_loss=torch.zeros((), device=engine.device))
-        self.watchdog = Watchdog(trainer.hang_timeout_s, output_dir, engine.process_index)
+        # A hang is a failure: the trackers' runs end FAILED (not KILLED: the run is not stopped to resume)
+        self.watchdog = Watchdog(
+            trainer.hang_timeout_s, output_dir, engine.process_index, on_hang=partial(close_trackers, engine, "FAILED")
+        )
         self.history = History(output_dir if engine.is_main_process else None)
         evaluating = cfg.get("mode") == "evaluate"  # the eval loop only (`evaluate_only`): no callbacks
         self.callbacks = Callbacks({} if evaluating else built_callbacks(cfg))
@@ -343,11 +346,11 @@ class Trainer:
         return self.finish()
 
     def evaluate_only(self) -> dict[str, float]:
-        """`mode=evaluate`: the eval loop once on the weights loaded, logged at step 0; then the model is
-        released as `finish` releases it. The eval metrics."""
+        """`mode=evaluate`: the eval loop once on the weights loaded ("evaluated: ..."; tracked at step 0),
+        then the model is released as `finish` releases it. The eval metrics."""
         self.progress.close()
         with self.running():
-            self.evaluate()
+            self.evaluate(heading="evaluated")
         del self.model, self.optimizer, self.scheduler, self.loss_of
         self.engine.free_memory()
         self.engine.end_training()
@@ -422,15 +425,16 @@ class Trainer:
         if log.isEnabledFor(logging.INFO):
             log.info("step %d/%d: %s", done.step, self.total_steps, _fmt(logged))
 
-    def evaluate(self) -> None:
-        """The task's metrics over the whole eval set, checked finite and logged. What it draws from the
-        RNGs (the eval loader's seed, say) is not training's: how often a run evaluates does not change it."""
+    def evaluate(self, heading: str | None = None) -> None:
+        """The task's metrics over the whole eval set, checked finite and logged, under `heading` (default:
+        the step, "step 40/200"). What it draws from the RNGs (the eval loader's seed, say) is not
+        training's: how often a run evaluates does not change it."""
         with rng_kept():
             evaluated = evaluate(self.engine, self.model, self.task, self.eval_loader, self.evaluating)
         self.ledger.lap("eval", step=self.done.step)
         self.evaluated_at = self.done.step
         self.log_metrics(evaluated)
-        log.info("step %d/%d: %s", self.done.step, self.total_steps, _fmt(evaluated))
+        log.info("%s: %s", heading or f"step {self.done.step}/{self.total_steps}", _fmt(evaluated))
         self.callbacks.on_eval_end(self, evaluated)
         self.watchdog.progress("training", self.done.step)
 
@@ -630,10 +634,15 @@ def closed_on_failure(engine: Engine) -> Iterator[None]:
             engine.wait_for_checkpoint(everyone=False)
         except Exception as failed:
             log.error("%s", failed)
-        for tracker in engine.trackers:
-            tracker.close("KILLED" if isinstance(err, TrainingInterrupted | KeyboardInterrupt) else "FAILED")
-        engine.trackers.clear()
+        close_trackers(engine, "KILLED" if isinstance(err, TrainingInterrupted | KeyboardInterrupt) else "FAILED")
         raise
+
+
+def close_trackers(engine: Engine, status: str) -> None:
+    """Close the trackers' runs as `status`, once (a closed tracker is dropped)."""
+    for tracker in engine.trackers:
+        tracker.close(status)
+    engine.trackers.clear()
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)

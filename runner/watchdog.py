@@ -5,8 +5,8 @@ A rank stuck in its own code, or waiting in a collective for a rank that is gone
 sit until the process group's timeout (30 minutes for gloo) or forever. The loop reports progress
 (`Watchdog.progress`) after each optimizer step, each eval batch and before each checkpoint; where none
 comes for the limit, the watchdog writes `<run dir>/hang/rank<r>.txt` (what it saw, then the stacks), logs
-one paragraph naming the rank, its host, the step, the phase and where its main thread is, and exits
-the process with `EXIT_HUNG` `PEERS_REPORT_S` later (ranks waiting for it in a collective reach their
+(to the console too where no runner launcher reports it) one paragraph naming the rank, its host, the step, the phase and where its main thread is, closes its
+trackers' runs as FAILED (`on_hang`), and exits the process with `EXIT_HUNG` `PEERS_REPORT_S` later (ranks waiting for it in a collective reach their
 limit meanwhile and report too, rather than fail on a lost peer); the launcher then stops the other
 ranks and reports the rank whose main thread was in its own code (not waiting inside torch), which is
 the likelier cause.
@@ -24,9 +24,12 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from runner.run_log import LAUNCHER_REPORTS
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +48,16 @@ class Watchdog:
     one that follows the run: `FIRST_STEPS_S` until `MEASURED_STEPS` steps ended, then
     `AUTO_TIMES_MEDIAN` times their median duration, at least `AUTO_FLOOR_S`."""
 
-    def __init__(self, timeout_s: float | None, run_dir: Path, rank: int, poll_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        timeout_s: float | None,
+        run_dir: Path,
+        rank: int,
+        poll_s: float = 0.5,
+        on_hang: Callable[[], None] | None = None,
+    ) -> None:
         self.timeout_s, self.run_dir, self.rank, self.poll_s = timeout_s, Path(run_dir), rank, poll_s
+        self.on_hang = on_hang  # called (for at most PEERS_REPORT_S) before the rank ends: its trackers
         self.phase, self.step = "training", 0
         self.last = time.monotonic()
         self.steps: deque[float] = deque(maxlen=100)  # the last steps' durations
@@ -114,10 +125,21 @@ class Watchdog:
             f.write(json.dumps({**facts, "message": message}) + "\n\n")
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
-        log.error("Training hung: %s", message)
-        logging.shutdown()
+        log.error("Training hung: %s", message, extra=LAUNCHER_REPORTS)  # runner's launcher says it once
+        ending = threading.Thread(target=self._on_hang, name="runner-watchdog-end", daemon=True)
+        ending.start()
         time.sleep(PEERS_REPORT_S)
+        ending.join(timeout=PEERS_REPORT_S)  # what did not end by then is left: the rank ends regardless
+        logging.shutdown()
         os._exit(EXIT_HUNG)
+
+    def _on_hang(self) -> None:
+        if self.on_hang is None:
+            return
+        try:
+            self.on_hang()
+        except Exception as err:  # the rank ends anyway: say why its trackers may not be closed
+            log.error("after the hang, closing the run failed: %s", err)
 
 
 def report_path(run_dir: Path, rank: int) -> Path:

@@ -11,6 +11,7 @@ import functools
 import gc
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,36 @@ class StopAtStep(Callback):
     def on_step_end(self, run: Any) -> None:
         if run.step >= self.at:
             run.stop(f"step {self.at} reached")
+
+
+class _HeldPickle:
+    """Pickled (a background checkpoint writes the callbacks' state in its thread) the first time in a
+    process: writes `marker`, then waits (at most 5 minutes) until `gate` exists."""
+
+    held = False  # this process held one write already
+
+    def __init__(self, gate: str, marker: str) -> None:
+        self.gate, self.marker = gate, marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if not _HeldPickle.held:
+            _HeldPickle.held = True
+            Path(self.marker).write_text("a checkpoint's write is held\n")
+            deadline = time.monotonic() + 300
+            while not Path(self.gate).exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return (_HeldPickle, (self.gate, self.marker))
+
+
+class HoldFirstWrite(Callback):
+    """Holds the run's first checkpoint write until the file `gate` exists, having written `marker`: with
+    trainer.async_checkpoint=true the test acts while that write is pending in the background."""
+
+    def __init__(self, gate: str, marker: str) -> None:
+        self.gate, self.marker = gate, marker
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"held": _HeldPickle(self.gate, self.marker)}
 
 
 class FileTracker(GeneralTracker):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import rank_checks
-from conftest import cli_env, runner_command, wait_for_checkpoint
+from conftest import cli_env, runner_command
 
 from runner.checkpoint.files import damage, latest_checkpoint, read_meta
 
@@ -144,11 +144,32 @@ def test_kill_9_at_random_moments_of_background_writes_leaves_a_loadable_latest(
     assert final == (tmp_path / "reference" / "model" / "model.safetensors").read_bytes()
 
 
+# The signal comes after step 50's checkpoint, and the loop stops at its next logging step, before step 100's.
+HELD = ["trainer.max_steps=1000", "trainer.checkpoint_every=50", "trainer.eval_every=0", "trainer.async_checkpoint=true"]
+
+
 def test_a_stop_signal_writes_its_checkpoint_after_the_pending_one(tmp_path):
-    proc = start(tmp_path, *KILLED)
-    wait_for_checkpoint(tmp_path, proc)
-    time.sleep(0.3)
+    """The first checkpoint's background write is held (a callback's state that waits in its pickling)
+    when the signal arrives, and until 1 s after it: meanwhile the loop reaches its next logging step and
+    the stop's checkpoint, which must wait for the pending one (or that one, committed last, would be
+    marked latest in place of the stop's)."""
+    gate, marker = tmp_path / "gate", tmp_path / "held"
+    held = [
+        "+callbacks.held._target_=probes.HoldFirstWrite", f"+callbacks.held.gate={gate}",
+        f"+callbacks.held.marker={marker}",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        runner_command(tmp_path, *HELD, *held), env=cli_env(Path(__file__).parent), stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert marker.exists(), proc.stderr.read() if proc.poll() is not None else "no write was held"
+    assert latest_checkpoint(tmp_path / "checkpoints") is None  # the held write is the first
     os.killpg(proc.pid, signal.SIGTERM)
+    time.sleep(1.0)
+    gate.touch()
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 75, stderr
     numbered = sorted(
@@ -157,7 +178,7 @@ def test_a_stop_signal_writes_its_checkpoint_after_the_pending_one(tmp_path):
     latest = latest_checkpoint(tmp_path / "checkpoints")
     assert latest == numbered[-1] and damage(latest, read_meta(latest)) == []
     steps = [json.loads((path / "meta.json").read_text())["step"] for path in numbered]
-    assert steps == sorted(steps)  # the signal's checkpoint is the newest
+    assert steps[0] == 50 and steps == sorted(steps)  # the signal's checkpoint is the newest
 
 
 def test_async_checkpoints_with_deepspeed_are_refused_before_launch(forked_cli):

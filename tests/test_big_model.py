@@ -120,15 +120,17 @@ def test_auto_map_fills_memory_in_order_keeps_no_split_modules_whole_and_leaves_
 
 @pytest.mark.parametrize("files", ["sharded", "torch"])
 @pytest.mark.parametrize(
-    ("device_map", "max_memory"),
+    ("device_map", "max_memory", "on_disk"),
     [
-        ("auto", None),
-        ("sequential", {"cpu": "400KB"}),
-        ({"": "disk"}, None),
-        ({"blocks": "disk", "": "cpu"}, None),
+        ("auto", None, []),
+        ("sequential", {"cpu": "400KB"}, ["blocks", "ln_f", "lm_head"]),
+        ({"": "disk"}, None, [""]),
+        ({"blocks": "disk", "": "cpu"}, None, ["blocks"]),
     ],
 )
-def test_dispatched_outputs_equal_the_fully_loaded_model(trained, tmp_path, files, device_map, max_memory):
+def test_dispatched_outputs_equal_the_fully_loaded_model(
+    trained, tmp_path, files, device_map, max_memory, on_disk
+):
     _, inputs, expected, root = trained
     model = load_checkpoint_and_dispatch(
         empty_gpt(),
@@ -141,10 +143,11 @@ def test_dispatched_outputs_equal_the_fully_loaded_model(trained, tmp_path, file
     with torch.no_grad():
         assert torch.equal(model(inputs), expected)
         assert torch.equal(model(inputs), expected)  # offloaded weights come back each time
-    on_disk = [name for name, device in model.hf_device_map.items() if device == "disk"]
-    if on_disk:  # their weights are not kept in memory between forwards
-        assert all(p.is_meta for p in model.get_submodule(on_disk[0]).parameters())
-    assert model.lm_head.weight is model.tok_emb.weight or "lm_head" in on_disk
+    assert [name for name, device in model.hf_device_map.items() if device == "disk"] == on_disk
+    for name in on_disk:  # their weights are not kept in memory between forwards: lm_head's is tok_emb's
+        in_memory = {id(p) for p in model.get_submodule(name).parameters() if not p.is_meta}
+        assert in_memory <= {id(model.tok_emb.weight)}, name
+    assert model.lm_head.weight is model.tok_emb.weight  # the tie survives dispatch, wherever lm_head is
 
 
 def test_dtype_loads_weights_converted_wherever_they_are(trained, tmp_path):

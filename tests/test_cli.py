@@ -565,6 +565,7 @@ def test_mode_evaluate_reports_the_eval_metrics_of_a_runs_weights_on_any_number_
         run_dir = tmp_path / f"evaluated{len(ranks)}"
         evaluated = run_to_end(run_dir, "mode=evaluate", f"checkpoint={tmp_path / 'trained'}", *ranks)
         assert f"evaluating MLP (202K parameters) from {tmp_path / 'trained'}" in evaluated.stderr
+        assert "evaluated: eval/loss=" in evaluated.stderr and "step 0/" not in evaluated.stderr  # no training
         metrics = metrics_of(evaluated)
         assert sorted(metrics) == ["eval/loss", "eval/mae"]  # nothing trained
         assert metrics == pytest.approx({k: trained[k] for k in metrics}, rel=1e-5)

@@ -68,6 +68,11 @@ def test_env_report_names_versions_backends_and_the_config_path():
     report = proc.stdout
     assert f"- torch: {torch.__version__}" in report
     assert f"  - deepspeed: {importlib.metadata.version('deepspeed')}" in report
-    assert f"  - mlflow-skinny: {importlib.metadata.version('mlflow-skinny')}" in report
+    assert f"  - mlflow-skinny: {importlib.metadata.version('mlflow-skinny')} (required)" in report
+    # every integration a bug report needs, by pyproject's extras: none left out
+    for name, extra in [("wandb", "wandb"), ("tensorboard", "tensorboard"), ("ray", "ray"),
+                        ("kubernetes", "kubernetes"), ("matplotlib", "plots"), ("datasets", "hf")]:  # fmt: skip
+        assert f"  - {name}: {importlib.metadata.version(name)} (extra: {extra})" in report, report
+    assert "pytest" not in report and "mkdocs" not in report  # the test and docs extras are tooling
     assert f"- runner: {importlib.metadata.version('runner-ml')} (" in report
     assert "gloo yes" in report and f"config search path: pkg://runner.conf ({CONF_DIR})" in report

@@ -467,6 +467,21 @@ def test_a_waiting_run_waits_for_its_records_at_most_finish_timeout_s(server, tm
         server.resume()
 
 
+def test_a_run_its_watchdog_ends_for_hanging_ends_failed(tmp_path):
+    """A hang is a failure, not a stop to be resumed: the watchdog ends the rank (os._exit) having closed
+    the trackers' run as FAILED (the sender would otherwise close a run its process left open as KILLED)."""
+    run_dir = tmp_path / "run"
+    hang = ["task._target_=faulty_tasks.WaitAtStep", f"+task.gate={tmp_path / 'never'}", "+task.step=3"]
+    proc = subprocess.run(
+        runner_command(run_dir, *hang, "trainer.hang_timeout_s=2", "trainer.log_every=1", "tracker=mlflow"),
+        env=cli_env(Path(__file__).parent), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 124, proc.stderr
+    assert "Training hung: rank 0 on " in proc.stderr  # one process, no launcher: its rank says it
+    client = MlflowClient(cli_env()["MLFLOW_TRACKING_URI"])
+    assert client.get_run(run_id_of(run_dir)).info.status == "FAILED"
+
+
 def test_a_run_killed_outright_keeps_its_metrics_and_ends_killed(tmp_path):
     """kill -9 writes no end record: the sender sends what was written and closes the run as KILLED."""
     run_dir = tmp_path / "run"

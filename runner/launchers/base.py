@@ -148,12 +148,14 @@ def interrupted(cause: str, output_dir: Path, since: float) -> str:
     return f"stopped by {cause} before any checkpoint was written: there is nothing to resume from."
 
 
-def run_rank(job: Job) -> dict[str, float]:
-    """The body of every rank: its logging (only rank 0 logs below warnings), then the job's entry; rank 0
-    writes the final metrics to `metrics.json` in the job's dir (not for `trainer.fast_dev_run`)."""
+def run_rank(job: Job, launcher_reports: bool = False) -> dict[str, float]:
+    """The body of every rank: its logging (only rank 0 logs below warnings; `launcher_reports`: the
+    launcher that started it waits for it and reports its failures: see `configure_rank_logging`), then the
+    job's entry; rank 0 writes the final metrics to `metrics.json` in the job's dir (not for
+    `trainer.fast_dev_run`)."""
     env = launched_environment()
     rank = env.rank if env else 0
-    configure_rank_logging(job.logging_config, rank)
+    configure_rank_logging(job.logging_config, rank, launcher_reports=launcher_reports)
     try:
         metrics = job.entry(job.cfg, job.output_dir, job.strategy)
     except Exception as err:

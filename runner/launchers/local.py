@@ -306,7 +306,7 @@ def _rank_entry(job: Job, error_dir: str) -> dict[str, float]:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     rank = launched_environment().rank  # type: ignore[union-attr]
     try:
-        return run_rank(job)
+        return run_rank(job, launcher_reports=True)
     except TrainingInterrupted as err:  # where it stopped and its checkpoint, for the launcher to say
         report_failure(Path(error_dir), rank, err)
         sys.exit(EXIT_INTERRUPTED)

@@ -49,7 +49,7 @@ def rank_entry(config: dict[str, Any]) -> None:
     stopped = threading.Event()
     threading.Thread(target=_stop_when_asked, args=(reports / STOP, stopped), daemon=True).start()
     try:
-        metrics = run_rank(job)
+        metrics = run_rank(job, launcher_reports=True)
     except BaseException as err:
         report_failure(reports / ERRORS, rank, err)
         raise

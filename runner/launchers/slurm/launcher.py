@@ -191,7 +191,9 @@ class SlurmLauncher(Launcher):
         errors = folder / RANK_ERRORS  # what each task raised (`report_failure`), for this launch only
         shutil.rmtree(errors, ignore_errors=True)
         submitted_at = time.time()  # the watchdogs' reports of this job are newer
-        submitted = executor.submit(SlurmTask(job.for_other_processes(), self.nodes, tasks_per_node, errors))
+        submitted = executor.submit(
+            SlurmTask(job.for_other_processes(), self.nodes, tasks_per_node, errors, launcher_reports=self.wait)
+        )
         rank0 = submitted.task(0)
         log.info(
             "submitted SLURM job %s: %d node(s) x %d task(s), partition %s; rank 0's log: %s",
@@ -278,11 +280,12 @@ class SlurmTask:
     nodes: int
     tasks_per_node: int
     errors: Path  # where a task that raises reports it (`report_failure`)
+    launcher_reports: bool = False  # the submitting launcher waits for the job and reports its failures
 
     def __call__(self) -> dict[str, float]:
         try:
             check_world(self.nodes, self.tasks_per_node)
-            return run_rank(self.job)
+            return run_rank(self.job, self.launcher_reports)
         except BaseException as err:
             if isinstance(err, TrainingInterrupted):
                 requeue_if_preempted(err)  # a preempted job is requeued here (and this task ends)
