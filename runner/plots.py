@@ -2,11 +2,12 @@
 losses, the other eval metrics, the learning rates and the throughput, one PNG each; and a sweep's, its
 jobs ranked by the objective (`sweep_figures`, drawn by `runner.sweep`). A run starts
 `python -m runner.plots --idle --serve <run dir>` when it starts training, which imports matplotlib while the
-run trains and draws each time the run asks (`trainer.plots`); run by hand, `python -m runner.plots <run dir>`
-draws any run dir again. Needs matplotlib (the `plots` extra)."""
+run trains and draws each time the run asks (`trainer.plots`); run by hand, `python -m runner.plots <dir>`
+draws any run dir again, or a finished sweep's pictures and its jobs' (`draw_sweep`). Needs matplotlib (the `plots` extra)."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -14,9 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runner.history import read_history
+from runner.history import HISTORY, read_history
 
 PLOTS = "plots"  # in a run dir
+SWEEP_SUMMARY = "summary.csv"  # in a sweep's dir (`runner.sweep`): its jobs' settings, ranks and metrics
 
 
 def curve(rows: list[dict[str, Any]], name: str) -> tuple[list[int], list[float]]:
@@ -93,7 +95,8 @@ def sweep_figures(
         done = [name for name in order if key in jobs[name]]
         values = [jobs[name][key] for name in done]
         numeric = all(_number(v) is not None for v in values)
-        xs = [_number(v) for v in values] if numeric else list(range(len(done)))
+        categories = list(dict.fromkeys(values))  # one position per value, the best job's first
+        xs = [_number(v) for v in values] if numeric else [categories.index(v) for v in values]
         points = sorted(zip(xs, done, strict=True)) if numeric else list(zip(xs, done, strict=True))
         axes.plot(
             [x for x, _ in points],
@@ -115,7 +118,7 @@ def sweep_figures(
         if numeric and min(xs) > 0 and max(xs) / min(xs) >= 10:  # a decade or more: as learning rates go
             axes.set_xscale("log")
         if not numeric:
-            axes.set_xticks(xs, values, fontsize=7, rotation=30)
+            axes.set_xticks(range(len(categories)), categories, fontsize=7, rotation=30)
         axes.set_xlabel(key)
         axes.set_ylabel(objective)
         axes.grid(alpha=0.3)
@@ -151,16 +154,38 @@ def _number(value: str) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def draw_run(run_dir: Path) -> list[Path]:
-    """Write the run's figures to `<run_dir>/plots/<name>.png`, each replaced whole; their paths."""
-    out = Path(run_dir) / PLOTS
-    out.mkdir(exist_ok=True)
+def save_figures(figures: dict[str, Any], directory: Path) -> list[Path]:
+    """Write each figure to `<directory>/<name>.png`, each replaced whole; their paths."""
+    directory.mkdir(exist_ok=True)
     written = []
-    for name, figure in run_figures(read_history(run_dir)).items():
-        partial = out / f".{name}.partial.png"
+    for name, figure in figures.items():
+        partial = directory / f".{name}.partial.png"
         figure.savefig(partial, dpi=100)
-        written.append(partial.replace(out / f"{name}.png"))
+        written.append(partial.replace(directory / f"{name}.png"))
     return written
+
+
+def draw_run(run_dir: Path) -> list[Path]:
+    """Write the run's figures to `<run_dir>/plots/<name>.png`; their paths."""
+    return save_figures(run_figures(read_history(run_dir)), Path(run_dir) / PLOTS)
+
+
+def draw_sweep(sweep_dir: Path) -> list[Path]:
+    """Draw a finished sweep's pictures again from its `summary.csv` and its jobs' histories, as the sweep
+    drew them (`sweep_figures`), and each job's own; their paths. The sweep's direction is its ranks'."""
+    with open(sweep_dir / SWEEP_SUMMARY, newline="") as f:
+        reader = csv.DictReader(f)
+        header, rows = list(reader.fieldnames or []), list(reader)
+    rank = next(name for name in header if name.startswith("rank ("))
+    objective = rank.removeprefix("rank (").removesuffix(")")
+    swept = header[1 : header.index("status" if "status" in header else rank)]
+    jobs = {row["job"]: {k: row[k] for k in swept if row[k] != ""} for row in rows}
+    results = {row["job"]: _number(row.get(objective, "")) for row in rows}
+    by_rank = sorted((int(row[rank]), results[row["job"]]) for row in rows if row[rank])
+    direction = "maximize" if len(by_rank) > 1 and by_rank[0][1] > by_rank[-1][1] else "minimize"
+    histories = {name: read_history(sweep_dir / name) for name in jobs}
+    drawn = [path for name in jobs if histories[name] for path in draw_run(sweep_dir / name)]
+    return drawn + save_figures(sweep_figures(jobs, objective, results, direction, histories), sweep_dir)
 
 
 def yield_the_cpu() -> None:
@@ -194,17 +219,29 @@ def main(argv: list[str]) -> int:
     argv = argv[1:] if serving else argv
     if len(argv) != 1 or not Path(argv[0]).is_dir():
         print(
-            "usage: python -m runner.plots [--idle] [--serve] RUN_DIR (a run's dir, holding its history.jsonl; "
-            "--idle: only on CPU time nothing else wants; --serve: draw at each line on stdin, answering each "
-            "with a JSON line)",
+            "usage: python -m runner.plots [--idle] [--serve] DIR (a run's dir, holding its history.jsonl, or a "
+            "sweep's, holding its summary.csv; --idle: only on CPU time nothing else wants; --serve: draw a run "
+            "at each line on stdin, answering each with a JSON line)",
             file=sys.stderr,
         )
         return 2
+    directory = Path(argv[0])
     if serving:
-        serve(Path(argv[0]))
+        serve(directory)
         sys.stdout.flush()
         os._exit(0)  # every answer given: no teardown of matplotlib for the run to wait out
-    for path in draw_run(Path(argv[0])):
+    if (directory / HISTORY).is_file():
+        drawn = draw_run(directory)
+    elif (directory / SWEEP_SUMMARY).is_file():
+        drawn = draw_sweep(directory)
+    else:
+        print(
+            f"{directory} is neither a run's dir (no {HISTORY}) nor a sweep's (no {SWEEP_SUMMARY}): give the dir "
+            "of a run (outputs/runs/<date>_<time>) or of a finished sweep (outputs/sweeps/<date>_<time>).",
+            file=sys.stderr,
+        )
+        return 2
+    for path in drawn:
         print(path)
     return 0
 

@@ -32,7 +32,7 @@ from runner.compose import check_hydra_settings
 from runner.errors import REPLACED_OPTIONS, ConfigError, describe_compose_error, install_command
 from runner.goodput import SUMMARY
 from runner.history import read_history
-from runner.plots import ranked, sweep_figures
+from runner.plots import SWEEP_SUMMARY, ranked, save_figures, sweep_figures
 from runner.validate import check_job
 
 log = logging.getLogger("runner")
@@ -131,7 +131,7 @@ class SweepSummary(Callback):
             for job in jobs
         ]
         header = ["job", *swept, *status, f"rank ({objective})", *metrics, "goodput", "wall_s"]
-        with open(sweep_dir / "summary.csv", "w", newline="") as f:
+        with open(sweep_dir / SWEEP_SUMMARY, "w", newline="") as f:
             csv.writer(f).writerows([header, *rows])
         log.info("sweep summary (%s):\n%s", sweep_dir, format_table(header, rows))
         if order:
@@ -140,7 +140,7 @@ class SweepSummary(Callback):
             log.info("best: job %s (%s): %s=%.6g", best.name, settings, objective, results[best.name])
         pictures = draw(jobs, swept, objective, results, direction, sweep_dir) if metrics else []
         if config.tracker.get("_target_"):
-            instantiate(config.tracker).end_sweep(sweep_dir, [sweep_dir / "summary.csv", *pictures])
+            instantiate(config.tracker).end_sweep(sweep_dir, [sweep_dir / SWEEP_SUMMARY, *pictures])
         log_time_spent(jobs)
         if failed:  # the sweep ran its other jobs; the command says which failed, and fails
             log.error(
@@ -175,10 +175,7 @@ def draw(
             direction,
             {job.name: read_history(sweep_dir / job.name) for job in jobs},
         )
-        paths = []
-        for name, figure in figures.items():
-            figure.savefig(sweep_dir / f"{name}.png", dpi=100)
-            paths.append(sweep_dir / f"{name}.png")
+        paths = save_figures(figures, sweep_dir)
     except Exception as err:  # a picture never fails the sweep
         log.warning("the sweep's pictures could not be drawn (%s: %s)", type(err).__name__, err)
         return []

@@ -10,12 +10,14 @@ import json
 import logging
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import probes
 import pytest
-from conftest import run_to_end
+from conftest import cli_env, run_to_end
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from PIL import Image
@@ -280,3 +282,49 @@ def test_a_sweeps_pictures_rank_its_jobs_by_the_objective_and_mark_the_best():
     assert len(objective.lines) == 3
     maximized = sweep_figures(jobs, "eval/loss", results, "maximize", histories)
     assert maximized["summary"].axes[0].lines[1].get_label() == "best: job 0"
+
+
+def test_a_categorical_setting_is_one_position_per_value_however_many_jobs_share_it():
+    """precision=fp32,bf16 x 2 learning rates: 2 categories on the precision panel, not 4 positions."""
+    jobs = {
+        str(n): {"precision": p, "optimizer.lr": lr}
+        for n, (p, lr) in enumerate([("fp32", "1e-3"), ("fp32", "1e-2"), ("bf16", "1e-3"), ("bf16", "1e-2")])
+    }
+    results = {"0": 0.4, "1": 0.2, "2": 0.3, "3": 0.1}
+    figures = sweep_figures(jobs, "eval/loss", results, "minimize", {})
+    precision, lr = figures["summary"].axes
+    assert [label.get_text() for label in precision.get_xticklabels()] == ["bf16", "fp32"]  # ranked: bf16 best
+    points, star = precision.lines
+    assert sorted(zip(points.get_xdata(), points.get_ydata(), strict=True)) == [(0, 0.1), (0, 0.3), (1, 0.2), (1, 0.4)]
+    assert list(star.get_xdata()) == [0] and star.get_label() == "best: job 3"
+    assert sorted(set(lr.lines[0].get_xdata())) == [1e-3, 1e-2]
+
+
+def test_plots_of_a_sweep_dir_draw_the_sweeps_pictures_and_each_jobs_and_a_dir_of_neither_is_refused(tmp_path):
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, "-m", "runner", f"hydra.sweep.dir={sweep}", "trainer.progress_bar=false",
+               "trainer.plots=false", "tracker=none", "trainer.max_steps=10", "trainer.eval_every=5",
+               "trainer.log_every=5", "precision=fp32,bf16", "-m"]  # fmt: skip
+    swept = subprocess.run(command, env=cli_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert swept.returncode == 0, swept.stderr
+    drawn = {sweep / "summary.png": (sweep / "summary.png").read_bytes()}
+    for picture in drawn:
+        picture.unlink()
+    (sweep / "curves.png").unlink()
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner.plots", str(sweep)], env=cli_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    printed = proc.stdout.split()
+    for job in ("0", "1"):
+        assert str(sweep / job / "plots" / "loss.png") in printed and (sweep / job / "plots" / "loss.png").exists()
+    assert str(sweep / "summary.png") in printed and str(sweep / "curves.png") in printed
+    assert (sweep / "summary.png").read_bytes() == drawn[sweep / "summary.png"]  # as the sweep drew it
+    assert Image.open(sweep / "curves.png").size[0] > 0
+    neither = tmp_path / "empty"
+    neither.mkdir()
+    refused = subprocess.run(
+        [sys.executable, "-m", "runner.plots", str(neither)], env=cli_env(), capture_output=True, text=True, timeout=120
+    )
+    assert refused.returncode == 2 and f"{neither} is neither a run's dir (no history.jsonl) nor a sweep's" in refused.stderr
+    assert list(neither.iterdir()) == []  # no empty plots/ left
