@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import os
 import re
@@ -211,8 +212,14 @@ def _argument_problems(node: str, obj: Any, node_cfg: DictConfig) -> list[str]:
         signature.bind_partial(**arguments)
     except TypeError as err:
         names = [p for p in signature.parameters if p not in ("self", "args", "kwargs")]
+        close = [
+            f"{node}.{found[0]}"
+            for key in arguments
+            if key not in signature.parameters and (found := difflib.get_close_matches(key, names, n=1))
+        ]
         return [
-            f"{node}: {node_cfg._target_} does not accept these settings ({err}). "
+            f"{node}: {node_cfg._target_} does not accept these settings ({err})"
+            f"{'; did you mean ' + ', '.join(close) + '?' if close else '.'} "
             f"Its parameters are: {', '.join(names)}. Fix the key in your YAML or on the command line."
         ]
     return []

@@ -97,6 +97,11 @@ def test_unknown_group_option_is_refused():
             "looked in the working directory ",
         ),
         (["+model.hiden=3"], "runner.models.MLP does not accept these settings"),
+        (
+            ["+model.hiden_size=3"],
+            "model: runner.models.MLP does not accept these settings (got an unexpected keyword argument "
+            "'hiden_size'); did you mean model.hidden_size? Its parameters are: in_features,",
+        ),
         (["data=table"], "data.path: no value was given"),
         (["data=table", "data.path=missing.csv", "data.target=y"], "data.path='missing.csv': no such file"),
         (["+trainer.extra=1"], "trainer.extra: not a setting of trainer"),

@@ -146,3 +146,32 @@ def test_a_quoted_message_is_what_the_command_prints(tmp_path, page, command, qu
 
 def test_the_docs_quote_messages():
     assert len(SESSIONS) >= 4 and all(quoted for _, _, quoted in SESSIONS)
+
+
+# The config dirs under conf/ that are not groups a user chooses an option of (Hydra's own; JSON files).
+NOT_GROUPS = {"hydra", "deepspeed"}
+
+
+def groups_table(page: Path) -> dict[str, set[str]]:
+    """The "Config groups" table of `page`: group -> the options its row names."""
+    section = page.read_text().split("## Config groups", 1)[1].split("\n#", 1)[0]
+    rows = [line.split("|") for line in section.splitlines() if line.startswith("| `")]
+    return {row[1].strip().strip("`"): set(re.findall(r"`([\w]+)`", row[2])) for row in rows}
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", ROOT / "docs" / "guide.md"], ids=["README", "guide"])
+def test_the_config_groups_table_names_every_group_and_every_option(page):
+    table = groups_table(page)
+    for group in sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name not in NOT_GROUPS):
+        options = {path.stem for path in group.glob("*.yaml")}
+        assert group.name in table, f"{page.name}: the config groups table has no row for `{group.name}`"
+        assert options <= table[group.name], f"{page.name}: `{group.name}` lacks {sorted(options - table[group.name])}"
+
+
+def test_every_docs_page_is_in_the_index_and_the_site_nav():
+    index = (ROOT / "docs" / "index.md").read_text()
+    nav = (ROOT / "mkdocs.yml").read_text().split("nav:", 1)[1]
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        if page.name != "index.md":
+            assert f"]({page.name})" in index, f"docs/index.md's page table lacks {page.name}"
+            assert f": {page.name}" in nav, f"mkdocs.yml's nav lacks {page.name}"
