@@ -86,44 +86,51 @@ class Callback:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    @classmethod
+    def check_settings(cls, node: str, settings: Any, trainer: Any) -> list[str]:
+        """Before launch: what is wrong with these settings (`node`: where they are, "callbacks.<name>")
+        given the run's `trainer` settings, each one paragraph; none by default."""
+        return []
+
 
 class Callbacks(Callback):
     """A run's callbacks by name, called in that order at each point; checkpointed as one object (the state
-    of each by its name: a resume that adds a callback starts it fresh)."""
+    of each by its name: a resume that adds a callback starts it fresh). A callback need not derive from
+    `Callback`: a class with any of its methods is called at those points only (and one without
+    `state_dict` has no state)."""
 
-    def __init__(self, named: dict[str, Callback]) -> None:
+    def __init__(self, named: dict[str, Any]) -> None:
         self.named = named
 
-    def on_fit_start(self, run: Run) -> None:
+    def _call(self, point: str, *arguments: Any) -> None:
         for callback in self.named.values():
-            callback.on_fit_start(run)
+            if (method := getattr(callback, point, None)) is not None:
+                method(*arguments)
+
+    def on_fit_start(self, run: Run) -> None:
+        self._call("on_fit_start", run)
 
     def on_step_end(self, run: Run) -> None:
-        for callback in self.named.values():
-            callback.on_step_end(run)
+        self._call("on_step_end", run)
 
     def on_eval_end(self, run: Run, metrics: dict[str, float]) -> None:
-        for callback in self.named.values():
-            callback.on_eval_end(run, metrics)
+        self._call("on_eval_end", run, metrics)
 
     def on_checkpoint(self, run: Run, path: Path) -> None:
-        for callback in self.named.values():
-            callback.on_checkpoint(run, path)
+        self._call("on_checkpoint", run, path)
 
     def on_fit_end(self, run: Run, metrics: dict[str, float]) -> None:
-        for callback in self.named.values():
-            callback.on_fit_end(run, metrics)
+        self._call("on_fit_end", run, metrics)
 
     def on_exception(self, run: Run, error: BaseException) -> None:
-        for callback in self.named.values():
-            callback.on_exception(run, error)
+        self._call("on_exception", run, error)
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: callback.state_dict() for name, callback in self.named.items()}
+        return {name: c.state_dict() for name, c in self.named.items() if hasattr(c, "state_dict")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, saved in state.items():
-            if name in self.named:
+            if hasattr(self.named.get(name), "load_state_dict"):
                 self.named[name].load_state_dict(saved)
 
 
@@ -168,6 +175,33 @@ class EarlyStopping(Callback):
         self.patience = patience
         self.best: float | None = None
         self.waited = 0  # evaluations since the best
+
+    @classmethod
+    def check_settings(cls, node: str, settings: Any, trainer: Any) -> list[str]:
+        """It decides on evaluations: with trainer.eval_every=0 there is none while the run trains, in this
+        run or one that continues it longer."""
+        if trainer.eval_every == 0:
+            return [
+                f"{node}: trainer.eval_every=0, so the run never evaluates while it trains and early stopping "
+                "(which decides on evaluations) could never stop it. Set trainer.eval_every (say, a tenth of "
+                f"trainer.max_steps), or leave {node.split('.')[-1]} out of callbacks."
+            ]
+        return []
+
+    def on_fit_start(self, run: Run) -> None:
+        """Warn where this run has too few evaluations left before its last step for the rule to stop it
+        (one that is continued longer later may have enough: not refused)."""
+        every = run.settings.eval_every
+        left = (run.total_steps - 1) // every - run.step // every  # evaluations before the last step
+        needed = self.patience - self.waited + (self.best is None)
+        if left < needed:
+            log.warning(
+                "early stopping cannot stop this run: it evaluates %d more time(s) before its last step "
+                "(trainer.eval_every=%d, %d steps) and needs %d (patience=%d) to stop it. Evaluate more often "
+                "(trainer.eval_every<=%d) or lower the patience.",
+                left, every, run.total_steps, needed, self.patience,
+                max(1, (run.total_steps - 1 - run.step) // max(needed, 1)),
+            )  # fmt: skip
 
     def on_eval_end(self, run: Run, metrics: dict[str, float]) -> None:
         value = metrics[self.rule.monitor]

@@ -199,6 +199,8 @@ def _target_problems(cfg: DictConfig) -> list[str]:
             )
             continue
         problems += _argument_problems(node, obj, node_cfg)
+        if node.startswith("callbacks.") and (check := getattr(obj, "check_settings", None)) is not None:
+            problems += check(node, node_cfg, cfg.trainer)  # the callback's own rule (`Callback.check_settings`)
     return problems
 
 

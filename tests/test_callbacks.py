@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from PIL import Image
 
-from runner.callbacks import PlotCurves
+from runner.callbacks import EarlyStopping, PlotCurves
 from runner.config import CONF_DIR
 from runner.errors import ConfigError
 from runner.history import History, read_history
@@ -145,6 +145,25 @@ def test_early_stopping_counts_only_improvements_by_more_than_min_delta(min_delt
     assert stopped[:1] == ([stops_at] if stops_at else [])
 
 
+def test_early_stopping_warns_where_the_run_has_too_few_evaluations_left_to_stop(caplog):
+    """3 evaluations before step 200 (every 50) and patience 3: 4 are needed. Not refused: a run continued
+    longer may have them."""
+    run = SimpleNamespace(settings=SimpleNamespace(eval_every=50), total_steps=200, step=0)
+    with caplog.at_level(logging.WARNING, logger="runner.callbacks"):
+        EarlyStopping(patience=3).on_fit_start(run)
+        assert (
+            "early stopping cannot stop this run: it evaluates 3 more time(s) before its last step "
+            "(trainer.eval_every=50, 200 steps) and needs 4 (patience=3) to stop it. Evaluate more often "
+            "(trainer.eval_every<=49) or lower the patience." in caplog.text
+        )
+        caplog.clear()
+        EarlyStopping(patience=3).on_fit_start(SimpleNamespace(settings=run.settings, total_steps=201, step=0))
+        resumed = EarlyStopping(patience=3)
+        resumed.load_state_dict({"best": 0.5, "waited": 2})  # one more evaluation without improvement stops
+        resumed.on_fit_start(SimpleNamespace(settings=run.settings, total_steps=200, step=140))
+    assert caplog.text == ""  # 4 evaluations before step 201; 1 before 200 from step 140, and 1 needed
+
+
 REFUSED = {
     ("callbacks=[early_stopping]", "callbacks.early_stopping.monitor=eval/accuracy"): (
         "callbacks.early_stopping.monitor=eval/accuracy: the task reports no such eval metric; after each "
@@ -160,6 +179,10 @@ REFUSED = {
     (
         "+callbacks.mine._target_=nowhere.Callback",
     ): "callbacks.mine._target_='nowhere.Callback' cannot be imported",
+    ("callbacks=[early_stopping]", "trainer.eval_every=0"): (
+        "callbacks.early_stopping: trainer.eval_every=0, so the run never evaluates while it trains and early "
+        "stopping (which decides on evaluations) could never stop it."
+    ),
     ("callbacks=[lr_monitor]", "+callbacks.lr_monitor.every=3"): (
         "callbacks.lr_monitor: runner.callbacks.LearningRateMonitor does not accept these settings"
     ),
@@ -282,6 +305,15 @@ def test_a_sweeps_pictures_rank_its_jobs_by_the_objective_and_mark_the_best():
     assert len(objective.lines) == 3
     maximized = sweep_figures(jobs, "eval/loss", results, "maximize", histories)
     assert maximized["summary"].axes[0].lines[1].get_label() == "best: job 0"
+
+
+def test_a_plain_class_with_one_callback_method_is_called_there_and_checkpointed_without_state(tmp_path):
+    record = tmp_path / "steps.txt"
+    run_to_end(
+        tmp_path / "run", "+callbacks.mine._target_=probes.OnlyStepEnd", f"+callbacks.mine.record={record}",
+        "trainer.max_steps=6", "trainer.checkpoint_every=3", "trainer.eval_every=0", pythonpath=TESTS,
+    )  # fmt: skip
+    assert record.read_text().split() == ["1", "2", "3", "4", "5", "6"]
 
 
 def test_a_categorical_setting_is_one_position_per_value_however_many_jobs_share_it():
