@@ -36,11 +36,19 @@ def build_data(cfg: DictConfig) -> DataSource:
 def fast_dev_run(cfg: DictConfig) -> None:
     """`trainer.fast_dev_run=N` (N > 0) sets `cfg` for a quick check that everything runs: N training
     steps, each logged, then an eval of at most N batches; nothing resumed and nothing kept (no
-    checkpoints, tracker, callbacks, plots or saved model; `Trainer.finish` records no results)."""
+    checkpoints, tracker, callbacks, plots or saved model; `Trainer.finish` records no results). A
+    checkpoint named to resume from (not the default `auto`) is refused: it would be dropped."""
     trainer = cfg.trainer
     if not trainer.fast_dev_run:
         return
     steps = trainer.fast_dev_run
+    if trainer.resume not in (None, "auto"):
+        raise ConfigError(
+            f"trainer.fast_dev_run={steps} with trainer.resume={trainer.resume}: a check run starts fresh and keeps "
+            "nothing, so it would resume nothing. Leave trainer.resume out; to check a resume itself, run it in a "
+            "new dir for a few steps past the checkpoint (trainer.resume=<checkpoint> hydra.run.dir=<new dir> "
+            "trainer.max_steps=<its step + 2>)."
+        )
     trainer.max_steps, trainer.max_epochs, trainer.log_every, trainer.eval_every = steps, None, 1, 0
     trainer.limit_eval_batches = min(steps, trainer.limit_eval_batches or steps)
     trainer.checkpoint_every, trainer.checkpoint_every_s = 0, 0.0

@@ -38,19 +38,21 @@ class Range:
     gt: float | None = None
     le: float | None = None
     lt: float | None = None
+    off: float | None = None  # a value outside the bounds that turns the setting off (0: never)
 
     def problem(self, key: str, value: float) -> str | None:
         """Why `key=value` is out of range, or None."""
         low = (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
         high = (self.le is None or value <= self.le) and (self.lt is None or value < self.lt)
-        if low and high:
+        if (low and high) or value == self.off:
             return None
         return f"{key}={value}: must be {self}."
 
     def __str__(self) -> str:
-        """The bounds as `runner --help` and the range errors write them: ">= 0 and < 1"."""
+        """The bounds as `runner --help` and the range errors write them: ">= 0 and < 1", ">= 1, or 0 (off)"."""
         bounds = ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
-        return " and ".join(f"{op} {bound}" for op, bound in bounds if bound is not None)
+        said = " and ".join(f"{op} {bound}" for op, bound in bounds if bound is not None)
+        return said if self.off is None else f"{said}, or {self.off} (off)"
 
 
 # A numeric setting declares its range in its annotation, e.g. `batch_size: PositiveInt = 64`, checked
@@ -60,6 +62,9 @@ NonNegativeInt = Annotated[int, Range(ge=0)]
 Seed = Annotated[int, Range(ge=0, lt=2**32)]
 PositiveFloat = Annotated[float, Range(gt=0)]
 NonNegativeFloat = Annotated[float, Range(ge=0)]
+# trainer.hang_timeout_s: 0 turns the watchdog off; below 1 s (its poll is 0.5 s) any step, an evaluation
+# batch or a checkpoint's start would read as a hang
+HangTimeout = Annotated[float, Range(ge=1, off=0)]
 Fraction = Annotated[float, Range(gt=0, lt=1)]  # a share strictly between none and all
 Probability = Annotated[float, Range(ge=0, lt=1)]  # dropout, a warm-up share
 ShardDegree = Annotated[int, Range(ge=-1)]  # ranks a parameter is sharded over; -1: all the rest
@@ -331,9 +336,9 @@ class TrainerConfig:
     memory_snapshot: bool = (
         False  # CUDA: record allocations; an out-of-memory error dumps them to the run dir
     )
-    # seconds a rank may make no progress before it dumps its stacks and fails; null: 20x the median step
-    # (at least 600 s; 1800 s for the first steps); 0: never (`runner.watchdog`)
-    hang_timeout_s: NonNegativeFloat | None = None
+    # seconds a rank may make no progress before it dumps its stacks and fails (at least 1); null: 20x the
+    # median step (at least 600 s; 1800 s for the first steps); 0: never (`runner.watchdog`)
+    hang_timeout_s: HangTimeout | None = None
     # Debugging (Lightning's switches): `fast_dev_run` N > 0 runs N steps and N eval batches with nothing
     # kept (no checkpoint, tracker, callbacks, plots, model or results: `runner.build.fast_dev_run`)
     fast_dev_run: NonNegativeInt = 0

@@ -109,6 +109,7 @@ def test_unknown_group_option_is_refused():
         (["trainer.max_steps=null"], "trainer.max_steps and trainer.max_epochs are both null"),
         (["trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps=0: must be >= 1"),
         (["trainer.max_grad_norm=-1"], "trainer.max_grad_norm=-1.0: must be > 0"),
+        (["trainer.hang_timeout_s=0.01"], "trainer.hang_timeout_s=0.01: must be >= 1, or 0 (off)."),
         (
             [
                 "trainer.compile.scope=model",
@@ -470,10 +471,11 @@ def test_every_numeric_setting_declares_its_range():
 
 
 def out_of_range(bounds: Range, rng: random.Random) -> float:
-    """A value `bounds` refuses, at a random distance from the bound."""
+    """A value `bounds` refuses, at a random distance from the bound (not its `off` value)."""
     distance = rng.choice([1, 7, 1000])
     if bounds.ge is not None:
-        return bounds.ge - distance
+        below = bounds.ge - distance
+        return (bounds.ge + below) / 2 if below == bounds.off else below
     if bounds.gt is not None:
         return bounds.gt - distance + 1 if bounds.gt == int(bounds.gt) else bounds.gt - distance
     return (bounds.le if bounds.le is not None else bounds.lt) + distance

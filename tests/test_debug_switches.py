@@ -99,6 +99,21 @@ def test_fast_dev_run_sets_a_short_run_that_keeps_nothing():
     assert not (trainer.save_model or trainer.plots or cfg.tracker._target_ or cfg.callbacks)
 
 
+@pytest.mark.parametrize("resume", ["last", "outputs/runs/x/checkpoints/checkpoint_3"])
+def test_fast_dev_run_with_a_resume_given_is_refused_not_dropped(resume):
+    """A check run starts fresh: a checkpoint named to resume from would be dropped without a word."""
+    cfg = _config("trainer.fast_dev_run=2", f"trainer.resume={resume}")
+    with pytest.raises(ConfigError) as refused:
+        fast_dev_run(cfg)
+    assert str(refused.value).startswith(
+        f"trainer.fast_dev_run=2 with trainer.resume={resume}: a check run starts fresh and keeps nothing, "
+        "so it would resume nothing."
+    )
+    default = _config("trainer.fast_dev_run=2")  # resume=auto, the default: set aside quietly
+    fast_dev_run(default)
+    assert default.trainer.resume is None
+
+
 @pytest.mark.slow
 def test_fast_dev_run_runs_every_part_once_and_leaves_no_results(tmp_path):
     run_dir = tmp_path / "run"
