@@ -226,7 +226,8 @@ class BestCheckpoints(Callback):
     """Keep the `keep` best checkpoints by `monitor` (an eval metric): `<run dir>/best/step_<n>/`, each a
     whole checkpoint (`trainer.resume=<it>` continues from it), and `best/best.json` listing them best
     first with their step and value. Saved at the evaluations that enter the best `keep`; one pushed out
-    is deleted.
+    is deleted once the run's state no longer needs it: once a checkpoint that records the new list is
+    complete (a resume from the checkpoint before would lack it), or at the run's end.
 
     Args:
         monitor: the metric, e.g. eval/loss.
@@ -240,12 +241,33 @@ class BestCheckpoints(Callback):
         self.rule = Monitor("callbacks.best_checkpoints", monitor, mode)
         self.keep = keep
         self.kept: list[dict[str, Any]] = []  # {"step", "value"}, best first
+        self.recorded: list[dict[str, Any]] = []  # the list the latest complete checkpoint holds
+        self.writing: list[dict[str, Any]] | None = None  # the list of a checkpoint still being written
 
     def on_fit_start(self, run: Run) -> None:
         """Forget the checkpoints in best/ that this state does not hold (saved after the checkpoint this
         run resumed from, by the run that stopped)."""
+        self.recorded = list(self.kept)  # the checkpoint resumed from, or none
         if run.engine.is_main_process:
             self._tidy(run.output_dir / BEST)
+
+    def on_checkpoint(self, run: Run, path: Path) -> None:
+        """A checkpoint holds the list now: the bests it does not list may go once it is complete (written
+        in the background, at the next point where it is)."""
+        self.writing = list(self.kept)
+        self._written(run)
+
+    def on_fit_end(self, run: Run, metrics: dict[str, float]) -> None:
+        self.writing, self.recorded = None, list(self.kept)  # finished: the best list is the run's result
+        if run.engine.is_main_process:
+            self._tidy(run.output_dir / BEST)
+
+    def _written(self, run: Run) -> None:
+        """Once the checkpoint being written is complete, its list is the recorded one, and best/ tidied."""
+        if self.writing is not None and not run.engine.checkpointer.in_progress:
+            self.recorded, self.writing = self.writing, None
+            if run.engine.is_main_process:
+                self._tidy(run.output_dir / BEST)
 
     def on_eval_end(self, run: Run, metrics: dict[str, float]) -> None:
         value = metrics[self.rule.monitor]
@@ -261,13 +283,16 @@ class BestCheckpoints(Callback):
         self.kept = ranked[: self.keep]
         if entry in self.kept:
             run.engine.checkpointer.save_named(run.output_dir / BEST / f"step_{run.step}", run.step)
+        self._written(run)
         if run.engine.is_main_process:
             self._tidy(run.output_dir / BEST)
             log.info("best checkpoints by %s: %s", self.rule.monitor, _listed(self.kept))
 
     def _tidy(self, best: Path) -> None:
-        """best/ holds the checkpoints of `kept` and its record, nothing else of ours."""
-        wanted = {f"step_{e['step']}" for e in self.kept}
+        """best/ holds the checkpoints of `kept`, those a checkpoint of the run's state still lists, and the
+        record of `kept`; nothing else of ours."""
+        needed = [*self.kept, *self.recorded, *(self.writing or [])]
+        wanted = {f"step_{e['step']}" for e in needed}
         for found in best.glob("step_*") if best.is_dir() else []:
             if found.name not in wanted:
                 shutil.rmtree(found, ignore_errors=True)

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import probes
 import pytest
-from conftest import cli_env, run_to_end
+from conftest import cli_env, run_to_end, runner_command
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from PIL import Image
@@ -112,6 +115,37 @@ def test_callbacks_stop_keep_the_best_log_and_resume_their_state(tmp_path):
     lines = [line.split("|") for line in probes.read(parts / "probe", "callback")]
     saved = next(int(n) for point, step, n in lines if point.startswith("eval_end") and step == "20")
     assert [line for line in lines if line[0] == "fit_start"][1] == ["fit_start", "20", str(saved + 1)]
+
+
+@pytest.mark.slow
+def test_a_best_checkpoint_is_deleted_only_once_a_checkpoint_records_its_successor(tmp_path):
+    """keep=1: step_30 is the best when checkpoint_0 (step 40) records the list; step_60 beats it; the run
+    is killed at step 65, before checkpoint_1. Its resume from checkpoint_0 still has step_30 (which that
+    state lists) and ends with the best/ of an uninterrupted run."""
+    gate = tmp_path / "gate"
+    best = ["callbacks=[best_checkpoints]", "trainer.eval_every=30", "trainer.checkpoint_every=40",
+            "trainer.max_steps=90", "trainer.keep_checkpoints=null", "scheduler=constant"]  # fmt: skip
+    whole = tmp_path / "whole"
+    run_to_end(whole, *best)
+    held = ["task._target_=faulty_tasks.WaitAtStep", f"+task.gate={gate}", "+task.step=65"]
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        runner_command(run_dir, *best, *held), env=cli_env(TESTS), stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.monotonic() + 120
+    while not (run_dir / "best" / "step_60" / "meta.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "step_60 was never kept"
+        time.sleep(0.05)
+    time.sleep(0.5)  # the run waits at step 65 for the gate: the tidy after step_60's save is done
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    kept = sorted(p.name for p in (run_dir / "best").iterdir())
+    assert kept == ["best.json", "step_30", "step_60"], kept  # step_30: checkpoint_0 still lists it
+    gate.touch()
+    resumed = run_to_end(run_dir, *best, *held, pythonpath=TESTS)
+    assert "resumed from" in (run_dir / "runner.log").read_text(), resumed.stderr
+    assert _best(run_dir) == _best(whole)
+    assert sorted(p.name for p in (run_dir / "best").iterdir()) == sorted(p.name for p in (whole / "best").iterdir())
 
 
 @pytest.mark.slow
