@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from runner.checkpoint.files import atomic_write_text
+from runner.history import json_lines
 
 LEDGER = "goodput.jsonl"  # in the run dir: the intervals, appended
 SUMMARY = "goodput.json"  # in the run dir: their sum (`summarize`)
@@ -144,17 +145,11 @@ def write_summary(run_dir: Path) -> dict[str, Any]:
 
 
 def read_ledger(run_dir: Path) -> list[dict[str, Any]]:
-    """The ledger's records (whole lines only: a line cut by a kill is left out)."""
+    """The ledger's records (whole lines only: a line cut by a kill or damaged is left out: `json_lines`)."""
     path = Path(run_dir) / LEDGER
     if not path.is_file():
         return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records
+    return json_lines(path)
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -6,11 +6,37 @@ logs again. What `runner.plots` draws."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import IO, Any
 
+log = logging.getLogger(__name__)
+
 HISTORY = "history.jsonl"
+
+
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file the run appends to (its history, its goodput ledger): a line that
+    is not one JSON object in UTF-8 is left out, silently where it is the last (a line a kill cut, a
+    zero-filled tail), with a warning naming the lines elsewhere (bytes a disk or an editor damaged)."""
+    records, damaged = [], []
+    lines = Path(path).read_bytes().splitlines()
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError is one
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        elif number < len(lines):
+            damaged.append(number)
+    if damaged:
+        log.warning(
+            "%s: line(s) %s are not JSON records (damaged bytes): left out of what is read from it.",
+            path, ", ".join(map(str, damaged[:10])) + (" ..." if len(damaged) > 10 else ""),
+        )  # fmt: skip
+    return records
 
 
 class History:
@@ -56,11 +82,4 @@ def read_history(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / HISTORY
     if not path.is_file():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        rows.append({k: float(v) if isinstance(v, str) else v for k, v in row.items()})
-    return rows
+    return [{k: float(v) if isinstance(v, str) else v for k, v in row.items()} for row in json_lines(path)]

@@ -5,6 +5,7 @@ test_slurm.py, test_launch.py."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from runner.goodput import (
     read_ledger,
     summarize,
     table,
+    write_summary,
 )
 
 
@@ -140,6 +142,27 @@ def test_the_ledger_coalesces_steps_and_writes_each_phase_as_it_ends(tmp_path, m
     silent.lap("setup")
     silent.step_done(1)
     assert not silent.recording
+
+
+def test_a_ledger_with_bytes_that_are_not_utf8_is_read_without_them_and_says_so(tmp_path, caplog):
+    """A damaged line (not UTF-8) in the middle is left out with a warning naming it; the summary is
+    written; a zero-filled tail (a crash mid-write) is left out silently. (It was a UnicodeDecodeError at
+    the run's end, after all its training, with no metrics.json.)"""
+    ledger = Ledger(tmp_path, 0.0, "startup")
+    ledger.lap("setup")
+    with open(tmp_path / LEDGER, "ab") as f:
+        f.write(b'{"phase": "eval", "t0": 1.0, "t1": \xff\xfe2.0}\n')
+    ledger.lap("eval", step=0)
+    with caplog.at_level(logging.WARNING, logger="runner.history"):
+        assert [r["phase"] for r in read_ledger(tmp_path)] == ["setup", "eval"]
+    assert f"{tmp_path / LEDGER}: line(s) 2 are not JSON records (damaged bytes)" in caplog.text
+    assert write_summary(tmp_path)["wall_s"] > 0
+    caplog.clear()
+    with open(tmp_path / LEDGER, "ab") as f:
+        f.write(b"\0" * 64)
+    with caplog.at_level(logging.WARNING, logger="runner.history"):
+        assert len(read_ledger(tmp_path)) == 2
+    assert "line(s) 2 are not" in caplog.text and "line(s) 4" not in caplog.text  # the tail: silent
 
 
 def test_the_ledger_times_the_wait_for_each_batch(tmp_path):
