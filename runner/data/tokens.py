@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -157,8 +158,8 @@ def check_mixture(sources: Any) -> None:
         weight = entry.get("weight") if keys else None
         if keys != {"path", "weight"} or not isinstance(entry["path"], str):
             problem = f"data.sources[{i}]={entry!r}: expected {{path: <shards dir>, weight: <number>}}"
-        elif isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            problem = f"data.sources[{i}].weight={weight!r}: a weight must be a positive number"
+        elif isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+            problem = f"data.sources[{i}].weight={weight!r}: a weight must be a positive finite number"
         else:
             continue
         raise ConfigError(
