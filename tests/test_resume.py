@@ -674,6 +674,13 @@ def test_a_finished_runs_results_are_replaced_only_by_a_run_that_continues_it(tm
     )
     assert "trainer.overwrite=true" in changed.stderr and "Traceback" not in changed.stderr
     assert {name: (tmp_path / name).read_bytes() for name in results} == results
+    # another hardware option: its class first, then the values both have, then those only one has
+    other = refused(tmp_path, *quick, "hardware=multi_gpu", "hardware.num_processes=2", "optimizer.lr=0.01")
+    listed = other.stderr.split("holds a run that finished", 1)[1]
+    assert (
+        "(hardware._target_=runner.hardware.cpu.SingleDevice there, runner.hardware.ddp.DDP here; hardware.device=cpu "
+        "there, None here; optimizer.lr=0.001 there, 0.01 here; hardware.backend=<unset> there, None here;" in listed
+    ), listed
     same = run(tmp_path, *quick, "trainer.progress_bar=false")  # not a setting of the results
     assert same.returncode == 0, same.stderr
     assert "nothing to train" in same.stderr

@@ -587,11 +587,12 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _differences(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    return [
-        f"{key}={before.get(key, '<unset>')!s} there, {now.get(key, '<unset>')!s} here"
-        for key in sorted(before.keys() | now.keys())
-        if before.get(key, "<unset>") != now.get(key, "<unset>")
-    ]
+    """Each key whose value differs, as the user is likeliest to have changed it: a group's other option
+    (its `_target_`) first, then the values both configs have, then the keys only one has (the settings
+    another option brings)."""
+    changed = [k for k in before.keys() | now.keys() if before.get(k, "<unset>") != now.get(k, "<unset>")]
+    changed.sort(key=lambda k: ((k in before) != (k in now), not k.endswith("._target_"), k))
+    return [f"{k}={before.get(k, '<unset>')!s} there, {now.get(k, '<unset>')!s} here" for k in changed]
 
 
 def keep_configured_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, configured: list[float]) -> None:
