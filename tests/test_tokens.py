@@ -152,6 +152,18 @@ def test_token_id_arrays_are_converted_in_the_narrowest_dtype_and_checked_agains
         prepare(tmp_path / "d", str(tmp_path / "narrow.bin"), "ids", workers=1, progress=False)
     with pytest.raises(ConfigError, match=r"need data\.tokenizer=ids"):
         prepare(tmp_path / "t", str(tmp_path / "wide.npy"), "bytes", workers=1, progress=False)
+    # arrays that are not a flat list of integer ids: refused before any shard, naming the file
+    np.save(tmp_path / "floats.npy", ids[:100].astype(np.float32) + 0.5)
+    np.save(tmp_path / "table.npy", ids[:100].reshape(10, 10))
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    for name, said in [
+        ("floats.npy", r"floats\.npy holds float32 values: token ids are integers"),
+        ("table.npy", r"table\.npy is a 2-D array \(10, 10\): token ids are one flat array"),
+        ("odd.bin", r"odd\.bin has 3 bytes, not a whole number of data\.source_dtype=uint16 ids \(2 bytes each\)"),
+    ]:
+        with pytest.raises(ConfigError, match=said):
+            prepare(tmp_path / f"to_{name}", str(tmp_path / name), "ids", "text", "uint16", workers=1, progress=False)
+        assert not (tmp_path / f"to_{name}").exists()  # nothing written
 
 
 def test_sources_that_are_not_what_they_claim_are_refused_naming_the_file_and_line(tmp_path):
@@ -202,9 +214,12 @@ def test_an_interrupted_preparation_keeps_its_whole_shards_and_finishes_byte_for
         assert ours == theirs, name
 
 
+TIMES = ("mtime_ns", "index_mtime_ns")
+
+
 def _without_times(record: dict) -> dict:
-    shards = [{k: v for k, v in s.items() if k != "mtime_ns"} for s in record.get("shards", [])]
-    return {k: v for k, v in record.items() if k != "mtime_ns"} | {"shards": shards}
+    shards = [{k: v for k, v in s.items() if k not in TIMES} for s in record.get("shards", [])]
+    return {k: v for k, v in record.items() if k not in TIMES} | {"shards": shards}
 
 
 @pytest.mark.parametrize("size", [1, 2, 5, 64, 1000, 65537])
@@ -277,6 +292,23 @@ def test_broken_shards_and_mismatched_settings_are_refused_from_metadata(corpus,
     shutil.copytree(shards, beyond)
     (beyond / "manifest.json").write_text(json.dumps(manifest | {"vocab_size": 100}))
     refused("it holds token id 122, beyond its vocabulary of 100", beyond)
+    # the document index rewritten with wrong starts (same size): its checksum is read, as the tokens'
+    moved = tmp_path / "moved"
+    shutil.copytree(shards, moved)
+    index = np.fromfile(moved / "shard_00000.idx", dtype="<i8")
+    (index[::-1] if len(index) > 1 else index + 1).tofile(moved / "shard_00000.idx")
+    refused("shard_00000.idx holds other data than was written", moved)
+    # a source edited after prepare-data (same name): the sizes and times the manifest keeps differ
+    edited = tmp_path / "edited"
+    shutil.copytree(corpus, edited)
+    prepare(tmp_path / "e", str(edited / "part*.txt"), shard_mb=0.01, workers=1, progress=False)
+    with open(edited / "part1.txt", "a") as f:
+        f.write("one more line\n")
+    refused(
+        rf"data.source: {edited / 'part1.txt'} changed since the shards in .* were prepared from it "
+        r"\(\d+ bytes then, \d+ now",
+        tmp_path / "e", source=str(edited / "part*.txt"),
+    )
     data = TokenShards(str(shards))
     data.setup()
     with pytest.raises(

@@ -105,11 +105,13 @@ def prepare(
         raise ConfigError(
             "data.source_dtype is null: raw .bin token files hold no dtype; give theirs, e.g. data.source_dtype=uint16."
         )
+    if ids:
+        check_id_files(files, source_dtype)
     text_tokenizer = None if ids else load_tokenizer(tokenizer)
     vocab = vocab_size if ids else (BYTES_VOCAB if text_tokenizer is None else len(text_tokenizer))
     dtype = _ids_dtype(files, source_dtype) if ids and vocab is None else token_dtype(vocab)
     recipe = {
-        "sources": [list(s) for s in _source_stats(files)],
+        "sources": [list(s) for s in source_stats(files)],
         "tokenizer": _tokenizer_record(tokenizer),
         "settings": {
             "text_column": text_column,
@@ -181,7 +183,7 @@ def _existing(output: Path, recipe: dict[str, Any]) -> Manifest | None:
     )
 
 
-def _source_stats(files: list[Path]) -> list[tuple[str, int, int]]:
+def source_stats(files: list[Path]) -> list[tuple[str, int, int]]:
     """(absolute path, size, mtime) of each source; a saved dataset directory's of all its files together."""
     stats = []
     for path in files:
@@ -204,6 +206,42 @@ def _tokenizer_record(tokenizer: str) -> dict[str, Any]:
     if tokenizer in ("bytes", "ids"):
         return {"name": name}
     return {"name": name, "files": file_stats(sorted(p for p in Path(name).rglob("*") if p.is_file()))}
+
+
+def check_id_files(files: list[Path], source_dtype: str | None) -> None:
+    """ConfigError naming the file unless each token-id source is one flat array of integers: a `.npy` of
+    one dimension and an integer dtype, a `.bin` of a whole number of `source_dtype` (an integer dtype)."""
+    raw = np.dtype("u1")
+    if source_dtype is not None:
+        try:
+            raw = np.dtype(source_dtype)
+        except TypeError as err:
+            raise ConfigError(f"data.source_dtype={source_dtype!r}: not a numpy dtype ({err}); give one such as uint16.") from err
+        if raw.kind not in "ui":
+            raise ConfigError(f"data.source_dtype={source_dtype!r}: token ids are integers; give an integer dtype (uint16, uint32).")
+    for path in files:
+        if path.suffix == ".bin":
+            size = path.stat().st_size
+            if size % raw.itemsize:
+                raise ConfigError(
+                    f"data.source: {path} has {size} bytes, not a whole number of data.source_dtype={source_dtype} ids "
+                    f"({raw.itemsize} bytes each): the file is cut, or holds ids of another dtype."
+                )
+            continue
+        try:
+            array = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"data.source: {path} cannot be read as a .npy array ({err}).") from err
+        if array.ndim != 1:
+            raise ConfigError(
+                f"data.source: {path} is a {array.ndim}-D array {array.shape}: token ids are one flat array per "
+                "file (a document each); save each document's ids on its own, or concatenate them (array.ravel())."
+            )
+        if array.dtype.kind not in "ui":
+            raise ConfigError(
+                f"data.source: {path} holds {array.dtype} values: token ids are integers; save them as such "
+                "(array.astype(np.uint32)) rather than have them truncated."
+            )
 
 
 def _ids_dtype(files: list[Path], source_dtype: str | None) -> np.dtype:

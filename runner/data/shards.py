@@ -51,6 +51,7 @@ class Shard:
     index_sha256: str  # of the .idx
     mtime_ns: int  # the .bin's when written: a file with another was copied or changed (its checksum is read)
     unit: dict[str, Any] = field(default_factory=dict)  # the part of the sources it holds
+    index_mtime_ns: int | None = None  # the .idx's when written (None: a manifest from before it was kept)
 
 
 @dataclass
@@ -125,6 +126,7 @@ def write_shard(
         index_sha256=hashlib.sha256(memoryview(index).cast("B")).hexdigest(),
         mtime_ns=(directory / f"{name}.bin").stat().st_mtime_ns,
         unit=unit,
+        index_mtime_ns=(directory / f"{name}.idx").stat().st_mtime_ns,
     )
     write_json(directory / f"{name}.json", asdict(shard))
     return shard
@@ -166,19 +168,26 @@ def _file_sha256(path: Path) -> str:
 
 
 def _content_problem(directory: Path, shard: Shard) -> str | None:
-    """Whether `shard`'s token file still holds what was written, without reading it where its time is the
-    one recorded: a file copied or touched since is read once, and remembered on this machine as checked."""
-    path = directory / f"{shard.name}.bin"
+    """Whether `shard`'s token file and document index still hold what was written (`_file_problem`)."""
+    return _file_problem(directory / f"{shard.name}.bin", shard.mtime_ns, shard.sha256) or _file_problem(
+        directory / f"{shard.name}.idx", shard.index_mtime_ns, shard.index_sha256
+    )
+
+
+def _file_problem(path: Path, mtime_ns: int | None, sha256: str) -> str | None:
+    """Whether `path` still holds what was written (its checksum `sha256`), without reading it where its time
+    is the one recorded (`mtime_ns`): a file copied or touched since is read once, and remembered on this
+    machine as checked."""
     stat = path.stat()
-    if stat.st_mtime_ns == shard.mtime_ns:
+    if stat.st_mtime_ns == mtime_ns:
         return None
     checked = machine_cache("token_shards") / fingerprint(
-        [str(path.resolve()), stat.st_size, stat.st_mtime_ns, shard.sha256]
+        [str(path.resolve()), stat.st_size, stat.st_mtime_ns, sha256]
     )
     if checked.exists():
         return None
     log.info("%s changed or was copied since it was written: reading its checksum", path)
-    if _file_sha256(path) != shard.sha256:
+    if _file_sha256(path) != sha256:
         return f"{path.name} holds other data than was written (its checksum differs from the manifest's)"
     try:
         checked.parent.mkdir(parents=True, exist_ok=True)

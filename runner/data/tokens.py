@@ -17,7 +17,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
 from runner.config import PositiveFloat, PositiveInt
 from runner.data.base import DataSource
-from runner.data.prepare import prepare, source_files, tokenizer_name
+from runner.data.prepare import prepare, source_files, source_stats, tokenizer_name
 from runner.data.shards import TokenStore
 from runner.errors import ConfigError
 
@@ -337,7 +337,8 @@ class TokenShards(DataSource):
         if self.source is None:
             return
         made_from = sorted(path for path, *_ in store.manifest.sources)
-        named = sorted(str(p.resolve()) for p in source_files(self.source))
+        files = source_files(self.source)
+        named = sorted(str(p.resolve()) for p in files)
         if made_from != named or store.manifest.tokenizer != tokenizer_name(self.tokenizer):
             raise ConfigError(
                 f"data.path={str(self.path)!r}: its shards were prepared from {len(made_from)} file(s) "
@@ -347,6 +348,16 @@ class TokenShards(DataSource):
                 "Prepare them again into another data.path, or set data.source=null to train on the shards as "
                 "they are."
             )
+        then = {path: (size, mtime) for path, size, mtime in store.manifest.sources}
+        for path, size, mtime in source_stats(files):
+            if then[path] != (size, mtime):
+                raise ConfigError(
+                    f"data.source: {path} changed since the shards in {str(self.path)!r} were prepared from it "
+                    f"({then[path][0]} bytes then, {size} now; modified {'then' if then[path][1] == mtime else 'since'}): "
+                    "the run would train on its old contents. Prepare it again (`runner prepare-data` with these "
+                    "settings, into another data.path or after deleting that one), or set data.source=null to train "
+                    "on the shards as they are."
+                )
 
     def train_dataloader(self, seed: int) -> DataLoader:
         return self.loader(
