@@ -64,6 +64,7 @@ from runner.errors import (
     EXIT_INTERRUPTED,
     SEARCH_PATH_MISSING,
     ConfigError,
+    DataNotPrepared,
     JobFailed,
     RankFailedError,
     TrainingInterrupted,
@@ -358,7 +359,7 @@ def run() -> None:
             commands[sys.argv[1]](sys.argv[2:])
         except (HydraException, OmegaConfBaseException) as err:
             _end_command(ConfigError(describe_compose_error(err)))
-        except ConfigError as err:
+        except (ConfigError, DataNotPrepared) as err:
             _end_command(err)
         return
     for plugin in (ResumableSweeper, RunnerLauncher):

@@ -207,6 +207,10 @@ class TrainingStopped(RuntimeError):
     """The run cannot go on, for a reason one paragraph says (exit 1, no traceback)."""
 
 
+class DataNotPrepared(RuntimeError):
+    """`runner prepare-data` could not write its shards (a full disk, a read-only dir): one paragraph, exit 1."""
+
+
 class TrainingDiverged(TrainingStopped):
     """A metric became NaN or infinite: the run stops instead of training on, or reporting, garbage."""
 
@@ -232,6 +236,7 @@ ENDINGS: tuple[tuple[type[BaseException], str, int], ...] = (
     (TrainingInterrupted, "Training interrupted", EXIT_INTERRUPTED),
     (RankFailedError, "Training failed", 1),
     (TrainingStopped, "Training stopped", 1),
+    (DataNotPrepared, "Data not prepared", 1),
 )
 
 

@@ -12,7 +12,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 
 from runner.compose import CONFIG_NAME, check_config_dirs, command_hydra, user_config_dirs
-from runner.errors import ConfigError
+from runner.errors import ConfigError, DataNotPrepared, write_failure
 from runner.validate import missing_values
 
 
@@ -34,7 +34,16 @@ def main(arguments: list[str]) -> None:
             f"data={cfg.hydra.runtime.choices.get('data')} ({cfg.data._target_}) reads its files as they are; "
             "there is nothing to prepare. `runner prepare-data` writes the token shards of data=tokens."
         )
-    manifest = data.prepare(progress=sys.stderr.isatty())
+    try:
+        manifest = data.prepare(progress=sys.stderr.isatty())
+    except OSError as err:
+        if (reason := write_failure(err)) is None:
+            raise
+        raise DataNotPrepared(
+            f"runner prepare-data could not write to {cfg.data.path}: {reason}. Free space or fix the permissions "
+            "there, or give another data.path; the shards it finished are whole and kept, and the same command "
+            "goes on from them."
+        ) from None
     print(
         f"{cfg.data.path}: {manifest.tokens:,} tokens in {manifest.documents:,} documents, "
         f"{len(manifest.shards)} shard(s) of {manifest.dtype}, vocabulary {manifest.vocab_size} "

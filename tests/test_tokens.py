@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import pickle
+import shlex
 import shutil
 import subprocess
 import sys
@@ -326,6 +328,39 @@ def _command(*arguments: str, cwd: Path) -> subprocess.CompletedProcess:
         text=True,
         timeout=300,
     )
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="a small or read-only mount needs root"
+)
+@pytest.mark.parametrize(("mount", "reason"), [("full", "the disk is full"), ("ro", "the file system is read-only")])
+def test_prepare_data_that_cannot_write_says_why_and_leaves_no_partial_file(corpus, tmp_path, mount, reason):
+    """Its data.path on a 48 kB file system (two of the shards fit) or a read-only one."""
+    small = tmp_path / "small"
+    small.mkdir()
+    command = shlex.join([
+        sys.executable, "-m", "runner", "prepare-data", "data=tokens", f"data.path={small / 'shards'}",
+        f"data.source={corpus / 'part*.txt'}", "data.shard_mb=0.01", "data.prepare_workers=1",
+    ])  # fmt: skip
+    setup = f"mount -t tmpfs -o size=48k tmpfs {small}" if mount == "full" else f"mount --bind -o ro {small} {small}"
+    script = f"{setup} && {command}; code=$?; find {small} -name '*partial*'; exit $code"
+    proc = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", script], env=cli_env(), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert f"Data not prepared: runner prepare-data could not write to {small / 'shards'}: {reason}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout.strip() == ""  # no partial file left
+
+
+def test_prepare_data_into_a_file_is_refused(corpus, tmp_path):
+    (tmp_path / "shards").write_text("a file")
+    proc = _command(
+        "prepare-data", "data=tokens", f"data.path={tmp_path / 'shards'}", f"data.source={corpus / 'part0.txt'}",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"Configuration error: data.path={str(tmp_path / 'shards')!r}: a file is there, not a directory" in proc.stderr
 
 
 @pytest.fixture(scope="module")

@@ -122,6 +122,11 @@ def prepare(
         },
     }
     output = Path(output).expanduser()
+    if output.exists() and not output.is_dir():
+        raise ConfigError(
+            f"data.path={str(output)!r}: a file is there, not a directory: `runner prepare-data` writes the shards "
+            "into a directory of their own. Give another data.path (a new or an empty directory)."
+        )
     done = _existing(output, recipe)
     if done is not None:
         log.info("the shards in %s were prepared from these sources and settings already", output)

@@ -95,18 +95,26 @@ class Manifest:
 
 def write_json(path: Path, content: dict[str, Any]) -> None:
     """`content` as JSON at `path`, whole or not at all."""
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(content, indent=1) + "\n")
-    os.replace(partial, path)
+    _write_whole(path, (json.dumps(content, indent=1) + "\n").encode())
 
 
 def _write_array(path: Path, array: np.ndarray) -> None:
+    _write_whole(path, memoryview(np.ascontiguousarray(array)).cast("B"))
+
+
+def _write_whole(path: Path, data: bytes | memoryview) -> None:
+    """`data` at `path`, whole or not at all: written to a partial file beside it, synced and renamed; a
+    write that fails (the disk full) removes its partial file."""
     partial = path.with_name(f".{path.name}.partial")
-    with open(partial, "wb") as f:
-        f.write(memoryview(np.ascontiguousarray(array)).cast("B"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
+    try:
+        with open(partial, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def write_shard(
