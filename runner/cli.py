@@ -230,6 +230,7 @@ def checks_before_launch(
             settings=settings if verify and training else None,  # type: ignore[arg-type]
             max_steps=cfg.trainer.max_steps if training else None,
             model=built.model,
+            data_identity=built.data.identity() if built.data is not None else None,
         )
     return built, world_size, checkpoint, None
 

@@ -154,6 +154,8 @@ class Trainer:
         set_seed(trainer.seed)
 
         data = self.prepare_loaders(cfg)
+        if (identity := data.identity()) is not None:  # checked against a resumed checkpoint's, before launch
+            engine.checkpointer.facts["data"] = identity
         ledger.lap("data")
         model = build_model(cfg, data)
         self.throughput = throughput_meter(cfg, data, model, engine)

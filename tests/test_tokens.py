@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import rank_checks
 import torch
-from conftest import REPO, cli_env, metrics_of, run_to_end
+from conftest import REPO, cli_env, metrics_of, run_to_end, runner_command
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -437,6 +437,34 @@ def test_a_gpt_resumes_from_token_shards_exactly_and_on_another_number_of_ranks(
             abs(got["train/loss"] - expected["train/loss"]) < 1e-4
             and abs(got["eval/loss"] - expected["eval/loss"]) < 1e-4
         ), (got, expected)
+
+
+@pytest.mark.slow
+def test_a_resume_on_other_shards_at_the_same_path_is_refused(corpus, tmp_path):
+    """The shards at data.path replaced by another corpus's between a checkpoint and its resume: the saved
+    position would pick other windows. The checkpoint records what the shards are (their checksums)."""
+    for name, part in (("a", "part0.txt"), ("b", "part2.txt")):
+        prepare(tmp_path / name, str(corpus / part), shard_mb=0.01, workers=1, progress=False)
+    shards = tmp_path / "shards"
+    shutil.copytree(tmp_path / "a", shards)
+    run = ["data=tokens", f"data.path={shards}", "data.seq_len=32", "model=gpt", "task=language_modeling",
+           "trainer.checkpoint_every=3", "trainer.eval_every=0"]  # fmt: skip
+    run_to_end(tmp_path / "run", *run, "trainer.max_steps=3")
+    shutil.rmtree(shards)
+    shutil.copytree(tmp_path / "b", shards)
+    proc = subprocess.run(
+        runner_command(tmp_path / "run", *run, "trainer.max_steps=6"), env=cli_env(), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        f"Configuration error: trainer.resume: {tmp_path / 'run' / 'checkpoints' / 'checkpoint_0'} was written by a run "
+        "that read other data: the token shards at data.path are not those it trained on" in proc.stderr
+    ), proc.stderr
+    assert "Traceback" not in proc.stderr
+    shutil.rmtree(shards)
+    shutil.copytree(tmp_path / "a", shards)  # the same shards again (copied: new times): it resumes
+    run_to_end(tmp_path / "run", *run, "trainer.max_steps=6")
 
 
 @pytest.mark.slow

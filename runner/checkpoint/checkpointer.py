@@ -139,6 +139,8 @@ class Checkpointer:
         self._save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._pending: PendingWrite | None = None  # a background save's write
+        # what the run records in every checkpoint's meta.json beside its own facts ("data": what it read)
+        self.facts: dict[str, Any] = {}
         self._group: Any = None  # its process group
 
     # ------------------------------------------------------------------------------------- registry
@@ -292,6 +294,7 @@ class Checkpointer:
             "micro_step": steps.micro,
             "counts": counts,
             "optimizer_classes": [qualified_name(opt) for opt in optimizers],
+            **({"facts": dict(self.facts)} if self.facts else {}),
         }
 
         def write() -> None:

@@ -305,16 +305,18 @@ def check_resume(
     settings: dict[str, Any] | None = None,
     max_steps: int | None = None,
     model: torch.nn.Module | None = None,
+    data_identity: str | None = None,
 ) -> Path | None:
     """Before any rank starts: the checkpoint `trainer.resume` names (see `resume_checkpoint`; `verify`
     reads its files), refused with a ConfigError when it does not fit this run (`check_checkpoint_fits`),
     holds another optimizer's state (`optimizer_class`: the run's; None for inference), was written
-    by a run with other data (`settings`: this run's resolved config; see `check_same_data`), holds
+    by a run with other data (`settings`: this run's resolved config, `data_identity` what its data source
+    read; see `check_same_data`), holds
     another model's state than `model` (the run's on meta; `check_model_fits`), or is past `max_steps`
     (`check_not_past`; a length in epochs is checked once the ranks know the data)."""
     checkpoint = resume_checkpoint(resume, output_dir, verify=verify)
     if checkpoint is not None and settings is not None:
-        check_same_data(checkpoint, settings)
+        check_same_data(checkpoint, settings, data_identity)
     if checkpoint is not None:
         meta = check_checkpoint_fits(
             checkpoint,
@@ -348,10 +350,19 @@ def check_not_past(checkpoint: Path | str, step: int, total_steps: int) -> None:
 NOT_ORDER = ("data.num_workers", "data.eval_batch_size")
 
 
-def check_same_data(checkpoint: Path, settings: dict[str, Any]) -> None:
+def check_same_data(checkpoint: Path, settings: dict[str, Any], identity: str | None = None) -> None:
     """ConfigError when the run that wrote `checkpoint` (its run dir's resolved config) read other data
     than `settings` say: another file or batch size would give the saved loader position other samples,
-    and the run would go on silently on a different stream. Checkpoints outside a run dir pass."""
+    and the run would go on silently on a different stream. Checkpoints outside a run dir pass. Or when
+    the data's contents (`identity`, `DataSource.identity`) are not those the checkpoint records."""
+    recorded = read_meta(checkpoint).get("facts", {}).get("data")
+    if identity is not None and recorded is not None and recorded != identity:
+        raise ConfigError(
+            f"trainer.resume: {checkpoint} was written by a run that read other data: the token shards at data.path "
+            "are not those it trained on (another corpus, or prepared again since; their checksums differ), so its "
+            "position in the data would pick other samples here. Resume with the shards it was written with, or start "
+            "a new run (another hydra.run.dir, or trainer.resume=null)."
+        )
     written = checkpoint.parent.parent / RESOLVED
     if not written.is_file():
         return

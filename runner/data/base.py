@@ -112,6 +112,12 @@ class DataSource(ABC):
     def setup(self) -> None:
         self.train_set, self.eval_set, self.dims = self.load()
 
+    def identity(self) -> str | None:
+        """What the data is beyond its settings, once loaded: a fingerprint of its files' contents where the
+        source knows one (token shards: their checksums), recorded with each checkpoint so that a resume on
+        other contents at the same paths is refused; None: the settings say it all."""
+        return None
+
     def overfit(self, samples: int) -> None:
         """Train and evaluate on the training set's first `samples` samples only (`trainer.overfit_batches`:
         a model that cannot drive their loss to about zero has a bug)."""

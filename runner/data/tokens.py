@@ -16,7 +16,7 @@ from omegaconf import DictConfig, ListConfig
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
 from runner.config import PositiveFloat, PositiveInt
-from runner.data.base import DataSource
+from runner.data.base import DataSource, fingerprint
 from runner.data.prepare import prepare, source_files, source_stats, tokenizer_name
 from runner.data.shards import TokenStore
 from runner.errors import ConfigError
@@ -304,6 +304,9 @@ class TokenShards(DataSource):
                     f"data.seq_len={self.seq_len} + 1 tokens. Use more data or a shorter seq_len."
                 )
             eval_parts = [self._windows(eval_store, 0, min(windows, self.eval_samples or windows))]
+        self._identity = fingerprint(
+            [[shard.sha256 for shard in store.manifest.shards] for store in [*stores, eval_store] if store]
+        )
         if len(train_parts) == 1:
             return train_parts[0], eval_parts[0], {"vocab_size": vocab}
         total = sum(len(part) for part in train_parts)
@@ -312,6 +315,10 @@ class TokenShards(DataSource):
             ConcatDataset(eval_parts),
             {"vocab_size": vocab},
         )
+
+    def identity(self) -> str | None:
+        """The checksums of the shards trained and evaluated on (`DataSource.identity`)."""
+        return getattr(self, "_identity", None)
 
     def _windows(self, store: TokenStore, first: int, count: int) -> TokenWindows:
         return TokenWindows(store, self.seq_len, first, count, positions=self.document_mask)
