@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,11 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, runner_command
+from conftest import cli_env, metrics_of, runner_command
 
 from runner.errors import ConfigError, RankFailedError
 from runner.goodput import read_ledger
-from runner.launchers.ray.cluster import Node, connect, placement
+from runner.launchers.ray.cluster import ANSWER_S, Node, connect, placement
 from runner.launchers.ray.launcher import REPORTS, outcome
 from runner.launchers.ray.workers import ERRORS, WORKERS
 from runner.launchers.reports import report_failure
@@ -278,6 +279,21 @@ def test_what_the_cluster_cannot_run_is_refused_before_anything_is_submitted(clu
     )
 
 
+def test_the_ranks_run_in_the_commands_dir_where_a_projects_relative_paths_hold(cluster, tmp_path):
+    """`runner init`'s project (its data.path relative: data/points.csv) on the cluster: the workers work in
+    the command's dir, not in Ray's own, so the file is found and its model trains."""
+    init = subprocess.run(
+        [sys.executable, "-m", "runner", "init", "moons"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True
+    )
+    assert init.returncode == 0, init.stderr
+    project = tmp_path / "moons"
+    command = [sys.executable, "-m", "runner", "--config-dir", "conf", "experiment=example", "tracker=none",
+               "trainer.progress_bar=false", "trainer.plots=false", f"hydra.run.dir={tmp_path / 'run'}", *RAY]  # fmt: skip
+    proc = subprocess.run(in_cluster(command), cwd=project, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert metrics_of(proc)["eval/accuracy"] > 0.8
+
+
 def test_placement_fills_nodes_as_ray_places_each_strategy():
     nodes = [Node("a" * 8, "10.0.0.1", cpus=4, gpus=2), Node("b" * 8, "10.0.0.2", cpus=4, gpus=2)]
     a, b = (node.name for node in nodes)
@@ -331,6 +347,29 @@ def test_a_head_that_does_not_answer_is_refused_at_once():
     ):
         connect("127.0.0.1:1", {})
     assert time.monotonic() - began < 10
+
+
+def test_an_address_that_is_not_one_or_a_head_that_never_answers_is_refused_naming_it():
+    """`notahost` is no address (Ray's own error was a ValueError traceback); something that accepts TCP
+    connections and never answers (Ray's client retried past 200 s) is refused within the stated time."""
+    pytest.importorskip("ray")
+    with pytest.raises(ConfigError, match=r"launcher.address='notahost': expected auto .*, or the head's <host>:<port>"):
+        connect("notahost", {})
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()  # accepts (the kernel completes the handshake) and never reads nor writes
+    address = f"127.0.0.1:{silent.getsockname()[1]}"
+    began = time.monotonic()
+    try:
+        with pytest.raises(ConfigError) as refused:
+            connect(address, {})
+    finally:
+        silent.close()
+    assert time.monotonic() - began < ANSWER_S + 5
+    assert str(refused.value).startswith(
+        f"launcher.address={address}: no Ray cluster answers there ({address}: it accepted a connection but gave "
+        f"no answer within {ANSWER_S:.0f} s, as a Ray head does at once)."
+    )
 
 
 def test_without_ray_the_launcher_is_refused_with_the_install_line(monkeypatch):

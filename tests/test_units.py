@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 
 from runner.checkpoint.files import CheckpointDiscarded, PendingWrite, save_torch
 from runner.checkpoint.resume import keep_configured_lr
@@ -33,7 +35,7 @@ from runner.hardware.base import ParameterMap
 from runner.hardware.cpu import SingleDevice
 from runner.hardware.mesh import ParallelDims
 from runner.hardware.pipeline import check_pipeline, local_stage_indices, stage_blocks
-from runner.launchers.reports import lost_a_peer, report_failure, reported_failure
+from runner.launchers.reports import lost_a_peer, repeated_failure, report_failure, reported_failure
 from runner.models import GPT
 from runner.schedulers import cosine
 from runner.watchdog import AUTO_FLOOR_S, FIRST_STEPS_S, Watchdog
@@ -258,6 +260,13 @@ def test_a_ranks_error_comes_back_as_its_kind_the_first_cause_first(tmp_path: Pa
     _reported(tmp_path, 2, ConfigError("hardware.tp_size=3: must divide the world"))
     assert type(reported_failure(tmp_path)) is ConfigError
     assert reported_failure(tmp_path / "none") is None
+    # a refusal raised while Hydra built the rank's data source is a refusal (a restart would repeat it)
+    try:
+        instantiate({"_target_": "runner.data.table.TableFile", "path": str(tmp_path / "missing.csv"), "target": "y"})
+    except InstantiationException as wrapped:
+        report_failure(tmp_path / "built", 0, wrapped)
+    assert repeated_failure(tmp_path / "built") == "ConfigError"
+    assert str(reported_failure(tmp_path / "built")).startswith("data.path=")
 
 
 # ----------------------------------------------------------------------------------------- present_device

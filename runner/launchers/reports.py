@@ -11,6 +11,7 @@ import traceback
 from pathlib import Path
 
 import torch.distributed as dist
+from hydra.errors import InstantiationException
 
 from runner.checkpoint.files import CheckpointDiscarded
 from runner.errors import (
@@ -46,6 +47,8 @@ def lost_a_peer(err: BaseException) -> bool:
 def report_failure(error_dir: Path, rank: int, err: BaseException) -> None:
     """Write what rank `rank` raised into `<error_dir>/rank<rank>.json` (after a moment when its collective
     merely lost a peer, so that the peer's own failure is seen first)."""
+    if isinstance(err, InstantiationException) and isinstance(err.__cause__, tuple(REPORTED_AS_IS.values())):
+        err = err.__cause__  # a refusal raised while Hydra built an object (the data source): reported as it is
     lost_peer = lost_a_peer(err)
     if lost_peer:
         time.sleep(LOST_PEER_GRACE_S)

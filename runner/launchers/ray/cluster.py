@@ -58,13 +58,17 @@ def connect(address: str, runtime_env: dict[str, Any]) -> None:
 
     if ray.is_initialized():  # a sweep's job runs inside the cluster, already joined
         return
+    if address not in ("auto", "local") and not re.fullmatch(HEAD, address):
+        raise ConfigError(
+            f"launcher.address={address!r}: expected auto (the cluster this machine belongs to, or RAY_ADDRESS), "
+            "local (one started on this machine for the run), or the head's <host>:<port> (ray start --head "
+            "prints it, e.g. 10.0.0.1:6379)."
+        )
     head = _auto_address() if address == "auto" else address
-    if head and re.fullmatch(r"[\w.\-]+:\d+", head):  # Ray retries a head that is not there for minutes
-        host, _, port = head.rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=5).close()
-        except OSError as err:
-            raise ConfigError(_no_cluster(address, f"{head}: {err.strerror or err}")) from None
+    if head and re.fullmatch(HEAD, head):  # Ray retries a head that is not there, or does not answer, for minutes
+        host, _, port = head.removeprefix("ray://").rpartition(":")
+        if (silent := _unanswered(host, int(port))) is not None:
+            raise ConfigError(_no_cluster(address, f"{head}: {silent}")) from None
     env_vars = {
         name: value
         for name, value in os.environ.items()
@@ -83,6 +87,29 @@ def connect(address: str, runtime_env: dict[str, Any]) -> None:
         )
     except ConnectionError as err:
         raise ConfigError(_no_cluster(address, str(err).splitlines()[0])) from None
+
+
+HEAD = r"(ray://)?[\w.\-]+:\d+"  # a head's address: host:port (ray:// for Ray Client)
+ANSWER_S = 10.0  # how long a head's port has to connect and answer
+# HTTP/2's client connection preface and an empty SETTINGS frame: a gRPC server (a Ray head's GCS, Ray
+# Client's server) answers with a SETTINGS frame of its own.
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _unanswered(host: str, port: int) -> str | None:
+    """Why `host:port` is not a head that answers within ANSWER_S (None: it answers as gRPC does): nothing
+    accepts connections there, or something does and never answers (Ray's own client would wait minutes)."""
+    try:
+        with socket.create_connection((host, port), timeout=ANSWER_S) as connection:
+            connection.sendall(HTTP2_PREFACE)
+            answer = connection.recv(9)
+    except TimeoutError:
+        return f"it accepted a connection but gave no answer within {ANSWER_S:.0f} s, as a Ray head does at once"
+    except OSError as err:
+        return err.strerror or str(err)
+    if len(answer) < 4 or answer[3] != 4:  # the first frame a gRPC server sends is SETTINGS (type 4)
+        return "what answers there is not a Ray head (it does not speak gRPC)"
+    return None
 
 
 def _auto_address() -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import signal
 import threading
@@ -144,7 +145,7 @@ class RayLauncher(Launcher):
         name = f"runner-{uuid.uuid4().hex[:12]}"  # a new Ray Train run: Ray never restores an earlier one
         trainer = DataParallelTrainer(
             rank_entry,
-            train_loop_config={"job": job.for_other_processes(), "reports": str(reports)},
+            train_loop_config={"job": job.for_other_processes(), "reports": str(reports), "cwd": os.getcwd()},
             backend_config=backend_config(),
             scaling_config=ScalingConfig(
                 num_workers=strategy.num_processes,

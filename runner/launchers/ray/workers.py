@@ -32,6 +32,8 @@ def rank_entry(config: dict[str, Any]) -> None:
     job: Job = config["job"]
     reports = Path(config["reports"])
     rank = int(os.environ["RANK"])
+    if Path(config["cwd"]).is_dir():  # the command's dir, as the ranks of every launcher: relative paths hold
+        os.chdir(config["cwd"])
     if repeated_failure(reports / ERRORS):
         return
     import ray
