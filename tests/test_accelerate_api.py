@@ -881,6 +881,20 @@ def test_every_accelerate_utils_name_imports_from_runner_utils_or_is_named_in_th
     assert len(public - left_out) >= 120
 
 
+def test_the_device_helpers_answer_as_accelerates_here():
+    import accelerate.utils
+
+    import runner.utils
+
+    assert runner.utils.get_torch_accelerator_backend() == accelerate.utils.get_torch_accelerator_backend()
+    for device_type in ("cpu", "cuda", "xpu", None):
+        assert runner.utils.get_distributed_backend(device_type) == accelerate.utils.get_distributed_backend(
+            device_type
+        ), device_type
+    for device in (0, 3, "npu", "cpu", "cuda:1"):
+        assert runner.utils.normalize_device(device) == accelerate.utils.normalize_device(device), device
+
+
 def test_the_availability_checks_answer_as_accelerates_here():
     import accelerate.utils
 

@@ -101,9 +101,12 @@ __all__ = [
     "find_executable_batch_size",
     "gather",
     "gather_object",
+    "get_accelerator_free_memory",
     "get_balanced_memory",
+    "get_distributed_backend",
     "get_int_from_env",
     "get_max_memory",
+    "get_torch_accelerator_backend",
     "infer_auto_device_map",
     "is_4bit_bnb_available",
     "is_8bit_bnb_available",
@@ -168,6 +171,7 @@ __all__ = [
     "is_xccl_available",
     "is_xpu_available",
     "load_checkpoint_in_model",
+    "normalize_device",
     "pad_across_processes",
     "parse_flag_from_env",
     "patch_environment",
@@ -557,6 +561,51 @@ _OPERATIONS = {
 def is_torch_version(operation: str, version: str) -> bool:
     """This process's torch `operation` `version` (its base version: 2.13.0+cpu is 2.13.0)."""
     return compare_versions(Version(Version(torch.__version__).base_version), operation, version)
+
+
+def get_torch_accelerator_backend(check_available: bool = True) -> tuple[str | None, Any]:
+    """The accelerator torch finds here and its device module (`torch.cuda`, `torch.xpu`, ...), or (None,
+    None); `check_available=False` names it without probing a device (before a fork)."""
+    device = torch.accelerator.current_accelerator(check_available=check_available)
+    if device is None:
+        return None, None
+    return device.type, torch.get_device_module(device.type)
+
+
+def get_accelerator_free_memory(device_module: Any, device_index: int) -> int:
+    """Free memory in bytes of device `device_index` of `device_module` (`get_torch_accelerator_backend`)."""
+    if device_module is torch.accelerator:
+        return torch.accelerator.get_memory_info(device_index)[0]
+    return device_module.mem_get_info(device_index)[0]
+
+
+# An accelerator's process-group backend (its vendor's plugin registers those torch does not ship).
+ACCELERATOR_BACKENDS = {
+    **{"cuda": "nccl", "xpu": "xccl", "npu": "hccl", "hpu": "hccl", "mlu": "cncl", "musa": "mccl"},
+    **{"sdaa": "tccl", "neuron": "neuron"},
+}
+
+
+def get_distributed_backend(device_type: str | None) -> str | None:
+    """The process-group backend of accelerator `device_type` (nccl for cuda), None for a CPU or a device
+    without one (xpu without xccl)."""
+    if device_type == "xpu" and not is_xccl_available():
+        return None
+    return ACCELERATOR_BACKENDS.get(device_type) if device_type else None
+
+
+def normalize_device(device: Any) -> Any:
+    """A device index as the accelerator's device name ("xpu:0"; a CUDA index stays an int), "npu" as
+    "npu:0"; anything else as it is."""
+    if device == "npu":
+        return "npu:0"
+    if isinstance(device, int):
+        device_type, _ = get_torch_accelerator_backend(check_available=False)
+        if device_type == "hpu":
+            return "hpu"
+        if device_type not in (None, "cuda"):
+            return f"{device_type}:{device}"
+    return device
 
 
 def is_port_in_use(port: int | None = None) -> bool:
