@@ -14,6 +14,7 @@ import signal
 import sysconfig
 import traceback
 from pathlib import Path
+from typing import get_origin
 
 import yaml
 from hydra.errors import MissingConfigException, OverrideParseException
@@ -147,6 +148,14 @@ def describe_missing_search_path(warning: str) -> str:
 def _unknown_key(cause: OmegaConfBaseException) -> str:
     key = str(cause.key)
     parent = cause.full_key.rpartition(".")[0]
+    node = cause.parent_node
+    if isinstance(node, DictConfig) and get_origin(node._metadata.ref_type) is dict and parent:
+        # a mapping of the user's own keys (launcher.env): Hydra merges `parent={...}` into it, adding none
+        return (
+            f"{cause.full_key}: {parent} holds keys of your own, and Hydra adds none to it from `{parent}={{...}}` "
+            f"(it merges that mapping into the one there). Add the key with +{cause.full_key}=<value>, or give the "
+            f"whole mapping with ++{parent}={{{key}: <value>}}."
+        )
     if dataclasses.is_dataclass(cause.object_type):
         valid = [f.name for f in dataclasses.fields(cause.object_type)]
     elif isinstance(cause.parent_node, DictConfig):

@@ -202,11 +202,34 @@ def test_submitting_without_a_kube_context_is_refused_before_anything_is_written
             "launcher.env sets PET_NODE_RANK",
         ),
         ({"image": "i:1", "volume": "runs", "name": "Run_1"}, "launcher.name='Run_1': a TrainJob's name"),
+        # what Kubernetes would refuse once submitted, or what would leave the volume
+        ({"image": "my image:1", "volume": "runs"}, "launcher.image='my image:1': not a container image reference"),
+        ({"image": "", "volume": "runs"}, "launcher.image='': not a container image reference"),
+        ({"image": "i:1", "volume": "runs", "namespace": "My_Team"}, "launcher.namespace='My_Team': a namespace is a DNS label"),
+        ({"image": "i:1", "volume": "Runs Claim"}, "launcher.volume='Runs Claim': a PersistentVolumeClaim's name is a DNS subdomain"),
+        (
+            {"image": "i:1", "volume": "runs", "run_dir": "/runs/../etc"},
+            "launcher.run_dir=/runs/../etc is not under launcher.mount_path=/runs",
+        ),
     ],
 )
 def test_what_a_trainjob_cannot_be_is_refused_naming_the_setting(settings, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         KubernetesLauncher(**settings).check(None, None)  # type: ignore[arg-type]
+
+
+def test_a_mapping_of_env_given_whole_says_how_hydra_takes_it(forked_cli):
+    """`launcher.env={FOO: '1'}` adds no key (Hydra merges it into the empty mapping): the refusal says how
+    to give it; `++` gives it whole."""
+    proc = forked_cli("launcher=kubernetes", "launcher.image=i:1", "launcher.volume=runs", "launcher.env={FOO: '1'}")
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        "Configuration error: launcher.env.FOO: launcher.env holds keys of your own, and Hydra adds none to it from "
+        "`launcher.env={...}` (it merges that mapping into the one there). Add the key with +launcher.env.FOO=<value>, "
+        "or give the whole mapping with ++launcher.env={FOO: <value>}." in proc.stderr
+    )
+    whole = forked_cli("launcher=kubernetes", "launcher.image=i:1", "launcher.volume=runs", "++launcher.env={FOO: '1'}", "plan=true")
+    assert whole.returncode == 0, whole.stderr
 
 
 def test_a_pod_of_a_trainjob_written_for_other_settings_is_refused(monkeypatch):

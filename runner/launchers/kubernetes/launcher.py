@@ -21,6 +21,7 @@ from runner.launchers.kubernetes.api import current_context, follow, submit
 from runner.launchers.kubernetes.manifest import (
     RESERVED,
     check_name,
+    check_object_names,
     check_trainjob,
     job_name,
     require_kubeflow,
@@ -118,9 +119,11 @@ class KubernetesLauncher(Launcher):
                 f"at launcher.mount_path={self.mount_path}, where the run dir is. Without it the checkpoints and "
                 "results would end with the pods. Set launcher.volume=<claim name>."
             )
+        check_object_names(self.image, self.namespace, self.volume)
         mount = Path(self.mount_path)
+        # normalized first: /runs/../etc names /etc
         if not mount.is_absolute() or (
-            self.run_dir is not None and not Path(self.run_dir).is_relative_to(mount)
+            self.run_dir is not None and not Path(os.path.normpath(self.run_dir)).is_relative_to(mount)
         ):
             raise ConfigError(
                 f"launcher.run_dir={self.run_dir} is not under launcher.mount_path={self.mount_path} (an absolute "

@@ -35,6 +35,36 @@ def job_name(run_dir_name: str) -> str:
     return name.strip("-")
 
 
+LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"  # DNS-1123 label: a namespace (at most 63)
+SUBDOMAIN = re.compile(rf"{LABEL}(\.{LABEL})*")  # DNS-1123 subdomain: a claim's name (at most 253)
+# A container image reference: [registry[:port]/]path[:tag][@digest] (the distribution spec's grammar)
+COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+IMAGE = re.compile(
+    rf"(?:[a-zA-Z0-9.-]+(?::\d+)?/)?{COMPONENT}(?:/{COMPONENT})*(?::\w[\w.-]{{0,127}})?(?:@[a-z0-9]+(?:[+._-][a-z0-9]+)*:[0-9a-fA-F]{{32,}})?"
+)
+
+
+def check_object_names(image: str, namespace: str, claim: str) -> None:
+    """ConfigError naming the setting when the image, namespace or claim is not what Kubernetes takes."""
+    if not IMAGE.fullmatch(image):
+        raise ConfigError(
+            f"launcher.image={image!r}: not a container image reference ([registry[:port]/]name[:tag][@digest], "
+            "lower-case, no spaces), which the pods could not pull. Give the image as `docker push` named it, e.g. "
+            "registry.example.com/team/project:v1."
+        )
+    if not re.fullmatch(LABEL, namespace) or len(namespace) > 63:
+        raise ConfigError(
+            f"launcher.namespace={namespace!r}: a namespace is a DNS label (lower-case letters, digits and '-', at "
+            "most 63, starting and ending with a letter or digit), so Kubernetes would refuse the TrainJob. Give the "
+            "namespace as `kubectl get namespaces` lists it."
+        )
+    if not SUBDOMAIN.fullmatch(claim) or len(claim) > 253:
+        raise ConfigError(
+            f"launcher.volume={claim!r}: a PersistentVolumeClaim's name is a DNS subdomain (lower-case letters, "
+            "digits, '-' and '.'), so no claim has it. Give the claim as `kubectl get pvc` lists it."
+        )
+
+
 def check_name(name: str, key: str) -> None:
     if not NAME.fullmatch(name) or len(name) > MAX_NAME:
         raise ConfigError(
