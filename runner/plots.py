@@ -233,7 +233,15 @@ def main(argv: list[str]) -> int:
     if (directory / HISTORY).is_file():
         drawn = draw_run(directory)
     elif (directory / SWEEP_SUMMARY).is_file():
-        drawn = draw_sweep(directory)
+        try:
+            drawn = draw_sweep(directory)
+        except (KeyError, StopIteration, ValueError) as err:  # not the table runner.sweep writes
+            print(
+                f"{directory / SWEEP_SUMMARY} is not a sweep's summary as runner writes it (no job, settings and rank "
+                f"columns: {type(err).__name__} {err}); run the sweep again to write it.",
+                file=sys.stderr,
+            )
+            return 2
     else:
         print(
             f"{directory} is neither a run's dir (no {HISTORY}) nor a sweep's (no {SWEEP_SUMMARY}): give the dir "
