@@ -76,6 +76,7 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        self.on_hang = None  # what it holds (the engine's trackers) is released with the loop, not at exit
 
     def progress(self, phase: str, step: int) -> None:
         """The loop moved on, `step` optimizer steps done: "training" (step `step` ended, or an evaluation
