@@ -192,6 +192,8 @@ class EarlyStopping(Callback):
         """Warn where this run has too few evaluations left before its last step for the rule to stop it
         (one that is continued longer later may have enough: not refused)."""
         every = run.settings.eval_every
+        if every == 0:  # refused before launch (`check_settings`); a loop built otherwise: nothing to say
+            return
         left = (run.total_steps - 1) // every - run.step // every  # evaluations before the last step
         needed = self.patience - self.waited + (self.best is None)
         if left < needed:
