@@ -154,8 +154,6 @@ class Trainer:
         set_seed(trainer.seed)
 
         data = self.prepare_loaders(cfg)
-        if (identity := data.identity()) is not None:  # checked against a resumed checkpoint's, before launch
-            engine.checkpointer.facts["data"] = identity
         ledger.lap("data")
         model = build_model(cfg, data)
         self.throughput = throughput_meter(cfg, data, model, engine)
@@ -179,10 +177,8 @@ class Trainer:
             else partial(self.task.training_step, self.model)
         )
         self.done = Progress(window_loss=torch.zeros((), device=engine.device))
-        # A hang is a failure: the trackers' runs end FAILED (not KILLED: the run is not stopped to resume)
-        self.watchdog = Watchdog(
-            trainer.hang_timeout_s, output_dir, engine.process_index, on_hang=partial(close_trackers, engine, "FAILED")
-        )
+        hung = partial(close_trackers, engine, "FAILED")  # a failure, not a stop to resume (KILLED)
+        self.watchdog = Watchdog(trainer.hang_timeout_s, output_dir, engine.process_index, on_hang=hung)
         self.history = History(output_dir if engine.is_main_process else None)
         evaluating = cfg.get("mode") == "evaluate"  # the eval loop only (`evaluate_only`): no callbacks
         self.callbacks = Callbacks({} if evaluating else built_callbacks(cfg))
@@ -222,10 +218,13 @@ class Trainer:
 
     def prepare_loaders(self, cfg: DictConfig) -> DataSource:
         """Build the run's data (the first process of each node first) and prepare its train and eval
-        loaders, `trainer.overfit_batches` and `limit_*_batches` applied; the data source."""
+        loaders, `trainer.overfit_batches` and `limit_*_batches` applied; the data source. What it read
+        (`DataSource.identity`) goes into every checkpoint, checked against the data of a run resuming it."""
         engine, trainer = self.engine, self.settings
         with engine.main_process_first():
             data = build_data(cfg)
+        if (identity := data.identity()) is not None:
+            engine.checkpointer.facts["data"] = identity
         if trainer.overfit_batches:  # each process's first N batches
             processes = 1 if trainer.split_batches else engine.state.data_parallel_size
             data.overfit(trainer.overfit_batches * data.batch_size * processes)
