@@ -480,7 +480,7 @@ def reference_training(
 
 
 # --- the correctness matrix: one tiny GPT, every hardware group, same global batches -------------------------
-MATRIX_STEPS, MATRIX_BATCH, MATRIX_SEQ = 10, 8, 16
+MATRIX_STEPS, MATRIX_BATCH, MATRIX_SEQ = 20, 8, 16
 
 
 def matrix_strategy(hardware: str):
@@ -556,14 +556,20 @@ def matrix_run(
     return {"losses": losses, "continued": continued, "after_load": after_load}
 
 
-def matrix_runs(hardware: str, precisions: list[str], checkpoint_dir: str) -> dict[str, dict[str, Any]]:
+def matrix_runs(
+    hardware: str, precisions: list[str], checkpoint_dir: str, stored: str | None = None
+) -> dict[str, Any]:
     """`matrix_run` in each precision in turn, in the same ranks and process group (one launch); each
-    result says where its checkpoint is."""
-    results = {}
+    result says where its checkpoint is. With `stored` (a checkpoint an earlier commit wrote), then
+    `matrix_resumed` from it, under "stored"."""
+    results: dict[str, Any] = {}
     for precision in precisions:
         checkpoint = os.path.join(checkpoint_dir, precision)
-        run = matrix_run(hardware, precision, checkpoint, end=precision == precisions[-1])
+        last = precision == precisions[-1] and stored is None
+        run = matrix_run(hardware, precision, checkpoint, end=last)
         results[precision] = run | {"checkpoint": checkpoint}
+    if stored is not None:
+        results["stored"] = matrix_resumed(hardware, stored)
     return results
 
 

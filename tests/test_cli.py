@@ -13,11 +13,13 @@ from pathlib import Path
 import probes
 import pytest
 import rank_checks
+import references
 import torch
 from conftest import cli_env, metrics_of, run_to_end, runner_command
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from runner.history import read_history
 from runner.plan import checkpoint_periods, loss_per_failure
 
 pytestmark = pytest.mark.slow
@@ -74,6 +76,10 @@ def test_default_experiment_trains_and_leaves_config_and_log(run_cli, tmp_path):
     log = (proc.run_dir / "runner.log").read_text()
     assert "step 200/200" in log and "final metrics" in log
     assert "${" not in (proc.run_dir / "resolved_config.yaml").read_text()
+    history = read_history(proc.run_dir)
+    losses = [row["train/loss"] for row in history if "train/loss" in row]
+    assert len(losses) == 20  # logged every 10 of its 200 steps
+    references.curve("default-experiment", losses + [row["eval/loss"] for row in history if "eval/loss" in row], 1e-5)
 
 
 @pytest.mark.parametrize(

@@ -2,15 +2,19 @@
 
 fp32 loss curves agree within 1e-5 and bf16 within 2e-2 of the single-process (`cpu`) run on the same
 global batches; for each group a save_state/load_state round trip continues with the same next loss.
-Later hardware groups add their entries to HARDWARE.
+Each layout's curves are also the ones stored in tests/assets/curves (`references`), and a full, a sharded
+and a DeepSpeed checkpoint an earlier commit wrote resume to their stored next loss. Later hardware groups
+add their entries to HARDWARE.
 """
 
 from __future__ import annotations
 
 import functools
+import shutil
 
 import pytest
 import rank_checks
+import references
 
 pytestmark = pytest.mark.slow
 
@@ -38,16 +42,34 @@ PROCESSES = {
     "megatron_tp2_cp2": 4,
 }
 TOLERANCE = {"no": 1e-5, "bf16": 2e-2}
+# A layout against its own stored curve: fp32 as above; bf16 CPU kernels move the 20th loss by 3e-5 and the
+# 21st by 4e-4 between 1 and 2 threads on this machine.
+STORED_TOLERANCE = {"no": 1e-5, "bf16": 5e-3}
+# The layouts whose fp32 checkpoint is kept as an asset: a full state dict, DCP shards, DeepSpeed's own.
+STORED_CHECKPOINTS = ["cpu", "fsdp", "deepspeed_zero3"]
+
+
+def stored_copy(hardware: str, into) -> str | None:
+    """A copy in `into` of the layout's stored checkpoint (a run must not write into an asset), if it has one
+    and it is not being recorded."""
+    stored = references.checkpoint(f"matrix-{hardware}") if hardware in STORED_CHECKPOINTS else None
+    if stored is None:
+        return None
+    return str(shutil.copytree(stored, into / "stored"))
 
 
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
     """The reference, in this process (a process forked from this one, whose OpenMP threads already ran,
     would hang at its first parallel op)."""
-    return {
-        precision: rank_checks.matrix_run("cpu", precision, str(tmp_path_factory.mktemp(f"cpu-{precision}")))
-        for precision in TOLERANCE
-    }
+    runs = {}
+    for precision in TOLERANCE:
+        checkpoint = str(tmp_path_factory.mktemp(f"cpu-{precision}"))
+        runs[precision] = rank_checks.matrix_run("cpu", precision, checkpoint) | {"checkpoint": checkpoint}
+    stored = stored_copy("cpu", tmp_path_factory.mktemp("cpu-stored"))
+    if stored is not None:
+        runs["stored"] = rank_checks.matrix_resumed("cpu", stored)
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +78,13 @@ def several_ranks(tmp_path_factory):
 
     @functools.cache
     def launched(hardware: str) -> dict[str, dict]:
-        checkpoints = str(tmp_path_factory.mktemp(hardware))
+        checkpoints = tmp_path_factory.mktemp(hardware)
         return rank_checks.run_ranks(
             rank_checks.matrix_runs,
             hardware,
             list(TOLERANCE),
-            checkpoints,
+            str(checkpoints),
+            stored_copy(hardware, checkpoints),
             num_processes=PROCESSES.get(hardware, 2),
         )[0]
 
@@ -77,11 +100,28 @@ def test_several_ranks_match_one_process(single_process, several_ranks, hardware
     for step, (ours, theirs) in enumerate(zip(result["losses"], reference["losses"], strict=True)):
         assert abs(ours - theirs) <= TOLERANCE[precision], (step, ours, theirs)
     assert result["after_load"] == result["continued"]  # the checkpoint restores the exact state
+    references.curve(f"matrix-{hardware}-{precision}", result["losses"], STORED_TOLERANCE[precision])
 
 
 @pytest.mark.parametrize("precision", list(TOLERANCE))
 def test_single_process_checkpoint_round_trip(single_process, precision):
     assert single_process[precision]["after_load"] == single_process[precision]["continued"]
+    references.curve(f"matrix-cpu-{precision}", single_process[precision]["losses"], STORED_TOLERANCE[precision])
+
+
+@pytest.mark.parametrize("hardware", STORED_CHECKPOINTS)
+def test_a_checkpoint_an_earlier_commit_wrote_resumes_to_its_stored_next_loss(
+    single_process, several_ranks, hardware
+):
+    """Today's code loads the fp32 checkpoint kept in tests/assets (written at step 20) and takes step 21 to
+    the loss the run that wrote it took."""
+    runs = single_process if hardware == "cpu" else several_ranks(hardware)
+    if references.RECORD:
+        references.store_checkpoint(f"matrix-{hardware}", runs["no"]["checkpoint"])
+        resumed = runs["no"]["continued"]
+    else:
+        resumed = runs["stored"]
+    references.curve(f"matrix-{hardware}-resumed", [resumed], STORED_TOLERANCE["no"])
 
 
 def test_hsdp_replicates_across_groups_and_shards_within_one():

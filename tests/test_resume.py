@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import rank_checks
+import references as stored
 from conftest import cli_env, metrics_of, runner_command, wait_for_checkpoint
 from hydra import compose, initialize_config_dir
 
@@ -191,6 +192,30 @@ def test_a_run_resumed_from_a_resumed_runs_checkpoint_finishes_identically(tmp_p
     assert "at step 8 (epoch 0, batch 8)" in (tmp_path / "third" / "runner.log").read_text()
     final = (tmp_path / "third" / "model" / "model.safetensors").read_bytes()
     assert final == (tmp_path / "first" / "model" / "model.safetensors").read_bytes()
+
+
+def test_a_checkpoint_an_earlier_commit_wrote_resumes_mid_epoch_to_its_stored_curve(
+    tmp_path, references, uninterrupted
+):
+    """The 1-rank reference's checkpoint at step 275 (epoch 4, batch 43: the loaders' positions, every RNG,
+    the scheduler), kept in tests/assets: today's code resumes it and logs the losses the run that wrote
+    it logged, and ends with today's uninterrupted weights."""
+    asset = stored.checkpoint("trainer-mlp-dropout-step275")
+    if asset is None:
+        written = references[1][0] / "checkpoints" / "checkpoint_10"
+        assert json.loads((written / "meta.json").read_text())["step"] == 275
+        stored.store_checkpoint("trainer-mlp-dropout-step275", written)
+        rows = read_history(references[1][0])
+    else:
+        copy = shutil.copytree(asset, tmp_path / "stored")
+        resumed = run(tmp_path / "run", *TRAIN, f"trainer.resume={copy}")
+        assert resumed.returncode == 0, resumed.stderr
+        assert "at step 275 (epoch 4, batch 43)" in (tmp_path / "run" / "runner.log").read_text()
+        assert (tmp_path / "run" / "model" / "model.safetensors").read_bytes() == uninterrupted[1]
+        rows = read_history(tmp_path / "run")
+    losses = [row[name] for row in rows if row["step"] > 275 for name in ("train/loss", "eval/loss") if name in row]
+    assert len(losses) == 4  # steps 280, 290, 300 and the evaluation at 300
+    stored.curve("trainer-mlp-dropout-resumed-at-275", losses, 1e-5)
 
 
 def test_a_checkpoint_records_the_optimizer_step_with_accumulation_and_across_epochs(tmp_path):
