@@ -26,10 +26,10 @@ from typing import IO, Any, Literal, Protocol
 
 import torch
 
-from runner.checkpoint.files import atomic_write_text
 from runner.config import NonNegativeFloat, PositiveInt, TrainerConfig
 from runner.engine import Engine
 from runner.errors import ConfigError, install_command
+from runner.files import write_json
 from runner.history import HISTORY
 
 log = logging.getLogger(__name__)
@@ -301,7 +301,7 @@ class BestCheckpoints(Callback):
         if self.kept:
             record = [e | {"path": str(best / f"step_{e['step']}")} for e in self.kept]
             summary = {"monitor": self.rule.monitor, "mode": self.rule.mode, "best": record}
-            atomic_write_text(best / BEST_RECORD, json.dumps(summary, indent=1) + "\n")
+            write_json(best / BEST_RECORD, summary)
 
     def state_dict(self) -> dict[str, Any]:
         return {"kept": [dict(e) for e in self.kept]}

@@ -6,7 +6,6 @@ import atexit
 import copy
 import errno
 import gc
-import json
 import logging
 import os
 import shutil
@@ -78,6 +77,7 @@ from runner.errors import (
     signal_name,
     write_failure,
 )
+from runner.files import write_json
 from runner.goodput import SUMMARY, Ledger, end_of_command, job_began
 from runner.goodput import table as goodput_table
 from runner.help import help_text
@@ -328,7 +328,7 @@ def _failed(hydra_cfg: DictConfig, output_dir: Path, message: str) -> NoReturn:
     for the sweep's summary) and raises JobFailed instead, so that the sweep goes on to its next job."""
     if hydra_cfg.mode != RunMode.MULTIRUN:
         sys.exit(1)
-    (output_dir / FAILED).write_text(json.dumps({"message": message}))
+    write_json(output_dir / FAILED, {"message": message}, indent=None)
     raise JobFailed(message)
 
 

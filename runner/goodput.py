@@ -11,15 +11,13 @@ its result. Goodput is productive step time over wall time (docs/checkpoints.md 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from runner.checkpoint.files import atomic_write_text
-from runner.history import json_lines
+from runner.files import JsonLines, json_lines, write_json
 
 LEDGER = "goodput.jsonl"  # in the run dir: the intervals, appended
 SUMMARY = "goodput.json"  # in the run dir: their sum (`summarize`)
@@ -60,6 +58,7 @@ class Ledger:
 
     def __init__(self, run_dir: Path | None, began: float, before: str) -> None:
         self.path = None if run_dir is None else Path(run_dir) / LEDGER
+        self._lines = None if self.path is None else JsonLines(self.path)
         self.mark = began
         self.before: str | None = before
         self.waited = 0.0  # seconds the steps since the last record waited for batches
@@ -119,9 +118,8 @@ class Ledger:
     def _write(self, record: dict[str, Any]) -> None:
         if self.before is not None:
             record["before"], self.before = self.before, None
-        line = json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()}) + "\n"
-        with open(self.path, "a") as f:  # type: ignore[arg-type]
-            f.write(line)
+        assert self._lines is not None
+        self._lines.append({k: round(v, 6) if isinstance(v, float) else v for k, v in record.items()})
 
 
 def end_of_command(run_dir: Path) -> dict[str, Any] | None:
@@ -132,15 +130,14 @@ def end_of_command(run_dir: Path) -> dict[str, Any] | None:
         return None
     global _job_ended
     now = _job_ended = time.time()
-    with open(path, "a") as f:
-        f.write(json.dumps({"phase": "finish", "t0": now, "t1": now, "before": "finish"}) + "\n")
+    JsonLines(path).append({"phase": "finish", "t0": now, "t1": now, "before": "finish"})
     return write_summary(run_dir)
 
 
 def write_summary(run_dir: Path) -> dict[str, Any]:
     """`goodput.json` in `run_dir`: the ledger summed (`summarize`); returned."""
     summary = summarize(read_ledger(run_dir))
-    atomic_write_text(Path(run_dir) / SUMMARY, json.dumps(summary, indent=1) + "\n")
+    write_json(Path(run_dir) / SUMMARY, summary)
     return summary
 
 

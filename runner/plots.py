@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from runner.files import replacing
 from runner.history import HISTORY, read_history
 
 PLOTS = "plots"  # in a run dir
@@ -159,9 +160,9 @@ def save_figures(figures: dict[str, Any], directory: Path) -> list[Path]:
     directory.mkdir(exist_ok=True)
     written = []
     for name, figure in figures.items():
-        partial = directory / f".{name}.partial.png"
-        figure.savefig(partial, dpi=100)
-        written.append(partial.replace(directory / f"{name}.png"))
+        with replacing(directory / f"{name}.png") as staging:
+            figure.savefig(staging, dpi=100, format="png")
+        written.append(directory / f"{name}.png")
     return written
 
 

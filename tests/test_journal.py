@@ -1,9 +1,41 @@
-"""The tracking journal (records survive the process, delivery is remembered, a torn last line is dropped)
-and where a tracker sends them by default."""
+"""The files a run replaces whole and appends records to (`runner.files`), the tracking journal on them
+(records survive the process, delivery is remembered, a torn last line is dropped) and where a tracker
+sends them by default."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
+from runner.files import JsonLines, cut_torn_line, json_lines, read_json_lines, replacing, write_text
 from runner.trackers.journal import EVENTS, Journal
+
+
+def test_a_replacement_that_fails_leaves_the_old_file_and_no_partial_one(tmp_path):
+    target = tmp_path / "record.json"
+    write_text(target, "old\n")
+    with pytest.raises(OSError), replacing(target) as staging:
+        staging.write_text("new, half writ")
+        raise OSError(28, "No space left on device")
+    assert target.read_text() == "old\n" and os.listdir(tmp_path) == ["record.json"]
+    write_text(target, "new\n")
+    assert target.read_text() == "new\n" and os.listdir(tmp_path) == ["record.json"]
+
+
+def test_a_torn_line_is_not_read_and_is_cut_before_the_next_record(tmp_path):
+    path = tmp_path / "records.jsonl"
+    lines = JsonLines(path)
+    lines.append({"n": 1})
+    with open(path, "a") as f:
+        f.write('{"n": 2, "long": "' + "x" * 100_000)  # a writer killed in a line longer than a read chunk
+    assert json_lines(path) == [{"n": 1}]
+    _, end = read_json_lines(path)
+    assert end == len('{"n": 1}\n')  # where a reader that follows the file goes on
+    JsonLines(path).append({"n": 3})
+    assert json_lines(path) == [{"n": 1}, {"n": 3}]
+    cut_torn_line(path)  # nothing torn: nothing cut
+    assert json_lines(path) == [{"n": 1}, {"n": 3}]
 
 
 def test_events_and_delivery_survive_a_restart(tmp_path):
@@ -34,7 +66,6 @@ def test_a_line_cut_short_by_a_kill_is_dropped_by_the_next_writer(tmp_path):
         f.write('{"op": "metr')  # the writer died here
     again = Journal(tmp_path)
     assert again.events == [{"op": "start"}]
-    again.drop_torn_line()
     again.append({"op": "end"})
     assert [event["op"] for event in Journal(tmp_path).events] == ["start", "end"]
 

@@ -21,6 +21,7 @@ ADAPTER = "runner.accelerate"
 
 # Lowest first. A module belongs to the first layer one of whose prefixes names it or its package.
 LAYERS: list[tuple[str, list[str]]] = [
+    ("the files a run writes", ["runner.files"]),
     (
         "state, files and components",
         [

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from runner.errors import ConfigError
+from runner.files import fsync, write_text
 
 LATEST = "latest"
 META = "meta.json"
@@ -54,14 +55,14 @@ def commit_staging(final: Path) -> None:
     staging = staging_path(final)
     for path in staging.rglob("*"):
         if path.is_file():
-            _fsync(path)
-    _fsync(staging)
+            fsync(path)
+    fsync(staging)
     old = final.parent / f".{final.name}.old"
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
     staging.rename(final)
-    _fsync(final.parent)
+    fsync(final.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -74,23 +75,6 @@ def atomic_directory(final: Path) -> Iterator[Path]:
         commit_staging(final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace `path` with `text` so that a reader sees the old content or the new, never a part."""
-    staging = path.with_name(f".{path.name}.partial")
-    staging.write_text(text)
-    _fsync(staging)
-    staging.replace(path)
-    _fsync(path.parent)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class PendingWrite:
@@ -136,7 +120,7 @@ class PendingWrite:
 
 def mark_latest(checkpoint: Path) -> None:
     """Make `checkpoint` the one that `latest_checkpoint` returns for its parent directory."""
-    atomic_write_text(checkpoint.parent / LATEST, checkpoint.name + "\n")
+    write_text(checkpoint.parent / LATEST, checkpoint.name + "\n")
 
 
 def latest_checkpoint(checkpoints_dir: Path) -> Path | None:

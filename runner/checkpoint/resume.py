@@ -27,7 +27,6 @@ import yaml
 
 from runner.checkpoint.files import (
     DAMAGED,
-    atomic_write_text,
     damage,
     latest_checkpoint,
     mark_latest,
@@ -36,6 +35,7 @@ from runner.checkpoint.files import (
 )
 from runner.checkpoint.formats import model_shapes
 from runner.errors import ConfigError
+from runner.files import write_text
 
 log = logging.getLogger(__name__)
 
@@ -425,7 +425,7 @@ def record_finished(
         "final_checkpoint": str(final_checkpoint.relative_to(output_dir)) if final_checkpoint else None,
         "metrics": finite_metrics(metrics),
     }
-    atomic_write_text(output_dir / FINISHED_RECORD, json.dumps(record, indent=2, allow_nan=False))
+    write_text(output_dir / FINISHED_RECORD, json.dumps(record, indent=2, allow_nan=False))
 
 
 def finished_run(output_dir: Path) -> FinishedRun | None:

@@ -20,6 +20,7 @@ from torch import nn
 
 from runner.checkpoint.files import atomic_directory, load_torch, save_torch
 from runner.errors import ConfigError
+from runner.files import replacing
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +101,13 @@ def save_model_files(
 
 
 def save_object(obj: Any, path: Path, safe_serialization: bool = False) -> None:
-    """Write `obj` to `path` through a temporary file renamed into place: `torch.save`, or safetensors for
+    """Write `obj` to `path` whole or not at all (`replacing`): `torch.save`, or safetensors for
     a dict of tensors with `safe_serialization` (`Accelerator.save`)."""
-    partial_path = path.with_name(f".{path.name}.partial")
-    if safe_serialization:
-        save_file(distinct_tensors(obj), partial_path)
-    else:
-        save_torch(obj, partial_path)
-    partial_path.replace(path)
+    with replacing(path) as staging:
+        if safe_serialization:
+            save_file(distinct_tensors(obj), staging)
+        else:
+            save_torch(obj, staging)
 
 
 # safetensors' dtype names

@@ -4,7 +4,6 @@ tokenizer, as Hugging Face batches (`input_ids`, `attention_mask`, `labels`)."""
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from runner.data.base import (
 from runner.data.streaming import LINES, TextStream
 from runner.data.table import check_class_labels, label_order
 from runner.errors import ConfigError, install_command
+from runner.files import replacing
 
 try:
     import datasets
@@ -66,9 +66,8 @@ def _write_cache(path: Path, encoded: dict[str, Any]) -> None:
     last rename wins, with the same content); a cache that cannot be written is only a warning."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-        torch.save(encoded, partial)
-        os.replace(partial, path)
+        with replacing(path) as staging:
+            torch.save(encoded, staging)
     except OSError as err:
         log.warning("could not cache the tokenized data in %s (%s): each process tokenizes it", path, err)
 

@@ -27,10 +27,10 @@ from runner.data.shards import (
     read_manifest,
     shard_name,
     token_dtype,
-    write_json,
     write_shard,
 )
 from runner.errors import ConfigError, install_command
+from runner.files import write_json
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ import bisect
 import hashlib
 import json
 import logging
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import numpy as np
 
 from runner.data.base import fingerprint, machine_cache
 from runner.errors import ConfigError
+from runner.files import write_bytes, write_json
 
 log = logging.getLogger(__name__)
 
@@ -93,28 +93,8 @@ class Manifest:
         return cls(**fields)
 
 
-def write_json(path: Path, content: dict[str, Any]) -> None:
-    """`content` as JSON at `path`, whole or not at all."""
-    _write_whole(path, (json.dumps(content, indent=1) + "\n").encode())
-
-
 def _write_array(path: Path, array: np.ndarray) -> None:
-    _write_whole(path, memoryview(np.ascontiguousarray(array)).cast("B"))
-
-
-def _write_whole(path: Path, data: bytes | memoryview) -> None:
-    """`data` at `path`, whole or not at all: written to a partial file beside it, synced and renamed; a
-    write that fails (the disk full) removes its partial file."""
-    partial = path.with_name(f".{path.name}.partial")
-    try:
-        with open(partial, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    write_bytes(path, memoryview(np.ascontiguousarray(array)).cast("B"))
 
 
 def write_shard(

@@ -15,13 +15,14 @@ from hydra.core.utils import JobReturn, run_job, setup_globals
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
-from runner.checkpoint.files import LATEST, atomic_write_text, latest_checkpoint
+from runner.checkpoint.files import LATEST, latest_checkpoint
 from runner.checkpoint.resume import FINISHED, finite_metrics, resume_override
 from runner.cluster import launched_environment
 from runner.errors import (
     TrainingStopped,
     write_failure,
 )
+from runner.files import write_text
 from runner.hardware.base import Strategy
 from runner.run_log import configure_rank_logging
 
@@ -167,7 +168,7 @@ def run_rank(job: Job, launcher_reports: bool = False) -> dict[str, float]:
             "so far are in the log above."
         ) from err
     if rank == 0 and not job.cfg.trainer.get("fast_dev_run"):  # a check run leaves no results
-        atomic_write_text(
+        write_text(
             job.output_dir / FINISHED, json.dumps(finite_metrics(metrics), indent=2, allow_nan=False)
         )
     return metrics

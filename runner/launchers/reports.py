@@ -22,6 +22,7 @@ from runner.errors import (
     TrainingStopped,
     describe_exception,
 )
+from runner.files import write_json
 from runner.watchdog import read_reports
 
 # What a rank raised, written for the launcher (the local launcher's ranks, a SLURM job's tasks): the
@@ -63,7 +64,7 @@ def report_failure(error_dir: Path, rank: int, err: BaseException) -> None:
         "summary": describe_exception(err),
     }
     error_dir.mkdir(parents=True, exist_ok=True)
-    (error_dir / f"rank{rank}.json").write_text(json.dumps(report))
+    write_json(error_dir / f"rank{rank}.json", report, indent=None)
 
 
 def repeated_failure(error_dir: Path) -> str | None:

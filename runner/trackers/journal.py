@@ -9,13 +9,16 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
+from runner.files import JsonLines, read_json_lines, write_json
+
 EVENTS, DELIVERED, SENDER_LOCK = "events.jsonl", "delivered.json", "sender.lock"
 
 
 class Journal:
     """Append-only events (`<directory>/events.jsonl`) and how many of them reached the tracking server
-    under which run id (`delivered.json`). One process writes events; one sender at a time (holding
-    `lock_for_sending`) reads them and marks what it delivered; both may run at once."""
+    under which run id (`delivered.json`). One process writes events (its first cuts a line a killed
+    writer left torn); one sender at a time (holding `lock_for_sending`) reads them and marks what it
+    delivered; both may run at once."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
@@ -23,6 +26,7 @@ class Journal:
         self.events: list[dict[str, Any]] = []
         self.state: dict[str, Any] = {"run_id": None, "delivered": 0}
         self._read = 0  # bytes of EVENTS already in `events`
+        self._lines = JsonLines(self.directory / EVENTS)
         self._lock = threading.Lock()
         self.refresh()
 
@@ -31,29 +35,17 @@ class Journal:
         read next time), and the delivery state."""
         path = self.directory / EVENTS
         if path.exists():
-            with open(path, "rb") as f:
-                f.seek(self._read)
-                data = f.read()
-            whole = data[: data.rfind(b"\n") + 1]
-            self._read += len(whole)
-            self.events += [json.loads(line) for line in whole.splitlines()]
+            events, self._read = read_json_lines(path, self._read)
+            self.events += events
         state = self.directory / DELIVERED
         if state.exists():
             self.state = json.loads(state.read_text())
         return self
 
-    def drop_torn_line(self) -> None:
-        """Cut a last line left unfinished by a writer killed mid-write, so that appending goes on cleanly.
-        Only the writer calls this, before its first `append`."""
-        path = self.directory / EVENTS
-        if path.exists() and path.stat().st_size > self._read:
-            with open(path, "r+b") as f:
-                f.truncate(self._read)
-
     def append(self, event: dict[str, Any]) -> None:
         """Write `event` as one line of the file (it survives this process being killed)."""
-        with self._lock, open(self.directory / EVENTS, "a") as f:
-            f.write(json.dumps(event) + "\n")
+        with self._lock:
+            self._lines.append(event)
 
     @property
     def pending(self) -> int:
@@ -75,9 +67,7 @@ class Journal:
 
     def _save(self, **changes: Any) -> None:
         self.state = {**self.state, **changes}
-        staged = self.directory / f".{DELIVERED}.tmp"
-        staged.write_text(json.dumps(self.state))
-        staged.replace(self.directory / DELIVERED)
+        write_json(self.directory / DELIVERED, self.state, indent=None)
 
     def lock_for_sending(self) -> IO | None:
         """The journal's sender lock, taken (closing the file releases it, as the holder's death does), or

@@ -146,7 +146,6 @@ class MLflowTracker(Tracker):
         a short run never shares the CPU with it. A run not detached and not finished by the process's
         exit is finished then (FAILED after an uncaught exception), as MLflow's own runs are."""
         self.journal = Journal(Path(self.logging_dir or logging_dir or ".") / JOURNAL_DIR)
-        self.journal.drop_torn_line()
         self._logged_to = {} if resumed_at is None else last_steps(self.journal.events)
         self._detached = self.detach
         self._started = time.monotonic()

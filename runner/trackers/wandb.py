@@ -114,7 +114,6 @@ class WandbTracker(Tracker):
         logs no metric again at a step the journal holds (resumed from a checkpoint: those steps come again)."""
         root = Path(self.logging_dir or logging_dir or ".")
         self.journal = journal = Journal(root / JOURNAL_DIR / WANDB_JOURNAL)
-        journal.drop_torn_line()
         self._logged_to = {} if resumed_at is None else last_steps(journal.events)
         started = [event for event in journal.events if event["op"] == "start"]
         run_id = started[0]["id"] if started else uuid.uuid4().hex[:8]

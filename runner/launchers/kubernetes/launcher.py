@@ -11,10 +11,10 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from runner.checkpoint.files import atomic_write_text
 from runner.cluster import TrainJobNode, launched_node
 from runner.config import NonNegativeInt, PositiveFloat, PositiveInt, checked
 from runner.errors import ConfigError, TrainingInterrupted
+from runner.files import write_text
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher
 from runner.launchers.kubernetes.api import current_context, follow, submit
@@ -172,7 +172,7 @@ class KubernetesLauncher(Launcher):
         manifest = self.trainjob(job)
         path = job.output_dir / MANIFEST
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, yaml.safe_dump(manifest, sort_keys=False))
+        write_text(path, yaml.safe_dump(manifest, sort_keys=False))
         name, run_dir = manifest["metadata"]["name"], self.pod_run_dir(job.output_dir)
         if not self.submit:
             log.info(

@@ -21,9 +21,9 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from runner.checkpoint.files import atomic_write_text
 from runner.config import NonNegativeFloat, NonNegativeInt, PositiveFloat, checked
 from runner.errors import ConfigError, RankFailedError, TrainingInterrupted, signal_name
+from runner.files import write_text
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher, Sweep, SweepJob, interrupted
 from runner.launchers.ray.backend import backend_config
@@ -253,7 +253,7 @@ def forwarding_stops(reports: Sequence[Path]) -> Iterator[list[int]]:
             log.warning("%s: the ranks checkpoint and stop", signal_name(signum))
             for path in reports:
                 path.mkdir(parents=True, exist_ok=True)
-                atomic_write_text(path / STOP, str(signum))
+                write_text(path / STOP, str(signum))
         received.append(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in STOPPED_BY}

@@ -11,8 +11,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from runner.checkpoint.files import atomic_write_text
 from runner.cluster.ray import ATTEMPT
+from runner.files import write_text
 from runner.launchers.base import Job, run_rank
 from runner.launchers.reports import repeated_failure, report_failure
 from runner.train import request_stop
@@ -47,7 +47,7 @@ def rank_entry(config: dict[str, Any]) -> None:
         "attempt": int(os.environ[ATTEMPT]),
     }
     (reports / WORKERS).mkdir(parents=True, exist_ok=True)
-    atomic_write_text(reports / WORKERS / f"rank{rank}.json", json.dumps(where))
+    write_text(reports / WORKERS / f"rank{rank}.json", json.dumps(where))
     stopped = threading.Event()
     threading.Thread(target=_stop_when_asked, args=(reports / STOP, stopped), daemon=True).start()
     try:
@@ -58,7 +58,7 @@ def rank_entry(config: dict[str, Any]) -> None:
     finally:
         stopped.set()
     if rank == 0:
-        atomic_write_text(reports / RESULT, json.dumps(metrics))
+        write_text(reports / RESULT, json.dumps(metrics))
 
 
 def _stop_when_asked(request: Path, done: threading.Event) -> None:
