@@ -182,19 +182,6 @@ class Profiler:
 
 
 @contextmanager
-def profiled(
-    config: ProfileConfig, directory: Path, rank: int, device: torch.device
-) -> Iterator[Profiler | None]:
-    """A running `Profiler` inside (None when `config.active` is 0)."""
-    if not config.active:
-        yield None
-        return
-    profiler = Profiler(config, directory, rank, device)
-    with profiler.profile:
-        yield profiler
-
-
-@contextmanager
 def memory_snapshot_on_oom(enabled: bool, device: torch.device, path: Path) -> Iterator[None]:
     """With `enabled` (`trainer.memory_snapshot`), record the CUDA allocator's history inside, and on an
     out-of-memory error write it to `path` (load it at pytorch.org/memory_viz) before re-raising."""

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from runner.build import (
     build_data,
@@ -30,7 +29,7 @@ from runner.build import (
     meta_training_step,
     records_goodput,
 )
-from runner.callbacks import Callback, Callbacks, PlotCurves
+from runner.callbacks import Callbacks, built_callbacks
 from runner.checkpoint.checkpointer import ProjectConfiguration
 from runner.checkpoint.resume import (
     JOB_CONFIG_DIR,
@@ -56,7 +55,6 @@ from runner.perf import (
     memory_snapshot_on_oom,
     mfu_unknown,
     peak_flops,
-    profiled,
 )
 from runner.rng import rng_kept, set_seed
 from runner.run_log import FILE_ONLY
@@ -181,7 +179,7 @@ class Trainer:
         self.watchdog = Watchdog(trainer.hang_timeout_s, output_dir, engine.process_index, on_hang=hung)
         self.history = History(output_dir if engine.is_main_process else None)
         evaluating = cfg.get("mode") == "evaluate"  # the eval loop only (`evaluate_only`): no callbacks
-        self.callbacks = Callbacks({} if evaluating else built_callbacks(cfg))
+        self.callbacks = Callbacks({} if evaluating else built_callbacks(cfg.get("callbacks"), trainer))
         self.stopped: str | None = None  # why a callback ended the run early
         self.evaluated_at: int | None = None  # the step of the latest evaluation
         engine.register_for_checkpointing(self.done, self.callbacks)
@@ -207,14 +205,6 @@ class Trainer:
         if engine.num_processes > 1:
             log.info("layout: %s", engine.strategy.layout(engine.num_processes))
         self.metrics: dict[str, float] = {}
-        self.progress = tqdm(
-            total=self.total_steps,
-            initial=self.done.step,
-            desc="train",
-            dynamic_ncols=True,
-            # None: drawn on a terminal only (piped to a file, a bar's redraws would be hundreds of lines)
-            disable=None if trainer.progress_bar and engine.is_local_main_process else True,
-        )
 
     def prepare_loaders(self, cfg: DictConfig) -> DataSource:
         """Build the run's data (the first process of each node first) and prepare its train and eval
@@ -291,7 +281,7 @@ class Trainer:
             trainer.checkpoint_every,
         )
         self.model.train()
-        with self.running() as (received, profiler):
+        with self.running() as received:
             self.callbacks.on_fit_start(self)
             self.throughput.restart(done.step)
             self.checkpointed = time.monotonic()  # `trainer.checkpoint_every_s` counts from here
@@ -309,13 +299,9 @@ class Trainer:
                     if not state.sync_gradients:
                         continue  # a micro-batch of an accumulation
                     done.step += 1
-                    if not self.progress.disable:
-                        self.progress.update()
                     self.watchdog.progress("training", done.step)
                     self.ledger.step_done(done.step, warming_up)
                     warming_up = False
-                    if profiler is not None:
-                        profiler.step()
                     last = done.step >= self.total_steps
                     log_step = done.step % log_every == 0
                     if last or log_step:
@@ -349,7 +335,6 @@ class Trainer:
     def evaluate_only(self) -> dict[str, float]:
         """`mode=evaluate`: the eval loop once on the weights loaded ("evaluated: ..."; tracked at step 0),
         then the model is released as `finish` releases it. The eval metrics."""
-        self.progress.close()
         with self.running():
             self.evaluate(heading="evaluated")
         del self.model, self.optimizer, self.scheduler, self.loss_of
@@ -414,15 +399,6 @@ class Trainer:
         self.log_metrics(logged)
         if self.settings.checkpoint_last_finite:
             self.checkpointer.save_last_finite(done.step)
-        if not self.progress.disable:
-            self.progress.set_postfix(
-                {"loss": f"{logged['train/loss']:.4f}"}
-                | {
-                    name.removeprefix("perf/"): f"{logged[name]:.3g}"
-                    for name in PROGRESS_BAR
-                    if name in logged
-                }
-            )
         if log.isEnabledFor(logging.INFO):
             log.info("step %d/%d: %s", done.step, self.total_steps, _fmt(logged))
 
@@ -450,6 +426,7 @@ class Trainer:
         self.check_finite()
         self.history.add(self.done.step, values)
         self.engine.log(values, step=self.done.step)
+        self.callbacks.on_log(self, values)
 
     def check_finite(self) -> None:
         """Stop the run (TrainingDiverged, on every rank: the metrics are reduced over all of them) when a
@@ -486,9 +463,9 @@ class Trainer:
             )
 
     @contextmanager
-    def running(self) -> Iterator[tuple[list[int], Any]]:
+    def running(self) -> Iterator[list[int]]:
         """What surrounds the loop: the stop signals it records, the trackers' runs closed on failure, the
-        memory snapshot on an out-of-memory error, the profiler (None unless `trainer.profile`)."""
+        memory snapshot on an out-of-memory error."""
         engine, trainer, rank = self.engine, self.settings, self.engine.process_index
         with (
             stop_signals() as received,
@@ -498,11 +475,10 @@ class Trainer:
                 engine.device,
                 self.output_dir / f"memory_snapshot_rank{rank}.pickle",
             ),
-            profiled(trainer.profile, self.output_dir / "profile", rank, engine.device) as profiler,
         ):
             self.watchdog.start()
             try:
-                yield received, profiler
+                yield received
             except BaseException as err:
                 self.callbacks.on_exception(self, err)
                 raise
@@ -515,7 +491,6 @@ class Trainer:
         """Evaluate a run that had nothing left to train, save the model, log the artifacts, and release
         everything; the final metrics."""
         engine, output_dir = self.engine, self.output_dir
-        self.progress.close()
         if not self.metrics:  # resumed from a checkpoint of the last step: nothing left to train
             log.info("the checkpoint was written at the last step (%d): evaluating only", self.done.step)
             self.log_metrics(evaluate(engine, self.model, self.task, self.eval_loader, self.evaluating))
@@ -551,12 +526,6 @@ class Trainer:
         return self.metrics
 
 
-def built_callbacks(cfg: DictConfig) -> dict[str, Callback]:
-    """The run's callbacks by name: the curves' (`trainer.plots`), then those of `callbacks:`."""
-    plotting: dict[str, Callback] = {"plots": PlotCurves()} if cfg.trainer.plots else {}
-    return plotting | {name: instantiate(node) for name, node in (cfg.get("callbacks") or {}).items()}
-
-
 def job_identity(output_dir: Path) -> tuple[str, dict[str, str]]:
     """The tracker run's name and the tags that lead back to the job: a sweep's job is named `<sweep
     dir>/<job dir>` (`<date>_<time>/<job number>`), a run by its dir; tags `runner.run_dir`,
@@ -573,10 +542,6 @@ def job_identity(output_dir: Path) -> tuple[str, dict[str, str]]:
         tags["runner.sweep_job"] = str(hydra.job.num)
         return f"{output_dir.parent.name}/{output_dir.name}", tags  # <sweep dir>/<its subdir, the number>
     return output_dir.name, tags
-
-
-# The perf/* metrics the progress bar shows next to the loss.
-PROGRESS_BAR = ("perf/tokens_per_s", "perf/samples_per_s", "perf/mfu")
 
 
 def throughput_meter(cfg: DictConfig, data: DataSource, model: torch.nn.Module, engine: Engine) -> Throughput:

@@ -179,7 +179,8 @@ def _untyped_nodes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
 
 def callback_nodes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
     """(dotted key, node) of each callback the run adds to its loop (`callbacks.<name>`)."""
-    return [(f"callbacks.{name}", node) for name, node in (cfg.get("callbacks") or {}).items()]
+    named = (cfg.get("callbacks") or {}).items()
+    return [(f"callbacks.{name}", node) for name, node in named if node is not None]  # null: switched off
 
 
 def _target_problems(cfg: DictConfig) -> list[str]:

@@ -178,6 +178,9 @@ class RecordingCallback(Callback):
     def on_eval_end(self, run: Any, metrics: dict[str, float]) -> None:
         self._seen(run, f"eval_end:{','.join(sorted(metrics))}")
 
+    def on_log(self, run: Any, values: dict[str, float]) -> None:
+        self._seen(run, f"log:{','.join(sorted(values))}")
+
     def on_checkpoint(self, run: Any, path: Path) -> None:
         self._seen(run, f"checkpoint:{path.name}")
 

@@ -23,10 +23,11 @@ import pytest
 from conftest import cli_env, run_to_end, runner_command
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from PIL import Image
 
-from runner.callbacks import EarlyStopping, PlotCurves
-from runner.config import CONF_DIR
+from runner.callbacks import EarlyStopping, PlotCurves, ProfileSteps, ProgressBar, built_callbacks
+from runner.config import CONF_DIR, ProfileConfig, TrainerConfig
 from runner.errors import ConfigError
 from runner.history import History, read_history
 from runner.plots import curve, draw_run, run_figures, sweep_figures
@@ -93,6 +94,9 @@ def test_callbacks_stop_keep_the_best_log_and_resume_their_state(tmp_path):
     assert points[0] == "fit_start" and points[-1] == "fit_end"
     assert probes.read(whole / "probe", "gc") == ["collecting"]  # paused for the command's imports only
     assert points.count("step_end") == 25 and points.count("eval_end:eval/loss,eval/mae") == 5
+    logged = [point for point in points if point.startswith("log:")]
+    assert sum("train/loss" in point for point in logged) == 5 and "log:eval/loss,eval/mae" in logged
+    assert sum(point.startswith("log:lr/") for point in logged) == 5  # lr_monitor's, at each logging step
     assert [p for p in points if p.startswith("checkpoint")] == [
         "checkpoint:checkpoint_0",
         "checkpoint:checkpoint_1",
@@ -342,12 +346,27 @@ def test_a_sweeps_pictures_rank_its_jobs_by_the_objective_and_mark_the_best():
 
 
 def test_a_plain_class_with_one_callback_method_is_called_there_and_checkpointed_without_state(tmp_path):
+    """...and a built-in the YAML sets to null is off: `plots` here, with trainer.plots=true."""
     record = tmp_path / "steps.txt"
     run_to_end(
         tmp_path / "run", "+callbacks.mine._target_=probes.OnlyStepEnd", f"+callbacks.mine.record={record}",
-        "trainer.max_steps=6", "trainer.checkpoint_every=3", "trainer.eval_every=0", pythonpath=TESTS,
+        "trainer.max_steps=6", "trainer.checkpoint_every=3", "trainer.eval_every=0", "trainer.plots=true",
+        "+callbacks.plots=null", pythonpath=TESTS,
     )  # fmt: skip
     assert record.read_text().split() == ["1", "2", "3", "4", "5", "6"]
+    assert not (tmp_path / "run" / "plots").exists()
+
+
+def test_the_loops_own_concerns_are_built_in_callbacks_a_config_replaces_or_switches_off():
+    trainer = TrainerConfig(progress_bar=True, plots=True, profile=ProfileConfig(active=2))
+    built = built_callbacks(None, trainer)
+    assert {name: type(c) for name, c in built.items()} == {
+        "progress": ProgressBar, "profile": ProfileSteps, "plots": PlotCurves,
+    }  # fmt: skip
+    assert list(built_callbacks(None, TrainerConfig(progress_bar=False, plots=False))) == []
+    mine = OmegaConf.create({"progress": {"_target_": "probes.OnlyStepEnd", "record": "x"}, "plots": None})
+    built = built_callbacks(mine, trainer)
+    assert {name: type(c).__name__ for name, c in built.items()} == {"progress": "OnlyStepEnd", "profile": "ProfileSteps"}
 
 
 def test_a_categorical_setting_is_one_position_per_value_however_many_jobs_share_it():

@@ -29,7 +29,7 @@ from runner.errors import ConfigError
 from runner.hardware import SingleDevice
 from runner.hardware.parallelize import apply_compile
 from runner.models import GPT, MLP
-from runner.perf import PEAK_FLOPS, count_flops, kept_for_backward, peak_flops, profiled
+from runner.perf import PEAK_FLOPS, Profiler, count_flops, kept_for_backward, peak_flops
 from runner.plan import describe
 from runner.precision import Float8Precision
 from runner.schemas import register_configs
@@ -395,7 +395,8 @@ def resolved_model(run_dir: Path) -> dict:
 def test_the_profiler_records_the_steps_after_its_wait_and_warmup(tmp_path):
     """trainer.profile: `wait` steps skipped, `warmup` steps run under the profiler unrecorded, then
     `active` steps recorded (the run's own test sees the defaults, 1 and 1)."""
-    with profiled(ProfileConfig(wait=2, warmup=1, active=2), tmp_path, 0, torch.device("cpu")) as profiler:
+    profiler = Profiler(ProfileConfig(wait=2, warmup=1, active=2), tmp_path, 0, torch.device("cpu"))
+    with profiler.profile:
         for _ in range(6):
             torch.ones(4) @ torch.ones(4)
             profiler.step()

@@ -1,0 +1,33 @@
+"""Callbacks: code a run's training loop calls at its named points.
+
+`base` is the contract. The built-ins are the loop's own periodic concerns, made from the trainer's
+settings and named: `progress` (the progress bar, `trainer.progress_bar`), `profile` (`trainer.profile`)
+and `plots` (`trainer.plots`). The shipped ones a config adds (`callbacks=[...]`, each a `_target_`):
+early stopping, the best checkpoints, a learning-rate monitor. A callback in `callbacks:` named like a
+built-in replaces it; `callbacks.<name>=null` switches one off.
+"""
+
+from runner.callbacks.base import Callback, Callbacks, Monitor, Run
+from runner.callbacks.best_checkpoints import BEST, BEST_RECORD, BestCheckpoints
+from runner.callbacks.builtin import built_callbacks
+from runner.callbacks.early_stopping import EarlyStopping
+from runner.callbacks.lr_monitor import LearningRateMonitor
+from runner.callbacks.plots import PlotCurves
+from runner.callbacks.profiler import ProfileSteps
+from runner.callbacks.progress import ProgressBar
+
+__all__ = [
+    "BEST",
+    "BEST_RECORD",
+    "BestCheckpoints",
+    "Callback",
+    "Callbacks",
+    "EarlyStopping",
+    "LearningRateMonitor",
+    "Monitor",
+    "PlotCurves",
+    "ProfileSteps",
+    "ProgressBar",
+    "Run",
+    "built_callbacks",
+]

@@ -1,0 +1,139 @@
+"""The callback contract: what a callback sees of the run (`Run`), the points the loop calls it at
+(`Callback`), and a run's callbacks by name (`Callbacks`).
+
+Every rank calls every callback at the same points with the same metrics (they are reduced over the ranks
+first), so a callback that decides something (stop, save) decides it alike everywhere. A callback's
+`state_dict` is saved with every checkpoint: a resumed run continues it where the checkpoint left it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Protocol
+
+from runner.config import TrainerConfig
+from runner.engine import Engine
+from runner.errors import ConfigError
+
+
+class Run(Protocol):
+    """What a callback sees of the run (the Trainer)."""
+
+    engine: Engine
+    output_dir: Path
+    settings: TrainerConfig  # the trainer settings (`trainer.*`), typed
+    total_steps: int  # optimizer steps the run trains
+    metrics: dict[str, float]  # the latest value of every metric logged
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done."""
+
+    def log_metrics(self, values: dict[str, float]) -> None:
+        """Log `values` at this step (the run's metrics, its history, the trackers)."""
+
+    def stop(self, reason: str) -> None:
+        """End the run after this step, as if it were the last (`reason` is logged)."""
+
+
+class Callback:
+    """Code the loop runs at its named points; each method does nothing unless overridden. A `monitor`
+    argument names an eval metric, checked before launch against those the task reports."""
+
+    def on_fit_start(self, run: Run) -> None:
+        """Before the first step (of this process: after a resume, at the step resumed from)."""
+
+    def on_step_end(self, run: Run) -> None:
+        """After each optimizer step (its logging, evaluation and checkpoint done)."""
+
+    def on_log(self, run: Run, values: dict[str, float]) -> None:
+        """After `values` were logged at this step (a logging step's train window, an evaluation's
+        metrics, a callback's own), checked finite."""
+
+    def on_eval_end(self, run: Run, metrics: dict[str, float]) -> None:
+        """After each evaluation, with its metrics (`eval/...`)."""
+
+    def on_checkpoint(self, run: Run, path: Path) -> None:
+        """After a checkpoint was saved to `path` (it may still be written in the background)."""
+
+    def on_fit_end(self, run: Run, metrics: dict[str, float]) -> None:
+        """After training, with the final metrics (the model saved, the run recorded finished)."""
+
+    def on_exception(self, run: Run, error: BaseException) -> None:
+        """When the loop fails or is interrupted, before the error goes on."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    @classmethod
+    def check_settings(cls, node: str, settings: Any, trainer: Any) -> list[str]:
+        """Before launch: what is wrong with these settings (`node`: where they are, "callbacks.<name>")
+        given the run's `trainer` settings, each one paragraph; none by default."""
+        return []
+
+
+class Callbacks(Callback):
+    """A run's callbacks by name, called in that order at each point; checkpointed as one object (the state
+    of each by its name: a resume that adds a callback starts it fresh). A callback need not derive from
+    `Callback`: a class with any of its methods is called at those points only (and one without
+    `state_dict` has no state)."""
+
+    def __init__(self, named: dict[str, Any]) -> None:
+        self.named = named
+
+    def _call(self, point: str, *arguments: Any) -> None:
+        for callback in self.named.values():
+            if (method := getattr(callback, point, None)) is not None:
+                method(*arguments)
+
+    def on_fit_start(self, run: Run) -> None:
+        self._call("on_fit_start", run)
+
+    def on_step_end(self, run: Run) -> None:
+        self._call("on_step_end", run)
+
+    def on_log(self, run: Run, values: dict[str, float]) -> None:
+        self._call("on_log", run, values)
+
+    def on_eval_end(self, run: Run, metrics: dict[str, float]) -> None:
+        self._call("on_eval_end", run, metrics)
+
+    def on_checkpoint(self, run: Run, path: Path) -> None:
+        self._call("on_checkpoint", run, path)
+
+    def on_fit_end(self, run: Run, metrics: dict[str, float]) -> None:
+        self._call("on_fit_end", run, metrics)
+
+    def on_exception(self, run: Run, error: BaseException) -> None:
+        self._call("on_exception", run, error)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: c.state_dict() for name, c in self.named.items() if hasattr(c, "state_dict")}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, saved in state.items():
+            if hasattr(self.named.get(name), "load_state_dict"):
+                self.named[name].load_state_dict(saved)
+
+
+class Monitor:
+    """Which way a metric is better: `mode` "min" or "max", by more than `min_delta`."""
+
+    def __init__(self, key: str, monitor: str, mode: str, min_delta: float = 0.0) -> None:
+        if mode not in ("min", "max"):
+            raise ConfigError(f"{key}.mode={mode!r}: expected min (lower {monitor} is better) or max.")
+        if min_delta < 0:
+            raise ConfigError(f"{key}.min_delta={min_delta}: must be >= 0 (the improvement that counts).")
+        self.monitor, self.mode, self.min_delta = monitor, mode, min_delta
+
+    def better(self, value: float, than: float | None) -> bool:
+        """Whether `value` improves on `than` (None: nothing yet) by more than `min_delta`; NaN never does."""
+        if math.isnan(value):
+            return False
+        if than is None:
+            return True
+        return value < than - self.min_delta if self.mode == "min" else value > than + self.min_delta

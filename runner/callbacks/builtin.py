@@ -1,0 +1,32 @@
+"""A run's callbacks from its config: the built-ins its trainer settings switch on, then `callbacks:`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from runner.callbacks.plots import PlotCurves
+from runner.callbacks.profiler import ProfileSteps
+from runner.callbacks.progress import ProgressBar
+from runner.config import TrainerConfig
+
+
+def built_callbacks(callbacks: DictConfig | None, trainer: TrainerConfig) -> dict[str, Any]:
+    """The run's callbacks by name, in the order the loop calls them: `progress` (`trainer.progress_bar`),
+    `profile` (`trainer.profile.active` > 0), `plots` (`trainer.plots`), then those of `callbacks:`, where
+    one named like a built-in replaces it and a name set to null switches it off."""
+    named: dict[str, Any] = {}
+    if trainer.progress_bar:
+        named["progress"] = ProgressBar()
+    if trainer.profile.active:
+        named["profile"] = ProfileSteps(trainer.profile)
+    if trainer.plots:
+        named["plots"] = PlotCurves()
+    for name, node in (callbacks or {}).items():
+        if node is None:
+            named.pop(name, None)
+        else:
+            named[name] = instantiate(node)
+    return named
