@@ -30,7 +30,7 @@ from runner.build import (
     records_goodput,
 )
 from runner.callbacks import Callbacks, built_callbacks
-from runner.checkpoint.checkpointer import ProjectConfiguration
+from runner.checkpoint.checkpointer import ProjectConfiguration, Schedule
 from runner.checkpoint.resume import (
     JOB_CONFIG_DIR,
     RESOLVED,
@@ -138,6 +138,7 @@ class Trainer:
             activation_checkpointing=trainer.activation_checkpointing,
         )
         self.checkpointer = engine.checkpointer
+        self.checkpointer.schedule = Schedule.of(trainer)
         # Under torchrun or srun each rank ran Hydra itself: the job's dir is rank 0's.
         self.output_dir = output_dir = Path(engine.broadcast_object_list([str(output_dir)])[0])
         engine.project_configuration.project_dir = str(output_dir)
@@ -273,18 +274,14 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         """Train to `total_steps`, logging, evaluating and checkpointing on the way; then `finish`."""
-        engine, trainer, done = self.engine, self.settings, self.done
-        state = engine.gradient_state  # its attribute, not the engine's property, at every micro-batch
-        log_every, eval_every, checkpoint_every = (
-            trainer.log_every,
-            trainer.eval_every,
-            trainer.checkpoint_every,
-        )
+        trainer, done = self.settings, self.done
+        state = self.engine.gradient_state  # its attribute, not the engine's property, at every micro-batch
+        log_every, eval_every = trainer.log_every, trainer.eval_every
         self.model.train()
         with self.running() as received:
             self.callbacks.on_fit_start(self)
             self.throughput.restart(done.step)
-            self.checkpointed = time.monotonic()  # `trainer.checkpoint_every_s` counts from here
+            self.checkpointer.restart_clock()  # `trainer.checkpoint_every_s` counts from here
             warming_up = True  # the attempt's first step
             while done.step < self.total_steps and self.stopped is None:
                 self.train_loader.set_epoch(done.epoch)
@@ -308,17 +305,10 @@ class Trainer:
                         self.log_window()
                     if last or (eval_every and done.step % eval_every == 0):
                         self.evaluate()
-                    checkpoint_step = checkpoint_every and done.step % checkpoint_every == 0
-                    if checkpoint_step or (log_step and self.due_by_time()):
-                        self.watchdog.progress("checkpointing", done.step)
-                        path = engine.save_state(blocking=not trainer.async_checkpoint)
-                        self.ledger.lap("checkpoint", step=done.step)
-                        self.checkpointed = time.monotonic()
-                        log.info("checkpoint %s", path)
-                        self.callbacks.on_checkpoint(self, Path(path))
-                        self.watchdog.progress("training", done.step)
-                    if log_step:
-                        self.stop_if_signalled(received)
+                    stopping = log_step and self.stop_requested(received)
+                    path = self.checkpoint(logging=last or log_step, stop=stopping)
+                    if stopping:
+                        raise self.interrupted(received, path)
                     self.callbacks.on_step_end(self)
                     if last or self.stopped is not None:
                         break
@@ -371,14 +361,19 @@ class Trainer:
         self.done.add(loss)
         self.throughput.add(batch_units(batch)[1])
 
-    def due_by_time(self) -> bool:
-        """`trainer.checkpoint_every_s` (asked at logging steps): whether that long passed since the last
-        checkpoint (or the loop's start) on any rank (one collective, so that every rank saves)."""
-        every_s = self.settings.checkpoint_every_s
-        if not every_s:
-            return False
-        passed = float(time.monotonic() - self.checkpointed >= every_s)
-        return bool(self.engine.reduce(torch.tensor(passed, device=self.engine.device), "max").item())
+    def checkpoint(self, logging: bool, stop: bool) -> Path | None:
+        """The checkpoints the Checkpointer finds due after this step (`save_if_due`: `logging`, a step
+        whose losses were logged finite; `stop`, the run ends next); for a numbered one, the ledger's
+        phase, the log line and the callbacks' `on_checkpoint`. Its path, else None."""
+        engine, step = self.engine, self.done.step
+        self.watchdog.progress("checkpointing", step)
+        path = self.checkpointer.save_if_due(engine.optimizer_step, engine.micro_step, logging, stop)
+        self.watchdog.progress("training", step)
+        if path is not None:
+            self.ledger.lap("checkpoint", step=step)
+            log.info("checkpoint %s", path)
+            self.callbacks.on_checkpoint(self, path)
+        return path
 
     def log_window(self) -> None:
         """The mean loss over the steps since the last log line, the learning rate and the `perf/*`
@@ -397,8 +392,6 @@ class Trainer:
         done.window_loss.zero_()
         done.window_batches = 0
         self.log_metrics(logged)
-        if self.settings.checkpoint_last_finite:
-            self.checkpointer.save_last_finite(done.step)
         if log.isEnabledFor(logging.INFO):
             log.info("step %d/%d: %s", done.step, self.total_steps, _fmt(logged))
 
@@ -445,22 +438,21 @@ class Trainer:
             f"{resume_hint(self.checkpointer.project.checkpoints_dir, trainer.checkpoint_last_finite)}"
         )
 
-    def stop_if_signalled(self, received: list[int]) -> None:
-        """At a logging step (where the loss is read anyway: the check waits for the device and the other
-        ranks), after a stop signal on any rank: checkpoint and raise `TrainingInterrupted`."""
-        engine, step = self.engine, self.done.step
+    def stop_requested(self, received: list[int]) -> bool:
+        """Asked at a logging step (where the loss is read anyway: the check waits for the device and the
+        other ranks): whether a stop signal reached any rank."""
         if received:
-            engine.set_trigger()
-        if engine.check_trigger():
-            path = engine.save_state()
-            self.ledger.lap("checkpoint", step=step)
-            self.callbacks.on_checkpoint(self, Path(path))
-            signum = received[0] if received else None  # None: another rank was signalled
-            raise TrainingInterrupted(
-                f"stopped by {signal_name(signum)} at step {step}/{self.total_steps}; checkpoint {path}. Run the same "
-                f"command with {resume_override(self.output_dir)} to resume.",
-                signum=signum,
-            )
+            self.engine.set_trigger()
+        return self.engine.check_trigger()
+
+    def interrupted(self, received: list[int], path: Path | None) -> TrainingInterrupted:
+        """The error that ends a run stopped by a signal, once its checkpoint `path` is saved."""
+        signum = received[0] if received else None  # None: another rank was signalled
+        return TrainingInterrupted(
+            f"stopped by {signal_name(signum)} at step {self.done.step}/{self.total_steps}; checkpoint {path}. Run "
+            f"the same command with {resume_override(self.output_dir)} to resume.",
+            signum=signum,
+        )
 
     @contextmanager
     def running(self) -> Iterator[list[int]]:

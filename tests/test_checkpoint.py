@@ -18,8 +18,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from runner import Accelerator, ProjectConfiguration, load_checkpoint_in_model
 from runner.checkpoint.accelerate_layout import batches_handed_out, torchdata_position
+from runner.checkpoint.checkpointer import Schedule
 from runner.checkpoint.files import damage, file_digest, latest_checkpoint, load_torch, read_meta
-from runner.checkpoint.resume import check_checkpoint_fits, check_model_fits, resume_checkpoint
+from runner.checkpoint.resume import (
+    CANDIDATE,
+    LAST_FINITE,
+    check_checkpoint_fits,
+    check_model_fits,
+    resume_checkpoint,
+)
 from runner.checkpoint.weights import DamagedFileError, stored_tensors
 from runner.errors import ConfigError
 from runner.hardware import FSDP
@@ -88,6 +95,25 @@ def test_automatic_naming_total_limit_and_latest(tmp_path):
     other.load_state(str(checkpoints / "checkpoint_1"))
     assert other.save_iteration == 3
     assert read_meta(checkpoints / "checkpoint_2")["num_processes"] == 1
+
+
+def test_the_checkpointer_decides_which_steps_save_by_its_schedule(tmp_path):
+    """`save_if_due`: numbered checkpoints every `every` steps, by time at logging steps only, at a stop;
+    the last-finite candidate at each logging step; a named save (a target dir) is not numbered."""
+    accelerator, *_ = setup(tmp_path, precision="no")
+    checkpointer = accelerator.checkpointer
+    checkpointer.schedule = Schedule(every=3, last_finite=True)
+    saved = {step: checkpointer.save_if_due(step, logging=step % 2 == 0) for step in range(1, 8)}
+    assert {step: path.name for step, path in saved.items() if path} == {3: "checkpoint_0", 6: "checkpoint_1"}
+    assert read_meta(tmp_path / "checkpoints" / LAST_FINITE)["step"] == 4  # promoted at step 6
+    assert read_meta(tmp_path / "checkpoints" / CANDIDATE)["step"] == 6
+    assert checkpointer.save_if_due(7, stop=True).name == "checkpoint_2"
+    checkpointer.schedule = Schedule(every_s=1e-9)
+    assert checkpointer.save_if_due(8) is None  # time is asked at logging steps only
+    assert checkpointer.save_if_due(9, logging=True).name == "checkpoint_3"
+    named = checkpointer.save(tmp_path / "best" / "step_9", step=9)
+    assert named == tmp_path / "best" / "step_9" and read_meta(named)["step"] == 9
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "checkpoint_3"  # the named one is not latest
 
 
 def test_register_for_checkpointing(tmp_path):

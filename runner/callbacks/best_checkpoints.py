@@ -78,7 +78,7 @@ class BestCheckpoints(Callback):
         )
         self.kept = ranked[: self.keep]
         if entry in self.kept:
-            run.engine.checkpointer.save_named(run.output_dir / BEST / f"step_{run.step}", run.step)
+            run.engine.checkpointer.save(run.output_dir / BEST / f"step_{run.step}", step=run.step)
         self._written(run)
         if run.engine.is_main_process:
             self._tidy(run.output_dir / BEST)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ from runner.checkpoint.resume import (
     keep_configured_lr,
     qualified_name,
 )
+from runner.config import TrainerConfig
 from runner.errors import ConfigError
 from runner.hardware import Strategy
 from runner.ops import host_copy
@@ -105,6 +107,28 @@ class ProjectConfiguration:
         return Path(self.project_dir) / "checkpoints"
 
 
+@dataclass
+class Schedule:
+    """When a training loop's checkpoints are due (`Checkpointer.save_if_due`; `trainer.checkpoint_*`):
+    every `every` optimizer steps (0: never by steps) and, asked at logging steps, once `every_s` seconds
+    passed since the last (0: never by time); `background`: written in a background thread;
+    `last_finite`: keep `checkpoints/last_finite`, the last state whose losses were finite."""
+
+    every: int = 0
+    every_s: float = 0.0
+    background: bool = False
+    last_finite: bool = False
+
+    @classmethod
+    def of(cls, trainer: TrainerConfig) -> Schedule:
+        return cls(
+            trainer.checkpoint_every,
+            trainer.checkpoint_every_s,
+            trainer.async_checkpoint,
+            trainer.checkpoint_last_finite,
+        )
+
+
 class Checkpointer:
     """Saves and loads the state of everything registered, on every process of the job.
 
@@ -139,6 +163,8 @@ class Checkpointer:
         self._save_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._load_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._pending: PendingWrite | None = None  # a background save's write
+        self.schedule = Schedule()  # when a loop's `save_if_due` saves
+        self._saved_at = time.monotonic()  # the latest numbered save's time, or the clock's restart
         # what the run records in every checkpoint's meta.json beside its own facts ("data": what it read)
         self.facts: dict[str, Any] = {}
         self._group: Any = None  # its process group
@@ -205,34 +231,35 @@ class Checkpointer:
 
     # ----------------------------------------------------------------------------------------- save
     def save(
-        self, output_dir: str | None = None, step: int = 0, blocking: bool = True, micro_step: int = 0
+        self, target: Path | None = None, step: int = 0, blocking: bool = True, micro_step: int = 0
     ) -> Path:
         """Write a checkpoint of everything registered, at optimizer step `step` and micro-batch
         `micro_step` of the accumulation (0: at the end of an optimizer step), atomically; its directory.
 
-        Without `output_dir`, automatic naming writes `<project_dir>/checkpoints/checkpoint_<iteration>`,
-        marks it latest and keeps at most `total_limit`. A crash during the save leaves the previous
-        checkpoint untouched. `blocking=False`: the state is copied into host memory here and written by
-        a background thread; the checkpoint becomes latest only once complete (`wait`)."""
+        `target` None: the next numbered checkpoint, `<project_dir>/checkpoints/checkpoint_<iteration>`,
+        marked latest once complete, at most `total_limit` kept. A directory: a named checkpoint there
+        (best-k's, last_finite), which is not numbered, marked or pruned: not one `trainer.resume=auto`
+        picks from. A crash during the save leaves the previous checkpoint untouched. `blocking=False`: the
+        state is copied into host memory here and written by a background thread (`wait`)."""
         self.wait()
         if not blocking and not self.strategy.async_checkpoints:
             raise ValueError(
                 f"save_state(blocking=False): {type(self.strategy).__name__} writes its checkpoints itself, "
                 "synchronously. Save with blocking=True."
             )
-        final = self._target(output_dir)
+        numbered = target is None
+        final = self._numbered() if target is None else Path(target)
         main = self.state.is_main_process
         if main:
             start_staging(final)
         self.strategy.barrier()
         staging = staging_path(final)
-        automatic = self.project.automatic_checkpoint_naming
         limit = self.project.total_limit
 
         def commit() -> None:
             if main:
                 commit_staging(final)
-                if automatic:
+                if numbered:
                     mark_latest(final)
                     if limit is not None:
                         prune(final.parent, limit)
@@ -251,8 +278,9 @@ class Checkpointer:
             raise
         if not blocking:
             self._pending = PendingWrite(final, write, commit, discard)
-        if automatic:
+        if numbered:
             self.project.iteration += 1
+            self._saved_at = time.monotonic()
         if blocking:
             self.strategy.barrier()
         return final
@@ -347,14 +375,8 @@ class Checkpointer:
             if everyone:
                 self.strategy.barrier()
 
-    def _target(self, output_dir: str | None) -> Path:
-        if not self.project.automatic_checkpoint_naming:
-            if output_dir is None:
-                raise ValueError(
-                    "save_state() needs a directory, or Accelerator(project_config=ProjectConfiguration("
-                    "project_dir=..., automatic_checkpoint_naming=True))."
-                )
-            return Path(output_dir)
+    def _numbered(self) -> Path:
+        """The next numbered checkpoint's directory."""
         final = self.project.checkpoints_dir / f"checkpoint_{self.project.iteration}"
         if final.exists():
             raise ValueError(
@@ -377,17 +399,27 @@ class Checkpointer:
         if self.state.is_main_process and (checkpoints / CANDIDATE).is_dir():
             shutil.rmtree(checkpoints / LAST_FINITE, ignore_errors=True)
             (checkpoints / CANDIDATE).rename(checkpoints / LAST_FINITE)
-        self.save_named(checkpoints / CANDIDATE, step)
+        self.save(checkpoints / CANDIDATE, step=step)
 
-    def save_named(self, directory: Path, step: int) -> Path:
-        """Save to `directory`, whole or not at all: not one of the numbered checkpoints (none is numbered,
-        marked latest or pruned for it) that `trainer.resume=auto` picks from."""
-        automatic = self.project.automatic_checkpoint_naming
-        self.project.automatic_checkpoint_naming = False  # written to the given dir (Accelerate's rule)
-        try:
-            return self.save(str(directory), step=step)
-        finally:
-            self.project.automatic_checkpoint_naming = automatic
+    def restart_clock(self) -> None:
+        """`schedule.every_s` counts from now (a loop's start)."""
+        self._saved_at = time.monotonic()
+
+    def save_if_due(self, step: int, micro_step: int = 0, logging: bool = False, stop: bool = False) -> Path | None:
+        """After optimizer step `step`, what `schedule` asks: at a logging step (`logging`: its losses were
+        read and found finite) the last-finite candidate, then the numbered checkpoint where it is due by
+        steps, or by time (asked at logging steps only, in one collective, so that every rank saves at the
+        same step), or a `stop` (blocking: the run ends next). The numbered checkpoint's path, else None."""
+        schedule = self.schedule
+        if logging and schedule.last_finite:
+            self.save_last_finite(step)
+        due = stop or (schedule.every > 0 and step % schedule.every == 0)
+        if not due and logging and schedule.every_s:
+            passed = float(time.monotonic() - self._saved_at >= schedule.every_s)
+            due = bool(self.strategy.all_reduce(torch.tensor(passed, device=self.state.device), "max").item())
+        if not due:
+            return None
+        return self.save(step=step, micro_step=micro_step, blocking=stop or not schedule.background)
 
     # ----------------------------------------------------------------------------------------- load
     def load(self, input_dir: str | None = None) -> Steps:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -517,11 +518,18 @@ class Engine(ProcessControl):
         their own); the checkpoint becomes latest only once complete. The next save, `wait_for_checkpoint` and
         `end_training` wait for the write.
         """
-        return str(
-            self.checkpointer.save(
-                output_dir, step=self.optimizer_step, blocking=blocking, micro_step=self.micro_step
+        # Accelerate's rule: with automatic naming the checkpoint is the next numbered one, whatever the dir.
+        if self.project_configuration.automatic_checkpoint_naming:
+            target = None
+        elif output_dir is None:
+            raise ValueError(
+                "save_state() needs a directory, or Accelerator(project_config=ProjectConfiguration("
+                "project_dir=..., automatic_checkpoint_naming=True))."
             )
-        )
+        else:
+            target = Path(output_dir)
+        saved = self.checkpointer.save(target, self.optimizer_step, blocking, self.micro_step)
+        return str(saved)
 
     def load_state(self, input_dir: str | None = None) -> None:
         """Restore a checkpoint that `save_state` wrote (without `input_dir`: the latest one of the
