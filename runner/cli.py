@@ -38,16 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hydra_plugins.runner_launcher.launcher import RunnerLauncher
 from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
 from runner.build import fast_dev_run, is_inference, locate, records_goodput
-from runner.checkpoint.resume import (
-    JOB_CONFIG_DIR,
-    LAST,
-    RESOLVED,
-    RUNS_DIR,
-    FinishedRun,
-    check_finished_run,
-    check_resume,
-    latest_run,
-)
+from runner.checkpoint.resume import LAST, check_finished_run, check_resume, latest_run
 from runner.cluster import ClusterEnvironment, launched_environment, launched_node, time_before_start
 from runner.compose import (
     CONFIG_NAME,
@@ -78,7 +69,7 @@ from runner.errors import (
     write_failure,
 )
 from runner.files import write_json
-from runner.goodput import SUMMARY, Ledger, end_of_command, job_began
+from runner.goodput import Ledger, end_of_command, job_began
 from runner.goodput import table as goodput_table
 from runner.help import help_text
 from runner.inference import infer
@@ -87,6 +78,7 @@ from runner.launchers.base import interrupted
 from runner.launchers.kubernetes import run_node
 from runner.plan import describe as describe_plan
 from runner.prepare_data import main as prepare_data_command
+from runner.run_dir import FAILED, GOODPUT, JOB_CONFIG_DIR, RESOLVED, RUNS_DIR, FinishedRun
 from runner.run_log import FILE_ONLY, configure_rank_logging
 from runner.scaffold import main as init_project_command
 from runner.schemas import register_configs
@@ -95,7 +87,6 @@ from runner.validate import Built, check_job
 
 log = logging.getLogger("runner")
 
-FAILED = "failed.json"  # in a sweep job's dir: why its training failed
 
 
 def main(cfg: DictConfig) -> float | dict[str, float]:
@@ -166,7 +157,7 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
         return metrics
     log.info("final metrics (output dir %s):\n%s", output_dir, _table(metrics))
     if spent is not None:
-        log.info("time spent (%s):\n%s", output_dir / SUMMARY, goodput_table(spent))
+        log.info("time spent (%s):\n%s", output_dir / GOODPUT, goodput_table(spent))
     return _objective(cfg, metrics)
 
 

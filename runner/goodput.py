@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from runner.files import JsonLines, json_lines, write_json
+from runner.run_dir import GOODPUT, LEDGER
 
-LEDGER = "goodput.jsonl"  # in the run dir: the intervals, appended
-SUMMARY = "goodput.json"  # in the run dir: their sum (`summarize`)
 FLUSH_S = 5.0  # training steps are written together, at least this often (and at every other phase)
 
 # Each phase, what its time is, in the order of the table.
@@ -137,7 +136,7 @@ def end_of_command(run_dir: Path) -> dict[str, Any] | None:
 def write_summary(run_dir: Path) -> dict[str, Any]:
     """`goodput.json` in `run_dir`: the ledger summed (`summarize`); returned."""
     summary = summarize(read_ledger(run_dir))
-    write_json(Path(run_dir) / SUMMARY, summary)
+    write_json(Path(run_dir) / GOODPUT, summary)
     return summary
 
 

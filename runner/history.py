@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.files import JsonLines, json_lines, write_text
-
-HISTORY = "history.jsonl"
+from runner.run_dir import HISTORY
 
 
 class History:

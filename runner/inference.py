@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.build import build_data, build_model
 from runner.hardware.big_modeling import init_empty_weights
 from runner.hardware.device_map import BigModel
+from runner.run_dir import RESOLVED
 from runner.task import InferenceTask
 
 log = logging.getLogger(__name__)
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 def infer(cfg: DictConfig, output_dir: Path, strategy: BigModel | None = None) -> dict[str, float]:
     """Build the model on the meta device, load `cfg.checkpoint` into the hardware's device map (`strategy`,
     when this process built it already), run the task; return its metrics."""
-    (output_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (output_dir / RESOLVED).write_text(OmegaConf.to_yaml(cfg, resolve=True))
     hardware: BigModel = strategy or instantiate(cfg.hardware)
     hardware.setup_environment()
     data = build_data(cfg)  # the model's dimensions (vocabulary) come from the data

@@ -16,10 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from runner.files import replacing
-from runner.history import HISTORY, read_history
-
-PLOTS = "plots"  # in a run dir
-SWEEP_SUMMARY = "summary.csv"  # in a sweep's dir (`runner.sweep`): its jobs' settings, ranks and metrics
+from runner.history import read_history
+from runner.run_dir import HISTORY, PLOTS, SWEEP_SUMMARY
 
 
 def curve(rows: list[dict[str, Any]], name: str) -> tuple[list[int], list[float]]:

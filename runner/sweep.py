@@ -26,13 +26,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.checkpoint.resume import FINISHED, JOB_CONFIG_DIR
-from runner.cli import FAILED
 from runner.compose import check_hydra_settings
 from runner.errors import REPLACED_OPTIONS, ConfigError, describe_compose_error, install_command
-from runner.goodput import SUMMARY
 from runner.history import read_history
-from runner.plots import SWEEP_SUMMARY, ranked, save_figures, sweep_figures
+from runner.plots import ranked, save_figures, sweep_figures
+from runner.run_dir import FAILED, FINISHED, GOODPUT, JOB_CONFIG_DIR, SWEEP_SUMMARY
 from runner.validate import check_job
 
 log = logging.getLogger("runner")
@@ -198,7 +196,7 @@ def read_jobs(sweep_dir: Path) -> list[JobResult]:
                 overrides=dict(str(o).split("=", 1) for o in overrides if "=" in str(o)),
                 metrics=json.loads(finished.read_text()) if finished.is_file() else {},
                 failure=None if finished.is_file() else json.loads((job_dir / FAILED).read_text())["message"],
-                spent=json.loads((job_dir / SUMMARY).read_text()) if (job_dir / SUMMARY).is_file() else None,
+                spent=json.loads((job_dir / GOODPUT).read_text()) if (job_dir / GOODPUT).is_file() else None,
             )
         )
     return sorted(

@@ -31,15 +31,7 @@ from runner.build import (
 )
 from runner.callbacks import Callbacks, built_callbacks
 from runner.checkpoint.checkpointer import ProjectConfiguration, Schedule
-from runner.checkpoint.resume import (
-    JOB_CONFIG_DIR,
-    RESOLVED,
-    check_not_past,
-    record_finished,
-    resume_checkpoint,
-    resume_hint,
-    resume_override,
-)
+from runner.checkpoint.resume import check_not_past, resume_checkpoint, resume_hint
 from runner.cluster import time_before_start
 from runner.config import TrainerConfig, trainer_settings
 from runner.data.base import DataSource, pins_memory
@@ -57,6 +49,7 @@ from runner.perf import (
     peak_flops,
 )
 from runner.rng import rng_kept, set_seed
+from runner.run_dir import JOB_CONFIG_DIR, MODEL, RESOLVED, record_finished, resume_override
 from runner.run_log import FILE_ONLY
 from runner.task import Task, batch_units, trains_by_loss
 from runner.trackers.base import Tracker
@@ -487,11 +480,11 @@ class Trainer:
             log.info("the checkpoint was written at the last step (%d): evaluating only", self.done.step)
             self.log_metrics(evaluate(engine, self.model, self.task, self.eval_loader, self.evaluating))
         if self.settings.save_model:
-            engine.save_model(self.model, str(output_dir / "model"))
+            engine.save_model(self.model, str(output_dir / MODEL))
             # A transformers model's config next to its weights: from_pretrained loads the dir.
             model_config = getattr(engine.unwrap_model(self.model), "config", None)
             if engine.is_main_process and hasattr(model_config, "save_pretrained"):
-                model_config.save_pretrained(output_dir / "model")
+                model_config.save_pretrained(output_dir / MODEL)
         engine.wait_for_checkpoint()  # one of the last step, written in the background, is whole
         if self.ledger.recording:  # the time so far, for the trackers; the command adds its own end
             self.ledger.lap("finish")
@@ -508,7 +501,7 @@ class Trainer:
             for artifact in (output_dir / RESOLVED, *output_dir.glob("*.log")):  # and Hydra's
                 run_tracker.log_artifact(str(artifact))
             if run_tracker.log_model and self.settings.save_model:
-                run_tracker.log_artifact(str(output_dir / "model"), "model")
+                run_tracker.log_artifact(str(output_dir / MODEL), "model")
         self.callbacks.on_fit_end(self, self.metrics)
         # Free the prepared model while the process group lives: a DDP reducer collected after the group is
         # gone joins its gloo threads forever (a rank hung at exit).

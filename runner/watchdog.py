@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
+from runner.run_dir import HANG_DIR
 from runner.run_log import LAUNCHER_REPORTS
 
 log = logging.getLogger(__name__)
 
 EXIT_HUNG = 124  # as `timeout` exits: a rank ended for making no progress
-HANG_DIR = "hang"  # in the run dir: one report per rank that hung
 FIRST_STEPS_S = 1800.0  # auto: the limit until enough steps are measured (compilation, warm-up)
 AUTO_FLOOR_S = 600.0  # auto: never less than this
 AUTO_TIMES_MEDIAN = 20  # auto: this many times the median step

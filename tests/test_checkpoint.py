@@ -20,18 +20,13 @@ from runner import Accelerator, ProjectConfiguration, load_checkpoint_in_model
 from runner.checkpoint.accelerate_layout import batches_handed_out, torchdata_position
 from runner.checkpoint.checkpointer import Schedule
 from runner.checkpoint.files import damage, file_digest, latest_checkpoint, load_torch, read_meta
-from runner.checkpoint.resume import (
-    CANDIDATE,
-    LAST_FINITE,
-    check_checkpoint_fits,
-    check_model_fits,
-    resume_checkpoint,
-)
+from runner.checkpoint.resume import check_checkpoint_fits, check_model_fits, resume_checkpoint
 from runner.checkpoint.weights import DamagedFileError, stored_tensors
 from runner.errors import ConfigError
 from runner.hardware import FSDP
 from runner.models import GPT
 from runner.rng import rng_state, set_rng_state, set_seed
+from runner.run_dir import CANDIDATE, LAST_FINITE
 
 DATA = (torch.randn(40, 4, generator=torch.Generator().manual_seed(0)), torch.randn(40, 1))
 

@@ -15,7 +15,6 @@ import pytest
 from conftest import run_to_end
 
 from runner.goodput import (
-    LEDGER,
     PHASES,
     Ledger,
     job_began,
@@ -25,6 +24,7 @@ from runner.goodput import (
     table,
     write_summary,
 )
+from runner.run_dir import LEDGER
 
 
 def record(phase: str, t0: float, t1: float, **facts) -> dict:

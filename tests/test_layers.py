@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.state",
             "runner.cluster",
             "runner.run_log",
+            "runner.run_dir",
             "runner.dir_lock",
             "runner.history",
             "runner.goodput",

@@ -8,7 +8,7 @@ built-in replaces it; `callbacks.<name>=null` switches one off.
 """
 
 from runner.callbacks.base import Callback, Callbacks, Monitor, Run
-from runner.callbacks.best_checkpoints import BEST, BEST_RECORD, BestCheckpoints
+from runner.callbacks.best_checkpoints import BestCheckpoints
 from runner.callbacks.builtin import built_callbacks
 from runner.callbacks.early_stopping import EarlyStopping
 from runner.callbacks.lr_monitor import LearningRateMonitor
@@ -17,8 +17,6 @@ from runner.callbacks.profiler import ProfileSteps
 from runner.callbacks.progress import ProgressBar
 
 __all__ = [
-    "BEST",
-    "BEST_RECORD",
     "BestCheckpoints",
     "Callback",
     "Callbacks",

@@ -11,11 +11,10 @@ from typing import Any, Literal
 from runner.callbacks.base import Callback, Monitor, Run
 from runner.config import PositiveInt
 from runner.files import write_json
+from runner.run_dir import BEST, BEST_RECORD
 
 log = logging.getLogger(__name__)
 
-BEST = "best"  # in a run dir: the best checkpoints (`BestCheckpoints`) and best.json
-BEST_RECORD = "best.json"
 
 
 class BestCheckpoints(Callback):

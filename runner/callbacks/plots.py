@@ -19,7 +19,7 @@ import torch
 
 from runner.callbacks.base import Callback, Run
 from runner.errors import install_command
-from runner.history import HISTORY
+from runner.run_dir import HISTORY
 
 log = logging.getLogger(__name__)
 

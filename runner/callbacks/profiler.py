@@ -6,8 +6,7 @@ from __future__ import annotations
 from runner.callbacks.base import Callback, Run
 from runner.config import ProfileConfig
 from runner.perf import Profiler
-
-PROFILE = "profile"  # in a run dir: each rank's trace and table
+from runner.run_dir import PROFILE
 
 
 class ProfileSteps(Callback):

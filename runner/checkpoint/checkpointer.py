@@ -50,8 +50,6 @@ from runner.checkpoint.files import (
 )
 from runner.checkpoint.formats import format_of
 from runner.checkpoint.resume import (
-    CANDIDATE,
-    LAST_FINITE,
     check_checkpoint_fits,
     check_optimizer_classes,
     damaged_error,
@@ -64,6 +62,7 @@ from runner.hardware import Strategy
 from runner.ops import host_copy
 from runner.precision import Precision
 from runner.rng import rng_state, set_rng_state
+from runner.run_dir import CANDIDATE, CHECKPOINTS, LAST_FINITE
 from runner.state import ProcessState
 
 
@@ -104,7 +103,7 @@ class ProjectConfiguration:
     def checkpoints_dir(self) -> Path:
         if self.project_dir is None:
             raise ValueError("ProjectConfiguration.project_dir is not set: save_state() needs a directory.")
-        return Path(self.project_dir) / "checkpoints"
+        return Path(self.project_dir) / CHECKPOINTS
 
 
 @dataclass

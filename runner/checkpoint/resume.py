@@ -1,8 +1,9 @@
 """The resume policy: which checkpoint a run continues from (`trainer.resume`: null, auto, a directory),
 whether it fits this run (format, ranks, data layout, optimizer), what a resumed run keeps from its
 config (the learning rate), what a diverged run is told to resume from (`last_finite`), and what a run
-finds in the dir of a finished one (`record_finished`, `check_finished_run`): nothing to train when
-its settings are the same, a refusal when they differ; its results are never replaced unasked.
+finds in the dir of a finished one (`check_finished_run`, against the record `runner.run_dir` keeps):
+nothing to train when its settings are the same, a refusal when they differ; its results are never
+replaced unasked.
 
 Checked once before any rank starts (`check_resume`, from the launching process) and again by every
 rank's `Checkpointer.load`.
@@ -10,13 +11,8 @@ rank's `Checkpointer.load`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import math
-import os
-import shlex
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,58 +31,23 @@ from runner.checkpoint.files import (
 )
 from runner.checkpoint.formats import model_shapes
 from runner.errors import ConfigError
-from runner.files import write_text
+from runner.run_dir import (
+    CHECKPOINTS,
+    FINISHED_RECORD,
+    JOB_CONFIG_DIR,
+    LAST_FINITE,
+    RESOLVED,
+    RESULTS,
+    FinishedRun,
+    finished_run,
+    flat_settings,
+    last_written,
+    move_aside,
+    settings_digest,
+)
 
 log = logging.getLogger(__name__)
 
-FINISHED = "metrics.json"  # in a run dir: the run finished (its final metrics)
-FINISHED_RECORD = "finished.json"  # a training run ran to its end: its step, settings digest, metrics
-RESOLVED = "resolved_config.yaml"  # in a run dir: the settings it ran with
-JOB_CONFIG_DIR = ".hydra"  # in a job's dir: Hydra's files of the job (config, hydra and overrides .yaml)
-# Settings that change neither the trained weights nor the final metrics: a finished run re-run with
-# other values of these only is not another run.
-NOT_RESULTS = (
-    "tracker",
-    "launcher",
-    "plan",
-    "sweep",
-    "trainer.resume",
-    "trainer.overwrite",
-    "trainer.progress_bar",
-    "trainer.plots",
-    "trainer.checkpoint_every",
-    "trainer.checkpoint_every_s",
-    "trainer.keep_checkpoints",
-    "trainer.async_checkpoint",
-)
-LOG_FILE = "runner.log"
-LAST_FINITE = "last_finite"  # in <output dir>/checkpoints: trainer.checkpoint_last_finite's state
-CANDIDATE = ".last_finite.candidate"  # the newest state, until the next window's losses show it finite
-
-
-def resume_override(output_dir: Path) -> str:
-    """The override that runs a command again in `output_dir` (relative to the working dir when inside
-    it), which resumes a stopped run there: what its user is told to add. For a sweep's job, the sweep's
-    dir: the sweep's command resumes the job in its sweep (its summary gets it)."""
-    key, directory = "hydra.run.dir", Path(output_dir)
-    if (sweep := sweep_of(directory)) is not None:
-        key, directory = "hydra.sweep.dir", sweep
-    shown = os.path.relpath(directory) if directory.resolve().is_relative_to(Path.cwd()) else directory
-    return f"{key}={shlex.quote(str(shown))}"
-
-
-def sweep_of(output_dir: Path) -> Path | None:
-    """The sweep dir of the job in `output_dir` (its parent), from the job's `.hydra/hydra.yaml`, which the
-    command writes before it launches the ranks; None for a single run or without that file."""
-    written = output_dir / JOB_CONFIG_DIR / "hydra.yaml"
-    try:
-        mode = ((yaml.safe_load(written.read_text()) or {}).get("hydra") or {}).get("mode")
-    except (OSError, yaml.YAMLError):
-        return None
-    return output_dir.parent if str(mode) in ("MULTIRUN", "RunMode.MULTIRUN") else None
-
-
-RUNS_DIR = "outputs/runs"  # where runs go by default (hydra.run.dir in conf/config.yaml)
 LAST = "last"  # trainer.resume=last: the latest run of the same experiment, in its own dir
 
 
@@ -100,15 +61,6 @@ class LatestRun:
     written: float
     what: str
     runner_up: Path | None = None
-
-
-def last_written(run_dir: Path) -> tuple[float, str] | None:
-    """When the run in `run_dir` last wrote, and what: the later of its log's last line and its newest
-    checkpoint's completion (`meta.json` is written last); None for a dir with neither."""
-    records = [(run_dir / LOG_FILE, "its log"), *((meta, "its newest checkpoint") for meta in
-               run_dir.glob("checkpoints/checkpoint_*/meta.json"))]  # fmt: skip
-    times = [(path.stat().st_mtime, what) for path, what in records if path.is_file()]
-    return max(times, default=None)
 
 
 def latest_run(runs_dir: Path, experiment: str | None) -> LatestRun | None:
@@ -163,7 +115,7 @@ def resume_checkpoint(resume: str | None, output_dir: Path, verify: bool = False
         if verify and (problems := damage(checkpoint, meta)):
             raise damaged_error(checkpoint, problems)
         return checkpoint
-    checkpoints_dir = output_dir / "checkpoints"
+    checkpoints_dir = output_dir / CHECKPOINTS
     latest = latest_checkpoint(checkpoints_dir)
     if not verify or latest is None:
         return latest
@@ -370,7 +322,7 @@ def check_same_data(checkpoint: Path, settings: dict[str, Any], identity: str | 
     changes = [
         change
         for change in _differences(
-            _flat(before.get("data") or {}, "data"), _flat(settings.get("data") or {}, "data")
+            flat_settings(before.get("data") or {}, "data"), flat_settings(settings.get("data") or {}, "data")
         )
         if change.split("=", 1)[0] not in NOT_ORDER
     ]
@@ -381,64 +333,6 @@ def check_same_data(checkpoint: Path, settings: dict[str, Any], identity: str | 
             "run (another hydra.run.dir, or trainer.resume=null); continue from its weights with "
             "checkpoint=<a model dir> if that is what you want."
         )
-
-
-@dataclass(frozen=True)
-class FinishedRun:
-    """A training run that ran to its end in `output_dir`: its last step (None where an earlier version
-    wrote only `metrics.json`), its final metrics, and its checkpoint of that step (None: it has none,
-    so its latest, if any, is older than its end)."""
-
-    output_dir: Path
-    step: int | None
-    metrics: dict[str, float | None]
-    final_checkpoint: Path | None = None
-
-    def describe(self) -> str:
-        at = f" at step {self.step}" if self.step is not None else ""
-        return f"{self.output_dir} holds a run that finished{at} ({FINISHED}, model/)"
-
-
-def settings_digest(settings: dict[str, Any]) -> str:
-    """SHA-256 of the settings that make a run's results (NOT_RESULTS left out), key order aside."""
-    return hashlib.sha256(json.dumps(_flat(settings), sort_keys=True, default=str).encode()).hexdigest()
-
-
-def finite_metrics(metrics: dict[str, float]) -> dict[str, float | None]:
-    """`metrics` as JSON can hold them: NaN and infinities (JSON has neither) as null."""
-    return {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()}
-
-
-def record_finished(
-    output_dir: Path,
-    step: int,
-    settings: dict[str, Any],
-    metrics: dict[str, float],
-    final_checkpoint: Path | None,
-) -> None:
-    """Record, once the final results are written, that the training run in `output_dir` ran to `step`
-    with `settings` (the resolved config), and its checkpoint of that step if it wrote one: a later run
-    in the dir reads it in `check_finished_run`."""
-    record = {
-        "step": step,
-        "settings_digest": settings_digest(settings),
-        "final_checkpoint": str(final_checkpoint.relative_to(output_dir)) if final_checkpoint else None,
-        "metrics": finite_metrics(metrics),
-    }
-    write_text(output_dir / FINISHED_RECORD, json.dumps(record, indent=2, allow_nan=False))
-
-
-def finished_run(output_dir: Path) -> FinishedRun | None:
-    """The finished training run in `output_dir` (its `finished.json`, or from earlier versions its
-    `metrics.json` next to its resolved config), or None."""
-    record = output_dir / FINISHED_RECORD
-    if record.is_file():
-        written = json.loads(record.read_text())
-        final = written["final_checkpoint"]
-        return FinishedRun(output_dir, written["step"], written["metrics"], final and output_dir / final)
-    if (output_dir / FINISHED).is_file() and (output_dir / RESOLVED).is_file():
-        return FinishedRun(output_dir, None, json.loads((output_dir / FINISHED).read_text()))
-    return None
 
 
 def check_finished_run(
@@ -462,13 +356,13 @@ def check_finished_run(
     named = resume not in (None, "auto")
     if resume == "auto" and changes and _only_longer(changes, finished, settings):
         if finished.final_checkpoint is not None and finished.final_checkpoint == latest_checkpoint(
-            output_dir / "checkpoints"
+            output_dir / CHECKPOINTS
         ):
             # trainer.resume=auto takes its checkpoint of that step; its results are kept, not replaced
             kept = (
                 ""
                 if dry_run
-                else f": its results ({', '.join(RESULTS)}) moved to {_aside(output_dir, RESULTS)}"
+                else f": its results ({', '.join(RESULTS)}) moved to {move_aside(output_dir, RESULTS)}"
             )
             length = settings.get("trainer", {})  # type: ignore[union-attr]
             steps = length.get("max_steps") or f"{length.get('max_epochs')} epochs'"
@@ -482,7 +376,7 @@ def check_finished_run(
             )
             return None
         if not overwrite:
-            latest = latest_checkpoint(output_dir / "checkpoints")
+            latest = latest_checkpoint(output_dir / CHECKPOINTS)
             older = (
                 f"its latest checkpoint, {latest}, is older than its end"
                 if latest
@@ -520,7 +414,7 @@ def check_finished_run(
         )
     if dry_run:
         return None
-    aside = _aside(output_dir)
+    aside = move_aside(output_dir)
     log.warning(
         "trainer.overwrite=true: the finished run in %s%s moved to %s",
         output_dir,
@@ -531,37 +425,11 @@ def check_finished_run(
 
 
 LENGTH = ("trainer.max_steps", "trainer.max_epochs")  # a finished run given more of these trains on
-RESULTS = (FINISHED, "model/", FINISHED_RECORD)  # what a finished run trained on in its dir moves aside
-REPLACED = "replaced-"  # + a time: a dir of a finished run's files moved aside
-
-
-def _aside(output_dir: Path, names: tuple[str, ...] | None = None) -> Path:
-    """Move `names` of `output_dir` (None: everything but its log and earlier such dirs) into a new
-    `replaced-<time>/` there (`_1`, `_2` added within a second), copying its resolved config too; that dir."""
-    stamp = time.strftime(f"{REPLACED}%Y%m%d-%H%M%S")
-    aside, n = output_dir / stamp, 0
-    while aside.exists():
-        n += 1
-        aside = output_dir / f"{stamp}_{n}"
-    aside.mkdir()
-    if names is None:
-        entries = [e for e in output_dir.iterdir() if e.name != LOG_FILE and not e.name.startswith(REPLACED)]
-    else:
-        entries = [
-            output_dir / name.rstrip("/") for name in names if (output_dir / name.rstrip("/")).exists()
-        ]
-        if (output_dir / RESOLVED).is_file():
-            shutil.copy2(output_dir / RESOLVED, aside / RESOLVED)
-    for entry in entries:
-        entry.rename(aside / entry.name)
-    return aside
-
-
 def _only_longer(changes: list[str], finished: FinishedRun, settings: dict[str, Any]) -> bool:
     """Whether the only `changes` since the finished run are a larger trainer.max_steps or max_epochs."""
     written = finished.output_dir / RESOLVED
-    before = _flat((yaml.safe_load(written.read_text()) or {}) if written.is_file() else {})
-    now = _flat(settings)
+    before = flat_settings((yaml.safe_load(written.read_text()) or {}) if written.is_file() else {})
+    now = flat_settings(settings)
     changed = {change.split("=", 1)[0] for change in changes}
     return changed <= set(LENGTH) and all(
         isinstance(now.get(key), int) and isinstance(before.get(key), int) and now[key] > before[key]
@@ -577,24 +445,12 @@ def _changes_since(finished: FinishedRun, settings: dict[str, Any]) -> list[str]
         return []
     written = finished.output_dir / RESOLVED
     before = (yaml.safe_load(written.read_text()) or {}) if written.is_file() else {}
-    changes = _differences(_flat(before), _flat(settings))
+    changes = _differences(flat_settings(before), flat_settings(settings))
     if not changes and record.is_file():  # the digest differs and the resolved config does not: it was edited
         changes = [
             f"the settings digest in {FINISHED_RECORD} differs from this run's ({RESOLVED} was changed since)"
         ]
     return changes
-
-
-def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
-    """A nested config as dotted keys, the settings in NOT_RESULTS left out."""
-    if not isinstance(node, dict):
-        return {prefix: node}
-    flat: dict[str, Any] = {}
-    for key, value in node.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if name not in NOT_RESULTS:
-            flat |= _flat(value, name) if isinstance(value, dict) and value else {name: value}
-    return flat
 
 
 def _differences(before: dict[str, Any], now: dict[str, Any]) -> list[str]:

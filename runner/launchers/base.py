@@ -16,7 +16,6 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
 from runner.checkpoint.files import LATEST, latest_checkpoint
-from runner.checkpoint.resume import FINISHED, finite_metrics, resume_override
 from runner.cluster import launched_environment
 from runner.errors import (
     TrainingStopped,
@@ -24,6 +23,7 @@ from runner.errors import (
 )
 from runner.files import write_text
 from runner.hardware.base import Strategy
+from runner.run_dir import CHECKPOINTS, FINISHED, finite_metrics, resume_override
 from runner.run_log import configure_rank_logging
 
 # What a rank runs: (resolved config, job dir, the strategy when one was built in this process) -> metrics.
@@ -137,7 +137,7 @@ class Launcher(ABC):
 def interrupted(cause: str, output_dir: Path, since: float) -> str:
     """What to tell a user whose run `cause` (a signal's name) stopped, saying "resume" only where this run
     wrote a checkpoint to resume from (`since`: when it started)."""
-    checkpoints = output_dir / "checkpoints"
+    checkpoints = output_dir / CHECKPOINTS
     latest = latest_checkpoint(checkpoints)
     if latest is not None and (checkpoints / LATEST).stat().st_mtime >= since:
         return f"stopped by {cause}; checkpoint {latest}. Run the same command with {resume_override(output_dir)} to resume."

@@ -38,7 +38,8 @@ from runner.launchers.reports import (
     report_failure,
     reported_failure,
 )
-from runner.watchdog import EXIT_HUNG, HANG_DIR, read_reports
+from runner.run_dir import HANG_DIR
+from runner.watchdog import EXIT_HUNG, read_reports
 
 log = logging.getLogger(__name__)
 

@@ -22,14 +22,14 @@ from runner.cluster import launched_environment
 from runner.cluster.slurm import slurm_job_id
 from runner.config import NonNegativeFloat, PythonOnly, checked
 from runner.errors import ConfigError
+from runner.run_dir import TRACKING
 from runner.trackers.base import Tracker, directory_setting, flatten
 from runner.trackers.journal import Journal
 
 log = logging.getLogger(__name__)
 
-JOURNAL_DIR = "tracking"  # inside the run's directory
-PARENT = "parent.json"  # in a sweep's JOURNAL_DIR: the sweep's parent run
-SENDER_LOG = "sender.log"  # in the first JOURNAL_DIR a sender serves: its output
+PARENT = "parent.json"  # in a sweep's TRACKING: the sweep's parent run
+SENDER_LOG = "sender.log"  # in the first TRACKING a sender serves: its output
 UPLOAD = "python -m runner.trackers.upload"
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a parameter value
 MAX_METRICS_PER_BATCH = 1000  # MLflow's limit on one log_batch
@@ -128,7 +128,7 @@ class MLflowTracker(Tracker):
         run starts up; ranks forked from this process deliver through it."""
         if self.detach:
             return
-        directory = Path(self.logging_dir or logging_dir) / JOURNAL_DIR
+        directory = Path(self.logging_dir or logging_dir) / TRACKING
         directory.mkdir(parents=True, exist_ok=True)
         Sender.shared(directory / SENDER_LOG, False).warm(self.uri)
 
@@ -145,7 +145,7 @@ class MLflowTracker(Tracker):
         overlaps the training; detached, with the first record `SENDER_DELAY_S` later, or at `finish`:
         a short run never shares the CPU with it. A run not detached and not finished by the process's
         exit is finished then (FAILED after an uncaught exception), as MLflow's own runs are."""
-        self.journal = Journal(Path(self.logging_dir or logging_dir or ".") / JOURNAL_DIR)
+        self.journal = Journal(Path(self.logging_dir or logging_dir or ".") / TRACKING)
         self._logged_to = {} if resumed_at is None else last_steps(self.journal.events)
         self._detached = self.detach
         self._started = time.monotonic()
@@ -222,7 +222,7 @@ class MLflowTracker(Tracker):
 
     def parent_for_sweep(self, sweep_dir: Path) -> str | None:
         """Created once, before the jobs start (`SweepSummary`); recorded in the sweep's dir for its jobs."""
-        record = sweep_dir / JOURNAL_DIR / PARENT
+        record = sweep_dir / TRACKING / PARENT
         if record.exists():
             return json.loads(record.read_text())["run_id"]
         try:
@@ -241,7 +241,7 @@ class MLflowTracker(Tracker):
         return run_id
 
     def start_sweep(self, sweep_dir: Path) -> None:
-        record = sweep_dir / JOURNAL_DIR / PARENT
+        record = sweep_dir / TRACKING / PARENT
         if not record.exists():
             self.parent_for_sweep(sweep_dir)
             return
@@ -252,7 +252,7 @@ class MLflowTracker(Tracker):
             log.warning("MLflow at %s: the sweep's parent run was not reopened (%s).", parent["uri"], err)
 
     def end_sweep(self, sweep_dir: Path, artifacts: list[Path]) -> None:
-        record = sweep_dir / JOURNAL_DIR / PARENT
+        record = sweep_dir / TRACKING / PARENT
         if not record.exists():
             return
         parent = json.loads(record.read_text())

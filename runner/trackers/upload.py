@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from runner.run_dir import TRACKING
 from runner.trackers.journal import Journal
-from runner.trackers.mlflow import JOURNAL_DIR, SENDER_LOG, UPLOAD, Delivery, mlflow_client, remote_store
+from runner.trackers.mlflow import SENDER_LOG, UPLOAD, Delivery, mlflow_client, remote_store
 from runner.trackers.wandb import upload as wandb_upload
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the run's output directory is required")
     if (status := wandb_upload(args.run_dir)) is not None:
         return status
-    directory = args.run_dir / JOURNAL_DIR
+    directory = args.run_dir / TRACKING
     if not (directory / "events.jsonl").exists():
-        print(f"{args.run_dir} has no tracking records ({JOURNAL_DIR}/events.jsonl).", file=sys.stderr)
+        print(f"{args.run_dir} has no tracking records ({TRACKING}/events.jsonl).", file=sys.stderr)
         return 2
     journal = Journal(directory)
     lock = journal.lock_for_sending()

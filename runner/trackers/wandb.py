@@ -24,13 +24,14 @@ from urllib.parse import urlparse
 
 from runner.config import PythonOnly, checked
 from runner.errors import ConfigError
+from runner.run_dir import TRACKING
 from runner.trackers.base import Tracker, directory_setting
 from runner.trackers.journal import Journal
-from runner.trackers.mlflow import JOURNAL_DIR, UPLOAD, last_steps
+from runner.trackers.mlflow import UPLOAD, last_steps
 
 log = logging.getLogger(__name__)
 
-WANDB_JOURNAL = "wandb"  # inside the run's JOURNAL_DIR
+WANDB_JOURNAL = "wandb"  # inside the run's TRACKING
 EXIT_CODES = {"FINISHED": 0, "FAILED": 1, "KILLED": 75}  # 75: stopped to be resumed (EX_TEMPFAIL)
 
 
@@ -113,7 +114,7 @@ class WandbTracker(Tracker):
         its W&B run (its id), first gives W&B what the earlier process wrote and W&B did not finish, and
         logs no metric again at a step the journal holds (resumed from a checkpoint: those steps come again)."""
         root = Path(self.logging_dir or logging_dir or ".")
-        self.journal = journal = Journal(root / JOURNAL_DIR / WANDB_JOURNAL)
+        self.journal = journal = Journal(root / TRACKING / WANDB_JOURNAL)
         self._logged_to = {} if resumed_at is None else last_steps(journal.events)
         started = [event for event in journal.events if event["op"] == "start"]
         run_id = started[0]["id"] if started else uuid.uuid4().hex[:8]
@@ -298,7 +299,7 @@ def attach(run: Any, path: Path, artifact_path: str | None) -> None:
 def upload(run_dir: Path) -> int | None:
     """`python -m runner.trackers.upload <run dir>` for a W&B journal: give W&B what it did not finish
     (the run ends as KILLED where its process died before ending it). None: the run has no W&B journal."""
-    directory = run_dir / JOURNAL_DIR / WANDB_JOURNAL
+    directory = run_dir / TRACKING / WANDB_JOURNAL
     if not (directory / "events.jsonl").exists():
         return None
     journal = Journal(directory)
@@ -341,5 +342,5 @@ def check_login() -> None:
         f"tracker=wandb with tracker.mode=online sends the run to {host}, and this machine has no W&B login "
         f"(no WANDB_API_KEY, no entry for {host} in {path}). Run `wandb login` (or set WANDB_API_KEY), or set "
         f"tracker.mode=offline to write the run to <run dir>/wandb/ and send it later with `wandb sync`; "
-        f"records a run could not give W&B are kept in <run dir>/{JOURNAL_DIR}/{WANDB_JOURNAL}/ ({UPLOAD})."
+        f"records a run could not give W&B are kept in <run dir>/{TRACKING}/{WANDB_JOURNAL}/ ({UPLOAD})."
     )

@@ -26,6 +26,7 @@ from runner.launchers.reports import hang_failure, report_failure, reported_fail
 from runner.launchers.slurm.jobs import RANK_ERRORS, follow, node_failure
 from runner.launchers.slurm.partitions import check_request, require_slurm
 from runner.launchers.slurm.sweep import in_array_task, queue_sweep
+from runner.run_dir import FINISHED
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ class SlurmLauncher(Launcher):
         )
         if not self.wait:
             log.info(
-                "launcher.wait=false: not waiting; its metrics will be in %s", job.output_dir / "metrics.json"
+                "launcher.wait=false: not waiting; its metrics will be in %s", job.output_dir / FINISHED
             )
             return {}
         try:
