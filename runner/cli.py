@@ -120,37 +120,8 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
             if built.tracker is not None and (env is None or env.rank == 0):
                 built.tracker.warm_up(output_dir)
             metrics, spent = _launched(cfg, _job(cfg, hydra_cfg, output_dir, env, built), built, env)
-    except (
-        ConfigError,
-        InstantiationException,
-        RankFailedError,
-        TrainingInterrupted,
-        TrainingStopped,
-    ) as err:
-        if isinstance(err.__cause__, ConfigError):  # a class the config names refused its arguments
-            err = err.__cause__
-        _ended(
-            ConfigError(str(err)) if isinstance(err, InstantiationException) else err, hydra_cfg, output_dir
-        )
-    except OSError as err:  # the job's own files (its config, metrics) on a full or read-only disk
-        if (reason := write_failure(err)) is None:
-            raise
-        log.error(
-            "Training stopped: the run could not write to %s: %s. Free space or fix the permissions there, or give "
-            "the run another dir (hydra.run.dir=...).",
-            output_dir,
-            reason,
-        )
-        sys.exit(1)
-    except Exception as err:  # the one rank this process ran raised: the user's frames; the rest in the log
-        log.error("Training failed: %s", describe_exception(err))
-        log.info("%s", "".join(traceback.format_exception(err)), extra=FILE_ONLY)
-        _failed(hydra_cfg, output_dir, f"Training failed: {type(err).__name__}: {err}")
-    except KeyboardInterrupt as err:
-        # A Ctrl-C or SIGTERM before the loop started, or a second Ctrl-C: no checkpoint now.
-        signum = getattr(err, "signum", signal.SIGINT)
-        log.warning("Training interrupted: %s", interrupted(signal_name(signum), output_dir, since=started))
-        sys.exit(128 + signum)  # as the shell reports a process that the signal ended (130 for Ctrl-C)
+    except (Exception, KeyboardInterrupt) as err:
+        _ended(err, hydra_cfg, output_dir, started)
     finally:
         owned.close()
     if not metrics:  # queued, not waited for (launcher.wait=false)
@@ -302,9 +273,39 @@ def _objective(cfg: DictConfig, metrics: dict[str, float]) -> float | dict[str, 
     return metrics[objective]
 
 
-def _ended(err: BaseException, hydra_cfg: DictConfig, output_dir: Path) -> NoReturn:
-    """End the job that `err` stopped: its one paragraph (the whole traceback, `details`, to the log file
-    only) and its exit status (`runner.errors.ENDINGS`); a failure goes through `_failed`."""
+# What ends a job in one paragraph of its own (`runner.errors.ENDINGS`); any other error a rank raised is
+# a failure in the user's frames.
+REPORTED = (ConfigError, InstantiationException, RankFailedError, TrainingInterrupted, TrainingStopped)
+
+
+def _ended(err: BaseException, hydra_cfg: DictConfig, output_dir: Path, started: float) -> NoReturn:
+    """End the job that `err` stopped: its one paragraph (the whole traceback to the log file only) and its
+    exit status (`runner.errors.ENDINGS`; a Ctrl-C before the loop, 128 + the signal); a failure goes
+    through `_failed`. An OSError that is not a full or unwritable disk is raised again."""
+    if isinstance(err, KeyboardInterrupt):
+        # A Ctrl-C or SIGTERM before the loop started, or a second Ctrl-C: no checkpoint now.
+        signum = getattr(err, "signum", signal.SIGINT)
+        log.warning("Training interrupted: %s", interrupted(signal_name(signum), output_dir, since=started))
+        sys.exit(128 + signum)  # as the shell reports a process that the signal ended (130 for Ctrl-C)
+    if not isinstance(err, REPORTED):
+        if isinstance(err, OSError):  # the job's own files (its config, metrics) on a full or read-only disk
+            if (reason := write_failure(err)) is None:
+                raise err
+            log.error(
+                "Training stopped: the run could not write to %s: %s. Free space or fix the permissions there, "
+                "or give the run another dir (hydra.run.dir=...).",
+                output_dir,
+                reason,
+            )
+            sys.exit(1)
+        # the one rank this process ran raised: the user's frames; the rest in the log
+        log.error("Training failed: %s", describe_exception(err))
+        log.info("%s", "".join(traceback.format_exception(err)), extra=FILE_ONLY)
+        _failed(hydra_cfg, output_dir, f"Training failed: {type(err).__name__}: {err}")
+    if isinstance(err.__cause__, ConfigError):  # a class the config names refused its arguments
+        err = err.__cause__
+    elif isinstance(err, InstantiationException):
+        err = ConfigError(str(err))
     heading, status = ending(err)
     log.log(logging.WARNING if status == EXIT_INTERRUPTED else logging.ERROR, "%s: %s", heading, err)
     if details := getattr(err, "details", None):
@@ -345,24 +346,13 @@ def run() -> None:
     and exit code 2. `runner init <dir>` writes a starter project instead, `runner prepare-data <overrides>`
     the token shards of the data they compose."""
     register_configs()
-    commands = {"init": init_project_command, "prepare-data": prepare_data_command}
-    if sys.argv[1:2] and sys.argv[1] in commands:  # never a Hydra override (those hold a `=`)
-        try:
-            commands[sys.argv[1]](sys.argv[2:])
-        except (HydraException, OmegaConfBaseException) as err:
-            _end_command(ConfigError(describe_compose_error(err)))
-        except (ConfigError, DataNotPrepared) as err:
-            _end_command(err)
+    if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:  # never a Hydra override (those hold a `=`)
+        _run_subcommand(sys.argv[1], sys.argv[2:])
         return
     for plugin in (ResumableSweeper, RunnerLauncher):
         Plugins.instance().register(plugin)  # Hydra's scan misses them in an editable install
-    sys.argv[1:] = options_first(sys.argv[1:])
     try:
-        check_intervals(sys.argv[1:])
-        sys.argv[1:] = resume_last(sys.argv[1:])
-        parsed = get_args_parser().parse_args()
-        check_one_mode(parsed)
-        check_config_dirs(user_config_dirs(parsed))
+        sys.argv[1:] = _checked_arguments(sys.argv[1:])
     except ConfigError as err:
         _end_command(err)
     _importable_cwd()
@@ -381,25 +371,55 @@ def run() -> None:
                 return
             if not run_composed_once(get_args_parser().parse_args(), main):
                 hydra_main()
-    except UserWarning as err:
-        _end_command(ConfigError(describe_missing_search_path(str(err))))
-    except (HydraException, OmegaConfBaseException) as err:
-        _end_command(ConfigError(describe_compose_error(err)))
-    except yaml.YAMLError as err:  # a config file of the search path (the user's --config-dir) is not YAML
-        _end_command(ConfigError(describe_yaml_error(err)))
-    except OSError as err:  # Hydra making the job's dir: a file in its place, a read-only or full disk
-        if err.errno not in (errno.EEXIST, errno.ENOTDIR, errno.EACCES, errno.EROFS, errno.ENOSPC):
-            raise
-        _end_command(
-            ConfigError(
-                f"the run's dir cannot be made at {err.filename} ({err.strerror}). Give hydra.run.dir "
-                "(hydra.sweep.dir with -m) a directory you can write, or a new one."
-            )
-        )
+    except (UserWarning, HydraException, OmegaConfBaseException, yaml.YAMLError, OSError) as err:
+        _end_command(_composition_error(err))
     # What a sweep's launcher raises (`Launcher.launch_sweep`): its jobs refused before any is queued, a
     # job whose tasks died on SLURM, or the wait for them stopped.
     except (ConfigError, RankFailedError, TrainingInterrupted, TrainingStopped) as err:
         _end_command(err)
+
+
+SUBCOMMANDS = {"init": init_project_command, "prepare-data": prepare_data_command}
+
+
+def _run_subcommand(name: str, arguments: list[str]) -> None:
+    """`runner init` or `runner prepare-data`, its errors ended as the command's."""
+    try:
+        SUBCOMMANDS[name](arguments)
+    except (HydraException, OmegaConfBaseException) as err:
+        _end_command(ConfigError(describe_compose_error(err)))
+    except (ConfigError, DataNotPrepared) as err:
+        _end_command(err)
+
+
+def _checked_arguments(arguments: list[str]) -> list[str]:
+    """The command line's arguments, options first and `trainer.resume=last` resolved, once the checks that
+    need no composition pass (a ConfigError otherwise)."""
+    arguments = options_first(arguments)
+    check_intervals(arguments)
+    arguments = resume_last(arguments)
+    parsed = get_args_parser().parse_args(arguments)
+    check_one_mode(parsed)
+    check_config_dirs(user_config_dirs(parsed))
+    return arguments
+
+
+def _composition_error(err: BaseException) -> ConfigError:
+    """What composing the config raised, as the one paragraph the command ends with; `err` itself raised
+    again where it is not the config's fault."""
+    if isinstance(err, UserWarning):
+        return ConfigError(describe_missing_search_path(str(err)))
+    if isinstance(err, HydraException | OmegaConfBaseException):
+        return ConfigError(describe_compose_error(err))
+    if isinstance(err, yaml.YAMLError):  # a config file of the search path (the user's --config-dir)
+        return ConfigError(describe_yaml_error(err))
+    # Hydra making the job's dir: a file in its place, a read-only or full disk
+    if isinstance(err, OSError) and err.errno in (errno.EEXIST, errno.ENOTDIR, errno.EACCES, errno.EROFS, errno.ENOSPC):
+        return ConfigError(
+            f"the run's dir cannot be made at {err.filename} ({err.strerror}). Give hydra.run.dir "
+            "(hydra.sweep.dir with -m) a directory you can write, or a new one."
+        )
+    raise err
 
 
 def _end_command(err: BaseException) -> NoReturn:
