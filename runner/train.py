@@ -267,53 +267,57 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         """Train to `total_steps`, logging, evaluating and checkpointing on the way; then `finish`."""
-        trainer, done = self.settings, self.done
-        state = self.engine.gradient_state  # its attribute, not the engine's property, at every micro-batch
-        log_every, eval_every = trainer.log_every, trainer.eval_every
+        done = self.done
         self.model.train()
+        self.stepped = False  # this attempt's first optimizer step is its warm-up (the ledger's)
         with self.running() as received:
             self.callbacks.on_fit_start(self)
             self.throughput.restart(done.step)
             self.checkpointer.restart_clock()  # `trainer.checkpoint_every_s` counts from here
-            warming_up = True  # the attempt's first step
             while done.step < self.total_steps and self.stopped is None:
                 self.train_loader.set_epoch(done.epoch)
                 for batch in self.ledger.batches(self.batches_left_in_epoch()):
-                    try:
-                        self.train_step(batch)
-                    except Exception as err:  # which step, for the user's report of it (describe_exception)
-                        err.add_note(
-                            f"(at optimizer step {done.step + 1} of {self.total_steps}, epoch {done.epoch})"
-                        )
-                        raise
-                    if not state.sync_gradients:
+                    if not self.train_step(batch):
                         continue  # a micro-batch of an accumulation
-                    done.step += 1
-                    self.watchdog.progress("training", done.step)
-                    self.ledger.step_done(done.step, warming_up)
-                    warming_up = False
-                    last = done.step >= self.total_steps
-                    log_step = done.step % log_every == 0
-                    if last or log_step:
-                        self.log_window()
-                    if last or (eval_every and done.step % eval_every == 0):
-                        self.evaluate()
-                    stopping = log_step and self.stop_requested(received)
-                    path = self.checkpoint(logging=last or log_step, stop=stopping)
-                    if stopping:
-                        raise self.interrupted(received, path)
-                    self.callbacks.on_step_end(self)
-                    if last or self.stopped is not None:
+                    if self.step_done(received):
                         break
                 else:  # the epoch ran out before the steps did
                     done.next_epoch()
             if self.stopped is not None and done.step < self.total_steps:
-                log.info("stopped at step %d/%d: %s", done.step, self.total_steps, self.stopped)
-                if done.window_batches:  # the loss since the last log line, for the final metrics
-                    self.log_window()
-                if self.evaluated_at != done.step:  # the final evaluation a run's end makes
-                    self.evaluate()
+                self.end_early()
         return self.finish()
+
+    def step_done(self, received: list[int]) -> bool:
+        """After an optimizer step: its progress told (the watchdog, the ledger), then what is due at it
+        (the log line, the evaluation, the checkpoints, a stop signal's checkpoint and exit) and the
+        callbacks. Whether the loop ends here: its last step, or a callback stopped the run."""
+        done, trainer = self.done, self.settings
+        done.step += 1
+        self.watchdog.progress("training", done.step)
+        self.ledger.step_done(done.step, first=not self.stepped)
+        self.stepped = True
+        last = done.step >= self.total_steps
+        log_step = done.step % trainer.log_every == 0
+        if last or log_step:
+            self.log_window()
+        if last or (trainer.eval_every and done.step % trainer.eval_every == 0):
+            self.evaluate()
+        stopping = log_step and self.stop_requested(received)
+        path = self.checkpoint(logging=last or log_step, stop=stopping)
+        if stopping:
+            raise self.interrupted(received, path)
+        self.callbacks.on_step_end(self)
+        return last or self.stopped is not None
+
+    def end_early(self) -> None:
+        """A callback stopped the run before its last step: the loss since the last log line and the final
+        evaluation a run's end makes, unless this step had one."""
+        done = self.done
+        log.info("stopped at step %d/%d: %s", done.step, self.total_steps, self.stopped)
+        if done.window_batches:
+            self.log_window()
+        if self.evaluated_at != done.step:
+            self.evaluate()
 
     def evaluate_only(self) -> dict[str, float]:
         """`mode=evaluate`: the eval loop once on the weights loaded ("evaluated: ..."; tracked at step 0),
@@ -340,19 +344,25 @@ class Trainer:
         skip = 0 if self.train_loader.resumes_itself else self.done.batches
         return self.engine.skip_first_batches(self.train_loader, skip) if skip else self.train_loader
 
-    def train_step(self, batch: Any) -> None:
-        """Forward and backward of one micro-batch; at a synchronisation step, clip and step."""
-        engine = self.engine
-        with engine.accumulate(self.model):
-            loss = self.loss_of(batch)
-            engine.backward(loss)
-            if self.settings.max_grad_norm is not None and engine.sync_gradients:
-                engine.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad()
-        self.done.add(loss)
+    def train_step(self, batch: Any) -> bool:
+        """Forward and backward of one micro-batch; at a synchronisation step, clip and step. Whether the
+        optimizer stepped (the last micro-batch of an accumulation). An error names the step it was in."""
+        engine, done = self.engine, self.done
+        try:
+            with engine.accumulate(self.model):
+                loss = self.loss_of(batch)
+                engine.backward(loss)
+                if self.settings.max_grad_norm is not None and engine.sync_gradients:
+                    engine.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad()
+        except Exception as err:  # which step, for the user's report of it (describe_exception)
+            err.add_note(f"(at optimizer step {done.step + 1} of {self.total_steps}, epoch {done.epoch})")
+            raise
+        done.add(loss)
         self.throughput.add(batch_units(batch)[1])
+        return engine.gradient_state.sync_gradients
 
     def checkpoint(self, logging: bool, stop: bool) -> Path | None:
         """The checkpoints the Checkpointer finds due after this step (`save_if_due`: `logging`, a step
