@@ -115,21 +115,7 @@ class Trainer:
         # costs microseconds where a dataclass's costs nanoseconds.
         self.settings = trainer = trainer_settings(cfg.trainer)
         tracker = instantiate(cfg.tracker) if cfg.tracker._target_ else None
-        self.engine = engine = Engine(
-            strategy or instantiate(cfg.hardware),
-            instantiate(cfg.precision),
-            accumulation=Accumulation(steps=trainer.gradient_accumulation_steps),
-            # batches from pinned memory are copied to the device without waiting
-            loading=Loading(
-                split_batches=trainer.split_batches, non_blocking=pins_memory(cfg.data.get("pin_memory"))
-            ),
-            project_config=ProjectConfiguration(
-                automatic_checkpoint_naming=True, total_limit=trainer.keep_checkpoints
-            ),
-            trackers=[tracker] if tracker is not None else [],
-            compile=trainer.compile,
-            activation_checkpointing=trainer.activation_checkpointing,
-        )
+        self.engine = engine = built_engine(cfg, trainer, strategy, tracker)
         self.checkpointer = engine.checkpointer
         self.checkpointer.schedule = Schedule.of(trainer)
         # Under torchrun or srun each rank ran Hydra itself: the job's dir is rank 0's.
@@ -147,27 +133,7 @@ class Trainer:
 
         data = self.prepare_loaders(cfg)
         ledger.lap("data")
-        model = build_model(cfg, data)
-        self.throughput = throughput_meter(cfg, data, model, engine)
-        if cfg.checkpoint is not None:  # fine-tune from these weights
-            load_start_weights(model, cfg.checkpoint)
-        self.task: Task = instantiate(cfg.task)
-        optimizer = instantiate(cfg.optimizer)(model.parameters())
-        self.total_steps = num_training_steps(trainer, self.train_loader)
-        # A prepared scheduler advances once per data-parallel process on each optimizer step (Accelerate's
-        # convention; tensor-parallel ranks share their data), once only with split batches.
-        advances = 1 if trainer.split_batches else engine.state.data_parallel_size
-        scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=self.total_steps * advances)
-        num_parameters = sum(p.numel() for p in model.parameters())  # before a backend partitions them
-        model_name = type(model).__name__  # before a backend wraps it (FSDP2 changes its class)
-        self.model, self.optimizer, self.scheduler = engine.prepare(model, optimizer, scheduler)
-        # The loss of a batch, for `backward`: by the task's `loss` the strategy computes it (pipeline
-        # parallel runs its schedule there), else by the task's own `training_step`.
-        self.loss_of = (
-            engine.loss_of_batch(self.model, self.task.loss)
-            if trains_by_loss(self.task)
-            else partial(self.task.training_step, self.model)
-        )
+        described = self.prepare_training(cfg, data)
         self.done = Progress(window_loss=torch.zeros((), device=engine.device))
         hung = partial(close_trackers, engine, "FAILED")  # a failure, not a stop to resume (KILLED)
         self.watchdog = Watchdog(trainer.hang_timeout_s, output_dir, engine.process_index, on_hang=hung)
@@ -186,19 +152,39 @@ class Trainer:
         if tracker is not None:
             self.start_tracking(tracker)
         ledger.lap("setup")
-        log.info(
-            "%s %s (%s parameters) %s on %s, %d process(es), precision %s",
-            "evaluating" if evaluating else "training",
-            model_name,
-            count_text(num_parameters),
-            f"from {cfg.checkpoint}" if evaluating else f"for {self.total_steps} steps",
-            engine.device,
-            engine.num_processes,
-            engine.precision.name,
-        )
+        what = f"from {cfg.checkpoint}" if evaluating else f"for {self.total_steps} steps"
+        log.info("%s %s %s on %s, %d process(es), precision %s", "evaluating" if evaluating else "training",
+                 described, what, engine.device, engine.num_processes, engine.precision.name)  # fmt: skip
         if engine.num_processes > 1:
             log.info("layout: %s", engine.strategy.layout(engine.num_processes))
         self.metrics: dict[str, float] = {}
+
+    def prepare_training(self, cfg: DictConfig, data: DataSource) -> str:
+        """Build the model (its FLOPs counted on a meta copy; the starting weights of `checkpoint=` loaded),
+        the task, the optimizer and the LR schedule over the run's steps, and prepare them; the model
+        described for the log ("GPT (1.2M parameters)", as built: before a backend wraps or partitions it)."""
+        engine, trainer = self.engine, self.settings
+        model = build_model(cfg, data)
+        self.throughput = throughput_meter(cfg, data, model, engine)
+        if cfg.checkpoint is not None:  # fine-tune from these weights
+            load_start_weights(model, cfg.checkpoint)
+        self.task: Task = instantiate(cfg.task)
+        optimizer = instantiate(cfg.optimizer)(model.parameters())
+        self.total_steps = num_training_steps(trainer, self.train_loader)
+        # A prepared scheduler advances once per data-parallel process on each optimizer step (Accelerate's
+        # convention; tensor-parallel ranks share their data), once only with split batches.
+        advances = 1 if trainer.split_batches else engine.state.data_parallel_size
+        scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=self.total_steps * advances)
+        described = f"{type(model).__name__} ({count_text(sum(p.numel() for p in model.parameters()))} parameters)"
+        self.model, self.optimizer, self.scheduler = engine.prepare(model, optimizer, scheduler)
+        # The loss of a batch, for `backward`: by the task's `loss` the strategy computes it (pipeline
+        # parallel runs its schedule there), else by the task's own `training_step`.
+        self.loss_of = (
+            engine.loss_of_batch(self.model, self.task.loss)
+            if trains_by_loss(self.task)
+            else partial(self.task.training_step, self.model)
+        )
+        return described
 
     def prepare_loaders(self, cfg: DictConfig) -> DataSource:
         """Build the run's data (the first process of each node first) and prepare its train and eval
@@ -519,6 +505,25 @@ class Trainer:
         engine.free_memory()
         engine.end_training()
         return self.metrics
+
+
+def built_engine(
+    cfg: DictConfig, trainer: TrainerConfig, strategy: Strategy | None, tracker: Tracker | None
+) -> Engine:
+    """The Engine a run trains on: the hardware (`strategy` where the launching process built it already),
+    the precision, the accumulation, how batches are loaded, numbered checkpoints (`trainer.keep_*`), the
+    tracker, the compute options."""
+    return Engine(
+        strategy or instantiate(cfg.hardware),
+        instantiate(cfg.precision),
+        accumulation=Accumulation(steps=trainer.gradient_accumulation_steps),
+        # batches from pinned memory are copied to the device without waiting
+        loading=Loading(split_batches=trainer.split_batches, non_blocking=pins_memory(cfg.data.get("pin_memory"))),
+        project_config=ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=trainer.keep_checkpoints),
+        trackers=[tracker] if tracker is not None else [],
+        compile=trainer.compile,
+        activation_checkpointing=trainer.activation_checkpointing,
+    )
 
 
 def job_identity(output_dir: Path) -> tuple[str, dict[str, str]]:
