@@ -354,57 +354,11 @@ def check_finished_run(
     changes = _changes_since(finished, settings)
     shown = "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
     named = resume not in (None, "auto")
-    if resume == "auto" and changes and _only_longer(changes, finished, settings):
-        if finished.final_checkpoint is not None and finished.final_checkpoint == latest_checkpoint(
-            output_dir / CHECKPOINTS
-        ):
-            # trainer.resume=auto takes its checkpoint of that step; its results are kept, not replaced
-            kept = (
-                ""
-                if dry_run
-                else f": its results ({', '.join(RESULTS)}) moved to {move_aside(output_dir, RESULTS)}"
-            )
-            length = settings.get("trainer", {})  # type: ignore[union-attr]
-            steps = length.get("max_steps") or f"{length.get('max_epochs')} epochs'"
-            log.warning(
-                "continuing the run that finished at step %s (%s)%s; the learning-rate schedule is recomputed for "
-                "%s steps, so from its checkpoint on the rates follow the longer schedule, not the finished one's.",
-                finished.step,
-                shown,
-                kept,
-                steps,
-            )
-            return None
-        if not overwrite:
-            latest = latest_checkpoint(output_dir / CHECKPOINTS)
-            older = (
-                f"its latest checkpoint, {latest}, is older than its end"
-                if latest
-                else "it has no checkpoint"
-            )
-            raise ConfigError(
-                f"{finished.describe()}; this run trains longer ({shown}), but {older}: it would train again from "
-                "there and replace the finished results, so nothing was run. Continue from that checkpoint in a new "
-                "dir (trainer.resume=<its checkpoint> hydra.run.dir=<new dir>), or set trainer.overwrite=true to move "
-                "its files into replaced-<time>/ and start over here. A run that writes a checkpoint at its last step "
-                "(trainer.checkpoint_every dividing trainer.max_steps) can be continued in its dir."
-            )
+    longer = resume == "auto" and changes and _only_longer(changes, finished, settings)
+    if longer and _continues(finished, settings, shown, overwrite, dry_run):
+        return None
     if not overwrite:
-        ways_out = (
-            "Start the new run in another dir (leave hydra.run.dir out, or give another one); continue the finished "
-            "one from a checkpoint in a new dir (trainer.resume=<its checkpoints/checkpoint_n> hydra.run.dir=<new "
-            "dir>); or set trainer.overwrite=true to move its files into replaced-<time>/ and run here."
-        )
-        if changes:
-            raise ConfigError(
-                f"{finished.describe()} with other settings ({shown}); this run would replace its results, so "
-                f"nothing was run. {ways_out}"
-            )
-        if named:
-            raise ConfigError(
-                f"trainer.resume={resume}: {finished.describe()}; training again from that checkpoint would replace "
-                f"its results, so nothing was run. {ways_out}"
-            )
+        _refuse_replacing(finished, changes, shown, resume if named else None)
         return finished
     if named and Path(resume).resolve().is_relative_to(output_dir.resolve()):  # type: ignore[arg-type]
         raise ConfigError(
@@ -424,7 +378,63 @@ def check_finished_run(
     return None
 
 
+def _continues(
+    finished: FinishedRun, settings: dict[str, Any], shown: str, overwrite: bool, dry_run: bool
+) -> bool:
+    """A run that trains a finished one longer (`trainer.resume=auto`): whether it continues from the
+    finished run's checkpoint of its last step, which must be the latest (its results moved aside, unless
+    `dry_run`); otherwise a ConfigError, or False with `overwrite` (it starts over)."""
+    output_dir = finished.output_dir
+    latest = latest_checkpoint(output_dir / CHECKPOINTS)
+    if finished.final_checkpoint is not None and finished.final_checkpoint == latest:
+        # trainer.resume=auto takes its checkpoint of that step; its results are kept, not replaced
+        kept = "" if dry_run else f": its results ({', '.join(RESULTS)}) moved to {move_aside(output_dir, RESULTS)}"
+        length = settings.get("trainer", {})  # type: ignore[union-attr]
+        steps = length.get("max_steps") or f"{length.get('max_epochs')} epochs'"
+        log.warning(
+            "continuing the run that finished at step %s (%s)%s; the learning-rate schedule is recomputed for "
+            "%s steps, so from its checkpoint on the rates follow the longer schedule, not the finished one's.",
+            finished.step,
+            shown,
+            kept,
+            steps,
+        )
+        return True
+    if overwrite:
+        return False
+    older = f"its latest checkpoint, {latest}, is older than its end" if latest else "it has no checkpoint"
+    raise ConfigError(
+        f"{finished.describe()}; this run trains longer ({shown}), but {older}: it would train again from "
+        "there and replace the finished results, so nothing was run. Continue from that checkpoint in a new "
+        "dir (trainer.resume=<its checkpoint> hydra.run.dir=<new dir>), or set trainer.overwrite=true to move "
+        "its files into replaced-<time>/ and start over here. A run that writes a checkpoint at its last step "
+        "(trainer.checkpoint_every dividing trainer.max_steps) can be continued in its dir."
+    )
+
+
+def _refuse_replacing(finished: FinishedRun, changes: list[str], shown: str, named: str | None) -> None:
+    """Without trainer.overwrite: a ConfigError for a run with other settings (`changes`) or from a named
+    checkpoint (`named`) in the dir of a finished one, whose results it would replace."""
+    ways_out = (
+        "Start the new run in another dir (leave hydra.run.dir out, or give another one); continue the finished "
+        "one from a checkpoint in a new dir (trainer.resume=<its checkpoints/checkpoint_n> hydra.run.dir=<new "
+        "dir>); or set trainer.overwrite=true to move its files into replaced-<time>/ and run here."
+    )
+    if changes:
+        raise ConfigError(
+            f"{finished.describe()} with other settings ({shown}); this run would replace its results, so "
+            f"nothing was run. {ways_out}"
+        )
+    if named:
+        raise ConfigError(
+            f"trainer.resume={named}: {finished.describe()}; training again from that checkpoint would replace "
+            f"its results, so nothing was run. {ways_out}"
+        )
+
+
 LENGTH = ("trainer.max_steps", "trainer.max_epochs")  # a finished run given more of these trains on
+
+
 def _only_longer(changes: list[str], finished: FinishedRun, settings: dict[str, Any]) -> bool:
     """Whether the only `changes` since the finished run are a larger trainer.max_steps or max_epochs."""
     written = finished.output_dir / RESOLVED
