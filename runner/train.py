@@ -53,7 +53,6 @@ from runner.run_dir import JOB_CONFIG_DIR, MODEL, RESOLVED, record_finished, res
 from runner.run_log import FILE_ONLY
 from runner.task import Task, batch_units, trains_by_loss
 from runner.trackers.base import Tracker
-from runner.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +134,9 @@ class Trainer:
         ledger.lap("data")
         described = self.prepare_training(cfg, data)
         self.done = Progress(window_loss=torch.zeros((), device=engine.device))
-        hung = partial(close_trackers, engine, "FAILED")  # a failure, not a stop to resume (KILLED)
-        self.watchdog = Watchdog(trainer.hang_timeout_s, output_dir, engine.process_index, on_hang=hung)
         self.history = History(output_dir if engine.is_main_process else None)
-        evaluating = cfg.get("mode") == "evaluate"  # the eval loop only (`evaluate_only`): no callbacks
-        self.callbacks = Callbacks({} if evaluating else built_callbacks(cfg.get("callbacks"), trainer))
+        evaluating = cfg.get("mode") == "evaluate"  # the eval loop only (`evaluate_only`): the watchdog only
+        self.callbacks = Callbacks(built_callbacks(cfg.get("callbacks"), trainer, evaluating))
         self.stopped: str | None = None  # why a callback ended the run early
         self.evaluated_at: int | None = None  # the step of the latest evaluation
         engine.register_for_checkpointing(self.done, self.callbacks)
@@ -271,15 +268,16 @@ class Trainer:
                     done.next_epoch()
             if self.stopped is not None and done.step < self.total_steps:
                 self.end_early()
+            self.callbacks.on_train_end(self)
         return self.finish()
 
     def step_done(self, received: list[int]) -> bool:
-        """After an optimizer step: its progress told (the watchdog, the ledger), then what is due at it
+        """After an optimizer step: its progress told (the callbacks, the ledger), then what is due at it
         (the log line, the evaluation, the checkpoints, a stop signal's checkpoint and exit) and the
         callbacks. Whether the loop ends here: its last step, or a callback stopped the run."""
         done, trainer = self.done, self.settings
         done.step += 1
-        self.watchdog.progress("training", done.step)
+        self.callbacks.on_optimizer_step(self)
         self.ledger.step_done(done.step, first=not self.stepped)
         self.stepped = True
         last = done.step >= self.total_steps
@@ -309,7 +307,9 @@ class Trainer:
         """`mode=evaluate`: the eval loop once on the weights loaded ("evaluated: ..."; tracked at step 0),
         then the model is released as `finish` releases it. The eval metrics."""
         with self.running():
+            self.callbacks.on_fit_start(self)
             self.evaluate(heading="evaluated")
+            self.callbacks.on_train_end(self)
         del self.model, self.optimizer, self.scheduler, self.loss_of
         self.engine.free_memory()
         self.engine.end_training()
@@ -355,9 +355,8 @@ class Trainer:
         whose losses were logged finite; `stop`, the run ends next); for a numbered one, the ledger's
         phase, the log line and the callbacks' `on_checkpoint`. Its path, else None."""
         engine, step = self.engine, self.done.step
-        self.watchdog.progress("checkpointing", step)
-        path = self.checkpointer.save_if_due(engine.optimizer_step, engine.micro_step, logging, stop)
-        self.watchdog.progress("training", step)
+        before = partial(self.callbacks.on_checkpoint_start, self)
+        path = self.checkpointer.save_if_due(engine.optimizer_step, engine.micro_step, logging, stop, before)
         if path is not None:
             self.ledger.lap("checkpoint", step=step)
             log.info("checkpoint %s", path)
@@ -389,17 +388,15 @@ class Trainer:
         the step, "step 40/200"). What it draws from the RNGs (the eval loader's seed, say) is not
         training's: how often a run evaluates does not change it."""
         with rng_kept():
-            evaluated = evaluate(self.engine, self.model, self.task, self.eval_loader, self.evaluating)
+            evaluated = evaluate(self.engine, self.model, self.task, self.eval_loader, self.eval_batch_done)
         self.ledger.lap("eval", step=self.done.step)
         self.evaluated_at = self.done.step
         self.log_metrics(evaluated)
         log.info("%s: %s", heading or f"step {self.done.step}/{self.total_steps}", _fmt(evaluated))
         self.callbacks.on_eval_end(self, evaluated)
-        self.watchdog.progress("training", self.done.step)
 
-    def evaluating(self) -> None:
-        """An eval batch done (the watchdog's progress)."""
-        self.watchdog.progress("evaluating", self.done.step)
+    def eval_batch_done(self) -> None:
+        self.callbacks.on_eval_batch_end(self)
 
     def log_metrics(self, values: dict[str, float]) -> None:
         """Log `values` at this step: the run's latest metrics, checked finite (a NaN or infinity stops the
@@ -457,14 +454,12 @@ class Trainer:
                 self.output_dir / f"memory_snapshot_rank{rank}.pickle",
             ),
         ):
-            self.watchdog.start()
             try:
                 yield received
             except BaseException as err:
                 self.callbacks.on_exception(self, err)
                 raise
             finally:
-                self.watchdog.stop()
                 self.ledger.flush()  # the steps of a run that failed: lost, once it resumes
                 self.history.close()
 
@@ -474,7 +469,7 @@ class Trainer:
         engine, output_dir = self.engine, self.output_dir
         if not self.metrics:  # resumed from a checkpoint of the last step: nothing left to train
             log.info("the checkpoint was written at the last step (%d): evaluating only", self.done.step)
-            self.log_metrics(evaluate(engine, self.model, self.task, self.eval_loader, self.evaluating))
+            self.log_metrics(evaluate(engine, self.model, self.task, self.eval_loader, self.eval_batch_done))
         if self.settings.save_model:
             engine.save_model(self.model, str(output_dir / MODEL))
             # A transformers model's config next to its weights: from_pretrained loads the dir.
@@ -600,15 +595,8 @@ def closed_on_failure(engine: Engine) -> Iterator[None]:
             engine.wait_for_checkpoint(everyone=False)
         except Exception as failed:
             log.error("%s", failed)
-        close_trackers(engine, "KILLED" if isinstance(err, TrainingInterrupted | KeyboardInterrupt) else "FAILED")
+        engine.close_trackers("KILLED" if isinstance(err, TrainingInterrupted | KeyboardInterrupt) else "FAILED")
         raise
-
-
-def close_trackers(engine: Engine, status: str) -> None:
-    """Close the trackers' runs as `status`, once (a closed tracker is dropped)."""
-    for tracker in engine.trackers:
-        tracker.close(status)
-    engine.trackers.clear()
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)

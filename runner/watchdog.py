@@ -2,8 +2,9 @@
 long (`trainer.hang_timeout_s`), after writing every thread's Python stack to the run dir.
 
 A rank stuck in its own code, or waiting in a collective for a rank that is gone or stuck, would otherwise
-sit until the process group's timeout (30 minutes for gloo) or forever. The loop reports progress
-(`Watchdog.progress`) after each optimizer step, each eval batch and before each checkpoint; where none
+sit until the process group's timeout (30 minutes for gloo) or forever. The loop's `watchdog` callback
+(`runner.callbacks.watchdog`) reports progress (`Watchdog.progress`) after each optimizer step, each eval
+batch and before each checkpoint; where none
 comes for the limit, the watchdog writes `<run dir>/hang/rank<r>.txt` (what it saw, then the stacks), logs
 (to the console too where no runner launcher reports it) one paragraph naming the rank, its host, the
 step, the phase and where its main thread is, closes its trackers' runs as FAILED (`on_hang`), and exits

@@ -1,7 +1,8 @@
 """Callbacks: code a run's training loop calls at its named points.
 
 `base` is the contract. The built-ins are the loop's own periodic concerns, made from the trainer's
-settings and named: `progress` (the progress bar, `trainer.progress_bar`), `profile` (`trainer.profile`)
+settings and named: `watchdog` (`trainer.hang_timeout_s`), `progress` (the progress bar,
+`trainer.progress_bar`), `profile` (`trainer.profile`)
 and `plots` (`trainer.plots`). The shipped ones a config adds (`callbacks=[...]`, each a `_target_`):
 early stopping, the best checkpoints, a learning-rate monitor. A callback in `callbacks:` named like a
 built-in replaces it; `callbacks.<name>=null` switches one off.
@@ -15,12 +16,14 @@ from runner.callbacks.lr_monitor import LearningRateMonitor
 from runner.callbacks.plots import PlotCurves
 from runner.callbacks.profiler import ProfileSteps
 from runner.callbacks.progress import ProgressBar
+from runner.callbacks.watchdog import HangWatchdog
 
 __all__ = [
     "BestCheckpoints",
     "Callback",
     "Callbacks",
     "EarlyStopping",
+    "HangWatchdog",
     "LearningRateMonitor",
     "Monitor",
     "PlotCurves",

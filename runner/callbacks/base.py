@@ -44,6 +44,9 @@ class Callback:
     def on_fit_start(self, run: Run) -> None:
         """Before the first step (of this process: after a resume, at the step resumed from)."""
 
+    def on_optimizer_step(self, run: Run) -> None:
+        """Right after each optimizer step, before what is due at it (its logging, evaluation, checkpoints)."""
+
     def on_step_end(self, run: Run) -> None:
         """After each optimizer step (its logging, evaluation and checkpoint done)."""
 
@@ -54,8 +57,18 @@ class Callback:
     def on_eval_end(self, run: Run, metrics: dict[str, float]) -> None:
         """After each evaluation, with its metrics (`eval/...`)."""
 
+    def on_eval_batch_end(self, run: Run) -> None:
+        """After each batch of an evaluation."""
+
+    def on_checkpoint_start(self, run: Run) -> None:
+        """Before a numbered checkpoint is saved (one the schedule asks for, or a stop's)."""
+
     def on_checkpoint(self, run: Run, path: Path) -> None:
         """After a checkpoint was saved to `path` (it may still be written in the background)."""
+
+    def on_train_end(self, run: Run) -> None:
+        """When the loop ends (its last step done, or the final evaluation of a run stopped early), before
+        the model is saved; in `mode=evaluate`, after the evaluation."""
 
     def on_fit_end(self, run: Run, metrics: dict[str, float]) -> None:
         """After training, with the final metrics (the model saved, the run recorded finished)."""
@@ -93,6 +106,9 @@ class Callbacks(Callback):
     def on_fit_start(self, run: Run) -> None:
         self._call("on_fit_start", run)
 
+    def on_optimizer_step(self, run: Run) -> None:
+        self._call("on_optimizer_step", run)
+
     def on_step_end(self, run: Run) -> None:
         self._call("on_step_end", run)
 
@@ -102,8 +118,17 @@ class Callbacks(Callback):
     def on_eval_end(self, run: Run, metrics: dict[str, float]) -> None:
         self._call("on_eval_end", run, metrics)
 
+    def on_eval_batch_end(self, run: Run) -> None:
+        self._call("on_eval_batch_end", run)
+
+    def on_checkpoint_start(self, run: Run) -> None:
+        self._call("on_checkpoint_start", run)
+
     def on_checkpoint(self, run: Run, path: Path) -> None:
         self._call("on_checkpoint", run, path)
+
+    def on_train_end(self, run: Run) -> None:
+        self._call("on_train_end", run)
 
     def on_fit_end(self, run: Run, metrics: dict[str, float]) -> None:
         self._call("on_fit_end", run, metrics)

@@ -10,14 +10,22 @@ from omegaconf import DictConfig
 from runner.callbacks.plots import PlotCurves
 from runner.callbacks.profiler import ProfileSteps
 from runner.callbacks.progress import ProgressBar
+from runner.callbacks.watchdog import HangWatchdog
 from runner.config import TrainerConfig
 
 
-def built_callbacks(callbacks: DictConfig | None, trainer: TrainerConfig) -> dict[str, Any]:
-    """The run's callbacks by name, in the order the loop calls them: `progress` (`trainer.progress_bar`),
-    `profile` (`trainer.profile.active` > 0), `plots` (`trainer.plots`), then those of `callbacks:`, where
-    one named like a built-in replaces it and a name set to null switches it off."""
+def built_callbacks(
+    callbacks: DictConfig | None, trainer: TrainerConfig, evaluating: bool = False
+) -> dict[str, Any]:
+    """The run's callbacks by name, in the order the loop calls them: `watchdog` (`trainer.hang_timeout_s`
+    not 0), `progress` (`trainer.progress_bar`), `profile` (`trainer.profile.active` > 0), `plots`
+    (`trainer.plots`), then those of `callbacks:`, where one named like a built-in replaces it and a name
+    set to null switches it off. `evaluating` (`mode=evaluate`, which trains nothing): the watchdog only."""
     named: dict[str, Any] = {}
+    if trainer.hang_timeout_s != 0:
+        named["watchdog"] = HangWatchdog(trainer.hang_timeout_s)
+    if evaluating:
+        return named
     if trainer.progress_bar:
         named["progress"] = ProgressBar()
     if trainer.profile.active:

@@ -31,17 +31,15 @@ class ProgressBar(Callback):
     def on_step_end(self, run: Run) -> None:
         if self.bar is not None and not self.bar.disable:
             self.bar.update(run.step - self.bar.n)
-        if run.step >= run.total_steps:  # done: what the run logs next is not under a bar
-            self._close()
+
+    def on_train_end(self, run: Run) -> None:
+        self._close()  # what the run logs next is not under a bar
 
     def on_log(self, run: Run, values: dict[str, float]) -> None:
         if self.bar is None or self.bar.disable or "train/loss" not in values:
             return
         shown = {name.removeprefix("perf/"): f"{values[name]:.3g}" for name in SHOWN if name in values}
         self.bar.set_postfix({"loss": f"{values['train/loss']:.4f}"} | shown)
-
-    def on_fit_end(self, run: Run, metrics: dict[str, float]) -> None:
-        self._close()
 
     def on_exception(self, run: Run, error: BaseException) -> None:
         self._close()

@@ -404,11 +404,19 @@ class Checkpointer:
         """`schedule.every_s` counts from now (a loop's start)."""
         self._saved_at = time.monotonic()
 
-    def save_if_due(self, step: int, micro_step: int = 0, logging: bool = False, stop: bool = False) -> Path | None:
+    def save_if_due(
+        self,
+        step: int,
+        micro_step: int = 0,
+        logging: bool = False,
+        stop: bool = False,
+        before_save: Callable[[], None] = lambda: None,
+    ) -> Path | None:
         """After optimizer step `step`, what `schedule` asks: at a logging step (`logging`: its losses were
         read and found finite) the last-finite candidate, then the numbered checkpoint where it is due by
         steps, or by time (asked at logging steps only, in one collective, so that every rank saves at the
-        same step), or a `stop` (blocking: the run ends next). The numbered checkpoint's path, else None."""
+        same step), or a `stop` (blocking: the run ends next), `before_save` called first. The numbered
+        checkpoint's path, else None."""
         schedule = self.schedule
         if logging and schedule.last_finite:
             self.save_last_finite(step)
@@ -418,6 +426,7 @@ class Checkpointer:
             due = bool(self.strategy.all_reduce(torch.tensor(passed, device=self.state.device), "max").item())
         if not due:
             return None
+        before_save()
         return self.save(step=step, micro_step=micro_step, blocking=stop or not schedule.background)
 
     # ----------------------------------------------------------------------------------------- load

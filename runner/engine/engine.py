@@ -602,6 +602,12 @@ class Engine(ProcessControl):
 
     clear = free_memory
 
+    def close_trackers(self, status: str) -> None:
+        """Close the trackers' runs as `status` (FAILED, KILLED), once: a closed tracker is dropped."""
+        for tracker in self.trackers:
+            tracker.close(status)
+        self.trackers.clear()
+
     def end_training(self) -> None:
         """Wait for a checkpoint being written, close the trackers' runs, then release the process group
         and the strategy's other resources."""
