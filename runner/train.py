@@ -39,7 +39,6 @@ from runner.engine import Accumulation, Engine, Loading
 from runner.errors import TrainingDiverged, TrainingInterrupted, signal_name
 from runner.goodput import Ledger, job_began, tracked, write_summary
 from runner.hardware.base import Strategy
-from runner.history import History
 from runner.perf import (
     Throughput,
     count_flops,
@@ -134,7 +133,6 @@ class Trainer:
         ledger.lap("data")
         described = self.prepare_training(cfg, data)
         self.done = Progress(window_loss=torch.zeros((), device=engine.device))
-        self.history = History(output_dir if engine.is_main_process else None)
         evaluating = cfg.get("mode") == "evaluate"  # the eval loop only (`evaluate_only`): the watchdog only
         self.callbacks = Callbacks(built_callbacks(cfg.get("callbacks"), trainer, evaluating))
         self.stopped: str | None = None  # why a callback ended the run early
@@ -230,14 +228,11 @@ class Trainer:
         chosen = resume_checkpoint(self.settings.resume, self.output_dir) if enabled else None
         resumed = self.engine.broadcast_object_list([str(chosen or "")])[0]
         self.resumed_at: int | None = None
-        if not resumed:
-            self.history.resume_at(0)  # a run started afresh: none of an earlier one's history
-        else:
+        if resumed:
             steps = self.checkpointer.resume(Path(resumed))
             done = self.done
             # The loop's count of optimizer steps (its Progress) is the one a checkpoint records.
             self.engine.optimizer_step, self.engine.micro_step = done.step, steps.micro
-            self.history.resume_at(done.step)
             check_not_past(resumed, done.step, self.total_steps)  # a length in epochs: known here
             self.resumed_at = done.step
             log.info(
@@ -313,6 +308,7 @@ class Trainer:
         del self.model, self.optimizer, self.scheduler, self.loss_of
         self.engine.free_memory()
         self.engine.end_training()
+        self.callbacks.on_fit_end(self, self.metrics)
         return self.metrics
 
     @property
@@ -400,10 +396,9 @@ class Trainer:
 
     def log_metrics(self, values: dict[str, float]) -> None:
         """Log `values` at this step: the run's latest metrics, checked finite (a NaN or infinity stops the
-        run here, `check_finite`), then its history (`history.jsonl`) and the trackers."""
+        run here, `check_finite`), then the trackers and the callbacks (the history, `history.jsonl`)."""
         self.metrics.update(values)
         self.check_finite()
-        self.history.add(self.done.step, values)
         self.engine.log(values, step=self.done.step)
         self.callbacks.on_log(self, values)
 
@@ -461,7 +456,6 @@ class Trainer:
                 raise
             finally:
                 self.ledger.flush()  # the steps of a run that failed: lost, once it resumes
-                self.history.close()
 
     def finish(self) -> dict[str, float]:
         """Evaluate a run that had nothing left to train, save the model, log the artifacts, and release
@@ -480,9 +474,8 @@ class Trainer:
         if self.ledger.recording:  # the time so far, for the trackers; the command adds its own end
             self.ledger.lap("finish")
             spent = tracked(write_summary(output_dir))
-            self.history.add(self.done.step, spent)
             engine.log(spent, step=self.done.step)
-        self.history.close()  # its last line
+            self.callbacks.on_log(self, spent)
         if self.settings.fast_dev_run:
             log.info("trainer.fast_dev_run: everything ran; no results recorded")
         elif engine.is_main_process:  # the results are whole: a run in this dir now finds them finished

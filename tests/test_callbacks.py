@@ -32,6 +32,7 @@ from runner.callbacks import (
     PlotCurves,
     ProfileSteps,
     ProgressBar,
+    RecordHistory,
     built_callbacks,
 )
 from runner.config import CONF_DIR, ProfileConfig, TrainerConfig
@@ -368,15 +369,17 @@ def test_the_loops_own_concerns_are_built_in_callbacks_a_config_replaces_or_swit
     trainer = TrainerConfig(progress_bar=True, plots=True, profile=ProfileConfig(active=2))
     built = built_callbacks(None, trainer)
     assert {name: type(c) for name, c in built.items()} == {
-        "watchdog": HangWatchdog, "progress": ProgressBar, "profile": ProfileSteps, "plots": PlotCurves,
+        "watchdog": HangWatchdog, "history": RecordHistory, "progress": ProgressBar, "profile": ProfileSteps,
+        "plots": PlotCurves,
     }  # fmt: skip
-    assert list(built_callbacks(None, TrainerConfig(progress_bar=False, plots=False, hang_timeout_s=0))) == []
+    off = TrainerConfig(progress_bar=False, plots=False, hang_timeout_s=0)
+    assert list(built_callbacks(OmegaConf.create({"history": None}), off)) == []
     mine = OmegaConf.create({"progress": {"_target_": "probes.OnlyStepEnd", "record": "x"}, "plots": None})
     built = built_callbacks(mine, trainer)
     assert {name: type(c).__name__ for name, c in built.items()} == {
-        "watchdog": "HangWatchdog", "progress": "OnlyStepEnd", "profile": "ProfileSteps",
+        "watchdog": "HangWatchdog", "history": "RecordHistory", "progress": "OnlyStepEnd", "profile": "ProfileSteps",
     }  # fmt: skip
-    assert list(built_callbacks(mine, trainer, evaluating=True)) == ["watchdog"]  # mode=evaluate trains nothing
+    assert list(built_callbacks(mine, trainer, evaluating=True)) == ["watchdog", "history"]  # mode=evaluate
 
 
 def test_a_categorical_setting_is_one_position_per_value_however_many_jobs_share_it():

@@ -51,8 +51,8 @@ class Callback:
         """After each optimizer step (its logging, evaluation and checkpoint done)."""
 
     def on_log(self, run: Run, values: dict[str, float]) -> None:
-        """After `values` were logged at this step (a logging step's train window, an evaluation's
-        metrics, a callback's own), checked finite."""
+        """After `values` were logged at this step: a logging step's train window and an evaluation's
+        metrics (checked finite), a callback's own, the goodput summary at the run's end."""
 
     def on_eval_end(self, run: Run, metrics: dict[str, float]) -> None:
         """After each evaluation, with its metrics (`eval/...`)."""

@@ -7,6 +7,7 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from runner.callbacks.history import RecordHistory
 from runner.callbacks.plots import PlotCurves
 from runner.callbacks.profiler import ProfileSteps
 from runner.callbacks.progress import ProgressBar
@@ -18,12 +19,14 @@ def built_callbacks(
     callbacks: DictConfig | None, trainer: TrainerConfig, evaluating: bool = False
 ) -> dict[str, Any]:
     """The run's callbacks by name, in the order the loop calls them: `watchdog` (`trainer.hang_timeout_s`
-    not 0), `progress` (`trainer.progress_bar`), `profile` (`trainer.profile.active` > 0), `plots`
-    (`trainer.plots`), then those of `callbacks:`, where one named like a built-in replaces it and a name
-    set to null switches it off. `evaluating` (`mode=evaluate`, which trains nothing): the watchdog only."""
+    not 0), `history`, `progress` (`trainer.progress_bar`), `profile` (`trainer.profile.active` > 0),
+    `plots` (`trainer.plots`), then those of `callbacks:`, where one named like a built-in replaces it and
+    a name set to null switches it off. `evaluating` (`mode=evaluate`, which trains nothing): the
+    watchdog and the history only."""
     named: dict[str, Any] = {}
     if trainer.hang_timeout_s != 0:
         named["watchdog"] = HangWatchdog(trainer.hang_timeout_s)
+    named["history"] = RecordHistory()
     if evaluating:
         return named
     if trainer.progress_bar:
