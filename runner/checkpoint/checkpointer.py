@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -248,25 +249,12 @@ class Checkpointer:
             )
         numbered = target is None
         final = self._numbered() if target is None else Path(target)
-        main = self.state.is_main_process
-        if main:
+        if self.state.is_main_process:
             start_staging(final)
         self.strategy.barrier()
         staging = staging_path(final)
-        limit = self.project.total_limit
-
-        def commit() -> None:
-            if main:
-                commit_staging(final)
-                if numbered:
-                    mark_latest(final)
-                    if limit is not None:
-                        prune(final.parent, limit)
-
-        def discard() -> None:  # no half-written checkpoint is left behind (a full disk, a signal)
-            if main:
-                shutil.rmtree(staging, ignore_errors=True)
-
+        commit = partial(self._commit, final, numbered, self.project.total_limit)
+        discard = partial(self._discard, staging)
         try:
             write = self._writer(staging, Steps(step, micro_step), blocking)
             if blocking:
@@ -283,6 +271,22 @@ class Checkpointer:
         if blocking:
             self.strategy.barrier()
         return final
+
+    def _commit(self, final: Path, numbered: bool, limit: int | None) -> None:
+        """The main process renames the staged checkpoint into `final`; a numbered one becomes latest and
+        the oldest beyond `limit` are pruned."""
+        if not self.state.is_main_process:
+            return
+        commit_staging(final)
+        if numbered:
+            mark_latest(final)
+            if limit is not None:
+                prune(final.parent, limit)
+
+    def _discard(self, staging: Path) -> None:
+        """No half-written checkpoint is left behind (a full disk, a signal): the main process removes it."""
+        if self.state.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
 
     def _writer(self, staging: Path, steps: Steps, blocking: bool) -> Callable[[], None]:
         """What writes every process's part of a checkpoint into `staging`, then the main process's
