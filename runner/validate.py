@@ -296,51 +296,62 @@ def _range_problems(cfg: DictConfig) -> list[str]:
 def _build_problems(cfg: DictConfig, built: dict[str, Any], skip: set[str]) -> list[str]:
     """Build the hardware, the launcher, the tracker and the data source into `built` (not those in
     `skip`, whose settings are known to be wrong): their constructors check what only they know (process
-    counts against the GPUs here, files that must exist, a tracking URI). Then ask the hardware whether it can run the precision."""
+    counts against the GPUs here, files that must exist, a tracking URI); the callbacks, built to check
+    their settings, then dropped. Then ask the hardware whether it can run the precision."""
     problems = []
     for node in BUILT_NODES:
         if node in skip or (node in OPTIONAL_NODES and not cfg[node].get("_target_")):
             continue
         try:
-            if node in TYPED_NODES and not _has_schema(cfg[node]):  # a user's own option (a tracker)
-                built[node] = _run_user_code(
-                    node, cfg[node], "to be built", lambda n=node: instantiate(cfg[n])
-                )
-            else:
-                built[node] = instantiate(cfg[node])
+            built[node] = _built_node(cfg, node)
         except ConfigError as err:
             problems.append(str(err))
-        except InstantiationException as err:
-            if not isinstance(err.__cause__, ConfigError):
-                raise
-            problems.append(str(err.__cause__))
-    for node, node_cfg in callback_nodes(cfg):  # built to check their settings, then dropped
+    for node, node_cfg in callback_nodes(cfg):
         if node not in skip:
             try:
                 _run_user_code(node, node_cfg, "to be built", lambda n=node_cfg: instantiate(n))
             except ConfigError as err:
                 problems.append(str(err))
     if "hardware" in built and "precision" not in skip:
-        hardware = built["hardware"]
-        device = getattr(hardware, "device", torch.device("cpu"))
-        for check in (
-            lambda: hardware.setup_precision(instantiate(cfg.precision)).check_device(device),
-            lambda: hardware.setup_compute(
-                OmegaConf.to_object(cfg.trainer.compile),
-                OmegaConf.to_object(cfg.trainer.activation_checkpointing),
-            ),
-        ):
-            try:
-                check()
-            except ConfigError as err:
-                problems.append(str(err))
-        if cfg.trainer.memory_snapshot and device.type != "cuda":
-            problems.append(
-                f"trainer.memory_snapshot=true records the CUDA allocator's history; hardware={cfg.hardware._target_} "
-                f"computes on {device.type}. Set trainer.memory_snapshot=false, or run on GPUs."
-            )
-        problems += _checkpoint_problems(cfg, hardware)
+        problems += _hardware_problems(cfg, built["hardware"])
     return problems
+
+
+def _built_node(cfg: DictConfig, node: str) -> Any:
+    """`cfg[node]` instantiated; what its constructor refused, a ConfigError (a user's own option's error
+    in its code, `_run_user_code`)."""
+    if node in TYPED_NODES and not _has_schema(cfg[node]):  # a user's own option (a tracker)
+        return _run_user_code(node, cfg[node], "to be built", lambda: instantiate(cfg[node]))
+    try:
+        return instantiate(cfg[node])
+    except InstantiationException as err:
+        if not isinstance(err.__cause__, ConfigError):
+            raise
+        raise err.__cause__ from None
+
+
+def _hardware_problems(cfg: DictConfig, hardware: Any) -> list[str]:
+    """Whether the built hardware runs the precision on its device, the compute options, a memory
+    snapshot (CUDA only) and the checkpoints' settings."""
+    problems = []
+    device = getattr(hardware, "device", torch.device("cpu"))
+    for check in (
+        lambda: hardware.setup_precision(instantiate(cfg.precision)).check_device(device),
+        lambda: hardware.setup_compute(
+            OmegaConf.to_object(cfg.trainer.compile),
+            OmegaConf.to_object(cfg.trainer.activation_checkpointing),
+        ),
+    ):
+        try:
+            check()
+        except ConfigError as err:
+            problems.append(str(err))
+    if cfg.trainer.memory_snapshot and device.type != "cuda":
+        problems.append(
+            f"trainer.memory_snapshot=true records the CUDA allocator's history; hardware={cfg.hardware._target_} "
+            f"computes on {device.type}. Set trainer.memory_snapshot=false, or run on GPUs."
+        )
+    return problems + _checkpoint_problems(cfg, hardware)
 
 
 def check_job(cfg: DictConfig) -> tuple[Built, int]:
