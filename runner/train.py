@@ -248,6 +248,8 @@ class Trainer:
         done = self.done
         self.model.train()
         self.stepped = False  # this attempt's first optimizer step is its warm-up (the ledger's)
+        self.sync = self.engine.gradient_state  # read at every micro-batch: its attribute, not a property
+        self.before_save = partial(self.callbacks.on_checkpoint_start, self)
         with self.running() as received:
             self.callbacks.on_fit_start(self)
             self.throughput.restart(done.step)
@@ -344,15 +346,16 @@ class Trainer:
             raise
         done.add(loss)
         self.throughput.add(batch_units(batch)[1])
-        return engine.gradient_state.sync_gradients
+        return self.sync.sync_gradients
 
     def checkpoint(self, logging: bool, stop: bool) -> Path | None:
         """The checkpoints the Checkpointer finds due after this step (`save_if_due`: `logging`, a step
         whose losses were logged finite; `stop`, the run ends next); for a numbered one, the ledger's
         phase, the log line and the callbacks' `on_checkpoint`. Its path, else None."""
         engine, step = self.engine, self.done.step
-        before = partial(self.callbacks.on_checkpoint_start, self)
-        path = self.checkpointer.save_if_due(engine.optimizer_step, engine.micro_step, logging, stop, before)
+        path = self.checkpointer.save_if_due(
+            engine.optimizer_step, engine.micro_step, logging, stop, self.before_save
+        )
         if path is not None:
             self.ledger.lap("checkpoint", step=step)
             log.info("checkpoint %s", path)

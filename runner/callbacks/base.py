@@ -89,6 +89,30 @@ class Callback:
         return []
 
 
+# The points the loop calls, in the order of a run.
+POINTS = (
+    "on_fit_start",
+    "on_optimizer_step",
+    "on_log",
+    "on_eval_batch_end",
+    "on_eval_end",
+    "on_checkpoint_start",
+    "on_checkpoint",
+    "on_step_end",
+    "on_train_end",
+    "on_fit_end",
+    "on_exception",
+)
+
+
+def _defined(callback: Any, point: str) -> Any:
+    """`callback`'s method for `point`, unless it is `Callback`'s (which does nothing) or it has none."""
+    method = getattr(callback, point, None)
+    if method is None or getattr(type(callback), point, None) is getattr(Callback, point):
+        return None
+    return method
+
+
 class Callbacks(Callback):
     """A run's callbacks by name, called in that order at each point; checkpointed as one object (the state
     of each by its name: a resume that adds a callback starts it fresh). A callback need not derive from
@@ -97,20 +121,27 @@ class Callbacks(Callback):
 
     def __init__(self, named: dict[str, Any]) -> None:
         self.named = named
+        # Each point's methods in order, of the callbacks that define it (not `Callback`'s, which do
+        # nothing): the loop calls some points at every step.
+        self.methods = {
+            point: [method for c in named.values() if (method := _defined(c, point)) is not None]
+            for point in POINTS
+        }
 
     def _call(self, point: str, *arguments: Any) -> None:
-        for callback in self.named.values():
-            if (method := getattr(callback, point, None)) is not None:
-                method(*arguments)
+        for method in self.methods[point]:
+            method(*arguments)
 
     def on_fit_start(self, run: Run) -> None:
         self._call("on_fit_start", run)
 
     def on_optimizer_step(self, run: Run) -> None:
-        self._call("on_optimizer_step", run)
+        for method in self.methods["on_optimizer_step"]:  # at every step: without `_call`'s frame
+            method(run)
 
     def on_step_end(self, run: Run) -> None:
-        self._call("on_step_end", run)
+        for method in self.methods["on_step_end"]:
+            method(run)
 
     def on_log(self, run: Run, values: dict[str, float]) -> None:
         self._call("on_log", run, values)

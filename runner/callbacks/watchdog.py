@@ -30,7 +30,7 @@ class HangWatchdog(Callback):
             self.watchdog.progress(phase, run.step)
 
     def on_optimizer_step(self, run: Run) -> None:
-        self._progress(run, "training")
+        self.watchdog.progress("training", run.step)  # type: ignore[union-attr]  # started at on_fit_start
 
     def on_eval_batch_end(self, run: Run) -> None:
         self._progress(run, "evaluating")
