@@ -252,9 +252,27 @@ def yaml_comments(text: str, package: str = "") -> dict[str, str]:
     by `package` itself. The `defaults` list and `# @package` lines describe nothing."""
     found: dict[str, str] = {}
     stack: list[tuple[int, str]] = []
+    in_defaults = False
+    for name, indent, rest, above in _key_lines(text):
+        if name is None:
+            found[package] = above
+            continue
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        if indent == 0:
+            in_defaults = name == "defaults"
+        stack.append((indent, name))
+        comment = _trailing_comment(rest) or above
+        if comment and not in_defaults:
+            found.setdefault(".".join(part for part in [package, *(n for _, n in stack)] if part), comment)
+    return found
+
+
+def _key_lines(text: str) -> Iterator[tuple[str | None, int, str, str]]:
+    """Each `key:` line of a YAML file: (key, its indent, what follows the colon, the comment on the lines
+    just above it); first, where the file opens with a comment, (None, 0, "", that comment)."""
     above: list[str] = []
     opening = True
-    in_defaults = False
     for line in text.splitlines():
         stripped = line.strip()
         if stripped.startswith("#"):
@@ -263,25 +281,12 @@ def yaml_comments(text: str, package: str = "") -> dict[str, str]:
             continue
         if opening and (above or stripped):
             if above:
-                found[package] = " ".join(above)
+                yield None, 0, "", " ".join(above)
             above, opening = [], False
         match = re.match(r"^([\w./-]+)\s*:(.*)$", stripped)
-        if match is None:  # a blank line, a list item
-            above = []
-            continue
-        indent = _indent(line)
-        while stack and stack[-1][0] >= indent:
-            stack.pop()
-        if indent == 0:
-            in_defaults = match.group(1) == "defaults"
-        stack.append((indent, match.group(1)))
-        if not in_defaults:
-            key = ".".join(part for part in [package, *(name for _, name in stack)] if part)
-            comment = _trailing_comment(match.group(2)) or " ".join(above)
-            if comment:
-                found.setdefault(key, comment)
+        if match is not None:  # not a blank line nor a list item
+            yield match.group(1), _indent(line), match.group(2), " ".join(above)
         above = []
-    return found
 
 
 def _comments(hydra: Hydra, overrides: list[str]) -> dict[str, str]:

@@ -29,6 +29,12 @@ def apply_to_tensors(fn: Callable[[torch.Tensor], Any], data: Any, strict: bool 
         return {
             k: fn(v) if type(v) is torch.Tensor else apply_to_tensors(fn, v, strict) for k, v in data.items()
         }
+    return _apply_to_container(fn, data, strict)
+
+
+def _apply_to_container(fn: Callable[[torch.Tensor], Any], data: Any, strict: bool) -> Any:
+    """`apply_to_tensors` past its common cases: tensor subclasses, namedtuples, other mappings and
+    sequences, dataclasses."""
     if isinstance(data, torch.Tensor):  # a subclass: a parameter, a DTensor
         return fn(data)
     if isinstance(data, (list, tuple)):

@@ -59,28 +59,7 @@ class SweepCheck(Callback):
             sys.exit(2)
         if not str(config.hydra.sweeper.get("_target_", "")).endswith(("BasicSweeper", "ResumableSweeper")):
             return  # other sweepers choose their values as they go
-        params = config.hydra.sweeper.get("params") or {}
-        arguments = [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)
-        problems = []
-        try:
-            check_hydra_settings(config.hydra)
-        except ConfigError as err:
-            problems.append(str(err))
-        # With the config loader, as the sweeper's own parser: glob() lists a group's options.
-        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
-        try:
-            parsed = parser.parse_overrides(arguments)
-            if sampled := [o.input_line for o in parsed if o.value_type == ValueType.INTERVAL_SWEEP]:
-                raise ConfigError(
-                    f"{', '.join(sampled)}: interval() is a range to sample from, and the grid sweeper runs a list "
-                    "of values. Sample it with Optuna (hydra/sweeper=optuna, the sweeps extra), or sweep a list: "
-                    "optimizer.lr=1e-3,3e-3,1e-2."
-                )
-            jobs = BasicSweeper.split_arguments(parsed, None)[0]
-        except ConfigError as err:
-            jobs, problems = [], [str(err)]
-        except (HydraException, OmegaConfBaseException) as err:
-            jobs, problems = [], [describe_compose_error(err)]
+        jobs, problems = _grid_jobs(config)
         for number, overrides in enumerate(jobs):
             try:
                 check_job(compose(config_name=config.hydra.job.config_name, overrides=list(overrides)))
@@ -90,8 +69,38 @@ class SweepCheck(Callback):
                 problems.append(f"job {number} ({' '.join(overrides)}): {describe_compose_error(err)}")
         if problems:
             said = chr(10).join(problems).rstrip()
-            print(f"Configuration error: {said}{'' if said.endswith('.') else '.'} No job was run.", file=sys.stderr)
+            print(
+                f"Configuration error: {said}{'' if said.endswith('.') else '.'} No job was run.",
+                file=sys.stderr,
+            )
             sys.exit(2)
+
+
+def _grid_jobs(config: DictConfig) -> tuple[list[list[str]], list[str]]:
+    """The grid's jobs (each one's overrides) as the basic sweeper will split them, and the problems of
+    the sweep's own settings."""
+    params = config.hydra.sweeper.get("params") or {}
+    arguments = [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)
+    problems = []
+    try:
+        check_hydra_settings(config.hydra)
+    except ConfigError as err:
+        problems.append(str(err))
+    # With the config loader, as the sweeper's own parser: glob() lists a group's options.
+    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+    try:
+        parsed = parser.parse_overrides(arguments)
+        if sampled := [o.input_line for o in parsed if o.value_type == ValueType.INTERVAL_SWEEP]:
+            raise ConfigError(
+                f"{', '.join(sampled)}: interval() is a range to sample from, and the grid sweeper runs a list "
+                "of values. Sample it with Optuna (hydra/sweeper=optuna, the sweeps extra), or sweep a list: "
+                "optimizer.lr=1e-3,3e-3,1e-2."
+            )
+        return BasicSweeper.split_arguments(parsed, None)[0], problems
+    except ConfigError as err:
+        return [], [str(err)]
+    except (HydraException, OmegaConfBaseException) as err:
+        return [], [describe_compose_error(err)]
 
 
 class SweepSummary(Callback):

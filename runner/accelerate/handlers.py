@@ -516,6 +516,20 @@ class DeepSpeedPlugin:
         for name, why in refused.items():
             if getattr(self, name):
                 raise ValueError(f"DeepSpeedPlugin({name}=...) is not supported: {why}.")
+        self._fill_from_environment()
+        if isinstance(self.hf_ds_config, dict) or self.hf_ds_config != "none":
+            self.deepspeed_config = self._from_file()
+        else:
+            self.deepspeed_config = self._from_fields()
+        self.deepspeed_config["steps_per_print"] = float("inf")  # runner logs progress itself
+        zero3 = self.deepspeed_config["zero_optimization"].get("stage") == 3
+        if self.zero3_init_flag is None:
+            flag = os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", str(zero3))
+            self.zero3_init_flag = flag.lower() in ("1", "true", "yes")
+        self.zero3_init_flag = self.zero3_init_flag and zero3
+
+    def _fill_from_environment(self) -> None:
+        """Each unset field from its `ACCELERATE_*` variable, else Accelerate's default."""
         env = os.environ.get
         if self.gradient_accumulation_steps is None:
             steps = env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "auto")
@@ -525,10 +539,12 @@ class DeepSpeedPlugin:
             self.gradient_clipping = clipping if clipping == "auto" else float(clipping)
         if self.zero_stage is None:
             self.zero_stage = int(env("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
-        for name in ("offload_optimizer_device", "offload_param_device"):
-            if getattr(self, name) is None:
-                setattr(self, name, env(f"ACCELERATE_DEEPSPEED_{name.upper()}", "none"))
-        for name in ("offload_optimizer_nvme_path", "offload_param_nvme_path"):
+        for name in (
+            "offload_optimizer_device",
+            "offload_param_device",
+            "offload_optimizer_nvme_path",
+            "offload_param_nvme_path",
+        ):
             if getattr(self, name) is None:
                 setattr(self, name, env(f"ACCELERATE_DEEPSPEED_{name.upper()}", "none"))
         if self.zero3_save_16bit_model is None:
@@ -537,19 +553,6 @@ class DeepSpeedPlugin:
             )
         if self.hf_ds_config is None:
             self.hf_ds_config = env("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-        if isinstance(self.hf_ds_config, dict) or self.hf_ds_config != "none":
-            self.deepspeed_config = self._from_file()
-        else:
-            self.deepspeed_config = self._from_fields()
-        self.deepspeed_config["steps_per_print"] = float("inf")  # runner logs progress itself
-        zero3 = self.deepspeed_config["zero_optimization"].get("stage") == 3
-        if self.zero3_init_flag is None:
-            self.zero3_init_flag = env("ACCELERATE_DEEPSPEED_ZERO3_INIT", str(zero3)).lower() in (
-                "1",
-                "true",
-                "yes",
-            )
-        self.zero3_init_flag = self.zero3_init_flag and zero3
 
     def _from_fields(self) -> dict[str, Any]:
         """The config the fields describe (Accelerate's, without a config file)."""

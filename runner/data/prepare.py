@@ -221,9 +221,13 @@ def check_id_files(files: list[Path], source_dtype: str | None) -> None:
         try:
             raw = np.dtype(source_dtype)
         except TypeError as err:
-            raise ConfigError(f"data.source_dtype={source_dtype!r}: not a numpy dtype ({err}); give one such as uint16.") from err
+            raise ConfigError(
+                f"data.source_dtype={source_dtype!r}: not a numpy dtype ({err}); give one such as uint16."
+            ) from err
         if raw.kind not in "ui":
-            raise ConfigError(f"data.source_dtype={source_dtype!r}: token ids are integers; give an integer dtype (uint16, uint32).")
+            raise ConfigError(
+                f"data.source_dtype={source_dtype!r}: token ids are integers; give an integer dtype (uint16, uint32)."
+            )
     for path in files:
         if path.suffix == ".bin":
             size = path.stat().st_size
@@ -297,23 +301,26 @@ def _units(files: list[Path], unit_bytes: int, source_dtype: str | None) -> Iter
         if texts:
             yield {"kind": "text", "files": texts}
             texts, texts_size = [], 0
-        name = str(path.resolve())
-        if path.is_dir():
-            yield from _dataset_units(name, unit_bytes)
-        elif path.suffix in JSONL:
-            for start, stop in line_ranges(path, unit_bytes):
-                yield {"kind": "jsonl", "file": name, "start": start, "stop": stop}
-        elif path.suffix in PARQUET:
-            yield from _parquet_units(name, unit_bytes)
-        else:
-            array = (
-                np.load(path, mmap_mode="r") if path.suffix == ".npy" else np.memmap(path, source_dtype, "r")
-            )
-            step = max(1, unit_bytes // array.dtype.itemsize)
-            for start in range(0, len(array), step):
-                yield {"kind": "ids", "file": name, "start": start, "stop": min(start + step, len(array))}
+        yield from _file_units(path, unit_bytes, source_dtype)
     if texts:
         yield {"kind": "text", "files": texts}
+
+
+def _file_units(path: Path, unit_bytes: int, source_dtype: str | None) -> Iterator[dict[str, Any]]:
+    """The units of one source that is not plain text: a saved dataset, JSONL, Parquet or token ids."""
+    name = str(path.resolve())
+    if path.is_dir():
+        yield from _dataset_units(name, unit_bytes)
+    elif path.suffix in JSONL:
+        for start, stop in line_ranges(path, unit_bytes):
+            yield {"kind": "jsonl", "file": name, "start": start, "stop": stop}
+    elif path.suffix in PARQUET:
+        yield from _parquet_units(name, unit_bytes)
+    else:
+        array = np.load(path, mmap_mode="r") if path.suffix == ".npy" else np.memmap(path, source_dtype, "r")
+        step = max(1, unit_bytes // array.dtype.itemsize)
+        for start in range(0, len(array), step):
+            yield {"kind": "ids", "file": name, "start": start, "stop": min(start + step, len(array))}
 
 
 def line_ranges(path: Path, unit_bytes: int, start: int = 0) -> Iterator[tuple[int, int]]:
@@ -428,32 +435,12 @@ def _encode(unit: dict[str, Any], job: dict[str, Any], dtype: np.dtype) -> Itera
 
 
 def _texts(unit: dict[str, Any], column: str) -> Iterator[str]:
+    """The texts of one unit, in order."""
     kind = unit["kind"]
     if kind == "text":
-        for name in unit["files"]:
-            content = Path(name).read_bytes()
-            try:
-                yield content.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise ConfigError(
-                    f"data.source: {name} is not UTF-8 text (byte {err.start}: {content[err.start : err.start + 4]!r}). "
-                    "Convert it to UTF-8, or leave it out of data.source."
-                ) from err
+        yield from _file_texts(unit["files"])
     elif kind == "jsonl":
-        with open(unit["file"], "rb") as f:
-            f.seek(unit["start"])
-            for number, line in enumerate(f.read(unit["stop"] - unit["start"]).splitlines()):
-                if not line.strip():
-                    continue
-                where = f"{unit['file']} (line {number + 1} after byte {unit['start']})"
-                try:
-                    row = json.loads(line)
-                except ValueError as err:
-                    raise ConfigError(
-                        f"data.source: {where} is not a JSON object ({err}). Give one JSON object per line "
-                        "(jsonl), each holding its text under data.text_column."
-                    ) from err
-                yield text_field(row, column, where)
+        yield from _jsonl_texts(unit, column)
     elif kind == "parquet":
         import pyarrow.parquet as pq
 
@@ -463,6 +450,38 @@ def _texts(unit: dict[str, Any], column: str) -> Iterator[str]:
     else:
         for row in _load_dataset(unit["dir"]).select(range(unit["start"], unit["stop"])):
             yield text_field(row, column, unit["dir"])
+
+
+def _file_texts(names: list[str]) -> Iterator[str]:
+    """Each plain-text file whole, or a ConfigError naming one that is not UTF-8."""
+    for name in names:
+        content = Path(name).read_bytes()
+        try:
+            yield content.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ConfigError(
+                f"data.source: {name} is not UTF-8 text (byte {err.start}: {content[err.start : err.start + 4]!r}). "
+                "Convert it to UTF-8, or leave it out of data.source."
+            ) from err
+
+
+def _jsonl_texts(unit: dict[str, Any], column: str) -> Iterator[str]:
+    """The texts of a JSONL unit's lines (blank lines skipped), or a ConfigError naming a bad line."""
+    with open(unit["file"], "rb") as f:
+        f.seek(unit["start"])
+        lines = f.read(unit["stop"] - unit["start"]).splitlines()
+    for number, line in enumerate(lines):
+        if not line.strip():
+            continue
+        where = f"{unit['file']} (line {number + 1} after byte {unit['start']})"
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            raise ConfigError(
+                f"data.source: {where} is not a JSON object ({err}). Give one JSON object per line "
+                "(jsonl), each holding its text under data.text_column."
+            ) from err
+        yield text_field(row, column, where)
 
 
 def text_field(row: Any, column: str, where: str) -> str:

@@ -290,18 +290,10 @@ def load_checkpoint_in_model(
             placement = "cpu"
         tensor_dtype = torch.float32 if _kept_in_fp32(name, keep_in_fp32_modules) else dtype
         if placement == "disk":
-            converts = (
-                tensor_dtype is not None and source.dtype.is_floating_point and source.dtype != tensor_dtype
+            _leave_on_meta(
+                model, name, source, tensor_dtype, current[name], aliases.get(name, [name]), pending
             )
-            if not isinstance(source, StoredTensor) or converts:
-                pending[name] = read_tensor(source, tensor_dtype)
-            stored_dtype = pending[name].dtype if name in pending else source.dtype
-            placeholder = torch.empty(source.shape, dtype=stored_dtype, device="meta")  # loaded in this dtype
-            if isinstance(current[name], nn.Parameter):
-                placeholder = nn.Parameter(placeholder, requires_grad=current[name].requires_grad)
-            for alias in aliases.get(name, [name]):
-                set_module_tensor(model, alias, placeholder)
-                offloaded[alias] = name
+            offloaded.update(dict.fromkeys(aliases.get(name, [name]), name))
             continue
         target = None if placement is None else torch.device(_device_name(placement))
         place_tensor(model, name, read_tensor(source, tensor_dtype), target, current, aliases)
@@ -311,6 +303,29 @@ def load_checkpoint_in_model(
                 "device_map puts some modules on 'disk': pass an offload_folder where their weights are listed."
             )
         write_offload_index(Path(offload_folder), offloaded, sources, pending)
+
+
+def _leave_on_meta(
+    model: nn.Module,
+    name: str,
+    source: Any,
+    dtype: torch.dtype | None,
+    current: torch.Tensor,
+    aliases: list[str],
+    pending: dict[str, torch.Tensor],
+) -> None:
+    """Put a meta placeholder for offloaded tensor `name` (under each of its `aliases`) in `model`, in the
+    dtype it is stored in; a tensor that needs writing to the offload folder (not a stored safetensors
+    one, or converted to `dtype`) goes to `pending`."""
+    converts = dtype is not None and source.dtype.is_floating_point and source.dtype != dtype
+    if not isinstance(source, StoredTensor) or converts:
+        pending[name] = read_tensor(source, dtype)
+    stored_dtype = pending[name].dtype if name in pending else source.dtype
+    placeholder = torch.empty(source.shape, dtype=stored_dtype, device="meta")  # loaded in this dtype
+    if isinstance(current, nn.Parameter):
+        placeholder = nn.Parameter(placeholder, requires_grad=current.requires_grad)
+    for alias in aliases:
+        set_module_tensor(model, alias, placeholder)
 
 
 def _kept_in_fp32(name: str, modules: list[str] | None) -> bool:

@@ -477,53 +477,64 @@ class Delivery:
     def _send(self, events: list[dict[str, Any]], run_id: str | None) -> tuple[int, str | None]:
         """Apply the first of `events` (all the metrics events that follow it in one batch); return how
         many were sent and the run id that later events go to."""
-        from mlflow.entities import Metric, Param
-
         if self.client is None:
             self.client = mlflow_client(self.uri)
-        client = self.client
         event = events[0]
-        op = event["op"]
-        if op == "metrics":
-            batch: list[Metric] = []
-            sent = 0
-            for following in events:
-                if (
-                    following["op"] != "metrics"
-                    or len(batch) + len(following["metrics"]) > MAX_METRICS_PER_BATCH
-                ):
-                    break
-                batch += [
-                    Metric(k, v, following["timestamp"], following["step"])
-                    for k, v in following["metrics"].items()
-                ]
-                sent += 1
-            client.log_batch(run_id, metrics=batch)
-            return max(sent, 1), run_id
-        if op == "start":
-            if run_id is not None:  # the job resumed: same run
-                client.update_run(run_id, status="RUNNING")
-                return 1, run_id
-            tags = dict(event["tags"])
-            if event["parent_run_id"]:
-                tags["mlflow.parentRunId"] = event["parent_run_id"]
-            experiment_id = experiment(client, event["experiment"], event["artifact_location"])
-            return 1, client.create_run(experiment_id, run_name=event["run_name"], tags=tags).info.run_id
+        if event["op"] == "metrics":
+            return _log_metrics(self.client, events, run_id), run_id
+        if event["op"] == "start":
+            return 1, _start_run(self.client, event, run_id)
         assert run_id is not None, "the journal does not start with a run"
-        if op == "params":
-            logged = client.get_run(run_id).data.params  # a resumed run keeps its first values
-            params = [Param(k, v) for k, v in event["params"].items() if k not in logged]
-            for chunk in range(0, len(params), 100):
-                client.log_batch(run_id, params=params[chunk : chunk + 100])
-        elif op == "artifact":
-            path = Path(event["path"])
-            if path.is_dir():
-                client.log_artifacts(run_id, str(path), event["artifact_path"])
-            elif path.exists():
-                client.log_artifact(run_id, str(path), event["artifact_path"])
-        elif op == "end":
-            client.set_terminated(run_id, event.get("status", "FINISHED"))
+        _apply(self.client, event, run_id)
         return 1, run_id
+
+
+def _log_metrics(client: Any, events: list[dict[str, Any]], run_id: str | None) -> int:
+    """Log the metrics events that open `events` in one batch; return how many."""
+    from mlflow.entities import Metric
+
+    batch: list[Metric] = []
+    sent = 0
+    for following in events:
+        if following["op"] != "metrics" or len(batch) + len(following["metrics"]) > MAX_METRICS_PER_BATCH:
+            break
+        batch += [
+            Metric(k, v, following["timestamp"], following["step"]) for k, v in following["metrics"].items()
+        ]
+        sent += 1
+    client.log_batch(run_id, metrics=batch)
+    return max(sent, 1)
+
+
+def _start_run(client: Any, event: dict[str, Any], run_id: str | None) -> str:
+    """The run a journal's `start` event opens: `run_id` again when the job resumed, else a new run."""
+    if run_id is not None:  # the job resumed: same run
+        client.update_run(run_id, status="RUNNING")
+        return run_id
+    tags = dict(event["tags"])
+    if event["parent_run_id"]:
+        tags["mlflow.parentRunId"] = event["parent_run_id"]
+    experiment_id = experiment(client, event["experiment"], event["artifact_location"])
+    return client.create_run(experiment_id, run_name=event["run_name"], tags=tags).info.run_id
+
+
+def _apply(client: Any, event: dict[str, Any], run_id: str) -> None:
+    """Send one `params`, `artifact` or `end` event to run `run_id`."""
+    from mlflow.entities import Param
+
+    if event["op"] == "params":
+        logged = client.get_run(run_id).data.params  # a resumed run keeps its first values
+        params = [Param(k, v) for k, v in event["params"].items() if k not in logged]
+        for chunk in range(0, len(params), 100):
+            client.log_batch(run_id, params=params[chunk : chunk + 100])
+    elif event["op"] == "artifact":
+        path = Path(event["path"])
+        if path.is_dir():
+            client.log_artifacts(run_id, str(path), event["artifact_path"])
+        elif path.exists():
+            client.log_artifact(run_id, str(path), event["artifact_path"])
+    elif event["op"] == "end":
+        client.set_terminated(run_id, event.get("status", "FINISHED"))
 
 
 def mlflow_client(uri: str) -> Any:

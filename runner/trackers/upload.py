@@ -18,7 +18,7 @@ import queue
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -122,46 +122,62 @@ def serve(requests: IO[bytes], console: IO[str] | None) -> int:
     until its run ends; return when `requests` is closed (the writing process exited or died) and every
     journal is done. It runs at the normal priority: the run's end waits for it, and inside a job's CPU
     cgroup a sender at idle priority got a tenth of a core while the other processes kept the cores busy."""
-    console_handler = _log_to(console)
+    sender = Sender(_log_to(console), console)
     named = Requests()
     threading.Thread(target=_read_requests, args=(requests, named), daemon=True).start()
     try:  # needed for any delivery: imported now, beside the start of the command that started this sender
-        importlib.import_module(
-            "mlflow"
-        )  # (in this thread: MLflow's protobuf modules cannot be imported from two)
+        # (in this thread: MLflow's protobuf modules cannot be imported from two)
+        importlib.import_module("mlflow")
     except Exception as err:  # the first delivery reports it
         log.info("MLflow could not be imported: %s", err)
-    followed: list[Followed] = []
-    writer_gone = False
-    failed = False
-    while not writer_gone or followed:
+    while not sender.writer_gone or sender.followed:
         while not named.empty():
-            request = named.get()
-            if request is None:
-                writer_gone = True
-                continue
-            if "log" in request:  # started early: its output goes to this run's log from now on
-                output = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-                os.dup2(output, 1)
-                os.dup2(output, 2)
-                os.close(output)
-                continue
-            if "warm" in request:  # MLflow imported and the store opened before the first journal
-                warm(request["warm"])
-                continue
-            journal = Journal(Path(request["journal"]))
-            followed.append(Followed(journal, Delivery(journal, request["uri"])))
-        if writer_gone and console_handler is not None and not any(item.may_warn() for item in followed):
+            sender.take(named.get())
+        if sender.writer_gone and not any(item.may_warn() for item in sender.followed):
             # The console may be a pipe (`| tee`, a CI log) that its reader waits on until every holder has
             # closed it: let go once the writer is gone and no run can still warn there (before sending:
             # a first delivery to a local store alone takes a second or more, MLflow's import and its tables).
-            logging.getLogger("runner").removeHandler(console_handler)
-            console_handler.close()
-            console.close()  # type: ignore[union-attr]
-            console_handler = None
-        for item in list(followed):
+            sender.let_go_of_console()
+        sender.step()
+        if not sender.writer_gone or sender.followed:
+            named.wake.wait(POLL_S)  # at once when the writer exits
+            named.wake.clear()
+    sender.let_go_of_console()
+    return 1 if sender.failed else 0
+
+
+@dataclass
+class Sender:
+    """What `serve` holds: the console it may warn on, the journals it follows, whether the writing
+    process is gone and whether a delivery failed."""
+
+    console_handler: logging.Handler | None
+    console: IO[str] | None
+    followed: list[Followed] = field(default_factory=list)
+    writer_gone: bool = False
+    failed: bool = False
+
+    def take(self, request: dict | None) -> None:
+        """Act on one request: None (the writer is gone), a log file to write to from now on, a store to
+        open before the first journal (`warm`), or a journal to follow."""
+        if request is None:
+            self.writer_gone = True
+        elif "log" in request:  # started early: its output goes to this run's log from now on
+            output = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            os.dup2(output, 1)
+            os.dup2(output, 2)
+            os.close(output)
+        elif "warm" in request:  # MLflow imported and the store opened before the first journal
+            warm(request["warm"])
+        else:
+            journal = Journal(Path(request["journal"]))
+            self.followed.append(Followed(journal, Delivery(journal, request["uri"])))
+
+    def step(self) -> None:
+        """Send what is new of each journal; drop those done with."""
+        for item in list(self.followed):
             try:
-                done = item.step(writer_gone)
+                done = item.step(self.writer_gone)
             except Exception as err:  # a bug or a broken journal: this run's records wait for an upload
                 traceback.print_exc()  # to the sender's log
                 log.error(
@@ -174,15 +190,15 @@ def serve(requests: IO[bytes], console: IO[str] | None) -> int:
                 )
                 done = item.failed = True
             if done:
-                failed |= item.failed
-                followed.remove(item)
-        if not writer_gone or followed:
-            named.wake.wait(POLL_S)  # at once when the writer exits
-            named.wake.clear()
-    if console_handler is not None:
-        console_handler.close()
-        console.close()  # type: ignore[union-attr]
-    return 1 if failed else 0
+                self.failed |= item.failed
+                self.followed.remove(item)
+
+    def let_go_of_console(self) -> None:
+        if self.console_handler is not None:
+            logging.getLogger("runner").removeHandler(self.console_handler)
+            self.console_handler.close()
+            self.console.close()  # type: ignore[union-attr]
+            self.console_handler = None
 
 
 def warm(uri: str) -> None:
