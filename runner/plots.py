@@ -91,58 +91,83 @@ def sweep_figures(
     keys = list(dict.fromkeys(key for settings in jobs.values() for key in settings))
     summary = Figure(figsize=(7, 2.8 * max(1, len(keys))), layout="constrained")
     for axes, key in zip(summary.subplots(max(1, len(keys)), 1, squeeze=False)[:, 0], keys, strict=False):
-        done = [name for name in order if key in jobs[name]]
-        values = [jobs[name][key] for name in done]
-        numeric = all(_number(v) is not None for v in values)
-        categories = list(dict.fromkeys(values))  # one position per value, the best job's first
-        xs = [_number(v) for v in values] if numeric else [categories.index(v) for v in values]
-        points = sorted(zip(xs, done, strict=True)) if numeric else list(zip(xs, done, strict=True))
-        axes.plot(
-            [x for x, _ in points],
-            [results[n] for _, n in points],
-            marker="o",
-            linestyle="-" if numeric else "",
-        )
-        if best in done:
-            axes.plot(
-                [xs[done.index(best)]],
-                [results[best]],
-                marker="*",
-                markersize=16,
-                color="red",
-                linestyle="",
-                label=f"best: job {best}",
-            )
-            axes.legend(fontsize=8)
-        if numeric and min(xs) > 0 and max(xs) / min(xs) >= 10:  # a decade or more: as learning rates go
-            axes.set_xscale("log")
-        if not numeric:
-            axes.set_xticks(range(len(categories)), categories, fontsize=7, rotation=30)
-        axes.set_xlabel(key)
+        _setting_panel(axes, key, [name for name in order if key in jobs[name]], jobs, results, best)
         axes.set_ylabel(objective)
-        axes.grid(alpha=0.3)
     curves = Figure(figsize=(7, 5.6), layout="constrained")
     for axes, metric in zip(
         curves.subplots(2, 1, squeeze=False)[:, 0], ("train/loss", objective), strict=True
     ):
-        for name in [*order, *(n for n in jobs if n not in order)]:
-            steps, values = curve(histories.get(name, []), metric)
-            if steps:
-                label = f"job {name}: " + ", ".join(f"{k}={v}" for k, v in jobs[name].items())
-                axes.plot(
-                    steps,
-                    values,
-                    label=label,
-                    linewidth=2.5 if name == best else 1.0,
-                    marker="o" if len(steps) < 30 else None,
-                    markersize=3,
-                )
-        axes.set_title(metric, fontsize=9)
-        axes.set_xlabel("step")
-        axes.grid(alpha=0.3)
-        if axes.lines:
-            axes.legend(fontsize=7)
+        _curves_panel(axes, metric, [*order, *(n for n in jobs if n not in order)], jobs, histories, best)
     return {"summary": summary, "curves": curves}
+
+
+def _setting_panel(
+    axes: Any,
+    key: str,
+    done: list[str],
+    jobs: dict[str, dict[str, str]],
+    results: dict[str, float | None],
+    best: str | None,
+) -> None:
+    """The objective of the jobs `done` (ranked) against their value of `key`: a line over numbers (log
+    scale over a decade or more), points over categories; the best job a star."""
+    values = [jobs[name][key] for name in done]
+    numeric = all(_number(v) is not None for v in values)
+    categories = list(dict.fromkeys(values))  # one position per value, the best job's first
+    xs = [_number(v) for v in values] if numeric else [categories.index(v) for v in values]
+    points = sorted(zip(xs, done, strict=True)) if numeric else list(zip(xs, done, strict=True))
+    axes.plot(
+        [x for x, _ in points],
+        [results[n] for _, n in points],
+        marker="o",
+        linestyle="-" if numeric else "",
+    )
+    if best in done:
+        axes.plot(
+            [xs[done.index(best)]],
+            [results[best]],
+            marker="*",
+            markersize=16,
+            color="red",
+            linestyle="",
+            label=f"best: job {best}",
+        )
+        axes.legend(fontsize=8)
+    if numeric and min(xs) > 0 and max(xs) / min(xs) >= 10:  # a decade or more: as learning rates go
+        axes.set_xscale("log")
+    if not numeric:
+        axes.set_xticks(range(len(categories)), categories, fontsize=7, rotation=30)
+    axes.set_xlabel(key)
+    axes.grid(alpha=0.3)
+
+
+def _curves_panel(
+    axes: Any,
+    metric: str,
+    names: list[str],
+    jobs: dict[str, dict[str, str]],
+    histories: dict[str, list[dict[str, Any]]],
+    best: str | None,
+) -> None:
+    """`metric` against the step for each of `names` that logged it, labelled by its settings (the best
+    job bold)."""
+    for name in names:
+        steps, values = curve(histories.get(name, []), metric)
+        if steps:
+            label = f"job {name}: " + ", ".join(f"{k}={v}" for k, v in jobs[name].items())
+            axes.plot(
+                steps,
+                values,
+                label=label,
+                linewidth=2.5 if name == best else 1.0,
+                marker="o" if len(steps) < 30 else None,
+                markersize=3,
+            )
+    axes.set_title(metric, fontsize=9)
+    axes.set_xlabel("step")
+    axes.grid(alpha=0.3)
+    if axes.lines:
+        axes.legend(fontsize=7)
 
 
 def _number(value: str) -> float | None:

@@ -201,7 +201,9 @@ def _target_problems(cfg: DictConfig) -> list[str]:
             continue
         problems += _argument_problems(node, obj, node_cfg)
         if node.startswith("callbacks.") and (check := getattr(obj, "check_settings", None)) is not None:
-            problems += check(node, node_cfg, cfg.trainer)  # the callback's own rule (`Callback.check_settings`)
+            problems += check(
+                node, node_cfg, cfg.trainer
+            )  # the callback's own rule (`Callback.check_settings`)
     return problems
 
 
@@ -396,73 +398,95 @@ def validate_for_world(
     the `hardware`'s own checks of them (None: a hardware group that was refused; those are left out); not
     when a node they build is in `skip` (its settings are known to be wrong). The data and the meta model
     they built (None where none was: an inference task, or settings known to be wrong)."""
-    problems = []
+    problems = _split_problems(cfg, world_size)
     data, model = None, None
-    batch_size = cfg.data.get("batch_size")
-    if cfg.trainer.split_batches and batch_size and batch_size % world_size:
-        problems.append(
-            f"trainer.split_batches=true: data.batch_size={batch_size} is the global batch and must split evenly "
-            f"over the {world_size} processes. Use a multiple of {world_size} (e.g. "
-            f"{batch_size - batch_size % world_size or world_size}), or trainer.split_batches=false for "
-            f"{batch_size} per process."
-        )
     if not skip & set(UNTYPED_NODES) and not is_inference(cfg.task._target_):
         data = _run_user_code("data", cfg.data, "to read its data", lambda: build_data(cfg))
         model = _run_user_code("model", cfg.model, "to build the model", lambda: build_on_meta(cfg, data))
-        hardware_checks = (
-            ()
-            if hardware is None
-            else (
-                hardware.check_model,
-                lambda model, _: hardware.check_compute(model),
-                lambda _, world: _check_training(cfg, hardware, world, data),
-                lambda _, world: hardware.check_batches(
-                    (batch_size or 1) // (world if cfg.trainer.split_batches else 1),
-                    cfg.trainer.gradient_accumulation_steps,
-                    world,
-                ),
-            )
-        )
-        for check in hardware_checks:
-            try:
-                check(model, world_size)
-            except ConfigError as err:
-                problems.append(str(err))
+        if hardware is not None:
+            problems += _strategy_problems(cfg, hardware, model, data, world_size)
         problems += _positions_problems(cfg, model, data) or _step_problems(
             cfg, model, data, world_size if cfg.trainer.split_batches else 1
         )
         problems += _objective_problems(cfg, model, data)
         problems += _start_weights_problems(cfg, model)
         problems += _optimizer_problems(cfg, model)
-        step_samples = (batch_size or 1) * (1 if cfg.trainer.split_batches else world_size)
-        readers = hardware.data_parallel_size(world_size) if hardware is not None else world_size
-        overfit = (
-            cfg.trainer.overfit_batches * (batch_size or 1) * (1 if cfg.trainer.split_batches else readers)
-        )
-        if isinstance(data.train_set, Stream):
-            problems += _stream_problems(cfg, data.train_set, hardware, world_size)
-        elif overfit > len(data.train_set):
-            problems.append(
-                f"trainer.overfit_batches={cfg.trainer.overfit_batches}: the training set has {len(data.train_set)} "
-                f"sample(s), fewer than the {overfit} its first {cfg.trainer.overfit_batches} batch(es) take. Ask for "
-                "fewer batches, or a smaller data.batch_size."
-            )
-        elif batch_size and len(data.train_set) < step_samples:
-            problems.append(
-                f"data.batch_size={batch_size}: the training set has {len(data.train_set)} sample(s), fewer than one "
-                f"batch on each of the {world_size} process(es) needs ({step_samples}): training would run on smaller "
-                "batches than asked. Lower data.batch_size, or use more data."
-            )
-        eval_size = len(data.eval_set)
-        if eval_size < world_size:
-            problems.append(
-                f"the eval set has {eval_size} sample(s), fewer than the {world_size} processes: each process needs "
-                "at least one to evaluate. Hold out more data (e.g. a larger data.eval_fraction) or run fewer "
-                "processes."
-            )
+        problems += _size_problems(cfg, data, hardware, world_size)
     if problems:
         raise ConfigError("\n\n".join(problems))
     return data, model
+
+
+def _split_problems(cfg: DictConfig, world_size: int) -> list[str]:
+    """With `trainer.split_batches`, a global batch that does not split evenly over the processes."""
+    batch_size = cfg.data.get("batch_size")
+    if not (cfg.trainer.split_batches and batch_size and batch_size % world_size):
+        return []
+    return [
+        f"trainer.split_batches=true: data.batch_size={batch_size} is the global batch and must split evenly "
+        f"over the {world_size} processes. Use a multiple of {world_size} (e.g. "
+        f"{batch_size - batch_size % world_size or world_size}), or trainer.split_batches=false for "
+        f"{batch_size} per process."
+    ]
+
+
+def _strategy_problems(
+    cfg: DictConfig, hardware: Strategy, model: torch.nn.Module, data: DataSource, world_size: int
+) -> list[str]:
+    """The strategy's own checks of the meta model, its compute, the training step and the batches."""
+    batch_size = cfg.data.get("batch_size") or 1
+    checks = (
+        lambda: hardware.check_model(model, world_size),
+        lambda: hardware.check_compute(model),
+        lambda: _check_training(cfg, hardware, world_size, data),
+        lambda: hardware.check_batches(
+            batch_size // (world_size if cfg.trainer.split_batches else 1),
+            cfg.trainer.gradient_accumulation_steps,
+            world_size,
+        ),
+    )
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except ConfigError as err:
+            problems.append(str(err))
+    return problems
+
+
+def _size_problems(
+    cfg: DictConfig, data: DataSource, hardware: Strategy | None, world_size: int
+) -> list[str]:
+    """A training set smaller than one step's batches (or the batches `trainer.overfit_batches` takes), a
+    stream that cannot feed every reader, an eval set with fewer samples than processes."""
+    batch_size = cfg.data.get("batch_size")
+    split = cfg.trainer.split_batches
+    step_samples = (batch_size or 1) * (1 if split else world_size)
+    readers = hardware.data_parallel_size(world_size) if hardware is not None else world_size
+    overfit = cfg.trainer.overfit_batches * (batch_size or 1) * (1 if split else readers)
+    problems = []
+    if isinstance(data.train_set, Stream):
+        problems += _stream_problems(cfg, data.train_set, hardware, world_size)
+    elif overfit > len(data.train_set):
+        problems.append(
+            f"trainer.overfit_batches={cfg.trainer.overfit_batches}: the training set has {len(data.train_set)} "
+            f"sample(s), fewer than the {overfit} its first {cfg.trainer.overfit_batches} batch(es) take. Ask for "
+            "fewer batches, or a smaller data.batch_size."
+        )
+    elif batch_size and len(data.train_set) < step_samples:
+        problems.append(
+            f"data.batch_size={batch_size}: the training set has {len(data.train_set)} sample(s), fewer than one "
+            f"batch on each of the {world_size} process(es) needs ({step_samples}): training would run on smaller "
+            "batches than asked. Lower data.batch_size, or use more data."
+        )
+    eval_size = len(data.eval_set)
+    if eval_size < world_size:
+        problems.append(
+            f"the eval set has {eval_size} sample(s), fewer than the {world_size} processes: each process needs "
+            "at least one to evaluate. Hold out more data (e.g. a larger data.eval_fraction) or run fewer "
+            "processes."
+        )
+    return problems
 
 
 def _check_training(cfg: DictConfig, hardware: Strategy, world_size: int, data: DataSource) -> None:

@@ -225,6 +225,36 @@ def test_accelerates_module_names_are_runners_modules():
         importlib.import_module("runner.nope")
 
 
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(source: str, where: str) -> list[str]:
+    """`where:name (lines)` for each function of `source` longer than MAX_FUNCTION_LINES, its signature,
+    docstring and nested functions counted in."""
+    return [
+        f"{where}:{node.name} ({node.end_lineno - node.lineno + 1})"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+
+
+def test_no_function_of_the_package_is_longer_than_60_lines():
+    """One screen a function: a longer one does several things, each of which can have its name."""
+    found = [
+        f
+        for path in sorted((ROOT / "runner").rglob("*.py"))
+        for f in long_functions(path.read_text(), str(path.relative_to(ROOT)))
+    ]
+    assert found == []
+
+
+def test_a_long_function_is_found():
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    source = f"def short():\n    return 1\n\n\ndef long():\n{body}"
+    assert long_functions(source, "probe.py") == [f"probe.py:long ({MAX_FUNCTION_LINES + 1})"]
+
+
 def test_the_checks_can_fail():
     """A strategy importing the loop, a lazy import and an import of the facade are flagged; a cycle is found;
     the loop importing the adapter is found."""

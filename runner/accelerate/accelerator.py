@@ -59,8 +59,23 @@ class AcceleratorState(ProcessState):
 
     deepspeed_plugin: DeepSpeedPlugin | None = None
 
+    @classmethod
+    def of(cls, state: ProcessState, deepspeed_plugin: DeepSpeedPlugin | None) -> AcceleratorState:
+        """`state` with the plugin."""
+        place = {f.name: getattr(state, f.name) for f in dataclasses.fields(ProcessState)}
+        return cls(**place, deepspeed_plugin=deepspeed_plugin)
+
 
 _process_log = get_logger(__name__)  # Accelerate's warning_once
+
+
+_NO_MEGATRON_LM = (
+    "megatron_lm_plugin is not supported: Accelerate's Megatron-LM integration replaces the model with "
+    "Megatron-LM's own implementation, runs the whole training step inside its forward and schedules the "
+    "learning rate itself; runner has no Megatron-LM. Its tensor and pipeline parallel take the same "
+    "layout: strategy=runner.hardware.TensorParallel(tp_size=..., pp_size=..., microbatches=..., "
+    "sequence_parallel=...), or parallelism_config=ParallelismConfig(tp_size=...)."
+)
 
 
 class Accelerator(Engine):
@@ -147,40 +162,19 @@ class Accelerator(Engine):
         megatron_lm_plugin: Any = None,
     ) -> None:
         if megatron_lm_plugin is not None:
-            raise ValueError(
-                "megatron_lm_plugin is not supported: Accelerate's Megatron-LM integration replaces the model with "
-                "Megatron-LM's own implementation, runs the whole training step inside its forward and schedules the "
-                "learning rate itself; runner has no Megatron-LM. Its tensor and pipeline parallel take the same "
-                "layout: strategy=runner.hardware.TensorParallel(tp_size=..., pp_size=..., microbatches=..., "
-                "sequence_parallel=...), or parallelism_config=ParallelismConfig(tp_size=...)."
-            )
-        launch = accelerate_launch_settings()  # what `accelerate launch` set, where the script did not
-        fsdp_plugin, deepspeed_plugin, parallelism_config = _backend_given(
-            launch, strategy, fsdp_plugin, deepspeed_plugin, parallelism_config
+            raise ValueError(_NO_MEGATRON_LM)
+        strategy, deepspeed_plugin, mixed_precision, accumulation, activation_checkpointing = _backend(
+            cpu,
+            strategy,
+            fsdp_plugin,
+            deepspeed_plugin,
+            parallelism_config,
+            mixed_precision,
+            gradient_accumulation_steps,
+            gradient_accumulation_plugin,
+            activation_checkpointing,
         )
-        deepspeed_plugin = DeepSpeedPlugin.one(deepspeed_plugin)
-        if deepspeed_plugin is not None:
-            deepspeed = deepspeed_plugin.settings()
-            strategy = _deepspeed_strategy(deepspeed, cpu or launch.cpu)
-            gradient_accumulation_steps = _deepspeed_accumulation(deepspeed, gradient_accumulation_steps)
-            if mixed_precision is None and launch.mixed_precision is None:
-                mixed_precision = deepspeed.mixed_precision
-        strategy = strategy or _plugin_strategy(fsdp_plugin, parallelism_config, cpu or launch.cpu)
-        if (
-            activation_checkpointing is None
-            and fsdp_plugin
-            and fsdp_plugin.settings().activation_checkpointing
-        ):
-            activation_checkpointing = ActivationCheckpointingConfig(mode=CheckpointingMode.full)
-        if gradient_accumulation_plugin is None and gradient_accumulation_steps == 1:
-            gradient_accumulation_steps = launch.gradient_accumulation_steps or 1
-        compile = _compile_config(compile, dynamo_backend, dynamo_plugin)
-        accumulation = _accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
         handlers = _one_of_each(kwargs_handlers or [])
-        entries = log_with if isinstance(log_with, list) else [] if log_with is None else [log_with]
-        strategy = strategy or default_strategy(cpu or launch.cpu)
-        if not isinstance(mixed_precision, Precision):
-            mixed_precision = precision_from_name(mixed_precision or launch.mixed_precision)
         apply_handlers(handlers, strategy, mixed_precision)
         self.dataloader_config = dataloader_config or DataLoaderConfiguration(
             split_batches=split_batches, even_batches=even_batches
@@ -190,18 +184,16 @@ class Accelerator(Engine):
             mixed_precision,
             accumulation=accumulation.accumulation(),
             loading=self.dataloader_config.loading(),
-            project_config=project_config
-            or ProjectConfiguration(project_dir=project_dir, logging_dir=logging_dir),
-            trackers=[t for e in entries for t in (trackers_from_name(e) if isinstance(e, str) else [e])],
-            compile=compile,
+            project_config=project_config or ProjectConfiguration(project_dir, logging_dir),
+            trackers=_trackers(log_with),
+            compile=_compile_config(compile, dynamo_backend, dynamo_plugin),
             activation_checkpointing=activation_checkpointing,
             device_placement=device_placement,
             step_scheduler_with_optimizer=step_scheduler_with_optimizer,
             rng_types=rng_types,
         )
         self.profile_handler = next((h for h in handlers if isinstance(h, ProfileKwargs)), None)
-        place = {f.name: getattr(self.state, f.name) for f in dataclasses.fields(ProcessState)}
-        self.state = AcceleratorState(**place, deepspeed_plugin=deepspeed_plugin)
+        self.state = AcceleratorState.of(self.state, deepspeed_plugin)
 
     @property
     def deepspeed_plugin(self) -> DeepSpeedPlugin | None:
@@ -426,6 +418,58 @@ class Accelerator(Engine):
         raise ValueError(
             f"{name!r} is not a tracker of this Accelerator; it has {[t.name for t in self.trackers]}."
         )
+
+
+def _trackers(
+    log_with: str | LoggerType | Tracker | list[str | LoggerType | Tracker] | None,
+) -> list[Tracker]:
+    """The trackers `log_with` names or gives."""
+    entries = log_with if isinstance(log_with, list) else [] if log_with is None else [log_with]
+    return [t for e in entries for t in (trackers_from_name(e) if isinstance(e, str) else [e])]
+
+
+def _backend(
+    cpu: bool,
+    strategy: Strategy | None,
+    fsdp_plugin: FullyShardedDataParallelPlugin | None,
+    deepspeed_plugin: DeepSpeedPlugin | dict[str, DeepSpeedPlugin] | None,
+    parallelism_config: ParallelismConfig | None,
+    mixed_precision: str | Precision | None,
+    accumulation_steps: int,
+    accumulation_plugin: GradientAccumulationPlugin | None,
+    activation_checkpointing: ActivationCheckpointingConfig | None,
+) -> tuple[
+    Strategy,
+    DeepSpeedPlugin | None,
+    Precision,
+    GradientAccumulationPlugin,
+    ActivationCheckpointingConfig | None,
+]:
+    """The strategy, DeepSpeed plugin, precision, accumulation and activation checkpointing the
+    Accelerator's arguments (and `accelerate launch`'s settings where they are unset) describe: a
+    DeepSpeed plugin's config fixes the accumulation and, unless given, the precision; an FSDP plugin's
+    `activation_checkpointing` checkpoints every block."""
+    launch = accelerate_launch_settings()  # what `accelerate launch` set, where the script did not
+    cpu = cpu or launch.cpu
+    fsdp_plugin, deepspeed_plugin, parallelism_config = _backend_given(
+        launch, strategy, fsdp_plugin, deepspeed_plugin, parallelism_config
+    )
+    deepspeed_plugin = DeepSpeedPlugin.one(deepspeed_plugin)
+    if deepspeed_plugin is not None:
+        deepspeed = deepspeed_plugin.settings()
+        strategy = _deepspeed_strategy(deepspeed, cpu)
+        accumulation_steps = _deepspeed_accumulation(deepspeed, accumulation_steps)
+        if mixed_precision is None and launch.mixed_precision is None:
+            mixed_precision = deepspeed.mixed_precision
+    strategy = strategy or _plugin_strategy(fsdp_plugin, parallelism_config, cpu) or default_strategy(cpu)
+    if activation_checkpointing is None and fsdp_plugin and fsdp_plugin.settings().activation_checkpointing:
+        activation_checkpointing = ActivationCheckpointingConfig(mode=CheckpointingMode.full)
+    if not isinstance(mixed_precision, Precision):
+        mixed_precision = precision_from_name(mixed_precision or launch.mixed_precision)
+    if accumulation_plugin is None and accumulation_steps == 1:
+        accumulation_steps = launch.gradient_accumulation_steps or 1
+    accumulation = _accumulation_plugin(accumulation_steps, accumulation_plugin)
+    return strategy, deepspeed_plugin, mixed_precision, accumulation, activation_checkpointing
 
 
 def _backend_given(

@@ -95,18 +95,7 @@ def prepare(
     are kept; a finished `output` of the same is returned as it is, one of other sources is refused."""
     files = source_files(source)
     ids = tokenizer == "ids"
-    if ids != all(p.suffix in IDS for p in files):
-        raise ConfigError(
-            f"data.tokenizer={tokenizer!r} and data.source: token-id files ({', '.join(IDS)}) need "
-            "data.tokenizer=ids, and data.tokenizer=ids needs only token-id files. Prepare text and ids into "
-            "separate data.path directories."
-        )
-    if any(p.suffix == ".bin" for p in files) and source_dtype is None:
-        raise ConfigError(
-            "data.source_dtype is null: raw .bin token files hold no dtype; give theirs, e.g. data.source_dtype=uint16."
-        )
-    if ids:
-        check_id_files(files, source_dtype)
+    _check_sources(files, ids, tokenizer, source_dtype)
     text_tokenizer = None if ids else load_tokenizer(tokenizer)
     vocab = vocab_size if ids else (BYTES_VOCAB if text_tokenizer is None else len(text_tokenizer))
     dtype = _ids_dtype(files, source_dtype) if ids and vocab is None else token_dtype(vocab)
@@ -122,11 +111,6 @@ def prepare(
         },
     }
     output = Path(output).expanduser()
-    if output.exists() and not output.is_dir():
-        raise ConfigError(
-            f"data.path={str(output)!r}: a file is there, not a directory: `runner prepare-data` writes the shards "
-            "into a directory of their own. Give another data.path (a new or an empty directory)."
-        )
     done = _existing(output, recipe)
     if done is not None:
         log.info("the shards in %s were prepared from these sources and settings already", output)
@@ -141,6 +125,49 @@ def prepare(
         "vocab_size": vocab,
         "recipe": fingerprint(recipe),
     }
+    made = _shards(output, units, job, dtype, workers, progress)
+    if ids and vocab is None:
+        vocab = max(s.max_token_id for s in made) + 1
+    manifest = Manifest(
+        dtype=dtype.str,
+        vocab_size=vocab,
+        tokenizer=recipe["tokenizer"]["name"],
+        eos_token_id=None if text_tokenizer is None else text_tokenizer.eos_token_id,
+        shards=made,
+        sources=recipe["sources"],
+        settings=recipe["settings"] | {"recipe": job["recipe"]},
+    )
+    write_json(output / MANIFEST, manifest.to_json())
+    return manifest
+
+
+def _check_sources(files: list[Path], ids: bool, tokenizer: str, source_dtype: str | None) -> None:
+    """A ConfigError for sources the tokenizer cannot read: text with `ids`, ids without, raw .bin
+    without a dtype, id files of the wrong dtype."""
+    if ids != all(p.suffix in IDS for p in files):
+        raise ConfigError(
+            f"data.tokenizer={tokenizer!r} and data.source: token-id files ({', '.join(IDS)}) need "
+            "data.tokenizer=ids, and data.tokenizer=ids needs only token-id files. Prepare text and ids into "
+            "separate data.path directories."
+        )
+    if any(p.suffix == ".bin" for p in files) and source_dtype is None:
+        raise ConfigError(
+            "data.source_dtype is null: raw .bin token files hold no dtype; give theirs, e.g. data.source_dtype=uint16."
+        )
+    if ids:
+        check_id_files(files, source_dtype)
+
+
+def _shards(
+    output: Path,
+    units: list[dict[str, Any]],
+    job: dict[str, Any],
+    dtype: np.dtype,
+    workers: int | None,
+    progress: bool,
+) -> list[Shard]:
+    """Every unit's shard in `output`, in order: those an earlier run finished as they are, the rest
+    tokenized by `workers` processes."""
     tagged = [unit | {"recipe": job["recipe"]} for unit in units]
     shards: list[Shard | None] = [
         finished_shard(output, shard_name(i), u, dtype) for i, u in enumerate(tagged)
@@ -157,25 +184,17 @@ def prepare(
         for number, shard in _run(todo, workers):
             shards[number] = shard
             bar.update()
-    made = [s for s in shards if s is not None]
-    if ids and vocab is None:
-        vocab = max(s.max_token_id for s in made) + 1
-    manifest = Manifest(
-        dtype=dtype.str,
-        vocab_size=vocab,
-        tokenizer=recipe["tokenizer"]["name"],
-        eos_token_id=None if text_tokenizer is None else text_tokenizer.eos_token_id,
-        shards=made,
-        sources=recipe["sources"],
-        settings=recipe["settings"] | {"recipe": job["recipe"]},
-    )
-    write_json(output / MANIFEST, manifest.to_json())
-    return manifest
+    return [s for s in shards if s is not None]
 
 
 def _existing(output: Path, recipe: dict[str, Any]) -> Manifest | None:
     """The manifest of `output` when it was prepared by `recipe`; None when it has none; a ConfigError
-    when it was prepared from other sources or settings (its shards are not overwritten)."""
+    when it was prepared from other sources or settings (its shards are not overwritten) or is a file."""
+    if output.exists() and not output.is_dir():
+        raise ConfigError(
+            f"data.path={str(output)!r}: a file is there, not a directory: `runner prepare-data` writes the shards "
+            "into a directory of their own. Give another data.path (a new or an empty directory)."
+        )
     if not (output / MANIFEST).is_file():
         return None
     manifest = read_manifest(output)
