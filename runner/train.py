@@ -37,7 +37,7 @@ from runner.config import TrainerConfig, trainer_settings
 from runner.data.base import DataSource, pins_memory
 from runner.engine import Accumulation, Engine, Loading
 from runner.errors import TrainingDiverged, TrainingInterrupted, signal_name
-from runner.goodput import Ledger, job_began, tracked, write_summary
+from runner.goodput import Ledger, job_began
 from runner.hardware.base import Strategy
 from runner.perf import (
     Throughput,
@@ -122,7 +122,7 @@ class Trainer:
         self.checkpointer.number_after_existing()
         # The goodput ledger: the main process's phases.
         recorded = engine.is_main_process and records_goodput(cfg)
-        self.ledger = ledger = Ledger(
+        ledger = Ledger(
             output_dir if recorded else None, job_began(), time_before_start("startup")
         )
         ledger.lap("startup", until=began)
@@ -134,7 +134,7 @@ class Trainer:
         described = self.prepare_training(cfg, data)
         self.done = Progress(window_loss=torch.zeros((), device=engine.device))
         evaluating = cfg.get("mode") == "evaluate"  # the eval loop only (`evaluate_only`): the watchdog only
-        self.callbacks = Callbacks(built_callbacks(cfg.get("callbacks"), trainer, evaluating))
+        self.callbacks = Callbacks(built_callbacks(cfg.get("callbacks"), trainer, evaluating, ledger))
         self.stopped: str | None = None  # why a callback ended the run early
         self.evaluated_at: int | None = None  # the step of the latest evaluation
         engine.register_for_checkpointing(self.done, self.callbacks)
@@ -170,7 +170,9 @@ class Trainer:
         # convention; tensor-parallel ranks share their data), once only with split batches.
         advances = 1 if trainer.split_batches else engine.state.data_parallel_size
         scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=self.total_steps * advances)
-        described = f"{type(model).__name__} ({count_text(sum(p.numel() for p in model.parameters()))} parameters)"
+        described = (
+            f"{type(model).__name__} ({count_text(sum(p.numel() for p in model.parameters()))} parameters)"
+        )
         self.model, self.optimizer, self.scheduler = engine.prepare(model, optimizer, scheduler)
         # The loss of a batch, for `backward`: by the task's `loss` the strategy computes it (pipeline
         # parallel runs its schedule there), else by the task's own `training_step`.
@@ -247,7 +249,6 @@ class Trainer:
         """Train to `total_steps`, logging, evaluating and checkpointing on the way; then `finish`."""
         done = self.done
         self.model.train()
-        self.stepped = False  # this attempt's first optimizer step is its warm-up (the ledger's)
         self.sync = self.engine.gradient_state  # read at every micro-batch: its attribute, not a property
         self.before_save = partial(self.callbacks.on_checkpoint_start, self)
         with self.running() as received:
@@ -256,7 +257,7 @@ class Trainer:
             self.checkpointer.restart_clock()  # `trainer.checkpoint_every_s` counts from here
             while done.step < self.total_steps and self.stopped is None:
                 self.train_loader.set_epoch(done.epoch)
-                for batch in self.ledger.batches(self.batches_left_in_epoch()):
+                for batch in self.callbacks.train_batches(self, self.batches_left_in_epoch()):
                     if not self.train_step(batch):
                         continue  # a micro-batch of an accumulation
                     if self.step_done(received):
@@ -269,14 +270,12 @@ class Trainer:
         return self.finish()
 
     def step_done(self, received: list[int]) -> bool:
-        """After an optimizer step: its progress told (the callbacks, the ledger), then what is due at it
+        """After an optimizer step: its progress told (the callbacks), then what is due at it
         (the log line, the evaluation, the checkpoints, a stop signal's checkpoint and exit) and the
         callbacks. Whether the loop ends here: its last step, or a callback stopped the run."""
         done, trainer = self.done, self.settings
         done.step += 1
         self.callbacks.on_optimizer_step(self)
-        self.ledger.step_done(done.step, first=not self.stepped)
-        self.stepped = True
         last = done.step >= self.total_steps
         log_step = done.step % trainer.log_every == 0
         if last or log_step:
@@ -350,14 +349,13 @@ class Trainer:
 
     def checkpoint(self, logging: bool, stop: bool) -> Path | None:
         """The checkpoints the Checkpointer finds due after this step (`save_if_due`: `logging`, a step
-        whose losses were logged finite; `stop`, the run ends next); for a numbered one, the ledger's
-        phase, the log line and the callbacks' `on_checkpoint`. Its path, else None."""
-        engine, step = self.engine, self.done.step
+        whose losses were logged finite; `stop`, the run ends next); for a numbered one, the log line and
+        the callbacks' `on_checkpoint`. Its path, else None."""
+        engine = self.engine
         path = self.checkpointer.save_if_due(
             engine.optimizer_step, engine.micro_step, logging, stop, self.before_save
         )
         if path is not None:
-            self.ledger.lap("checkpoint", step=step)
             log.info("checkpoint %s", path)
             self.callbacks.on_checkpoint(self, path)
         return path
@@ -388,7 +386,6 @@ class Trainer:
         training's: how often a run evaluates does not change it."""
         with rng_kept():
             evaluated = evaluate(self.engine, self.model, self.task, self.eval_loader, self.eval_batch_done)
-        self.ledger.lap("eval", step=self.done.step)
         self.evaluated_at = self.done.step
         self.log_metrics(evaluated)
         log.info("%s: %s", heading or f"step {self.done.step}/{self.total_steps}", _fmt(evaluated))
@@ -402,6 +399,10 @@ class Trainer:
         run here, `check_finite`), then the trackers and the callbacks (the history, `history.jsonl`)."""
         self.metrics.update(values)
         self.check_finite()
+        self.log(values)
+
+    def log(self, values: dict[str, float]) -> None:
+        """Log `values` at this step to the trackers and the callbacks, not as the run's metrics."""
         self.engine.log(values, step=self.done.step)
         self.callbacks.on_log(self, values)
 
@@ -457,8 +458,6 @@ class Trainer:
             except BaseException as err:
                 self.callbacks.on_exception(self, err)
                 raise
-            finally:
-                self.ledger.flush()  # the steps of a run that failed: lost, once it resumes
 
     def finish(self) -> dict[str, float]:
         """Evaluate a run that had nothing left to train, save the model, log the artifacts, and release
@@ -474,11 +473,6 @@ class Trainer:
             if engine.is_main_process and hasattr(model_config, "save_pretrained"):
                 model_config.save_pretrained(output_dir / MODEL)
         engine.wait_for_checkpoint()  # one of the last step, written in the background, is whole
-        if self.ledger.recording:  # the time so far, for the trackers; the command adds its own end
-            self.ledger.lap("finish")
-            spent = tracked(write_summary(output_dir))
-            engine.log(spent, step=self.done.step)
-            self.callbacks.on_log(self, spent)
         if self.settings.fast_dev_run:
             log.info("trainer.fast_dev_run: everything ran; no results recorded")
         elif engine.is_main_process:  # the results are whole: a run in this dir now finds them finished
@@ -509,8 +503,12 @@ def built_engine(
         instantiate(cfg.precision),
         accumulation=Accumulation(steps=trainer.gradient_accumulation_steps),
         # batches from pinned memory are copied to the device without waiting
-        loading=Loading(split_batches=trainer.split_batches, non_blocking=pins_memory(cfg.data.get("pin_memory"))),
-        project_config=ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=trainer.keep_checkpoints),
+        loading=Loading(
+            split_batches=trainer.split_batches, non_blocking=pins_memory(cfg.data.get("pin_memory"))
+        ),
+        project_config=ProjectConfiguration(
+            automatic_checkpoint_naming=True, total_limit=trainer.keep_checkpoints
+        ),
         trackers=[tracker] if tracker is not None else [],
         compile=trainer.compile,
         activation_checkpointing=trainer.activation_checkpointing,
@@ -591,7 +589,9 @@ def closed_on_failure(engine: Engine) -> Iterator[None]:
             engine.wait_for_checkpoint(everyone=False)
         except Exception as failed:
             log.error("%s", failed)
-        engine.close_trackers("KILLED" if isinstance(err, TrainingInterrupted | KeyboardInterrupt) else "FAILED")
+        engine.close_trackers(
+            "KILLED" if isinstance(err, TrainingInterrupted | KeyboardInterrupt) else "FAILED"
+        )
         raise
 
 

@@ -28,6 +28,7 @@ from PIL import Image
 
 from runner.callbacks import (
     EarlyStopping,
+    GoodputLedger,
     HangWatchdog,
     PlotCurves,
     ProfileSteps,
@@ -37,6 +38,7 @@ from runner.callbacks import (
 )
 from runner.config import CONF_DIR, ProfileConfig, TrainerConfig
 from runner.errors import ConfigError
+from runner.goodput import Ledger, read_ledger
 from runner.history import History, read_history
 from runner.plots import curve, draw_run, run_figures, sweep_figures
 from runner.schemas import register_configs
@@ -354,26 +356,30 @@ def test_a_sweeps_pictures_rank_its_jobs_by_the_objective_and_mark_the_best():
 
 
 def test_a_plain_class_with_one_callback_method_is_called_there_and_checkpointed_without_state(tmp_path):
-    """...and a built-in the YAML sets to null is off: `plots` here, with trainer.plots=true."""
+    """...and a built-in the YAML sets to null is off: `plots` here, with trainer.plots=true, and `goodput`
+    (the ledger keeps the phases before the loop, and none of the loop's)."""
     record = tmp_path / "steps.txt"
     run_to_end(
         tmp_path / "run", "+callbacks.mine._target_=probes.OnlyStepEnd", f"+callbacks.mine.record={record}",
         "trainer.max_steps=6", "trainer.checkpoint_every=3", "trainer.eval_every=0", "trainer.plots=true",
-        "+callbacks.plots=null", pythonpath=TESTS,
+        "+callbacks.plots=null", "+callbacks.goodput=null", pythonpath=TESTS,
     )  # fmt: skip
     assert record.read_text().split() == ["1", "2", "3", "4", "5", "6"]
     assert not (tmp_path / "run" / "plots").exists()
+    phases = {r["phase"] for r in read_ledger(tmp_path / "run")}
+    assert {"startup", "data", "setup"} <= phases and not {"warmup", "train", "checkpoint"} & phases
 
 
-def test_the_loops_own_concerns_are_built_in_callbacks_a_config_replaces_or_switches_off():
+def test_the_loops_own_concerns_are_built_in_callbacks_a_config_replaces_or_switches_off(tmp_path):
     trainer = TrainerConfig(progress_bar=True, plots=True, profile=ProfileConfig(active=2))
-    built = built_callbacks(None, trainer)
+    built = built_callbacks(None, trainer, ledger=Ledger(tmp_path, time.time(), "startup"))
     assert {name: type(c) for name, c in built.items()} == {
-        "watchdog": HangWatchdog, "history": RecordHistory, "progress": ProgressBar, "profile": ProfileSteps,
+        "goodput": GoodputLedger, "watchdog": HangWatchdog, "history": RecordHistory, "progress": ProgressBar, "profile": ProfileSteps,
         "plots": PlotCurves,
     }  # fmt: skip
     off = TrainerConfig(progress_bar=False, plots=False, hang_timeout_s=0)
     assert list(built_callbacks(OmegaConf.create({"history": None}), off)) == []
+    assert list(built_callbacks(None, off, ledger=Ledger(None, time.time(), "startup"))) == ["history"]  # rank > 0
     mine = OmegaConf.create({"progress": {"_target_": "probes.OnlyStepEnd", "record": "x"}, "plots": None})
     built = built_callbacks(mine, trainer)
     assert {name: type(c).__name__ for name, c in built.items()} == {

@@ -1,7 +1,7 @@
 """Callbacks: code a run's training loop calls at its named points.
 
 `base` is the contract. The built-ins are the loop's own periodic concerns, made from the trainer's
-settings and named: `watchdog` (`trainer.hang_timeout_s`), `history` (`history.jsonl`), `progress` (the progress bar,
+settings and named: `goodput` (the goodput ledger's phases of the loop), `watchdog` (`trainer.hang_timeout_s`), `history` (`history.jsonl`), `progress` (the progress bar,
 `trainer.progress_bar`), `profile` (`trainer.profile`)
 and `plots` (`trainer.plots`). The shipped ones a config adds (`callbacks=[...]`, each a `_target_`):
 early stopping, the best checkpoints, a learning-rate monitor. A callback in `callbacks:` named like a
@@ -12,6 +12,7 @@ from runner.callbacks.base import Callback, Callbacks, Monitor, Run
 from runner.callbacks.best_checkpoints import BestCheckpoints
 from runner.callbacks.builtin import built_callbacks
 from runner.callbacks.early_stopping import EarlyStopping
+from runner.callbacks.goodput import GoodputLedger
 from runner.callbacks.history import RecordHistory
 from runner.callbacks.lr_monitor import LearningRateMonitor
 from runner.callbacks.plots import PlotCurves
@@ -24,6 +25,7 @@ __all__ = [
     "Callback",
     "Callbacks",
     "EarlyStopping",
+    "GoodputLedger",
     "HangWatchdog",
     "LearningRateMonitor",
     "Monitor",

@@ -9,6 +9,7 @@ first), so a callback that decides something (stop, save) decides it alike every
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,6 +34,9 @@ class Run(Protocol):
     def log_metrics(self, values: dict[str, float]) -> None:
         """Log `values` at this step (the run's metrics, its history, the trackers)."""
 
+    def log(self, values: dict[str, float]) -> None:
+        """Log `values` at this step to the trackers and the history, not as the run's metrics (a summary)."""
+
     def stop(self, reason: str) -> None:
         """End the run after this step, as if it were the last (`reason` is logged)."""
 
@@ -40,6 +44,10 @@ class Run(Protocol):
 class Callback:
     """Code the loop runs at its named points; each method does nothing unless overridden. A `monitor`
     argument names an eval metric, checked before launch against those the task reports."""
+
+    def train_batches(self, run: Run, batches: Iterable[Any]) -> Iterable[Any]:
+        """At each epoch's start: the batches the loop takes, as given or wrapped (to time each fetch, say)."""
+        return batches
 
     def on_fit_start(self, run: Run) -> None:
         """Before the first step (of this process: after a resume, at the step resumed from)."""
@@ -91,6 +99,7 @@ class Callback:
 
 # The points the loop calls, in the order of a run.
 POINTS = (
+    "train_batches",
     "on_fit_start",
     "on_optimizer_step",
     "on_log",
@@ -131,6 +140,11 @@ class Callbacks(Callback):
     def _call(self, point: str, *arguments: Any) -> None:
         for method in self.methods[point]:
             method(*arguments)
+
+    def train_batches(self, run: Run, batches: Iterable[Any]) -> Iterable[Any]:
+        for method in self.methods["train_batches"]:
+            batches = method(run, batches)
+        return batches
 
     def on_fit_start(self, run: Run) -> None:
         self._call("on_fit_start", run)

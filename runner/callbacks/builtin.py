@@ -7,23 +7,30 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from runner.callbacks.goodput import GoodputLedger
 from runner.callbacks.history import RecordHistory
 from runner.callbacks.plots import PlotCurves
 from runner.callbacks.profiler import ProfileSteps
 from runner.callbacks.progress import ProgressBar
 from runner.callbacks.watchdog import HangWatchdog
 from runner.config import TrainerConfig
+from runner.goodput import Ledger
 
 
 def built_callbacks(
-    callbacks: DictConfig | None, trainer: TrainerConfig, evaluating: bool = False
+    callbacks: DictConfig | None,
+    trainer: TrainerConfig,
+    evaluating: bool = False,
+    ledger: Ledger | None = None,
 ) -> dict[str, Any]:
-    """The run's callbacks by name, in the order the loop calls them: `watchdog` (`trainer.hang_timeout_s`
-    not 0), `history`, `progress` (`trainer.progress_bar`), `profile` (`trainer.profile.active` > 0),
+    """The run's callbacks by name, in the order the loop calls them: `goodput` (the main process's
+    `ledger`, where the run records one), `watchdog` (`trainer.hang_timeout_s` not 0), `history`, `progress` (`trainer.progress_bar`), `profile` (`trainer.profile.active` > 0),
     `plots` (`trainer.plots`), then those of `callbacks:`, where one named like a built-in replaces it and
     a name set to null switches it off. `evaluating` (`mode=evaluate`, which trains nothing): the
     watchdog and the history only."""
     named: dict[str, Any] = {}
+    if ledger is not None and ledger.recording:
+        named["goodput"] = GoodputLedger(ledger)
     if trainer.hang_timeout_s != 0:
         named["watchdog"] = HangWatchdog(trainer.hang_timeout_s)
     named["history"] = RecordHistory()
