@@ -3,7 +3,7 @@
     python benchmarks/plots_overhead.py [--rounds 3] [--max-steps 10000] [--eval-every 100] [--threads N]
 
 The default experiment (its MLP and data, `--max-steps` steps of about 3 ms here) evaluates every
-`--eval-every` steps; with plots, the training starts `python -m runner.plots --serve` in a process of
+`--eval-every` steps; with plots, the training starts `python -m runner.telemetry.plots --serve` in a process of
 its own (running on idle CPU time only), which draws at an evaluation (at most every 30 s, and only where
 torch's threads leave a core free: `--threads`, torch's intra-op threads, fewer than the cores), and the
 end waits for a last drawing.

@@ -59,7 +59,7 @@ def fast_dev_run(cfg: DictConfig) -> None:
 
 
 def records_goodput(cfg: DictConfig) -> bool:
-    """Whether the run keeps a goodput ledger (`runner.goodput`): a training run that records its results
+    """Whether the run keeps a goodput ledger (`runner.telemetry.goodput`): a training run that records its results
     (not an inference task, `mode=evaluate` or `trainer.fast_dev_run`)."""
     return not (is_inference(cfg.task._target_) or cfg.get("mode") == "evaluate" or cfg.trainer.fast_dev_run)
 

@@ -337,7 +337,7 @@ class TrainerConfig:
         False  # CUDA: record allocations; an out-of-memory error dumps them to the run dir
     )
     # seconds a rank may make no progress before it dumps its stacks and fails (at least 1); null: 20x the
-    # median step (at least 600 s; 1800 s for the first steps); 0: never (`runner.watchdog`)
+    # median step (at least 600 s; 1800 s for the first steps); 0: never (`runner.callbacks.watchdog`)
     hang_timeout_s: HangTimeout | None = None
     # Debugging (Lightning's switches): `fast_dev_run` N > 0 runs N steps and N eval batches with nothing
     # kept (no checkpoint, tracker, callbacks, plots, model or results: `runner.build.fast_dev_run`)

@@ -28,9 +28,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.compose import check_hydra_settings
 from runner.errors import REPLACED_OPTIONS, ConfigError, describe_compose_error, install_command
-from runner.history import read_history
-from runner.plots import ranked, save_figures, sweep_figures
 from runner.run_dir import FAILED, FINISHED, GOODPUT, JOB_CONFIG_DIR, SWEEP_SUMMARY
+from runner.telemetry.history import read_history
+from runner.telemetry.plots import ranked, save_figures, sweep_figures
 from runner.validate import check_job
 
 log = logging.getLogger("runner")
@@ -167,7 +167,7 @@ def draw(
     direction: str,
     sweep_dir: Path,
 ) -> list[Path]:
-    """The sweep's pictures (`runner.plots.sweep_figures`) as `<sweep dir>/<name>.png`, named on the console;
+    """The sweep's pictures (`runner.telemetry.plots.sweep_figures`) as `<sweep dir>/<name>.png`, named on the console;
     none, and one warning, without matplotlib or where one cannot be drawn."""
     if importlib.util.find_spec("matplotlib") is None:
         log.warning(

@@ -37,7 +37,6 @@ from runner.config import TrainerConfig, trainer_settings
 from runner.data.base import DataSource, pins_memory
 from runner.engine import Accumulation, Engine, Loading
 from runner.errors import TrainingDiverged, TrainingInterrupted, signal_name
-from runner.goodput import Ledger, job_began
 from runner.hardware.base import Strategy
 from runner.perf import (
     Throughput,
@@ -49,8 +48,9 @@ from runner.perf import (
 )
 from runner.rng import rng_kept, set_seed
 from runner.run_dir import JOB_CONFIG_DIR, MODEL, RESOLVED, record_finished, resume_override
-from runner.run_log import FILE_ONLY
+from runner.run_dir.log import FILE_ONLY
 from runner.task import Task, batch_units, trains_by_loss
+from runner.telemetry.goodput import Ledger, job_began
 from runner.trackers.base import Tracker
 
 log = logging.getLogger(__name__)

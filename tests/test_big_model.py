@@ -28,7 +28,7 @@ from runner import (
     skip_first_batches,
 )
 from runner.checkpoint.weights import save_model_files
-from runner.estimate_memory import main as estimate_memory
+from runner.cli.estimate_memory import main as estimate_memory
 from runner.hardware.big_modeling import UserCpuOffloadHook, compute_module_sizes
 from runner.models import GPT
 

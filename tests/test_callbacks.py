@@ -38,10 +38,10 @@ from runner.callbacks import (
 )
 from runner.config import CONF_DIR, ProfileConfig, TrainerConfig
 from runner.errors import ConfigError
-from runner.goodput import Ledger, read_ledger
-from runner.history import History, read_history
-from runner.plots import curve, draw_run, run_figures, sweep_figures
 from runner.schemas import register_configs
+from runner.telemetry.goodput import Ledger, read_ledger
+from runner.telemetry.history import History, read_history
+from runner.telemetry.plots import curve, draw_run, run_figures, sweep_figures
 from runner.validate import check_job
 
 TESTS = Path(__file__).parent
@@ -416,7 +416,7 @@ def test_plots_of_a_sweep_dir_draw_the_sweeps_pictures_and_each_jobs_and_a_dir_o
         picture.unlink()
     (sweep / "curves.png").unlink()
     proc = subprocess.run(
-        [sys.executable, "-m", "runner.plots", str(sweep)], env=cli_env(), capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "runner.telemetry.plots", str(sweep)], env=cli_env(), capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
     printed = proc.stdout.split()
@@ -428,7 +428,7 @@ def test_plots_of_a_sweep_dir_draw_the_sweeps_pictures_and_each_jobs_and_a_dir_o
     neither = tmp_path / "empty"
     neither.mkdir()
     refused = subprocess.run(
-        [sys.executable, "-m", "runner.plots", str(neither)], env=cli_env(), capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "runner.telemetry.plots", str(neither)], env=cli_env(), capture_output=True, text=True, timeout=120
     )
     assert refused.returncode == 2 and f"{neither} is neither a run's dir (no history.jsonl) nor a sweep's" in refused.stderr
     assert list(neither.iterdir()) == []  # no empty plots/ left

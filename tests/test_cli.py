@@ -19,8 +19,8 @@ from conftest import cli_env, metrics_of, run_to_end, runner_command
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from runner.history import read_history
 from runner.plan import checkpoint_periods, loss_per_failure
+from runner.telemetry.history import read_history
 
 pytestmark = pytest.mark.slow
 

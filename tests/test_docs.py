@@ -58,6 +58,8 @@ def runner_commands() -> list[tuple[str, list[str]]]:
                     continue
                 if args[:1] == ["prepare-data"]:  # composes the overrides that follow as a run does
                     args = args[1:]
+                if args[:1] == ["estimate-memory"]:  # the same, beside its own option
+                    args = [a for a in args[1:] if not a.startswith("--num-processes") and not a.isdigit()]
                 found.append((f"{page.name}: {part.strip()[:120]}", args))
     return found
 

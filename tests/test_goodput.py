@@ -14,7 +14,8 @@ import time
 import pytest
 from conftest import run_to_end
 
-from runner.goodput import (
+from runner.run_dir import LEDGER
+from runner.telemetry.goodput import (
     PHASES,
     Ledger,
     job_began,
@@ -24,7 +25,6 @@ from runner.goodput import (
     table,
     write_summary,
 )
-from runner.run_dir import LEDGER
 
 
 def record(phase: str, t0: float, t1: float, **facts) -> dict:
@@ -118,7 +118,7 @@ def test_a_run_started_afresh_in_the_dir_loses_every_step_before_it():
 
 def test_the_ledger_coalesces_steps_and_writes_each_phase_as_it_ends(tmp_path, monkeypatch):
     clock = iter(float(t) for t in range(1, 100))
-    monkeypatch.setattr("runner.goodput.time.time", lambda: next(clock))
+    monkeypatch.setattr("runner.telemetry.goodput.time.time", lambda: next(clock))
     ledger = Ledger(tmp_path, 0.0, "startup")
     ledger.lap("setup")  # 0-1
     for step in (1, 2, 3):  # 1-2, 2-3, 3-4
@@ -153,14 +153,14 @@ def test_a_ledger_with_bytes_that_are_not_utf8_is_read_without_them_and_says_so(
     with open(tmp_path / LEDGER, "ab") as f:
         f.write(b'{"phase": "eval", "t0": 1.0, "t1": \xff\xfe2.0}\n')
     ledger.lap("eval", step=0)
-    with caplog.at_level(logging.WARNING, logger="runner.history"):
+    with caplog.at_level(logging.WARNING, logger="runner.telemetry.history"):
         assert [r["phase"] for r in read_ledger(tmp_path)] == ["setup", "eval"]
     assert f"{tmp_path / LEDGER}: line(s) 2 are not JSON records (damaged bytes)" in caplog.text
     assert write_summary(tmp_path)["wall_s"] > 0
     caplog.clear()
     with open(tmp_path / LEDGER, "ab") as f:
         f.write(b"\0" * 64)
-    with caplog.at_level(logging.WARNING, logger="runner.history"):
+    with caplog.at_level(logging.WARNING, logger="runner.telemetry.history"):
         assert len(read_ledger(tmp_path)) == 2
     assert "line(s) 2 are not" in caplog.text and "line(s) 4" not in caplog.text  # the tail: silent
 
@@ -187,7 +187,7 @@ def test_a_process_knows_when_it_started():
             [
                 sys.executable,
                 "-c",
-                "import time; time.sleep(0.3); import runner.goodput as g; print(g.process_start_time())",
+                "import time; time.sleep(0.3); import runner.telemetry.goodput as g; print(g.process_start_time())",
             ]
         )
     )

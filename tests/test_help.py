@@ -12,9 +12,9 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.object_type import ObjectType
 from hydra.errors import HydraException
 
+from runner.cli.help import docstring_args, first_job, help_text, sections, type_text, yaml_comments
+from runner.cli.init import init_project
 from runner.compose import command_hydra
-from runner.help import docstring_args, first_job, help_text, sections, type_text, yaml_comments
-from runner.scaffold import init_project
 from runner.schemas import register_configs
 from tests.conftest import cli_env
 
@@ -54,7 +54,7 @@ def _compositions(hydra) -> list[list[str]]:
 def test_every_setting_of_every_shipped_option_is_described(hydra):
     from hydra.types import RunMode
 
-    from runner.help import _comments
+    from runner.cli.help import _comments
 
     undescribed: dict[str, list[str]] = {}
     for overrides in _compositions(hydra):

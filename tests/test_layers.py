@@ -29,12 +29,8 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.ops",
             "runner.state",
             "runner.cluster",
-            "runner.run_log",
             "runner.run_dir",
-            "runner.dir_lock",
-            "runner.history",
-            "runner.goodput",
-            "runner.plots",
+            "runner.telemetry",
             "runner.config",
             "runner.perf",
             "runner.rng",
@@ -62,7 +58,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("building from config", ["runner.build", "runner.validate"]),
     (
         "loops and the plan",
-        ["runner.callbacks", "runner.watchdog", "runner.train", "runner.inference", "runner.plan"],
+        ["runner.callbacks", "runner.train", "runner.inference", "runner.plan"],
     ),
     ("launchers", ["runner.launchers"]),
     (
@@ -71,10 +67,6 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.cli",
             "runner.compose",
             "runner.env",
-            "runner.estimate_memory",
-            "runner.help",
-            "runner.prepare_data",
-            "runner.scaffold",
             "runner.schemas",
             "runner.sweep",
             "runner.__main__",
@@ -137,7 +129,7 @@ def resolve(name: str) -> str:
     return name
 
 
-STARTER = ROOT / "runner" / "starter"  # the project `runner init` writes: a user's code, not runner's
+STARTER = ROOT / "runner" / "cli" / "starter"  # the project `runner init` writes: a user's code, not runner's
 SOURCES = sorted(
     path
     for path in [*ROOT.glob("runner/**/*.py"), *ROOT.glob("tasks/**/*.py")]

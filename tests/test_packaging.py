@@ -70,8 +70,8 @@ def test_the_wheel_holds_configs_tasks_and_the_starter_project(wheel):
         "runner/conf/deepspeed/zero3.json",
         "runner/tasks/regression.py",
         "runner/data/assets/sonnets.txt",
-        "runner/starter/conf/experiment/example.yaml",
-        "runner/starter/package/model.py",
+        "runner/cli/starter/conf/experiment/example.yaml",
+        "runner/cli/starter/package/model.py",
     } <= names
     # Nothing at the top level that could shadow (or be shadowed by) a user's `tasks` or `conf`; the
     # sweeper is in Hydra's namespace package for plugins, which has no __init__.py of its own.

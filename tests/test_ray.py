@@ -21,11 +21,11 @@ import pytest
 from conftest import cli_env, metrics_of, runner_command
 
 from runner.errors import ConfigError, RankFailedError
-from runner.goodput import read_ledger
 from runner.launchers.ray.cluster import ANSWER_S, Node, connect, placement
 from runner.launchers.ray.launcher import REPORTS, outcome
 from runner.launchers.ray.workers import ERRORS, WORKERS
 from runner.launchers.reports import report_failure
+from runner.telemetry.goodput import read_ledger
 
 pytestmark = pytest.mark.slow
 

@@ -24,9 +24,9 @@ from runner import dir_lock
 from runner.cli import checks_before_launch, resume_last
 from runner.config import CONF_DIR
 from runner.errors import ConfigError
-from runner.goodput import read_ledger, summarize
-from runner.history import read_history
 from runner.schemas import register_configs
+from runner.telemetry.goodput import read_ledger, summarize
+from runner.telemetry.history import read_history
 
 pytestmark = pytest.mark.slow
 
@@ -578,7 +578,7 @@ def test_a_dir_held_by_what_a_dead_run_left_is_waited_for_then_refused_naming_th
         os.kill(child, signal.SIGKILL)
     monkeypatch.setattr(dir_lock, "LEFTOVER_WAIT_S", 10.0)
     child = left_holding(1.5)  # gone within the wait (and not before it began): the dir is this run's
-    with caplog.at_level("INFO", logger="runner.dir_lock"), dir_lock.run_dir_lock(tmp_path):
+    with caplog.at_level("INFO", logger="runner.run_dir.lock"), dir_lock.run_dir_lock(tmp_path):
         pass
     assert (
         f"is gone; waiting up to 10 s for the processes it started that still hold it to exit (pid {child})"

@@ -7,8 +7,8 @@ import csv
 
 import pytest
 
+from runner.cli.init import init_project
 from runner.errors import ConfigError
-from runner.scaffold import init_project
 
 
 def test_init_names_the_package_after_the_directory(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import rank_checks
 from conftest import cli_env, metrics_of, runner_command
 
-from runner.goodput import read_ledger
+from runner.telemetry.goodput import read_ledger
 
 pytestmark = pytest.mark.slow
 

@@ -19,6 +19,7 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
+from runner.callbacks.watchdog import AUTO_FLOOR_S, FIRST_STEPS_S, Watchdog
 from runner.checkpoint.files import CheckpointDiscarded, PendingWrite, save_torch
 from runner.checkpoint.resume import keep_configured_lr
 from runner.cli import leave_the_heap
@@ -38,7 +39,6 @@ from runner.hardware.pipeline import check_pipeline, local_stage_indices, stage_
 from runner.launchers.reports import lost_a_peer, repeated_failure, report_failure, reported_failure
 from runner.models import GPT
 from runner.schedulers import cosine
-from runner.watchdog import AUTO_FLOOR_S, FIRST_STEPS_S, Watchdog
 
 
 # ------------------------------------------------------------------------------------------ ParallelDims

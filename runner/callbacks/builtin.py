@@ -14,7 +14,7 @@ from runner.callbacks.profiler import ProfileSteps
 from runner.callbacks.progress import ProgressBar
 from runner.callbacks.watchdog import HangWatchdog
 from runner.config import TrainerConfig
-from runner.goodput import Ledger
+from runner.telemetry.goodput import Ledger
 
 
 def built_callbacks(

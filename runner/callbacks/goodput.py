@@ -1,4 +1,4 @@
-"""The goodput ledger's phases of the loop (a built-in callback named `goodput`; `runner.goodput`)."""
+"""The goodput ledger's phases of the loop (a built-in callback named `goodput`; `runner.telemetry.goodput`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.callbacks.base import Callback, Run
-from runner.goodput import Ledger, tracked, write_summary
+from runner.telemetry.goodput import Ledger, tracked, write_summary
 
 
 class GoodputLedger(Callback):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from runner.callbacks.base import Callback, Run
-from runner.history import History
+from runner.telemetry.history import History
 
 
 class RecordHistory(Callback):
     """Appends every set of metrics the run logs, with its step, to `<run dir>/history.jsonl` (the main
-    process's; `runner.history`), whatever the tracker; a run resumed from a checkpoint first drops the
-    lines past its step, which it logs again. What `runner.plots` draws."""
+    process's; `runner.telemetry.history`), whatever the tracker; a run resumed from a checkpoint first drops the
+    lines past its step, which it logs again. What `runner.telemetry.plots` draws."""
 
     def __init__(self) -> None:
         self.history: History | None = None

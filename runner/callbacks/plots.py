@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class PlotCurves(Callback):
-    """Draw the run's curves into `<run dir>/plots/` (`runner.plots`) in a process of its own, started with
+    """Draw the run's curves into `<run dir>/plots/` (`runner.telemetry.plots`) in a process of its own, started with
     the training and running only on CPU time the run leaves idle: it imports matplotlib while the run
     trains, draws at an evaluation (at most every `every_s` seconds, not while it is drawing, and only where
     the run's threads leave a core free), and at the end, where the run waits for the drawing of its whole
@@ -35,7 +35,7 @@ class PlotCurves(Callback):
     every_s = 30.0  # seconds between drawings during training, at least
 
     def __init__(self) -> None:
-        self.drawer: subprocess.Popen | None = None  # `python -m runner.plots --serve`
+        self.drawer: subprocess.Popen | None = None  # `python -m runner.telemetry.plots --serve`
         self.errors: IO[bytes] | None = None  # its stderr
         self.asked = False  # a drawing asked for and not answered yet
         self.answer: dict[str, Any] = {}  # the latest answer
@@ -50,7 +50,7 @@ class PlotCurves(Callback):
         if self.available and run.engine.is_main_process and self.drawer is None:
             self.errors = tempfile.TemporaryFile()  # noqa: SIM115  (closed with the drawer, `_close`)
             self.drawer = subprocess.Popen(
-                [sys.executable, "-m", "runner.plots", "--idle", "--serve", str(run.output_dir)],
+                [sys.executable, "-m", "runner.telemetry.plots", "--idle", "--serve", str(run.output_dir)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=self.errors,

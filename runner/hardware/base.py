@@ -153,7 +153,7 @@ class Strategy(ABC):
     @classmethod
     def states_sharded_by(cls, settings: Mapping[str, Any]) -> frozenset[str]:
         """What `sharded_states` is for these settings (the hardware group's), read without building the
-        strategy, whose backend need not be installed (`runner.estimate_memory`)."""
+        strategy, whose backend need not be installed (`runner estimate-memory`)."""
         return cls.sharded_states
 
     def device_name(self) -> str:

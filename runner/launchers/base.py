@@ -24,7 +24,7 @@ from runner.errors import (
 from runner.files import write_text
 from runner.hardware.base import Strategy
 from runner.run_dir import CHECKPOINTS, FINISHED, finite_metrics, resume_override
-from runner.run_log import configure_rank_logging
+from runner.run_dir.log import configure_rank_logging
 
 # What a rank runs: (resolved config, job dir, the strategy when one was built in this process) -> metrics.
 Entry = Callable[[DictConfig, Path, Strategy | None], dict[str, float]]

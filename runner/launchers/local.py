@@ -26,6 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher import api as launcher_api
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from runner.callbacks.watchdog import EXIT_HUNG, read_reports
 from runner.cluster import TrainJobNode, available_cores, launched_environment
 from runner.config import NonNegativeFloat, NonNegativeInt, PositiveFloat, checked
 from runner.errors import EXIT_INTERRUPTED, ConfigError, RankFailedError, TrainingInterrupted, signal_name
@@ -39,7 +40,6 @@ from runner.launchers.reports import (
     reported_failure,
 )
 from runner.run_dir import HANG_DIR
-from runner.watchdog import EXIT_HUNG, read_reports
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch.distributed as dist
 from hydra.errors import InstantiationException
 
+from runner.callbacks.watchdog import read_reports
 from runner.checkpoint.files import CheckpointDiscarded
 from runner.errors import (
     ConfigError,
@@ -23,7 +24,6 @@ from runner.errors import (
     describe_exception,
 )
 from runner.files import write_json
-from runner.watchdog import read_reports
 
 # What a rank raised, written for the launcher (the local launcher's ranks, a SLURM job's tasks): the
 # exceptions raised again as they are, by class name; any other is reported with its traceback.

@@ -16,7 +16,7 @@ from runner.cluster import TrainJobNode
 from runner.errors import EXIT_INTERRUPTED, RankFailedError, TrainingInterrupted
 from runner.launchers.base import Job
 from runner.launchers.local import NODE_WAIT_S, LocalLauncher
-from runner.run_log import configure_rank_logging
+from runner.run_dir.log import configure_rank_logging
 
 log = logging.getLogger("runner")
 

@@ -1,4 +1,4 @@
-"""`python -m runner.estimate_memory model=gpt model.d_model=1024 ...`: what the configured model needs
+"""`runner estimate-memory model=gpt model.d_model=1024 ...`: what the configured model needs
 per device, for inference and for training with each hardware group, in each dtype (as `accelerate
 estimate-memory` does for Hub models). Counted on the meta device: nothing is allocated.
 
@@ -10,17 +10,13 @@ depend on the batch and are not included.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from hydra import compose, initialize_config_module
-from hydra.errors import HydraException
 from hydra.utils import get_class
 from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
 
 from runner.build import build_on_meta
 from runner.config import CONF_PACKAGE
-from runner.errors import ConfigError, describe_compose_error
 from runner.hardware.big_modeling import compute_module_sizes
 from runner.plan import MB, optimizer_states, state_memory
 from runner.schemas import register_configs
@@ -83,9 +79,10 @@ def _mb(nbytes: float) -> str:
     return f"{nbytes / MB:>8.1f} MB"
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str]) -> None:
+    """Print the estimate for the overrides in `argv` (its errors are the command's: `runner.cli`)."""
     parser = argparse.ArgumentParser(
-        prog="python -m runner.estimate_memory",
+        prog="runner estimate-memory",
         description="Memory per device for the configured model: inference, and training with DDP, FSDP and "
         "ZeRO 1/2/3, in float32, bfloat16 and float16. Takes the same overrides as `python -m runner`.",
     )
@@ -94,15 +91,4 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.num_processes < 1:
         parser.error(f"--num-processes={args.num_processes}: must be >= 1")
-    try:
-        print(estimate(args.overrides, args.num_processes))
-    except (HydraException, OmegaConfBaseException) as err:
-        print(f"Configuration error: {describe_compose_error(err)}", file=sys.stderr)
-        sys.exit(2)
-    except ConfigError as err:
-        print(f"Configuration error: {err}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()
+    print(estimate(args.overrides, args.num_processes))

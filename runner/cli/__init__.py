@@ -39,6 +39,10 @@ from hydra_plugins.runner_launcher.launcher import RunnerLauncher
 from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
 from runner.build import fast_dev_run, is_inference, locate, records_goodput
 from runner.checkpoint.resume import LAST, check_finished_run, check_resume, latest_run
+from runner.cli.estimate_memory import main as estimate_memory_command
+from runner.cli.help import help_text
+from runner.cli.init import main as init_project_command
+from runner.cli.prepare_data import main as prepare_data_command
 from runner.cluster import ClusterEnvironment, launched_environment, launched_node, time_before_start
 from runner.compose import (
     CONFIG_NAME,
@@ -49,7 +53,6 @@ from runner.compose import (
     user_config_dirs,
 )
 from runner.config import CONF_SEARCH_PATH
-from runner.dir_lock import run_dir_lock
 from runner.errors import (
     EXIT_INTERRUPTED,
     SEARCH_PATH_MISSING,
@@ -69,19 +72,17 @@ from runner.errors import (
     write_failure,
 )
 from runner.files import write_json
-from runner.goodput import Ledger, end_of_command, job_began
-from runner.goodput import table as goodput_table
-from runner.help import help_text
 from runner.inference import infer
 from runner.launchers import Job
 from runner.launchers.base import interrupted
 from runner.launchers.kubernetes import run_node
 from runner.plan import describe as describe_plan
-from runner.prepare_data import main as prepare_data_command
 from runner.run_dir import FAILED, GOODPUT, JOB_CONFIG_DIR, RESOLVED, RUNS_DIR, FinishedRun
-from runner.run_log import FILE_ONLY, configure_rank_logging
-from runner.scaffold import main as init_project_command
+from runner.run_dir.lock import run_dir_lock
+from runner.run_dir.log import FILE_ONLY, configure_rank_logging
 from runner.schemas import register_configs
+from runner.telemetry.goodput import Ledger, end_of_command, job_began
+from runner.telemetry.goodput import table as goodput_table
 from runner.train import evaluate_weights, train
 from runner.validate import Built, check_job
 
@@ -344,7 +345,7 @@ CLOSING: list[Path] = []
 def run() -> None:
     """Console entry point (`runner`, `python -m runner`): composition errors become one paragraph on stderr
     and exit code 2. `runner init <dir>` writes a starter project instead, `runner prepare-data <overrides>`
-    the token shards of the data they compose."""
+    the token shards of the data they compose, `runner estimate-memory <overrides>` the model's memory."""
     register_configs()
     if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:  # never a Hydra override (those hold a `=`)
         _run_subcommand(sys.argv[1], sys.argv[2:])
@@ -379,11 +380,15 @@ def run() -> None:
         _end_command(err)
 
 
-SUBCOMMANDS = {"init": init_project_command, "prepare-data": prepare_data_command}
+SUBCOMMANDS = {
+    "init": init_project_command,
+    "prepare-data": prepare_data_command,
+    "estimate-memory": estimate_memory_command,
+}
 
 
 def _run_subcommand(name: str, arguments: list[str]) -> None:
-    """`runner init` or `runner prepare-data`, its errors ended as the command's."""
+    """`runner init`, `runner prepare-data` or `runner estimate-memory`, its errors ended as the command's."""
     try:
         SUBCOMMANDS[name](arguments)
     except (HydraException, OmegaConfBaseException) as err:
@@ -430,7 +435,7 @@ def _end_command(err: BaseException) -> NoReturn:
     sys.exit(status)
 
 
-HELP_FLAGS = {"--help", "-h"}  # runner's own help (runner.help); --hydra-help is Hydra's
+HELP_FLAGS = {"--help", "-h"}  # runner's own help (runner.cli.help); --hydra-help is Hydra's
 # Hydra's options that take a value, and --info's optional one.
 VALUE_OPTIONS = (
     *("--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp"),

@@ -1,8 +1,8 @@
-"""Pictures of runs: a run's curves drawn from its history (`runner.history`) into `<run dir>/plots/`: the
+"""Pictures of runs: a run's curves drawn from its history (`runner.telemetry.history`) into `<run dir>/plots/`: the
 losses, the other eval metrics, the learning rates and the throughput, one PNG each; and a sweep's, its
 jobs ranked by the objective (`sweep_figures`, drawn by `runner.sweep`). A run starts
-`python -m runner.plots --idle --serve <run dir>` when it starts training, which imports matplotlib while the
-run trains and draws each time the run asks (`trainer.plots`); run by hand, `python -m runner.plots <dir>`
+`python -m runner.telemetry.plots --idle --serve <run dir>` when it starts training, which imports matplotlib while the
+run trains and draws each time the run asks (`trainer.plots`); run by hand, `python -m runner.telemetry.plots <dir>`
 draws any run dir again, or a finished sweep's pictures and its jobs' (`draw_sweep`). Needs matplotlib (the `plots` extra)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from runner.files import replacing
-from runner.history import read_history
 from runner.run_dir import HISTORY, PLOTS, SWEEP_SUMMARY
+from runner.telemetry.history import read_history
 
 
 def curve(rows: list[dict[str, Any]], name: str) -> tuple[list[int], list[float]]:
@@ -243,7 +243,7 @@ def main(argv: list[str]) -> int:
     argv = argv[1:] if serving else argv
     if len(argv) != 1 or not Path(argv[0]).is_dir():
         print(
-            "usage: python -m runner.plots [--idle] [--serve] DIR (a run's dir, holding its history.jsonl, or a "
+            "usage: python -m runner.telemetry.plots [--idle] [--serve] DIR (a run's dir, holding its history.jsonl, or a "
             "sweep's, holding its summary.csv; --idle: only on CPU time nothing else wants; --serve: draw a run "
             "at each line on stdin, answering each with a JSON line)",
             file=sys.stderr,

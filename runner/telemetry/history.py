@@ -1,7 +1,7 @@
 """A run's metric history: `<run dir>/history.jsonl`, one line per logged set of metrics with its step,
 whatever the tracker (also `tracker=none`). Each line is written through to the file at once (a killed
 run keeps what it logged); a run resumed from a checkpoint first drops the lines past its step, which it
-logs again. What `runner.plots` draws."""
+logs again. What `runner.telemetry.plots` draws."""
 
 from __future__ import annotations
 
