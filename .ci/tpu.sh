@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The `hardware=tpu` tests in their own environment: torch_xla 2.9 needs exactly torch 2.9 (the main
+# The `hardware=xla` tests in their own environment: torch_xla 2.9 needs exactly torch 2.9 (the main
 # environment has 2.13). Builds the venv once (about 4 GB from the package index, a few minutes), installs
 # runner into it, and runs tests/test_tpu.py on XLA's CPU device (PJRT_DEVICE=CPU): one device, and SPMD
 # over 2 (the tests set CPU_NUM_DEVICES).

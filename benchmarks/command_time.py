@@ -194,7 +194,7 @@ def main() -> None:
         "python -m runner (MLflow, local store)": runner,
         "python -m runner tracker=none, piped": [*runner, "tracker=none"],
         "python -m runner (MLflow), piped": runner,
-        "python -m runner, 2 processes": [*runner, "hardware=multi_gpu", "hardware.num_processes=2"],
+        "python -m runner, 2 processes": [*runner, "hardware=ddp", "hardware.num_processes=2"],
         "plain torchrun DDP, 2 processes": [
             *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"),
             *(__file__, "--plain", "ddp"),

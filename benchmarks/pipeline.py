@@ -103,9 +103,9 @@ def plain_step_fn(blocks: int, microbatches: int):
 
 
 def runner_step_fn(schedule: str, blocks: int, microbatches: int):
-    """One optimizer step under runner: `hardware=megatron` pure pipeline with `schedule`."""
+    """One optimizer step under runner: `hardware=tensor_parallel` pure pipeline with `schedule`."""
     from runner import Accelerator
-    from runner.hardware.megatron import TensorParallel
+    from runner.hardware.tensor_parallel import TensorParallel
 
     interleaved = schedule == "interleaved_1f1b"
     strategy = TensorParallel(

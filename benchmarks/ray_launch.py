@@ -3,7 +3,7 @@
     bash .ci/ray.sh up        # the two-node cluster on this machine (as the tests use it)
     python benchmarks/ray_launch.py [--rounds 3]
 
-The default experiment on 2 ranks (`hardware=multi_gpu hardware.num_processes=2`), each command a fresh
+The default experiment on 2 ranks (`hardware=ddp hardware.num_processes=2`), each command a fresh
 process, in interleaved rounds: local, Ray (one worker per node, `launcher.placement=spread`), and local
 again as an A/A control. For each: the time from the command's start to the end of its first optimizer step
 (the goodput ledger's `warmup` record) and to its exit. All commands run inside the cluster's network
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 NAMESPACE = "/run/netns/runner-ray"
-COMMON = ["hardware=multi_gpu", "hardware.num_processes=2", "tracker=none", "trainer.plots=false"]
+COMMON = ["hardware=ddp", "hardware.num_processes=2", "tracker=none", "trainer.plots=false"]
 KINDS = {
     "local": [],
     "ray": ["launcher=ray", "launcher.address=127.0.0.1:6379", "launcher.placement=spread"],

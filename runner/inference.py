@@ -10,8 +10,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from runner.build import build_data, build_model
+from runner.hardware.big_model import BigModel
 from runner.hardware.big_modeling import init_empty_weights
-from runner.hardware.device_map import BigModel
 from runner.run_dir import RESOLVED
 from runner.task import InferenceTask
 

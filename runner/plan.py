@@ -115,7 +115,7 @@ def _compute(strategy: Strategy) -> str:
         if compile.scope != CompileScope.none
         else "eager"
     )
-    checkpointing = strategy.checkpointing
+    checkpointing = strategy.activation_checkpointing
     recomputed = {
         CheckpointingMode.none: "no activation checkpointing",
         CheckpointingMode.full: "activation checkpointing of every block",
@@ -161,12 +161,12 @@ def _activations(
     per_device = world_size if cfg.trainer.split_batches else 1
     try:
         flops = count_flops(lambda: meta_training_step(cfg, model, data, per_device))
-        apply_ac(blocks_of(model, strategy.block_classes(model)), strategy.checkpointing)
+        apply_ac(blocks_of(model, strategy.block_classes(model)), strategy.activation_checkpointing)
         with kept_for_backward(model) as kept:
             meta_training_step(cfg, model, data, per_device)
     except Exception as err:  # a task that reads values (`.item()`) cannot run on meta tensors
         return f"not estimated (the task's training_step cannot run on meta tensors: {str(err).splitlines()[0][:120]})"
-    checkpointing = strategy.checkpointing
+    checkpointing = strategy.activation_checkpointing
     checkpointed = ", with activation checkpointing" if checkpointing.mode != CheckpointingMode.none else ""
     if checkpointing.mode == CheckpointingMode.selective and checkpointing.save_matmuls:
         checkpointed += ", plus the matmul outputs it keeps, not counted here"

@@ -356,8 +356,8 @@ def refuse_fp8(precision: Precision, hardware: str, why: str) -> None:
     """ConfigError when `precision` is float8, which `hardware` cannot run (`why` says so)."""
     if isinstance(precision, Float8Precision):
         raise ConfigError(
-            f"precision=fp8 with hardware={hardware}: {why}. Use precision=fp8 with hardware=cpu (one GPU), "
-            "multi_gpu or fsdp, or precision=bf16 here."
+            f"precision=fp8 with hardware={hardware}: {why}. Use precision=fp8 with hardware=single_device (one GPU), "
+            "ddp or fsdp, or precision=bf16 here."
         )
 
 

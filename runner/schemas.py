@@ -28,7 +28,7 @@ from runner.config import (
     TrackerConfig,
 )
 from runner.hardware import DDP, FSDP, DeepSpeed, SingleDevice, TensorParallel
-from runner.hardware.device_map import BigModel
+from runner.hardware.big_model import BigModel
 from runner.hardware.xla import XLA
 from runner.launchers import LocalLauncher
 from runner.launchers.kubernetes import KubernetesLauncher
@@ -40,12 +40,12 @@ from runner.trackers import MLflowTracker, TensorBoardTracker, WandbTracker
 # group -> option (conf/<group>/<option>.yaml) -> the class it builds (None: builds nothing).
 OPTIONS: dict[str, dict[str, type | None]] = {
     "hardware": {
-        "cpu": SingleDevice,
-        "multi_gpu": DDP,
+        "single_device": SingleDevice,
+        "ddp": DDP,
         "fsdp": FSDP,
         "deepspeed": DeepSpeed,
-        "megatron": TensorParallel,
-        "tpu": XLA,
+        "tensor_parallel": TensorParallel,
+        "xla": XLA,
         "big_model": BigModel,
     },
     "precision": {

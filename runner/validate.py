@@ -33,7 +33,7 @@ from runner.config import CheckpointingMode, RunConfig, declared_ranges
 from runner.data.base import DataSource, Stream
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
-from runner.hardware.device_map import BigModel
+from runner.hardware.big_model import BigModel
 from runner.task import POSITIONS
 from runner.trackers.base import Tracker
 
@@ -675,7 +675,7 @@ def _checkpoint_problems(cfg: DictConfig, hardware: Any) -> list[str]:
     if not inference and isinstance(hardware, BigModel):
         problems.append(
             f"hardware=big_model places a model for inference, but task._target_={cfg.task._target_} trains. Train "
-            "with hardware=cpu, multi_gpu, fsdp or deepspeed; run inference with an inference task "
+            "with hardware=single_device, ddp, fsdp or deepspeed; run inference with an inference task "
             "(experiment=gpt_generate)."
         )
     if cfg.trainer.get("async_checkpoint") and not hardware.async_checkpoints:

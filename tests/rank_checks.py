@@ -485,7 +485,7 @@ MATRIX_STEPS, MATRIX_BATCH, MATRIX_SEQ = 20, 8, 16
 
 def matrix_strategy(hardware: str):
     from runner.hardware import FSDP, DeepSpeed, SingleDevice
-    from runner.hardware.megatron import TensorParallel
+    from runner.hardware.tensor_parallel import TensorParallel
 
     strategies = {
         "megatron_tp2": lambda: TensorParallel(device="cpu", tp_size=2),
@@ -715,7 +715,7 @@ def pipeline_order(schedule: str, microbatches: int, virtual_stages: int) -> dic
     """Over 2 pipeline ranks: the blocks each of this rank's stages holds, and the order in which they ran
     forward (F<stage>) and backward (B<stage>) in a training step (the second: the first also sizes the
     stages' buffers)."""
-    from runner.hardware.megatron import TensorParallel
+    from runner.hardware.tensor_parallel import TensorParallel
     from runner.models import GPT
 
     strategy = TensorParallel(

@@ -117,7 +117,7 @@ def test_ddp_and_process_group_kwargs_reach_ddp(accelerator_made):
 
 
 def test_the_ddp_settings_of_hardware_multi_gpu_reach_ddp(accelerator_made):
-    """hardware=multi_gpu's DDP settings (its YAML's names) on torch's DistributedDataParallel, each
+    """hardware=ddp's DDP settings (its YAML's names) on torch's DistributedDataParallel, each
     against torch's default (static_graph apart: with it, DDP finds unused parameters itself)."""
     cases = {
         (): (False, 25, False, False),
@@ -352,7 +352,7 @@ def test_accelerate_launch_variables_are_applied_or_refused(accelerator_made):
         sharded = accelerator_made(cpu=True)
     assert isinstance(sharded.strategy, FSDP) and sharded.strategy.shard_modules == ["Block"]
     assert not sharded.strategy.reshard_after_forward
-    assert sharded.strategy.checkpointing.mode.value == "full"
+    assert sharded.strategy.activation_checkpointing.mode.value == "full"
 
 
 # ---------------------------------------------------------------------------------------------- trackers

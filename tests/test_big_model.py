@@ -316,7 +316,7 @@ def test_generate_streams_the_same_text_with_weights_in_memory_or_on_disk(run_cl
             ["checkpoint={model}", "hardware.device_map=fastest"],
             "hardware.device_map='fastest': expected one of auto",
         ),
-        (["checkpoint={model}", "hardware=cpu"], "is an inference task: it runs with hardware=big_model"),
+        (["checkpoint={model}", "hardware=single_device"], "is an inference task: it runs with hardware=big_model"),
     ],
 )
 def test_bad_generate_input_is_one_paragraph_and_exit_2(forked_cli, sonnets_model, overrides, message):

@@ -266,7 +266,7 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
         (["optimizer.betas=[0.9]"], "optimizer: torch.optim.AdamW refuses its settings (ConfigIndexError"),
         (
             [
-                "hardware=multi_gpu",
+                "hardware=ddp",
                 "hardware.num_processes=2",
                 "trainer.split_batches=true",
                 "data.batch_size=33",
@@ -348,7 +348,7 @@ def test_every_problem_is_reported_at_once(forked_cli):
     assert "trainer.gradient_accumulation_steps=0: must be >= 1" in paragraphs[1]
     assert "trainer.max_grad_norm=-1.0: must be > 0" in paragraphs[2]
     # The launcher's checks and those that build the data, the model and the optimizer: together too.
-    proc = forked_cli("hardware=multi_gpu", "hardware.num_processes=4096", "optimizer.lr=-1")
+    proc = forked_cli("hardware=ddp", "hardware.num_processes=4096", "optimizer.lr=-1")
     assert proc.returncode == 2
     paragraphs = proc.stderr.removeprefix("Configuration error: ").strip().split("\n\n")
     assert paragraphs[0] == "optimizer.lr=-1: must be > 0.", paragraphs
@@ -376,7 +376,7 @@ def test_plan_estimates_activations_from_a_step_on_meta_tensors(forked_cli):
 
 
 def test_plan_still_refuses_bad_input(forked_cli):
-    proc = forked_cli("plan=true", "hardware=multi_gpu", "hardware.num_processes=0")
+    proc = forked_cli("plan=true", "hardware=ddp", "hardware.num_processes=0")
     assert proc.returncode == 2 and "hardware.num_processes=0: must be >= 1" in proc.stderr
 
 
@@ -389,7 +389,7 @@ def test_plan_counts_sgd_momentum_buffers(forked_cli, momentum, optimizer_mb):
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_loss_that_becomes_nan_stops_the_run_naming_step_lr_and_precision(run_cli, ranks):
-    more = ["hardware=multi_gpu", "hardware.num_processes=2"] if ranks == 2 else []
+    more = ["hardware=ddp", "hardware.num_processes=2"] if ranks == 2 else []
     proc = run_cli("optimizer.lr=1e8", "trainer.log_every=5", "trainer.checkpoint_every=5", *more)
     assert proc.returncode == 1, proc.stderr
     message = proc.stderr.strip().splitlines()[-1]
@@ -567,7 +567,7 @@ def test_a_run_piped_to_a_file_says_each_thing_once_in_the_users_words(run_cli):
 
 def test_mode_evaluate_reports_the_eval_metrics_of_a_runs_weights_on_any_number_of_ranks(run_cli, tmp_path):
     trained = metrics_of(run_to_end(tmp_path / "trained", "trainer.max_steps=20"))
-    for ranks in ([], ["hardware=multi_gpu", "hardware.num_processes=2"]):
+    for ranks in ([], ["hardware=ddp", "hardware.num_processes=2"]):
         run_dir = tmp_path / f"evaluated{len(ranks)}"
         evaluated = run_to_end(run_dir, "mode=evaluate", f"checkpoint={tmp_path / 'trained'}", *ranks)
         assert f"evaluating MLP (202K parameters) from {tmp_path / 'trained'}" in evaluated.stderr

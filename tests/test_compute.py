@@ -179,7 +179,7 @@ REFUSED = {
     ("experiment=gpt_sonnets", "trainer.activation_checkpointing.mode=full", "trainer.activation_checkpointing.every_n_blocks=2"): "a setting of mode=selective, and mode is full",
     ("experiment=gpt_sonnets", "trainer.activation_checkpointing.save_matmuls=true"): "a setting of mode=selective, and mode is none",
     ("experiment=gpt_sonnets", "precision=fp8"): "needs an NVIDIA GPU of compute capability 8.9 or newer",
-    ("experiment=gpt_sonnets", "precision=fp8", "precision.emulate=true", "hardware=megatron"): "precision=fp8 with hardware=megatron",
+    ("experiment=gpt_sonnets", "precision=fp8", "precision.emulate=true", "hardware=tensor_parallel"): "precision=fp8 with hardware=tensor_parallel",
     ("experiment=gpt_sonnets", "precision=fp8", "precision.emulate=true", "hardware=deepspeed"): "precision=fp8 with hardware=deepspeed",
     ("experiment=gpt_sonnets", "precision=fp8", "precision.recipe=rowwise", "precision.fsdp_float8_all_gather=true"): "one scale per tensor only",
     ("experiment=gpt_sonnets", "trainer.memory_snapshot=true"): "records the CUDA allocator's history",
@@ -188,7 +188,7 @@ REFUSED = {
     ("trainer.compile.scope=model", "trainer.compile.backend=nosuch"): "trainer.compile.backend=nosuch: not a torch.compile backend",
     ("trainer.compile.scope=model", "trainer.compile.mode=bogus"): "trainer.compile.mode=bogus: not a mode of the inductor backend",
     ("trainer.compile.scope=model", "trainer.compile.backend=eager", "trainer.compile.mode=max-autotune"): "modes are the inductor backend's",
-    ("experiment=gpt_sonnets", "hardware=megatron", "trainer.compile.scope=regional", "trainer.activation_checkpointing.mode=full"): "under tensor parallel in this torch",
+    ("experiment=gpt_sonnets", "hardware=tensor_parallel", "trainer.compile.scope=regional", "trainer.activation_checkpointing.mode=full"): "under tensor parallel in this torch",
 }  # fmt: skip
 
 

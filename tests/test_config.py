@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from hydra_plugins.runner_sweeper.resumable_sweeper import unfinished_batches
 from runner.build import locate
 from runner.cli import check_intervals, options_first
-from runner.config import CONF_DIR, Declared, Range, TrainerConfig, declared_ranges
+from runner.config import CONF_DIR, FORMER_NAMES, Declared, Range, TrainerConfig, declared_ranges
 from runner.errors import ConfigError, describe_compose_error
 from runner.schemas import OPTIONS, register_configs, schemas
 from runner.validate import check_job, validate
@@ -225,7 +225,24 @@ def typed_option_files() -> list[str]:
         f"{group}/{path.stem}"
         for group in ("hardware", "precision", "launcher", "tracker")
         for path in (CONF_DIR / group).glob("*.yaml")
+        if path.stem not in FORMER_NAMES.get(group, {})
     )
+
+
+@pytest.mark.parametrize(
+    ("group", "former", "option"), [(g, f, o) for g, names in FORMER_NAMES.items() for f, o in names.items()]
+)
+def test_a_former_option_name_is_its_option_under_another_name(group, former, option):
+    """`hardware=multi_gpu` in a user's YAML or command line is `hardware=ddp`: the same config composed
+    (the file extends the option and sets nothing), with the option's own settings overridable."""
+    document = yaml.safe_load((CONF_DIR / group / f"{former}.yaml").read_text())
+    assert document == {"defaults": [option, "_self_"]}
+    assert compose("config", overrides=[f"{group}={former}"])[group] == compose(
+        "config", overrides=[f"{group}={option}"]
+    )[group]
+    changed = compose("config", overrides=[f"{group}={former}", f"{group}.peak_flops=1e12"])[group]
+    target = OPTIONS[group][option]
+    assert changed.peak_flops == 1e12 and changed._target_ == f"{target.__module__}.{target.__qualname__}"
 
 
 @pytest.mark.parametrize("option", typed_option_files())
@@ -354,14 +371,14 @@ OTHER_VALUES = {
 BASE_OVERRIDES = {"hardware/deepspeed": ["hardware.zero_stage=3"], "tracker/wandb": ["tracker.mode=offline"]}
 # Settings the machine running the tests cannot give another value, and why.
 CANNOT_VARY = {
-    ("hardware/cpu", "device"): "the only device here is the CPU",
-    ("hardware/multi_gpu", "device"): "null picks the CPU here, as 'cpu' does",
+    ("hardware/single_device", "device"): "the only device here is the CPU",
+    ("hardware/ddp", "device"): "null picks the CPU here, as 'cpu' does",
     ("hardware/fsdp", "device"): "null picks the CPU here, as 'cpu' does",
-    ("hardware/megatron", "device"): "null picks the CPU here, as 'cpu' does",
+    ("hardware/tensor_parallel", "device"): "null picks the CPU here, as 'cpu' does",
     ("hardware/deepspeed", "device"): "null picks the CPU here, as 'cpu' does",
-    ("hardware/multi_gpu", "backend"): "null picks gloo on the CPU",
+    ("hardware/ddp", "backend"): "null picks gloo on the CPU",
     ("hardware/fsdp", "backend"): "null picks gloo on the CPU",
-    ("hardware/megatron", "backend"): "null picks gloo on the CPU",
+    ("hardware/tensor_parallel", "backend"): "null picks gloo on the CPU",
     ("hardware/deepspeed", "backend"): "null picks gloo on the CPU",
     ("tracker/wandb", "mode"): "online needs a W&B login, which the test machine has not",
 }
@@ -386,7 +403,7 @@ def typed_options() -> list[str]:
         f"{group}/{path.stem}"
         for group in ("hardware", "precision", "launcher", "tracker")
         for path in (CONF_DIR / group).glob("*.yaml")
-        if path.stem not in ("none", "tpu", "slurm")  # nothing built; torch_xla, sbatch: their own tests
+        if path.stem not in ("none", "xla", "slurm", *FORMER_NAMES.get(group, {}))  # nothing built; torch_xla, sbatch: their own tests; the same option again
     )
 
 
@@ -621,13 +638,13 @@ def test_hydra_options_move_before_the_overrides():
         ),
         (
             ["hardware=gpu9"],
-            "hardware=gpu9: there is no option 'gpu9' in the config group 'hardware'. Available: big_model, cpu, deepspeed, fsdp, megatron, multi_gpu, tpu.",
+            "hardware=gpu9: there is no option 'gpu9' in the config group 'hardware'. Available: big_model, cpu, ddp, deepspeed, fsdp, megatron, multi_gpu, single_device, tensor_parallel, tpu, xla.",
         ),
         (["data=table", "data.path=missing.csv", "data.target=y"], "data.path='missing.csv': no such file"),
         (["model._target_=nope.Model"], "model._target_='nope.Model' cannot be imported"),
         (["task._target_=nope.Task"], "task._target_='nope.Task' cannot be imported"),
         (["model=gpt"], "model.vocab_size is null and the data does not provide it"),
-        (["hardware=multi_gpu", "hardware.num_processes=0"], "hardware.num_processes=0: must be >= 1"),
+        (["hardware=ddp", "hardware.num_processes=0"], "hardware.num_processes=0: must be >= 1"),
         (["hardware.num_threads=0"], "hardware.num_threads=0: must be >= 1"),
         (["+max_steps=5"], "max_steps: not a setting of the top level (its settings are model, data,"),
         (["optimizer.lr=-1"], "optimizer.lr=-1: must be > 0."),
@@ -643,7 +660,7 @@ def test_hydra_options_move_before_the_overrides():
         (["hardware=fsdp", "hardware.num_threads=-1"], "hardware.num_threads=-1: must be >= 1"),
         (
             [
-                "hardware=multi_gpu",
+                "hardware=ddp",
                 "hardware.num_processes=2",
                 "trainer.split_batches=true",
                 "data.batch_size=33",
@@ -652,7 +669,7 @@ def test_hydra_options_move_before_the_overrides():
         ),
         (
             [
-                "hardware=multi_gpu",
+                "hardware=ddp",
                 "hardware.num_processes=2",
                 "data.num_samples=20",
                 "data.eval_fraction=0.05",
@@ -660,8 +677,8 @@ def test_hydra_options_move_before_the_overrides():
             ],
             "the eval set has 1 sample(s), fewer than the 2 processes",
         ),
-        (["hardware=multi_gpu", "hardware.device=tpu"], "hardware.device='tpu': expected 'cuda', 'cpu'"),
-        (["hardware=multi_gpu", "hardware.device=cuda"], "this machine has 0 visible GPU(s)"),
+        (["hardware=ddp", "hardware.device=tpu"], "hardware.device='tpu': expected 'cuda', 'cpu'"),
+        (["hardware=ddp", "hardware.device=cuda"], "this machine has 0 visible GPU(s)"),
         (["launcher.start_method=thread"], "launcher.start_method='thread': expected one of"),
         (["hardware=fsdp", "precision=fp16"], "precision=fp16 with hardware=fsdp"),
         (["hardware=deepspeed", "precision=fp16"], "precision=fp16 with hardware=deepspeed on the CPU"),
@@ -741,7 +758,7 @@ def test_broken_data_files_and_a_model_that_does_not_fit_are_refused_before_laun
         (
             "experiment=gpt_sonnets",
             "model.max_seq_len=16",
-            "hardware=multi_gpu",
+            "hardware=ddp",
             "hardware.num_processes=2",
         ): ("sequence length 64 exceeds model.max_seq_len=16"),
     }
@@ -958,12 +975,12 @@ def test_a_refused_hardware_group_leaves_the_data_and_model_checks_to_report_too
 
 def test_start_weights_of_another_shape_are_refused_before_launch(tmp_path):
     """`checkpoint=` against the model built on meta, from the file's header: refused before any rank
-    starts (under hardware=multi_gpu the ranks' load would be the first to see it)."""
+    starts (under hardware=ddp the ranks' load would be the first to see it)."""
     from runner.models import MLP
 
     weights = tmp_path / "model.safetensors"
     save_file(MLP(16, 1, hidden_size=64, num_layers=2).state_dict(), weights)
-    common = [f"checkpoint={weights}", "model.num_layers=2", "tracker=none", "hardware=multi_gpu"]
+    common = [f"checkpoint={weights}", "model.num_layers=2", "tracker=none", "hardware=ddp"]
     check_job(compose("config", overrides=[*common, "model.hidden_size=64"]))
     with pytest.raises(ConfigError, match=r"does not match MLP \(with another shape: net.0.weight \(64, 16\)"):
         check_job(compose("config", overrides=[*common, "model.hidden_size=32"]))

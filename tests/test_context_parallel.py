@@ -178,7 +178,7 @@ def test_context_parallel_from_the_command_line_trains_as_one_process(run_cli):
         (
             [
                 "experiment=gpt_sonnets",
-                "hardware=megatron",
+                "hardware=tensor_parallel",
                 "hardware.tp_size=1",
                 "hardware.pp_size=2",
                 "hardware.cp_size=2",

@@ -100,7 +100,7 @@ def _sources(files: Path) -> dict[str, list[str]]:
     }
 
 
-RANKS = {1: [], 2: ["hardware=multi_gpu", "hardware.num_processes=2"]}
+RANKS = {1: [], 2: ["hardware=ddp", "hardware.num_processes=2"]}
 
 
 @pytest.mark.slow

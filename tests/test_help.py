@@ -72,7 +72,7 @@ def test_help_shows_values_types_and_descriptions_and_hides_internal_groups():
     register_configs()
     text = help_text(["hardware=fsdp", "trainer.max_steps=7", "--help"])
     assert "schema/" not in text and "hydra/" not in text
-    assert "  hardware    big_model cpu deepspeed *fsdp megatron multi_gpu tpu" in text
+    assert "  hardware    big_model ddp deepspeed *fsdp single_device tensor_parallel xla" in text
     lines = text.splitlines()
     at = lines.index("  trainer.max_steps=7  (int >= 1 | null)")  # the override's value, the dataclass's type
     assert lines[at + 1].strip() == "optimizer steps to train; null: max_epochs epochs"  # the YAML comment

@@ -18,8 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from runner.big_modeling import init_empty_weights, load_checkpoint_and_dispatch
 from runner.build import value_free_attention
 from runner.errors import ConfigError
-from runner.hardware.megatron import TensorParallel
 from runner.hardware.parallelize import declared_tp_plan, sharding_units
+from runner.hardware.tensor_parallel import TensorParallel
 from runner.models.decoder_stages import DecoderStage, is_decoder_lm
 from runner.models.hf import causal_lm, sequence_classification
 from runner.task import batch_targets, model_outputs
@@ -43,17 +43,17 @@ TINY = [
 ]
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
 HARDWARE = {
-    "multi_gpu": ["hardware=multi_gpu", "hardware.num_processes=2"],
+    "multi_gpu": ["hardware=ddp", "hardware.num_processes=2"],
     "fsdp": ["hardware=fsdp", "hardware.num_processes=2"],  # units: the model's LlamaDecoderLayer
     "deepspeed_zero3": ["hardware=deepspeed", "hardware.num_processes=2", "hardware.zero_stage=3"],
-    "megatron_tp2": ["hardware=megatron", "hardware.num_processes=2", "hardware.tp_size=2"],  # its _tp_plan
+    "megatron_tp2": ["hardware=tensor_parallel", "hardware.num_processes=2", "hardware.tp_size=2"],  # its _tp_plan
     "fsdp_cp2": [  # each rank a share of every sequence: its attention over the gathered keys and values
         "hardware=fsdp",
         "hardware.num_processes=2",
         "hardware.cp_size=2",
     ],
     "megatron_pp2": [  # its decoder layers split into 2 stages (DecoderStage)
-        "hardware=megatron",
+        "hardware=tensor_parallel",
         "hardware.num_processes=2",
         "hardware.tp_size=1",
         "hardware.pp_size=2",

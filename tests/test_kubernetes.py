@@ -29,7 +29,7 @@ TRAIN = [
     "trainer.eval_every=30",
     "trainer.checkpoint_every=20",
     "model.dropout=0.1",
-    "hardware=multi_gpu",
+    "hardware=ddp",
 ]
 TRAINJOB = [
     "launcher=kubernetes",
@@ -177,7 +177,7 @@ def test_the_trainjob_matches_kubeflows_schema_and_its_pods_train_bitwise_as_loc
 
 def test_submitting_without_a_kube_context_is_refused_before_anything_is_written(tmp_path):
     proc = subprocess.run(
-        runner_command(tmp_path / "run", "hardware=multi_gpu", *TRAINJOB, "launcher.submit=true"),
+        runner_command(tmp_path / "run", "hardware=ddp", *TRAINJOB, "launcher.submit=true"),
         env=cli_env() | {"KUBECONFIG": str(tmp_path / "no-such-config")},
         capture_output=True,
         text=True,

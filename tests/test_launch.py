@@ -27,7 +27,7 @@ from runner.models import GPT
 pytestmark = pytest.mark.slow
 
 TESTS = Path(__file__).parent
-TWO_RANKS = ("hardware=multi_gpu", "hardware.num_processes=2")
+TWO_RANKS = ("hardware=ddp", "hardware.num_processes=2")
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -343,7 +343,7 @@ def test_under_torchrun_ranks_train_without_spawning_and_share_one_dir(tmp_path)
         "runner",
     ]
     proc = subprocess.run(
-        [*command, "hardware=multi_gpu", "trainer.max_steps=20", "trainer.progress_bar=false"],
+        [*command, "hardware=ddp", "trainer.max_steps=20", "trainer.progress_bar=false"],
         env=cli_env() | {"TMPDIR": str(scratch)},
         cwd=tmp_path,
         capture_output=True,

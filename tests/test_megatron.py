@@ -1,4 +1,4 @@
-"""`hardware=megatron` from the command line: tensor parallel (and tensor x data parallel) training that
+"""`hardware=tensor_parallel` from the command line: tensor parallel (and tensor x data parallel) training that
 matches one process, DCP checkpoints and resume, full weights at the end, and what is refused before launch.
 The loss-curve matrix against one process (tp 2, tp 2 x dp 2) is in test_matrix.py."""
 
@@ -23,7 +23,7 @@ def test_tensor_parallel_trains_exactly_as_one_process_on_the_same_batches(run_c
     assert single.returncode == 0, single.stderr
     tp = run_cli(
         *TRAIN,
-        "hardware=megatron",
+        "hardware=tensor_parallel",
         "hardware.num_processes=2",
         f"hardware.sequence_parallel={sequence_parallel}",
     )
@@ -35,7 +35,7 @@ def test_tensor_parallel_trains_exactly_as_one_process_on_the_same_batches(run_c
 
 def test_tp_by_dp_checkpoints_with_dcp_resumes_and_saves_full_weights(run_cli):
     hardware = (
-        "hardware=megatron",
+        "hardware=tensor_parallel",
         "hardware.num_processes=4",
         "hardware.oversubscribe=true",  # on a 2-core machine
         "hardware.tp_size=2",
@@ -73,12 +73,12 @@ def test_tp_by_dp_checkpoints_with_dcp_resumes_and_saves_full_weights(run_cli):
             "tp_size=3 does not divide model.n_heads=4",
         ),
         ([], "MLP declares no tensor-parallel plan"),  # the default experiment's model
-        (["experiment=gpt_sonnets", "precision=fp16"], "precision=fp16 with hardware=megatron"),
+        (["experiment=gpt_sonnets", "precision=fp16"], "precision=fp16 with hardware=tensor_parallel"),
         (["experiment=gpt_sonnets", "hardware.tp_size=0"], "hardware.tp_size=0: must be >= 1"),
     ],
 )
 def test_what_tensor_parallel_cannot_do_is_refused_before_launch(forked_cli, overrides, message):
-    proc = forked_cli("hardware=megatron", *overrides)
+    proc = forked_cli("hardware=tensor_parallel", *overrides)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert "starting" not in proc.stderr  # no rank was started

@@ -157,7 +157,7 @@ def test_runner_init_writes_a_project_that_trains_on_1_and_2_processes(venv, tmp
             "conf",
             "experiment=example",
             "tracker=none",
-            "hardware=multi_gpu",
+            "hardware=ddp",
             "hardware.num_processes=2",
         ],
         cwd=project,

@@ -1,4 +1,4 @@
-"""Pipeline parallel (`hardware=megatron hardware.pp_size=N`): each schedule runs its own order of
+"""Pipeline parallel (`hardware=tensor_parallel hardware.pp_size=N`): each schedule runs its own order of
 microbatches over the stages, a run from the command line trains as one process does and ends with the
 full weights, and what cannot run is refused before launch. The loss curves against one process (pp 2 with
 each schedule, pp 2 x dp 2, tp 2 x pp 2) and resharding to and from a pipeline are in test_matrix.py."""
@@ -56,7 +56,7 @@ def test_each_schedule_runs_its_order_of_microbatches(schedule, microbatches, vi
 
 
 TRAIN = ("experiment=gpt_sonnets", "trainer.max_steps=12", "trainer.eval_every=6", "tracker=none")
-PIPELINE = ("hardware=megatron", "hardware.num_processes=2", "hardware.tp_size=1", "hardware.pp_size=2")
+PIPELINE = ("hardware=tensor_parallel", "hardware.num_processes=2", "hardware.tp_size=1", "hardware.pp_size=2")
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

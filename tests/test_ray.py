@@ -41,7 +41,7 @@ TRAIN = [
     "trainer.checkpoint_every=25",
     "model.dropout=0.1",
 ]
-HARDWARE = {"ddp": "hardware=multi_gpu", "fsdp": "hardware=fsdp"}
+HARDWARE = {"ddp": "hardware=ddp", "fsdp": "hardware=fsdp"}
 
 
 def in_cluster(command: list[str]) -> list[str]:

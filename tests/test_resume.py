@@ -37,7 +37,7 @@ TRAIN = [
     "trainer.checkpoint_every=25",
     "model.dropout=0.1",
 ]
-RANKS = {1: [], 2: ["hardware=multi_gpu", "hardware.num_processes=2"]}
+RANKS = {1: [], 2: ["hardware=ddp", "hardware.num_processes=2"]}
 
 
 def run(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -342,7 +342,7 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_training(tmp_path):
     cases = {
         ("model.hidden_size=128",): "holds the state of another model than this run's MLP (another shape: "
         "net.0.weight (64, 16) there, (128, 16) here;",
-        ("hardware=multi_gpu", "hardware.num_processes=2"): "was written by 1 process(es) and this run has 2",
+        ("hardware=ddp", "hardware.num_processes=2"): "was written by 1 process(es) and this run has 2",
         (f"trainer.resume={tmp_path / 'missing'}",): "no such directory",
         (
             "optimizer=sgd",
@@ -700,10 +700,10 @@ def test_a_finished_runs_results_are_replaced_only_by_a_run_that_continues_it(tm
     assert "trainer.overwrite=true" in changed.stderr and "Traceback" not in changed.stderr
     assert {name: (tmp_path / name).read_bytes() for name in results} == results
     # another hardware option: its class first, then the values both have, then those only one has
-    other = refused(tmp_path, *quick, "hardware=multi_gpu", "hardware.num_processes=2", "optimizer.lr=0.01")
+    other = refused(tmp_path, *quick, "hardware=ddp", "hardware.num_processes=2", "optimizer.lr=0.01")
     listed = other.stderr.split("holds a run that finished", 1)[1]
     assert (
-        "(hardware._target_=runner.hardware.cpu.SingleDevice there, runner.hardware.ddp.DDP here; hardware.device=cpu "
+        "(hardware._target_=runner.hardware.single_device.SingleDevice there, runner.hardware.ddp.DDP here; hardware.device=cpu "
         "there, None here; optimizer.lr=0.001 there, 0.01 here; hardware.backend=<unset> there, None here;" in listed
     ), listed
     same = run(tmp_path, *quick, "trainer.progress_bar=false")  # not a setting of the results

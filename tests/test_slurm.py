@@ -21,7 +21,7 @@ from runner.telemetry.goodput import read_ledger
 pytestmark = pytest.mark.slow
 
 TESTS = Path(__file__).parent
-TWO_TASKS = ["launcher=slurm", "hardware=multi_gpu", "hardware.num_processes=2"]
+TWO_TASKS = ["launcher=slurm", "hardware=ddp", "hardware.num_processes=2"]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_a_two_task_ddp_job_trains_exactly_as_two_local_ranks(slurm, tmp_path):
     assert "submitted SLURM job" in proc.stderr and "1 node(s) x 2 task(s)" in proc.stderr
     assert "2 process(es)" in proc.stderr  # rank 0's log, streamed while the job ran
     assert sorted(p.name for p in (tmp_path / "slurm" / "slurm").glob("*_log.err"))[-1].endswith("_1_log.err")
-    local = run(tmp_path / "local", "hardware=multi_gpu", "hardware.num_processes=2", "trainer.max_steps=30")
+    local = run(tmp_path / "local", "hardware=ddp", "hardware.num_processes=2", "trainer.max_steps=30")
     assert local.returncode == 0, local.stderr
     assert metrics_of(proc) == metrics_of(local)
     weights = [tmp_path / name / "model" / "model.safetensors" for name in ("slurm", "local")]
@@ -101,7 +101,7 @@ def test_a_sweep_runs_as_a_slurm_array_with_one_dir_per_job(slurm, tmp_path):
     proc = sweep_on_slurm(
         sweep,
         "trainer.max_steps=20",
-        "hardware=multi_gpu",
+        "hardware=ddp",
         "hardware.num_processes=2",
         "optimizer.lr=1e-3,1e-4",
     )
@@ -133,7 +133,7 @@ def test_sweep_jobs_that_ask_for_other_tasks_are_arrays_of_their_own(slurm, tmp_
     is one array, each job with one task per rank."""
     sweep = tmp_path / "sweep"
     proc = sweep_on_slurm(
-        sweep, "trainer.max_steps=5", "tracker=none", "hardware=multi_gpu", "hardware.num_processes=1,2,2"
+        sweep, "trainer.max_steps=5", "tracker=none", "hardware=ddp", "hardware.num_processes=1,2,2"
     )
     assert proc.returncode == 0, proc.stderr
     tasks = array_tasks(sweep)
@@ -152,7 +152,7 @@ def test_a_preempted_job_requeues_itself_and_ends_bitwise_equal_to_an_uninterrup
         "trainer.checkpoint_every=50",
         "model.dropout=0.1",
     ]
-    reference = run(tmp_path / "reference", "hardware=multi_gpu", "hardware.num_processes=2", *train)
+    reference = run(tmp_path / "reference", "hardware=ddp", "hardware.num_processes=2", *train)
     assert reference.returncode == 0, reference.stderr
     run_dir = tmp_path / "run"
     env = cli_env()

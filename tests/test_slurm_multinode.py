@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 NODES = ("rnode1", "rnode2")
 TWO_NODES = ["launcher=slurm", "launcher.partition=multinode", "launcher.nodes=2"]
-ONE_RANK_EACH = [*TWO_NODES, "hardware=multi_gpu", "hardware.num_processes=1"]  # DDP, a rank per node
+ONE_RANK_EACH = [*TWO_NODES, "hardware=ddp", "hardware.num_processes=1"]  # DDP, a rank per node
 RENDEZVOUS = re.compile(r"rendezvous at (\S+):\d+ \((\S+)\): (\d+) rank\(s\) on (\d+) host\(s\): (.*)")
 
 
@@ -112,7 +112,7 @@ def test_a_two_node_ddp_job_meets_at_the_first_node_and_trains_exactly_as_two_lo
     assert (address, ranks, hosts, layout) == ("rnode1", "2", "2", "rnode1 [0], rnode2 [1]")
     assert ip == "10.251.77.11"  # the first node's own interface, never 127.0.0.1
     assert hosts_of(tmp_path / "slurm") == {0: "rnode1", 1: "rnode2"}
-    local = run(tmp_path / "local", "hardware=multi_gpu", "hardware.num_processes=2", "trainer.max_steps=30")
+    local = run(tmp_path / "local", "hardware=ddp", "hardware.num_processes=2", "trainer.max_steps=30")
     assert_same_training(proc, local, tmp_path)
 
 
@@ -133,7 +133,7 @@ def test_a_preempted_two_node_job_requeues_and_ends_bitwise_equal(two_nodes, tmp
         "trainer.checkpoint_every=50",
         "model.dropout=0.1",
     ]
-    reference = run(tmp_path / "reference", "hardware=multi_gpu", "hardware.num_processes=2", *train)
+    reference = run(tmp_path / "reference", "hardware=ddp", "hardware.num_processes=2", *train)
     assert reference.returncode == 0, reference.stderr
     run_dir = tmp_path / "run"
     proc = start(run_dir, *ONE_RANK_EACH, *train)

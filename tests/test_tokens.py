@@ -599,12 +599,12 @@ def test_document_mask_with_a_model_or_hardware_that_cannot_is_refused(corpus, t
         hf = compose("config", overrides=[*data, "model=hf_causal_lm", "tracker=none"])
         cp = compose(
             "config",
-            overrides=[*data, "model=gpt", "hardware=megatron", "hardware.cp_size=2", "hardware.tp_size=1",
+            overrides=[*data, "model=gpt", "hardware=tensor_parallel", "hardware.cp_size=2", "hardware.tp_size=1",
                        "hardware.device=cpu", "tracker=none"],
         )  # fmt: skip
         pp = compose(
             "config",
-            overrides=[*data, "model=gpt", "hardware=megatron", "hardware.pp_size=2", "hardware.tp_size=1",
+            overrides=[*data, "model=gpt", "hardware=tensor_parallel", "hardware.pp_size=2", "hardware.tp_size=1",
                        "hardware.device=cpu", "tracker=none"],
         )  # fmt: skip
         ok = compose("config", overrides=[*data, "model=gpt", "tracker=none"])

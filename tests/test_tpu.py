@@ -1,4 +1,4 @@
-"""`hardware=tpu` (torch_xla) with `PJRT_DEVICE=CPU`: one device, and SPMD data parallel over 2 devices
+"""`hardware=xla` (torch_xla) with `PJRT_DEVICE=CPU`: one device, and SPMD data parallel over 2 devices
 (`CPU_NUM_DEVICES=2`), each matching plain PyTorch's fp32 loss curve on the same batches within 1e-5, with a
 save_state/load_state round trip. torch_xla needs its own environment (torch 2.9): `.ci/tpu.sh` builds it and
 runs this file there; elsewhere these tests skip, except the one that checks the message without it."""
@@ -23,7 +23,7 @@ needs_xla = pytest.mark.skipif(
 )
 
 # Trains the tiny GPT for 12 steps on the same global batches twice: plain PyTorch on the CPU, then the
-# Accelerator on hardware=tpu; then a checkpoint round trip. Prints the losses as JSON.
+# Accelerator on hardware=xla; then a checkpoint round trip. Prints the losses as JSON.
 SCRIPT = r"""
 import json, sys, torch
 from torch.utils.data import DataLoader
@@ -109,7 +109,7 @@ def test_runner_trains_on_tpu_from_the_command_line(run_cli, monkeypatch, tmp_pa
     record = tmp_path / "probe"
     probe = ["task._target_=probes.RecordingRegression", f"+task.record={record}"]
     proc = run_cli(
-        "hardware=tpu",
+        "hardware=xla",
         "precision=bf16",
         *probe,
         "trainer.max_steps=20",
@@ -120,21 +120,21 @@ def test_runner_trains_on_tpu_from_the_command_line(run_cli, monkeypatch, tmp_pa
     assert proc.returncode == 0, proc.stderr
     assert "on xla" in proc.stderr and metrics_of(proc)["eval/loss"] < 1.0
     assert set(probes.read(record, "task")) == {"bfloat16"}  # XLA's autocast
-    refused = run_cli("hardware=tpu", "precision=fp16")
-    assert refused.returncode == 2 and "precision=fp16 with hardware=tpu" in refused.stderr
+    refused = run_cli("hardware=xla", "precision=fp16")
+    assert refused.returncode == 2 and "precision=fp16 with hardware=xla" in refused.stderr
     refused = run_cli(
-        "hardware=tpu", "trainer.compile.scope=model", "trainer.activation_checkpointing.mode=full"
+        "hardware=xla", "trainer.compile.scope=model", "trainer.activation_checkpointing.mode=full"
     )
     assert refused.returncode == 2, refused.stderr
     assert (
-        "trainer.compile.scope=model and trainer.activation_checkpointing.mode=full with hardware=tpu"
+        "trainer.compile.scope=model and trainer.activation_checkpointing.mode=full with hardware=xla"
         in refused.stderr
     )
 
 
 @pytest.mark.skipif(HAS_XLA, reason="torch_xla is installed here")
 def test_without_torch_xla_hardware_tpu_says_how_to_get_it(run_cli):
-    proc = run_cli("hardware=tpu")
+    proc = run_cli("hardware=xla")
     assert proc.returncode == 2, proc.stderr
-    assert "hardware=tpu needs torch_xla, which is not installed here" in proc.stderr
+    assert "hardware=xla needs torch_xla, which is not installed here" in proc.stderr
     assert "torch_xla 2.9 needs torch 2.9" in proc.stderr

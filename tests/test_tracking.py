@@ -103,7 +103,7 @@ def test_a_two_rank_run_logs_params_tags_metrics_and_artifacts_to_a_server(run_c
         ["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True
     ).stdout.strip()
     proc = run_cli(
-        *TRAIN, "hardware=multi_gpu", "hardware.num_processes=2", f"tracker.uri={server.uri}",
+        *TRAIN, "hardware=ddp", "hardware.num_processes=2", f"tracker.uri={server.uri}",
         "tracker.log_model=true", "tracker.experiment_name=served", "+tracker.tags.team=vision",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

@@ -33,9 +33,9 @@ from runner.errors import (
     ending,
 )
 from runner.hardware.base import ParameterMap
-from runner.hardware.cpu import SingleDevice
 from runner.hardware.mesh import ParallelDims
 from runner.hardware.pipeline import check_pipeline, local_stage_indices, stage_blocks
+from runner.hardware.single_device import SingleDevice
 from runner.launchers.reports import lost_a_peer, repeated_failure, report_failure, reported_failure
 from runner.models import GPT
 from runner.schedulers import cosine

@@ -14,7 +14,7 @@ from runner import Accelerator
 from runner.errors import ConfigError
 from runner.hardware import DDP, FSDP, SingleDevice
 from runner.hardware.deepspeed import DeepSpeed
-from runner.hardware.megatron import TensorParallel
+from runner.hardware.tensor_parallel import TensorParallel
 from runner.utils import (
     DistributedType,
     PrecisionType,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 # `accelerate launch` (and an Accelerate config) pass settings to the script in these variables.
 _ACCELERATE_REFUSED = {
-    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM: pass strategy=runner.hardware.TensorParallel(...), or run `python -m runner hardware=megatron`",
+    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM: pass strategy=runner.hardware.TensorParallel(...), or run `python -m runner hardware=tensor_parallel`",
     "ACCELERATE_USE_SAGEMAKER": "SageMaker data parallel, which runner does not have",
     "ACCELERATE_DEBUG_MODE": "debug mode (shape checks before every collective), which runner does not have",
 }

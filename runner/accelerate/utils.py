@@ -435,7 +435,7 @@ def is_fp8_available() -> bool:
 
 
 def is_megatron_lm_available() -> bool:
-    """Whether Accelerate's Megatron-LM plugin could run: never here (runner's `hardware=megatron` is its own
+    """Whether Accelerate's Megatron-LM plugin could run: never here (runner's `hardware=tensor_parallel` is its own
     tensor and pipeline parallel over torch, and needs no Megatron-LM)."""
     return False
 

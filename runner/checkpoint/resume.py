@@ -167,7 +167,7 @@ def check_checkpoint_fits(
         raise ConfigError(
             f"{key}: {checkpoint} was written by {written_by} process(es) and this run has {world_size}; "
             f"its {checkpoint_format!r} model state does not reshard onto another number of ranks (the sharded "
-            f"checkpoints of hardware=fsdp and megatron do). Resume with {written_by} process(es) "
+            f"checkpoints of hardware=fsdp and tensor_parallel do). Resume with {written_by} process(es) "
             f"(hardware.num_processes={written_by} from the command line), or start fresh (trainer.resume=null)."
         )
     written_readers = meta.get("data_parallel_size", written_by)

@@ -24,7 +24,7 @@ from runner.schemas import register_configs
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Each hardware group as the overrides that select it.
 GROUPS = {
-    "DDP": ["hardware=multi_gpu"],
+    "DDP": ["hardware=ddp"],
     "FSDP": ["hardware=fsdp"],
     "ZeRO-1": ["hardware=deepspeed", "hardware.zero_stage=1"],
     "ZeRO-2": ["hardware=deepspeed", "hardware.zero_stage=2"],

@@ -34,7 +34,7 @@ from omegaconf import DictConfig, ListConfig
 
 from runner.build import locate
 from runner.compose import CONFIG_NAME, command_hydra
-from runner.config import Range, RunConfig
+from runner.config import FORMER_NAMES, Range, RunConfig
 from runner.schemas import settings_of
 
 INTERNAL_GROUPS = ("hydra", "schema")
@@ -93,7 +93,8 @@ def help_text(arguments: list[str], width: int = 100) -> str:
     ]
     pad = max(map(len, groups), default=0) + 2
     for group in sorted(groups):
-        marked = [f"*{o}" if o == choices.get(group) else o for o in options[group]]
+        shown = [o for o in options[group] if o not in FORMER_NAMES.get(group, {}) or o == choices.get(group)]
+        marked = [f"*{o}" if o == choices.get(group) else o for o in shown]
         lines += textwrap.wrap(
             " ".join(marked), width, initial_indent=f"  {group:<{pad}}", subsequent_indent=" " * (pad + 2)
         )

@@ -8,7 +8,7 @@ import torch
 
 from runner.config import Fraction, NonNegativeFloat, PositiveInt, Range, Seed
 from runner.data.base import DataSource, TensorDictDataset, random_split
-from runner.data.text import TokenWindows
+from runner.data.text import StridedWindows
 from runner.errors import ConfigError
 
 
@@ -85,6 +85,6 @@ class RandomTokens(DataSource):
         tokens = torch.randint(
             self.vocab_size, (boundary + self.eval_samples * self.seq_len + 1,), generator=g
         )
-        train = TokenWindows(tokens[: boundary + 1], self.seq_len, self.seq_len)
-        eval_ = TokenWindows(tokens[boundary:], self.seq_len, self.seq_len)
+        train = StridedWindows(tokens[: boundary + 1], self.seq_len, self.seq_len)
+        eval_ = StridedWindows(tokens[boundary:], self.seq_len, self.seq_len)
         return train, eval_, {"vocab_size": self.vocab_size}

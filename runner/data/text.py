@@ -14,8 +14,9 @@ from runner.errors import ConfigError
 VOCAB_SIZE = 256  # one token per byte: any text file, no tokenizer to ship
 
 
-class TokenWindows(Dataset):
-    """Windows of `seq_len` tokens every `stride` tokens; targets are the inputs shifted by one."""
+class StridedWindows(Dataset):
+    """Windows of `seq_len` tokens of an in-memory `tokens` every `stride` tokens; targets are the inputs
+    shifted by one."""
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, stride: int) -> None:
         self.tokens, self.seq_len, self.stride = tokens, seq_len, stride
@@ -56,8 +57,8 @@ class TextFile(DataSource):
     def load(self) -> tuple[Any, Any, dict[str, int]]:
         tokens = torch.frombuffer(bytearray(self.path.read_bytes()), dtype=torch.uint8).long()
         split = int(len(tokens) * (1 - self.eval_fraction))
-        train = TokenWindows(tokens[:split], self.seq_len, self.stride)
-        eval_ = TokenWindows(tokens[split:], self.seq_len, self.seq_len)
+        train = StridedWindows(tokens[:split], self.seq_len, self.stride)
+        eval_ = StridedWindows(tokens[split:], self.seq_len, self.seq_len)
         if len(train) == 0 or len(eval_) == 0:
             raise ConfigError(
                 f"data.path={str(self.path)!r}: {len(tokens)} bytes are too few for data.seq_len={self.seq_len} "

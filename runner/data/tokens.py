@@ -24,7 +24,7 @@ from runner.errors import ConfigError
 CHUNK = 1 << 16  # indices computed at once by the shuffled order
 
 
-class TokenWindows(Dataset):
+class ShardWindows(Dataset):
     """Windows of `seq_len + 1` tokens of `store`, every `seq_len` tokens from token `first` on: sample i
     is `{"inputs": tokens[s : s + seq_len], "targets": tokens[s + 1 : s + seq_len + 1]}` (int64). With
     `positions`, also each input's position in its document, counted from the window's start for the
@@ -320,8 +320,8 @@ class TokenShards(DataSource):
         """The checksums of the shards trained and evaluated on (`DataSource.identity`)."""
         return getattr(self, "_identity", None)
 
-    def _windows(self, store: TokenStore, first: int, count: int) -> TokenWindows:
-        return TokenWindows(store, self.seq_len, first, count, positions=self.document_mask)
+    def _windows(self, store: TokenStore, first: int, count: int) -> ShardWindows:
+        return ShardWindows(store, self.seq_len, first, count, positions=self.document_mask)
 
     def _named_sources(self) -> list[tuple[str, float, str]]:
         """(directory, weight, config key) of each shards directory trained on."""

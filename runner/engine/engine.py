@@ -397,7 +397,7 @@ class Engine(ProcessControl):
         self, model: torch.nn.Module, batch: Any, loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]
     ) -> torch.Tensor:
         """`loss_fn(outputs, batch)` of the model's outputs on `batch` (`runner.task.model_outputs`), for
-        `backward`. Under pipeline parallel (`hardware=megatron hardware.pp_size=N`) the model trains only
+        `backward`. Under pipeline parallel (`hardware=tensor_parallel hardware.pp_size=N`) the model trains only
         so: the schedule runs forward and backward over microbatches here, the last stage computing
         `loss_fn` on each one's rows, and every rank gets their mean (`backward` has nothing left to do)."""
         state = self.gradient_state

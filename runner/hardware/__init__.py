@@ -6,12 +6,12 @@ import torch
 
 from runner.cluster import launched_environment
 from runner.hardware.base import Strategy
-from runner.hardware.cpu import SingleDevice
 from runner.hardware.ddp import DDP
 from runner.hardware.deepspeed import DeepSpeed
 from runner.hardware.fsdp import FSDP
-from runner.hardware.megatron import TensorParallel
 from runner.hardware.process_group import ParallelStrategy
+from runner.hardware.single_device import SingleDevice
+from runner.hardware.tensor_parallel import TensorParallel
 
 __all__ = [
     "DDP",

@@ -147,7 +147,7 @@ class Strategy(ABC):
     sharded_states: frozenset[str] = frozenset()
     # The compute options (trainer.compile, trainer.activation_checkpointing) `setup_module` applies.
     compile_config: CompileConfig = CompileConfig()
-    checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
+    activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     peak_flops: float | None = None  # hardware.peak_flops: one device's peak FLOP/s, over runner.perf's table
 
     @classmethod
@@ -165,7 +165,7 @@ class Strategy(ABC):
         """Keep the compute options that `setup_module` applies per block; ConfigError for one this
         backend cannot run."""
         check_compile(compile)
-        self.compile_config, self.checkpointing = compile, checkpointing
+        self.compile_config, self.activation_checkpointing = compile, checkpointing
 
     def block_classes(self, module: torch.nn.Module) -> list[str]:
         """The class names of the model's repeated blocks, which activation checkpointing and regional
@@ -175,7 +175,7 @@ class Strategy(ABC):
     def check_compute(self, module: torch.nn.Module) -> None:
         """Before launch, on the meta model: ConfigError when the compute options need blocks that the
         model does not declare."""
-        needs = compute_settings(self.compile_config, self.checkpointing, per_block=True)
+        needs = compute_settings(self.compile_config, self.activation_checkpointing, per_block=True)
         if needs and not blocks_of(module, self.block_classes(module)):
             raise ConfigError(
                 f"{' and '.join(needs)}: they act on the model's repeated blocks, and {type(module).__name__} "
@@ -188,7 +188,7 @@ class Strategy(ABC):
         """Activation checkpointing, then compilation, of the model's blocks (in place): after tensor
         parallel, before the data-parallel wrapper, as torchtitan orders them."""
         blocks = blocks_of(module, self.block_classes(module))
-        apply_ac(blocks, self.checkpointing)
+        apply_ac(blocks, self.activation_checkpointing)
         apply_compile(module, blocks, self.compile_config)
 
     def compile_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -1,4 +1,4 @@
-"""`hardware=multi_gpu`: data parallel, one model replica per rank (DistributedDataParallel)."""
+"""`hardware=ddp`: data parallel, one model replica per rank (DistributedDataParallel)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`hardware=tpu`: torch_xla. One process drives every XLA device of the host; with several, data parallel
+"""`hardware=xla`: torch_xla. One process drives every XLA device of the host; with several, data parallel
 through SPMD: each batch is sharded over a ("data",) mesh of the devices and the compiler inserts the
 gradient all-reduces."""
 
@@ -45,7 +45,7 @@ class XLA(Strategy):
             import torch_xla  # noqa: F401
         except ImportError:
             raise ConfigError(
-                f"hardware=tpu needs torch_xla, which is not installed here: {XLA_REQUIREMENT}."
+                f"hardware=xla needs torch_xla, which is not installed here: {XLA_REQUIREMENT}."
             ) from None
         self.device = torch.device("cpu")  # the XLA device, once setup_environment has made it
         self.spmd = spmd
@@ -70,7 +70,7 @@ class XLA(Strategy):
         refuse_compute(
             compile,
             checkpointing,
-            "tpu",
+            "xla",
             "torch_xla traces and compiles every step into one XLA graph already, and runner does not apply "
             "torch.utils.checkpoint under XLA",
         )
@@ -80,8 +80,8 @@ class XLA(Strategy):
         return f"TPU {accelerator}" if accelerator else "xla"
 
     def setup_precision(self, precision: Precision) -> Precision:
-        refuse_fp16(precision, "tpu", "XLA devices compute in bf16 without loss scaling")
-        refuse_fp8(precision, "tpu", "torchao's float8 training runs on NVIDIA GPUs")
+        refuse_fp16(precision, "xla", "XLA devices compute in bf16 without loss scaling")
+        refuse_fp8(precision, "xla", "torchao's float8 training runs on NVIDIA GPUs")
         return precision
 
     def device_batches(

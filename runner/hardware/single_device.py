@@ -1,4 +1,4 @@
-"""`hardware=cpu`: one process on one device."""
+"""`hardware=single_device`: one process on one device."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`hardware=megatron`: Megatron-style tensor parallelism on DTensor, pipeline parallel, context parallel,
+"""`hardware=tensor_parallel`: Megatron-style tensor parallelism on DTensor, pipeline parallel, context parallel,
 and data parallel (FSDP2) over the rest of the world, on one ("pp", "dp_shard", "cp", "tp") mesh
 (`ParallelDims`)."""
 
@@ -95,10 +95,10 @@ class TensorParallel(ShardedState, MeshStrategy):
 
     def setup_precision(self, precision: Precision) -> Precision:
         """bf16 by autocast around the forward (parameters stay fp32 on every mesh); fp16 is refused."""
-        refuse_fp16(precision, "megatron", "loss scaling of DTensor gradients is not supported here")
+        refuse_fp16(precision, "tensor_parallel", "loss scaling of DTensor gradients is not supported here")
         refuse_fp8(
             precision,
-            "megatron",
+            "tensor_parallel",
             "float8 linears need torchao's float8 tensor-parallel styles, not used here",
         )
         self.precision = precision  # each pipeline stage runs its forward in it
@@ -110,7 +110,7 @@ class TensorParallel(ShardedState, MeshStrategy):
         asked = compute_settings(compile, checkpointing)
         if len(asked) > 1:
             raise ConfigError(
-                f"{' and '.join(asked)} with hardware=megatron: a compiled block that is also checkpointed fails "
+                f"{' and '.join(asked)} with hardware=tensor_parallel: a compiled block that is also checkpointed fails "
                 "under tensor parallel in this torch (its backward cannot save the DTensors' device mesh). Keep "
                 "one of them: trainer.compile.scope=none, or trainer.activation_checkpointing.mode=none."
             )
@@ -189,9 +189,9 @@ class TensorParallel(ShardedState, MeshStrategy):
         except ValueError as err:
             raise ConfigError(f"hardware.tp_size: {err} Pick a tp_size that divides it.") from None
         raise ConfigError(
-            f"hardware=megatron: {type(model).__name__} declares no tensor-parallel plan (a `tp_plan(tp_size, sequence_parallel)` "
+            f"hardware=tensor_parallel: {type(model).__name__} declares no tensor-parallel plan (a `tp_plan(tp_size, sequence_parallel)` "
             "method returning {module name pattern: ParallelStyle}, as runner.models.GPT has, or transformers' "
-            "`_tp_plan`). Add one, or use hardware=fsdp or multi_gpu."
+            "`_tp_plan`). Add one, or use hardware=fsdp or ddp."
         )
 
     def block_classes(self, module: torch.nn.Module) -> list[str]:
