@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 from step_overhead import LOG_EVERY, plain_loop, plain_training, runner_loop, trainer_with
 
-from runner import goodput
 from runner.callbacks import Callback, Run
+from runner.telemetry import goodput
 
 MODES = ("fp32", "bf16", "accum4")
 # `python -m runner`'s loop, not with accumulation: its epoch (58 batches) ends on a shorter step, which the

@@ -20,10 +20,10 @@ import references as stored
 from conftest import cli_env, metrics_of, runner_command, wait_for_checkpoint
 from hydra import compose, initialize_config_dir
 
-from runner import dir_lock
 from runner.cli import checks_before_launch, resume_last
 from runner.config import CONF_DIR
 from runner.errors import ConfigError
+from runner.run_dir import lock as dir_lock
 from runner.schemas import register_configs
 from runner.telemetry.goodput import read_ledger, summarize
 from runner.telemetry.history import read_history
