@@ -6,11 +6,11 @@ sit until the process group's timeout (30 minutes for gloo) or forever. The loop
 (`HangWatchdog`, below) reports progress (`Watchdog.progress`) after each optimizer step, each eval batch
 and before each checkpoint; where none comes for the limit, the watchdog writes `<run dir>/hang/rank<r>.txt`
 (what it saw, then the stacks), logs (to the console too where no runner launcher reports it) one
-paragraph naming the rank, its host, the step, the phase and where its main thread is, closes its trackers' runs as FAILED (`on_hang`), and exits
-the process with `EXIT_HUNG` `PEERS_REPORT_S` later (ranks waiting for it in a collective reach their
-limit meanwhile and report too, rather than fail on a lost peer); the launcher then stops the other
-ranks and reports the rank whose main thread was in its own code (not waiting inside torch), which is
-the likelier cause.
+paragraph naming the rank, its host, the step, the phase and where its main thread is, closes its
+trackers' runs as FAILED (`on_hang`), and exits the process with `EXIT_HUNG` `PEERS_REPORT_S` later
+(ranks waiting for it in a collective reach their limit meanwhile and report too, rather than fail on a
+lost peer); the launcher then stops the other ranks and reports the rank whose main thread was in its
+own code (not waiting inside torch), which is the likelier cause.
 """
 
 from __future__ import annotations
