@@ -1,5 +1,6 @@
 """Building what the config describes: locating `_target_`s, the model with the sizes its data gives it
-(on a device, on the meta device, or empty), its starting weights, and which kind of task runs."""
+(on a device, on the meta device, or empty), the run's blueprint, its starting weights, and which kind of
+task runs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import inspect
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -21,6 +24,7 @@ from runner.data.base import DataSource
 from runner.engine.data_loader import loader_like
 from runner.errors import ConfigError
 from runner.ops import apply_to_tensors, send_to_device
+from runner.perf import count_flops
 from runner.task import InferenceTask
 
 log = logging.getLogger(__name__)
@@ -107,28 +111,49 @@ def first_batch(data: DataSource, per_device: int = 1) -> Any:
     return batch
 
 
-def meta_training_step(
-    cfg: DictConfig, model: torch.nn.Module, data: DataSource, per_device: int = 1
-) -> torch.Tensor:
-    """The configured task's training step (forward and loss) on `first_batch(data, per_device)`, both on
-    the meta device: the real shapes, no values and no memory; the (meta) loss. A task that reads values
-    (`.item()`) cannot run so: that raises NotImplementedError or RuntimeError naming the meta device. No
-    backward here: the autograd engine sizes its device queues on its first backward, and one before an
-    XLA device exists breaks the backward of a rank that runs in this process."""
-    batch = send_to_device(first_batch(data, per_device), torch.device("meta"))
-    with value_free_attention(model):
-        return instantiate(cfg.task).training_step(model.train(), batch)
+@dataclass
+class Blueprint:
+    """What a run is made of, built once per process and read by every check, `plan=true`, the FLOP count
+    behind `perf/mfu` and a rank that runs in the launching process: the configured data (set up), the
+    model on the meta device, and one device's first batch (`per_device` > 1: its share of a global batch,
+    `trainer.split_batches`), on meta too: the real shapes, no values and no memory. `rng`: the RNG states
+    as reading the data left them, after the run's seed (`runner.rng.seeded`), for a rank that trains on
+    this data to go on from as if it had read it itself (None: not seeded so)."""
 
+    cfg: DictConfig
+    data: DataSource
+    model: torch.nn.Module
+    per_device: int = 1
+    rng: dict[str, Any] | None = None
 
-def meta_eval_metrics(cfg: DictConfig, model: torch.nn.Module, data: DataSource) -> list[str]:
-    """The final eval metrics the configured task reports (`eval/<name>`): its evaluation step on the
-    first batch on the meta device (the names, no values), then its summary of those names."""
-    batch = send_to_device(first_batch(data), torch.device("meta"))
-    task = instantiate(cfg.task)
-    with value_free_attention(model), torch.no_grad():
-        names = task.evaluation_step(model.eval(), batch)
-    model.train()
-    return [f"eval/{name}" for name in task.summarize(dict.fromkeys(names, 1.0))]
+    @cached_property
+    def batch(self) -> Any:
+        return send_to_device(first_batch(self.data, self.per_device), torch.device("meta"))
+
+    def training_step(self) -> torch.Tensor:
+        """The configured task's training step (forward and loss) on the first batch: the (meta) loss. A task
+        that reads values (`.item()`) cannot run so: that raises NotImplementedError or RuntimeError naming
+        the meta device. No backward here: the autograd engine sizes its device queues on its first
+        backward, and one before an XLA device exists breaks the backward of a rank that runs in this
+        process (`flops` runs one: never before launch)."""
+        with value_free_attention(self.model):
+            return instantiate(self.cfg.task).training_step(self.model.train(), self.batch)
+
+    @cached_property
+    def flops(self) -> int:
+        """The training step's FLOPs, forward and backward (torch's counter; activation recomputation not
+        counted); what the step raises on meta is raised."""
+        with torch.random.fork_rng(devices=[]):  # whatever the user's forward draws
+            return count_flops(self.training_step)
+
+    def eval_metrics(self) -> list[str]:
+        """The final eval metrics the configured task reports (`eval/<name>`): its evaluation step on the
+        first batch (the names, no values), then its summary of those names."""
+        task = instantiate(self.cfg.task)
+        with value_free_attention(self.model), torch.no_grad():
+            names = task.evaluation_step(self.model.eval(), self.batch)
+        self.model.train()
+        return [f"eval/{name}" for name in task.summarize(dict.fromkeys(names, 1.0))]
 
 
 @contextmanager

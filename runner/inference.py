@@ -9,7 +9,7 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner.build import build_data, build_model
+from runner.build import Blueprint, build_data, build_model
 from runner.hardware.big_model import BigModel
 from runner.hardware.big_modeling import init_empty_weights
 from runner.run_dir import RESOLVED
@@ -18,13 +18,15 @@ from runner.task import InferenceTask
 log = logging.getLogger(__name__)
 
 
-def infer(cfg: DictConfig, output_dir: Path, strategy: BigModel | None = None) -> dict[str, float]:
-    """Build the model on the meta device, load `cfg.checkpoint` into the hardware's device map (`strategy`,
-    when this process built it already), run the task; return its metrics."""
+def infer(
+    cfg: DictConfig, output_dir: Path, strategy: BigModel | None = None, blueprint: Blueprint | None = None
+) -> dict[str, float]:
+    """Build the model on the meta device, load `cfg.checkpoint` into the hardware's device map (`strategy`
+    and `blueprint`'s data, when this process built them already), run the task; return its metrics."""
     (output_dir / RESOLVED).write_text(OmegaConf.to_yaml(cfg, resolve=True))
     hardware: BigModel = strategy or instantiate(cfg.hardware)
     hardware.setup_environment()
-    data = build_data(cfg)  # the model's dimensions (vocabulary) come from the data
+    data = blueprint.data if blueprint else build_data(cfg)  # the model's dimensions (vocabulary) come from it
     with init_empty_weights():
         model = build_model(cfg, data)
     model = hardware.dispatch(model, cfg.checkpoint, output_dir)

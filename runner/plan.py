@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner.build import build_data, build_on_meta, meta_training_step
+from runner.build import Blueprint, build_data, build_on_meta
 from runner.cluster import available_cores
 from runner.config import CheckpointingMode, CompileScope
-from runner.data.base import DataSource
 from runner.hardware.base import Strategy
 from runner.hardware.parallelize import apply_ac, blocks_of
-from runner.perf import count_flops, count_text, kept_for_backward, mfu_unknown, peak_flops
+from runner.perf import count_text, kept_for_backward, mfu_unknown, peak_flops
 
 MB = 1024**2
 
@@ -23,15 +21,17 @@ def describe(
     world_size: int,
     launcher: str,
     resume_from: str | None,
-    data: DataSource | None = None,
-    model: torch.nn.Module | None = None,
+    blueprint: Blueprint | None = None,
 ) -> str:
     """The plan of one job, one line per aspect: `strategy` is the validated hardware, `launcher` the
-    launcher's own line; `data` and `model` (on meta) those the checks built, else built here."""
+    launcher's own line; `blueprint` the one the checks read, else built here (an inference task's)."""
     plugin = strategy.setup_precision(instantiate(cfg.precision))
     precision = plugin.mixed_precision
-    data = build_data(cfg) if data is None else data
-    model = build_on_meta(cfg, data) if model is None else model
+    if blueprint is None:
+        data = build_data(cfg)
+        per_device = strategy.data_parallel_size(world_size) if cfg.trainer.split_batches else 1
+        blueprint = Blueprint(cfg, data, build_on_meta(cfg, data), per_device)
+    model = blueprint.model
     parameters = sum(p.numel() for p in model.parameters())  # tied weights once
     trainer = cfg.trainer
     peak = strategy.peak_flops or peak_flops(strategy.device_name(), precision)
@@ -69,7 +69,7 @@ def describe(
         "perf/mfu": None if peak else f"not reported: {mfu_unknown(strategy.device_name())}",
         "memory/device": _memory(parameters, strategy, world_size, cfg.optimizer),
         "compute": _compute(strategy),
-        "activations": _activations(cfg, model, data, world_size, strategy),
+        "activations": _activations(blueprint, strategy),
     }
     lines = {k: v for k, v in lines.items() if v is not None}
     width = max(map(len, lines))
@@ -152,18 +152,16 @@ def state_memory(
     return {k: v / (world_size if k in sharded else 1) for k, v in sizes.items()}
 
 
-def _activations(
-    cfg: DictConfig, model: torch.nn.Module, data: DataSource, world_size: int, strategy: Strategy
-) -> str:
+def _activations(blueprint: Blueprint, strategy: Strategy) -> str:
     """What autograd keeps for the backward pass in one training step of a per-device batch, run on meta
     tensors with the strategy's activation checkpointing applied (fp32; bf16/fp16 autocast halves the
-    matmul ones); and the FLOPs of that step (forward and backward, by torch's FLOP counter)."""
-    per_device = world_size if cfg.trainer.split_batches else 1
+    matmul ones); and the FLOPs of that step (the blueprint's count, forward and backward)."""
+    model = blueprint.model
     try:
-        flops = count_flops(lambda: meta_training_step(cfg, model, data, per_device))
+        flops = blueprint.flops
         apply_ac(blocks_of(model, strategy.block_classes(model)), strategy.activation_checkpointing)
         with kept_for_backward(model) as kept:
-            meta_training_step(cfg, model, data, per_device)
+            blueprint.training_step()
     except Exception as err:  # a task that reads values (`.item()`) cannot run on meta tensors
         return f"not estimated (the task's training_step cannot run on meta tensors: {str(err).splitlines()[0][:120]})"
     checkpointing = strategy.activation_checkpointing

@@ -37,9 +37,9 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
         torch.use_deterministic_algorithms(True)
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's python, numpy, torch (and CUDA) RNG states, as types `torch.load(weights_only=True)`
-    reads back."""
+def rng_state(devices: bool = True) -> dict[str, Any]:
+    """This process's python, numpy, torch (and, with `devices`, CUDA's) RNG states, as types
+    `torch.load(weights_only=True)` reads back."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
@@ -52,7 +52,7 @@ def rng_state() -> dict[str, Any]:
         },
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
+    if devices and torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -64,6 +64,21 @@ def rng_kept() -> Iterator[None]:
     try:
         yield
     finally:
+        set_rng_state(before)
+
+
+@contextmanager
+def seeded(seed: int) -> Iterator[dict[str, Any]]:
+    """Inside: every RNG seeded with `seed` (`set_seed`), as a rank seeds them before it reads its data;
+    after: python's, numpy's and torch's as they were, and the yielded dict holding their states as the
+    block left them (`set_rng_state` goes on from there). No device's state is read (`rng_kept` does):
+    before launch, CUDA stays uninitialised for the ranks forked from this process."""
+    before, left = rng_state(devices=False), {}
+    set_seed(seed)
+    try:
+        yield left
+    finally:
+        left.update(rng_state(devices=False))
         set_rng_state(before)
 
 

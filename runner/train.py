@@ -20,15 +20,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner.build import (
-    build_data,
-    build_model,
-    first_batch,
-    load_start_weights,
-    meta_copy,
-    meta_training_step,
-    records_goodput,
-)
+from runner.build import Blueprint, build_data, build_model, load_start_weights, meta_copy, records_goodput
 from runner.callbacks import Callbacks, built_callbacks
 from runner.checkpoint.checkpointer import ProjectConfiguration, Schedule
 from runner.checkpoint.resume import check_not_past, resume_checkpoint, resume_hint
@@ -40,13 +32,12 @@ from runner.errors import TrainingDiverged, TrainingInterrupted, signal_name
 from runner.hardware.base import Strategy
 from runner.perf import (
     Throughput,
-    count_flops,
     count_text,
     memory_snapshot_on_oom,
     mfu_unknown,
     peak_flops,
 )
-from runner.rng import rng_kept, set_seed
+from runner.rng import rng_kept, set_rng_state, set_seed
 from runner.run_dir import JOB_CONFIG_DIR, MODEL, RESOLVED, record_finished, resume_override
 from runner.run_dir.log import FILE_ONLY
 from runner.task import Task, batch_units, trains_by_loss
@@ -85,15 +76,19 @@ class Progress:
         self.batches = 0
 
 
-def train(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -> dict[str, float]:
+def train(
+    cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None, blueprint: Blueprint | None = None
+) -> dict[str, float]:
     """Build everything from `cfg`, train, evaluate; return the final metrics (see `Trainer`)."""
-    return Trainer(cfg, output_dir, strategy).fit()
+    return Trainer(cfg, output_dir, strategy, blueprint).fit()
 
 
-def evaluate_weights(cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -> dict[str, float]:
+def evaluate_weights(
+    cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None, blueprint: Blueprint | None = None
+) -> dict[str, float]:
     """`mode=evaluate`: the run built as for training on any hardware, `checkpoint=`'s weights loaded, its
     eval loop run once and logged (at step 0); nothing trained, checkpointed or saved. The eval metrics."""
-    return Trainer(cfg, output_dir, strategy).evaluate_only()
+    return Trainer(cfg, output_dir, strategy, blueprint).evaluate_only()
 
 
 class Trainer:
@@ -101,13 +96,20 @@ class Trainer:
 
     `output_dir` is the job's directory (Hydra's): the resolved config is written there once everything
     is built, so a run refused for bad input leaves nothing but its log. Checkpoints go to its
-    `checkpoints/`, the final weights to `model/`. `strategy` is the hardware when this process built it
-    already (the launching process, which validated it), else it is built from `cfg.hardware`. SIGTERM,
+    `checkpoints/`, the final weights to `model/`. `strategy` and `blueprint` are the hardware and the
+    data (with the FLOP count) when this process built them already (the launching process, whose checks
+    built them), else they are built from `cfg`. SIGTERM,
     SIGINT, SIGUSR1 or SIGUSR2 make every rank checkpoint at the next logging step (every
     `trainer.log_every` steps) and raise `TrainingInterrupted`.
     """
 
-    def __init__(self, cfg: DictConfig, output_dir: Path, strategy: Strategy | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DictConfig,
+        output_dir: Path,
+        strategy: Strategy | None = None,
+        blueprint: Blueprint | None = None,
+    ) -> None:
         began = time.time()
         # Typed (a dataclass): the loop reads these settings at every step, and a DictConfig's attribute
         # costs microseconds where a dataclass's costs nanoseconds.
@@ -129,9 +131,9 @@ class Trainer:
         ledger.lap("rendezvous")
         set_seed(trainer.seed)
 
-        data = self.prepare_loaders(cfg)
+        data = self.prepare_loaders(cfg, blueprint)
         ledger.lap("data")
-        described = self.prepare_training(cfg, data)
+        described = self.prepare_training(cfg, data, blueprint)
         self.done = Progress(window_loss=torch.zeros((), device=engine.device))
         evaluating = cfg.get("mode") == "evaluate"  # the eval loop only (`evaluate_only`): the watchdog only
         self.callbacks = Callbacks(built_callbacks(cfg.get("callbacks"), trainer, evaluating, ledger))
@@ -154,13 +156,15 @@ class Trainer:
             log.info("layout: %s", engine.strategy.layout(engine.num_processes))
         self.metrics: dict[str, float] = {}
 
-    def prepare_training(self, cfg: DictConfig, data: DataSource) -> str:
+    def prepare_training(self, cfg: DictConfig, data: DataSource, blueprint: Blueprint | None) -> str:
         """Build the model (its FLOPs counted on a meta copy; the starting weights of `checkpoint=` loaded),
         the task, the optimizer and the LR schedule over the run's steps, and prepare them; the model
         described for the log ("GPT (1.2M parameters)", as built: before a backend wraps or partitions it)."""
         engine, trainer = self.engine, self.settings
         model = build_model(cfg, data)
-        self.throughput = throughput_meter(cfg, data, model, engine)
+        per_device = engine.state.data_parallel_size if trainer.split_batches else 1
+        blueprint = blueprint or Blueprint(cfg, data, meta_copy(model), per_device)
+        self.throughput = throughput_meter(blueprint, engine)
         if cfg.checkpoint is not None:  # fine-tune from these weights
             load_start_weights(model, cfg.checkpoint)
         self.task: Task = instantiate(cfg.task)
@@ -183,13 +187,19 @@ class Trainer:
         )
         return described
 
-    def prepare_loaders(self, cfg: DictConfig) -> DataSource:
-        """Build the run's data (the first process of each node first) and prepare its train and eval
-        loaders, `trainer.overfit_batches` and `limit_*_batches` applied; the data source. What it read
-        (`DataSource.identity`) goes into every checkpoint, checked against the data of a run resuming it."""
+    def prepare_loaders(self, cfg: DictConfig, blueprint: Blueprint | None) -> DataSource:
+        """The run's data (the blueprint's, else read here: the first process of each node first) with its
+        train and eval loaders prepared, `trainer.overfit_batches` and `limit_*_batches` applied. What it
+        read (`DataSource.identity`) goes into every checkpoint, checked against the data of a run resuming
+        it."""
         engine, trainer = self.engine, self.settings
-        with engine.main_process_first():
-            data = build_data(cfg)
+        if blueprint is not None:  # read after this seed: the RNGs go on as reading it left them
+            data = blueprint.data
+            if blueprint.rng is not None:
+                set_rng_state(blueprint.rng)
+        else:
+            with engine.main_process_first():
+                data = build_data(cfg)
         if (identity := data.identity()) is not None:
             engine.checkpointer.facts["data"] = identity
         if trainer.overfit_batches:  # each process's first N batches
@@ -533,22 +543,15 @@ def job_identity(output_dir: Path) -> tuple[str, dict[str, str]]:
     return output_dir.name, tags
 
 
-def throughput_meter(cfg: DictConfig, data: DataSource, model: torch.nn.Module, engine: Engine) -> Throughput:
+def throughput_meter(blueprint: Blueprint, engine: Engine) -> Throughput:
     """What `perf/*` is measured with: the unit (tokens for batches of token ids, else samples), the
-    model's training FLOPs per unit, counted once by torch's FLOP counter on a meta copy of `model` (the
-    built model, not yet prepared: forward and backward of the first batch, the model's FLOPs without
-    activation recomputation), and one device's peak FLOP/s (`hardware.peak_flops`, else `runner.perf`'s
-    table)."""
-    data_parallel = engine.state.data_parallel_size
-    per_device = data_parallel if cfg.trainer.split_batches else 1
-    unit, units = batch_units(first_batch(data, per_device))
+    model's training FLOPs per unit (the blueprint's count: forward and backward of the first batch, on a
+    meta model, without activation recomputation), and one device's peak FLOP/s (`hardware.peak_flops`,
+    else `runner.perf`'s table)."""
+    unit, units = batch_units(blueprint.batch)
     flops_per_unit = None
     try:
-        meta_model = meta_copy(model)
-        with torch.random.fork_rng(devices=[]):  # whatever the user's forward draws
-            flops_per_unit = (
-                count_flops(lambda: meta_training_step(cfg, meta_model, data, per_device)) / units
-            )
+        flops_per_unit = blueprint.flops / units
     except Exception as err:  # a task that reads values (`.item()`) cannot run on meta tensors
         log.warning(
             "perf/mfu is not reported: the training step could not run on the meta device to count its FLOPs (%s)",
@@ -562,7 +565,7 @@ def throughput_meter(cfg: DictConfig, data: DataSource, model: torch.nn.Module, 
             mfu_unknown(strategy.device_name()),
             extra=FILE_ONLY,
         )
-    return Throughput(unit, flops_per_unit, peak, devices_per_batch=engine.num_processes // data_parallel)
+    return Throughput(unit, flops_per_unit, peak, devices_per_batch=engine.num_processes // engine.state.data_parallel_size)
 
 
 def across_processes(engine: Engine, local: dict[str, float]) -> dict[str, float]:

@@ -20,20 +20,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch.utils.data import IterableDataset
 
-from runner.build import (
-    build_data,
-    build_on_meta,
-    is_inference,
-    locate,
-    meta_eval_metrics,
-    meta_training_step,
-)
+from runner.build import Blueprint, build_data, build_on_meta, is_inference, locate
 from runner.checkpoint.weights import DamagedFileError, check_against_model, checkpoint_tensors
 from runner.config import CheckpointingMode, RunConfig, declared_ranges
 from runner.data.base import DataSource, Stream
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
 from runner.hardware.big_model import BigModel
+from runner.rng import seeded
 from runner.task import POSITIONS
 from runner.trackers.base import Tracker
 
@@ -67,8 +61,7 @@ class Built:
 
     hardware: Strategy
     launcher: Any  # a runner.launchers.Launcher (a layer above this one)
-    data: DataSource | None = None  # the training checks' data and model on meta (None: not built)
-    model: torch.nn.Module | None = None
+    blueprint: Blueprint | None = None  # what the training checks read (None: not built)
     tracker: Tracker | None = None  # None: tracker._target_ is null
 
 
@@ -362,7 +355,7 @@ def check_job(cfg: DictConfig) -> tuple[Built, int]:
     ranks the launcher will start. What was built, and that number."""
     built, problems = _validate(cfg)
     details = []
-    checked: tuple[DataSource | None, torch.nn.Module | None] = (None, None)
+    blueprint = None
     if "hardware" in built and "launcher" in built:
         hardware, launcher = built["hardware"], built["launcher"]
         world_size = launcher.world_size(cfg, hardware)
@@ -373,7 +366,7 @@ def check_job(cfg: DictConfig) -> tuple[Built, int]:
             problems.append(str(err))
             details += [err.details] if err.details else []
         try:
-            checked = validate_for_world(cfg, world_size, hardware, skip)
+            blueprint = validate_for_world(cfg, world_size, hardware, skip)
         except ConfigError as err:
             problems.append(str(err))
             details += [err.details] if err.details else []
@@ -385,36 +378,29 @@ def check_job(cfg: DictConfig) -> tuple[Built, int]:
             details += [err.details] if err.details else []
     if problems:
         raise ConfigError("\n\n".join(problems), details="\n".join(details) or None)
-    data, model = checked
-    built_job = Built(built["hardware"], built["launcher"], data, model, built.get("tracker"))
-    return built_job, world_size
+    return Built(built["hardware"], built["launcher"], blueprint, built.get("tracker")), world_size
 
 
 def validate_for_world(
     cfg: DictConfig, world_size: int, hardware: Strategy | None, skip: set[str] = frozenset()
-) -> tuple[DataSource | None, torch.nn.Module | None]:
+) -> Blueprint | None:
     """The checks that need the number of ranks the launcher will start (ConfigError listing all): the
-    data read, the model built on meta, one training step on meta, the optimizer and schedule built, and
-    the `hardware`'s own checks of them (None: a hardware group that was refused; those are left out); not
-    when a node they build is in `skip` (its settings are known to be wrong). The data and the meta model
-    they built (None where none was: an inference task, or settings known to be wrong)."""
+    data read (seeded as a rank seeds it), the model built on meta, the run's blueprint of them read by
+    each of `WORLD_CHECKS` (the `hardware`'s own checks are left out where it is None: a hardware group
+    that was refused); not when a node they build is in `skip` (its settings are known to be wrong). The
+    blueprint (None where none was built: an inference task, or settings known to be wrong)."""
     problems = _split_problems(cfg, world_size)
-    data, model = None, None
+    blueprint = None
     if not skip & set(UNTYPED_NODES) and not is_inference(cfg.task._target_):
-        data = _run_user_code("data", cfg.data, "to read its data", lambda: build_data(cfg))
+        with seeded(cfg.trainer.seed) as rng:
+            data = _run_user_code("data", cfg.data, "to read its data", lambda: build_data(cfg))
         model = _run_user_code("model", cfg.model, "to build the model", lambda: build_on_meta(cfg, data))
-        if hardware is not None:
-            problems += _strategy_problems(cfg, hardware, model, data, world_size)
-        problems += _positions_problems(cfg, model, data) or _step_problems(
-            cfg, model, data, world_size if cfg.trainer.split_batches else 1
-        )
-        problems += _objective_problems(cfg, model, data)
-        problems += _start_weights_problems(cfg, model)
-        problems += _optimizer_problems(cfg, model)
-        problems += _size_problems(cfg, data, hardware, world_size)
+        readers = hardware.data_parallel_size(world_size) if hardware is not None else world_size
+        blueprint = Blueprint(cfg, data, model, readers if cfg.trainer.split_batches else 1, rng)
+        problems += [problem for check in WORLD_CHECKS for problem in check(blueprint, hardware, world_size)]
     if problems:
         raise ConfigError("\n\n".join(problems))
-    return data, model
+    return blueprint
 
 
 def _split_problems(cfg: DictConfig, world_size: int) -> list[str]:
@@ -430,15 +416,16 @@ def _split_problems(cfg: DictConfig, world_size: int) -> list[str]:
     ]
 
 
-def _strategy_problems(
-    cfg: DictConfig, hardware: Strategy, model: torch.nn.Module, data: DataSource, world_size: int
-) -> list[str]:
+def _strategy_problems(blueprint: Blueprint, hardware: Strategy | None, world_size: int) -> list[str]:
     """The strategy's own checks of the meta model, its compute, the training step and the batches."""
+    if hardware is None:
+        return []
+    cfg, model = blueprint.cfg, blueprint.model
     batch_size = cfg.data.get("batch_size") or 1
     checks = (
         lambda: hardware.check_model(model, world_size),
         lambda: hardware.check_compute(model),
-        lambda: _check_training(cfg, hardware, world_size, data),
+        lambda: _check_training(cfg, hardware, world_size, blueprint.data),
         lambda: hardware.check_batches(
             batch_size // (world_size if cfg.trainer.split_batches else 1),
             cfg.trainer.gradient_accumulation_steps,
@@ -454,11 +441,10 @@ def _strategy_problems(
     return problems
 
 
-def _size_problems(
-    cfg: DictConfig, data: DataSource, hardware: Strategy | None, world_size: int
-) -> list[str]:
+def _size_problems(blueprint: Blueprint, hardware: Strategy | None, world_size: int) -> list[str]:
     """A training set smaller than one step's batches (or the batches `trainer.overfit_batches` takes), a
     stream that cannot feed every reader, an eval set with fewer samples than processes."""
+    cfg, data = blueprint.cfg, blueprint.data
     batch_size = cfg.data.get("batch_size")
     split = cfg.trainer.split_batches
     step_samples = (batch_size or 1) * (1 if split else world_size)
@@ -555,12 +541,15 @@ def _run_user_code(node: str, node_cfg: DictConfig, doing: str, build: Callable[
         ) from err
 
 
-def _step_problems(cfg: DictConfig, model: torch.nn.Module, data: DataSource, per_device: int) -> list[str]:
+def _step_problems(blueprint: Blueprint, hardware: Strategy | None, world_size: int) -> list[str]:
     """One training step on meta tensors (the real shapes, nothing computed): a model, data and task that
     do not fit together fail here, before launch, instead of in every rank. A task that reads values
     cannot run on meta tensors: that is not reported."""
+    cfg = blueprint.cfg
+    if problems := _positions_problems(cfg, blueprint.model, blueprint.data):
+        return problems
     try:
-        meta_training_step(cfg, model, data, per_device)
+        blueprint.training_step()
     except Exception as err:
         message = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
         if "meta" in message.lower():
@@ -590,13 +579,14 @@ def _positions_problems(cfg: DictConfig, model: torch.nn.Module, data: DataSourc
     ]
 
 
-def _start_weights_problems(cfg: DictConfig, model: torch.nn.Module) -> list[str]:
+def _start_weights_problems(blueprint: Blueprint, hardware: Strategy | None, world_size: int) -> list[str]:
     """`checkpoint=`'s names and shapes against the model's on meta, from the files' headers (what the
     ranks' load checks again); a missing or damaged file is `_checkpoint_problems`'s."""
+    cfg = blueprint.cfg
     if cfg.checkpoint is None or not Path(cfg.checkpoint).exists():
         return []
     try:
-        check_against_model(model, cfg.checkpoint, checkpoint_tensors(cfg.checkpoint), strict=True)
+        check_against_model(blueprint.model, cfg.checkpoint, checkpoint_tensors(cfg.checkpoint), strict=True)
     except DamagedFileError:
         return []
     except (ValueError, FileNotFoundError) as err:
@@ -608,13 +598,14 @@ def _start_weights_problems(cfg: DictConfig, model: torch.nn.Module) -> list[str
 TRAINING_METRICS = ("train/loss", "train/lr")
 
 
-def _objective_problems(cfg: DictConfig, model: torch.nn.Module, data: DataSource) -> list[str]:
+def _objective_problems(blueprint: Blueprint, hardware: Strategy | None, world_size: int) -> list[str]:
     """`trainer.objective` must name a final metric: an `eval/` one the task reports (its names from
     its evaluation step on meta; not checked for a task that reads values), `train/loss`, `train/lr` or
     a `perf/` one. A callback's monitored metric must be an `eval/` one the task reports (callbacks read
     them after each evaluation)."""
+    cfg = blueprint.cfg
     try:
-        reported = meta_eval_metrics(cfg, model, data)
+        reported = blueprint.eval_metrics()
     except Exception:  # a task that reads values, or one that fails: the training step reports it
         reported = []
     problems = []
@@ -636,9 +627,10 @@ def _objective_problems(cfg: DictConfig, model: torch.nn.Module, data: DataSourc
     return problems
 
 
-def _optimizer_problems(cfg: DictConfig, model: torch.nn.Module) -> list[str]:
+def _optimizer_problems(blueprint: Blueprint, hardware: Strategy | None, world_size: int) -> list[str]:
     """Build the optimizer over the (meta) model's parameters and the schedule over it, as the ranks
     will: their constructors check what the declared ranges do not (a `betas` of one value)."""
+    cfg, model = blueprint.cfg, blueprint.model
     built = {}
     for node, build in (
         ("optimizer", lambda: instantiate(cfg.optimizer)(model.parameters())),
@@ -660,6 +652,18 @@ def _optimizer_problems(cfg: DictConfig, model: torch.nn.Module) -> list[str]:
                 f"under {node}."
             ]
     return []
+
+
+# The checks of a training run's blueprint, in the order they are reported: each gets the blueprint, the
+# built hardware (None: refused) and the number of ranks, and returns its problems.
+WORLD_CHECKS: tuple[Callable[[Blueprint, Strategy | None, int], list[str]], ...] = (
+    _strategy_problems,
+    _step_problems,
+    _objective_problems,
+    _start_weights_problems,
+    _optimizer_problems,
+    _size_problems,
+)
 
 
 def _checkpoint_problems(cfg: DictConfig, hardware: Any) -> list[str]:

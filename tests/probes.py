@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from runner.callbacks import Callback
+from runner.data import SyntheticRegression
 from runner.hardware import DDP, SingleDevice
 from runner.models.mlp import MLP
 from runner.tasks.language_modeling import LanguageModeling
@@ -119,6 +120,22 @@ class CountedMLP(MLP):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _count_construction("PROBE_MODELS", next(self.parameters()).device.type)
+
+
+class CountedRegressionData(SyntheticRegression):
+    """runner's synthetic regression data, counting the reads of its samples in $PROBE_DATA."""
+
+    def load(self) -> tuple[Any, Any, dict[str, int]]:
+        _count_construction("PROBE_DATA")
+        return super().load()
+
+
+class GlobalRNGRegressionData(SyntheticRegression):
+    """runner's synthetic regression data, drawing from torch's global RNG as it reads (as a user's may)."""
+
+    def load(self) -> tuple[Any, Any, dict[str, int]]:
+        torch.rand(1)
+        return super().load()
 
 
 class LossRecordingRegression(Regression):

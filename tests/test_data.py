@@ -15,6 +15,7 @@ from runner.errors import ConfigError
 from runner.schemas import register_configs
 from runner.tasks import Classification, Regression
 from runner.train import Trainer
+from runner.validate import check_job
 
 
 def loaded(**options) -> RandomTokens:
@@ -119,6 +120,23 @@ def test_data_pin_memory_pins_the_run_loaders_and_makes_their_copies_non_blockin
     built = Trainer(cfg, tmp_path)
     assert built.train_loader.pin_memory == built.eval_loader.pin_memory == pinned
     assert built.engine.non_blocking == pinned
+
+
+def test_a_rank_on_the_checks_data_starts_where_one_that_read_it_would(tmp_path):
+    """A rank in the launching process trains on the data its checks read (the blueprint's): a data source
+    that draws from torch's global RNG as it reads leaves that rank's RNGs where a rank that read the data
+    itself has them, so both build the same starting weights."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            "config", overrides=["tracker=none", "trainer.plots=false", "data._target_=probes.GlobalRNGRegressionData"]
+        )
+    built, _ = check_job(cfg)
+    (tmp_path / "reused").mkdir(), (tmp_path / "read").mkdir()
+    reused = Trainer(cfg, tmp_path / "reused", blueprint=built.blueprint)
+    read = Trainer(cfg, tmp_path / "read")
+    for (name, mine), theirs in zip(reused.model.state_dict().items(), read.model.state_dict().values(), strict=True):
+        assert torch.equal(mine, theirs), name
 
 
 def _set_up(source):

@@ -366,20 +366,22 @@ def test_the_launching_process_builds_the_hardware_and_the_model_once(tmp_path, 
     """Validation, the launcher, the checkpoint check and a rank running in the launching process share
     one strategy object; each started rank builds its own. The model is built once on the meta device by
     the checks (which `plan=true` reuses), then once for real by each rank, and by nothing else (the FLOP
-    count of perf/mfu included)."""
-    builds, models = tmp_path / "builds", tmp_path / "models"
+    count of perf/mfu included). The data is read once per process: a rank running in the launching
+    process trains on what the checks read."""
+    builds, models, data = tmp_path / "builds", tmp_path / "models", tmp_path / "data"
     overrides = [
         f"hardware={hardware}",
         f"hardware._target_=probes.Counted{'DDP' if processes > 1 else 'SingleDevice'}",
         *([f"hardware.num_processes={processes}"] if processes > 1 else []),
         "model._target_=probes.CountedMLP",
+        "data._target_=probes.CountedRegressionData",
         "trainer.max_steps=3",
         "tracker=none",
         f"plan={str(plan).lower()}",
     ]
     proc = subprocess.run(
         runner_command(tmp_path / "run", *overrides),
-        env=cli_env(TESTS) | {"PROBE_BUILDS": str(builds), "PROBE_MODELS": str(models)},
+        env=cli_env(TESTS) | {"PROBE_BUILDS": str(builds), "PROBE_MODELS": str(models), "PROBE_DATA": str(data)},
         capture_output=True,
         text=True,
         timeout=240,
@@ -394,3 +396,5 @@ def test_the_launching_process_builds_the_hardware_and_the_model_once(tmp_path, 
     real = [pid for pid, device in built[1:] if device == "cpu"]
     assert len(built) == 1 + ranks and len(real) == ranks  # then one real model per rank
     assert set(real) == ({launching} if ranks == 1 else set(pids[1:]))
+    reads = data.read_text().split()
+    assert len(reads) == len(set(reads)) == len(pids) and reads[0] == launching  # once per process

@@ -192,8 +192,8 @@ def checks_before_launch(
             verify=verify,
             settings=settings if verify and training else None,  # type: ignore[arg-type]
             max_steps=cfg.trainer.max_steps if training else None,
-            model=built.model,
-            data_identity=built.data.identity() if built.data is not None else None,
+            model=built.blueprint.model if built.blueprint is not None else None,
+            data_identity=built.blueprint.data.identity() if built.blueprint is not None else None,
         )
     return built, world_size, checkpoint, None
 
@@ -208,7 +208,7 @@ def _print_plan(
     with _checking():
         line = built.launcher.describe(cfg, built.hardware)
         resume_from = str(checkpoint) if checkpoint else None
-        print(describe_plan(cfg, built.hardware, world_size, line, resume_from, built.data, built.model))
+        print(describe_plan(cfg, built.hardware, world_size, line, resume_from, built.blueprint))
 
 
 def _job(
@@ -231,6 +231,7 @@ def _job(
         else train,
         logging_config=OmegaConf.to_container(hydra_cfg.job_logging, resolve=True),  # type: ignore[arg-type]
         strategy=built.hardware,
+        blueprint=built.blueprint,
     )
 
 

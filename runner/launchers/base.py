@@ -15,6 +15,7 @@ from hydra.core.utils import JobReturn, run_job, setup_globals
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
+from runner.build import Blueprint
 from runner.checkpoint.files import LATEST, latest_checkpoint
 from runner.cluster import launched_environment
 from runner.errors import (
@@ -26,8 +27,9 @@ from runner.hardware.base import Strategy
 from runner.run_dir import CHECKPOINTS, FINISHED, finite_metrics, resume_override
 from runner.run_dir.log import configure_rank_logging
 
-# What a rank runs: (resolved config, job dir, the strategy when one was built in this process) -> metrics.
-Entry = Callable[[DictConfig, Path, Strategy | None], dict[str, float]]
+# What a rank runs: (resolved config, job dir, the strategy and the blueprint when this process built them)
+# -> metrics.
+Entry = Callable[[DictConfig, Path, Strategy | None, Blueprint | None], dict[str, float]]
 
 
 @dataclass
@@ -41,6 +43,8 @@ class Job:
         logging_config: the `logging.config.dictConfig` the job logs with (Hydra's `job_logging`).
         strategy: the hardware the launching process built and validated; a rank running in that process
             uses it, ranks started elsewhere build their own (`for_other_processes`).
+        blueprint: the data and meta model the launching process's checks read (`runner.build.Blueprint`),
+            for a rank running in that process, as `strategy`.
     """
 
     cfg: DictConfig
@@ -48,10 +52,11 @@ class Job:
     entry: Entry
     logging_config: dict[str, Any] | None = None
     strategy: Strategy | None = None
+    blueprint: Blueprint | None = None
 
     def for_other_processes(self) -> Job:
-        """This job without the launching process's strategy object (each process builds its own)."""
-        return replace(self, strategy=None)
+        """This job without the launching process's strategy and blueprint (each process builds its own)."""
+        return replace(self, strategy=None, blueprint=None)
 
 
 @dataclass(frozen=True)
@@ -158,7 +163,7 @@ def run_rank(job: Job, launcher_reports: bool = False) -> dict[str, float]:
     rank = env.rank if env else 0
     configure_rank_logging(job.logging_config, rank, launcher_reports=launcher_reports)
     try:
-        metrics = job.entry(job.cfg, job.output_dir, job.strategy)
+        metrics = job.entry(job.cfg, job.output_dir, job.strategy, job.blueprint)
     except Exception as err:
         if (reason := write_failure(err)) is None:
             raise
