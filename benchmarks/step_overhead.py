@@ -48,9 +48,9 @@ import runner
 from runner import Accelerator
 from runner.callbacks import Callback, Run
 from runner.config import CONF_PACKAGE
+from runner.group_schemas import register_configs
 from runner.models import MLP
 from runner.schedulers import cosine
-from runner.schemas import register_configs
 from runner.train import Trainer
 
 BATCH = 64

@@ -1,6 +1,7 @@
-"""The command's Hydra: the config search path as `@hydra.main` builds it (and the refusal of a user's file
-that a shipped one would hide there), a single run composed once, and the claim of a new run's or
-sweep's dir (`ClaimDirs`).
+"""The command's Hydra: its arguments checked, the config search path as `@hydra.main` builds it (and the
+refusal of a user's file that a shipped one would hide there), a single run composed once, and the claim of
+a new run's or sweep's dir (`ClaimDirs`). Nothing here imports torch: `python -m runner` composes a run
+(`compose_command`) before torch loads, so that a refusal of its config does not wait for it.
 
 Hydra 1.3's `@hydra.main` composes a run's config twice: in MULTIRUN mode to read `hydra.mode` (a config
 may ask for a sweep without `-m`), then in RUN mode for the job, 0.1-0.2 s each on a small CPU machine on
@@ -13,29 +14,158 @@ as it always does and raises its own errors.
 from __future__ import annotations
 
 import argparse
+import errno
 import itertools
 import os
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+import yaml
 from hydra import version
 from hydra._internal.callbacks import Callbacks
 from hydra._internal.hydra import Hydra
-from hydra._internal.utils import create_automatic_config_search_path
+from hydra._internal.utils import create_automatic_config_search_path, get_args_parser
 from hydra.core.config_search_path import SearchPathQuery
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import IntervalSweep
 from hydra.core.utils import run_job
 from hydra.errors import HydraException, SearchPathException
 from hydra.experimental.callback import Callback
 from hydra.types import HydraContext, RunMode, TaskFunction
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from runner.cluster import launched_environment, launched_node
 from runner.config import CONF_DIR, CONF_SEARCH_PATH
-from runner.errors import ConfigError
+from runner.errors import (
+    SEARCH_PATH_MISSING,
+    ConfigError,
+    describe_compose_error,
+    describe_missing_search_path,
+    describe_yaml_error,
+    ending,
+)
+from runner.group_schemas import register_configs
 
 CONFIG_NAME = "config"  # the primary config: conf/config.yaml
 VERSION_BASE = "1.3"  # Hydra's defaults of that version (`hydra.job.chdir: false`, ...)
+RESUME_LAST = "trainer.resume=last"  # resolved by `runner.cli.resume_last`, which reads the runs' dirs
+
+
+HELP_FLAGS = {"--help", "-h"}  # runner's own help (runner.cli.help); --hydra-help is Hydra's
+# Hydra's options that take a value, and --info's optional one.
+VALUE_OPTIONS = (
+    *("--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp"),
+    *("--cfg", "-c", "--package", "-p", "--experimental-rerun"),
+)
+INFO_OPTIONS = ("--info", "-i")
+INFO_VALUES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+
+
+def options_first(arguments: list[str]) -> list[str]:
+    """`arguments` with Hydra's options (`-m`, `--config-dir conf`, ...) moved before the overrides, in
+    their order: Hydra's parser takes them only there, and `runner experiment=mine -m optimizer.lr=1,2` is
+    how users type. An override never starts with `-`."""
+    options: list[str] = []
+    rest: list[str] = []
+    taking_value = False
+    for argument in arguments:
+        if taking_value:
+            options.append(argument)
+            taking_value = False
+        elif argument.startswith("-"):
+            options.append(argument)
+            taking_value = argument in VALUE_OPTIONS
+        elif options and options[-1] in INFO_OPTIONS and argument in INFO_VALUES:
+            options.append(argument)
+        else:
+            rest.append(argument)
+    return options + rest
+
+
+def check_one_mode(args: Any) -> None:
+    """ConfigError for Hydra's modes given together (`-m --cfg job`: Hydra raises a bare ValueError)."""
+    modes = [
+        flag
+        for flag, given in (
+            ("-m", args.multirun),
+            ("--cfg", args.cfg),
+            ("--info", args.info),
+            ("--run", args.run),
+            ("--shell-completion", args.shell_completion),
+        )
+        if given
+    ]
+    if len(modes) > 1:
+        raise ConfigError(
+            f"{' and '.join(modes)} cannot be given together: each is a way to run the command (a sweep, print the "
+            "config, print information, one run). To see the config of one job of a sweep, give --cfg job with that "
+            "job's values and without -m (optimizer.lr=1e-3, not optimizer.lr=1e-3,1e-2)."
+        )
+
+
+def check_intervals(arguments: list[str]) -> None:
+    """ConfigError for a sweep's `interval(low, high)` written backwards (Optuna's sampler would raise a
+    ValueError once the sweep started). Arguments that do not parse are left to Hydra to report."""
+    parser = OverridesParser.create()
+    for argument in arguments:
+        if argument.startswith("-") or "interval(" not in argument:
+            continue
+        try:
+            override = parser.parse_override(argument)
+        except HydraException:
+            continue
+        value = override.value()
+        if isinstance(value, IntervalSweep) and value.start > value.end:
+            raise ConfigError(
+                f"{argument}: the interval is written backwards ({value.start:g} > {value.end:g}). Write "
+                f"{override.key_or_group}=interval({value.end:g},{value.start:g})."
+            )
+
+
+def checked_arguments(
+    arguments: list[str], resolve: Callable[[list[str]], list[str]] = lambda arguments: arguments
+) -> list[str]:
+    """The command line's arguments, options first and then `resolve`d (`runner.cli.resume_last`), once the
+    checks that need no composition pass (a ConfigError otherwise)."""
+    arguments = options_first(arguments)
+    check_intervals(arguments)
+    arguments = resolve(arguments)
+    parsed = get_args_parser().parse_args(arguments)
+    check_one_mode(parsed)
+    check_config_dirs(user_config_dirs(parsed))
+    return arguments
+
+
+def composition_error(err: BaseException) -> ConfigError:
+    """What composing the config raised, as the one paragraph the command ends with; `err` itself raised
+    again where it is not the config's fault."""
+    if isinstance(err, UserWarning):
+        return ConfigError(describe_missing_search_path(str(err)))
+    if isinstance(err, HydraException | OmegaConfBaseException):
+        return ConfigError(describe_compose_error(err))
+    if isinstance(err, yaml.YAMLError):  # a config file of the search path (the user's --config-dir)
+        return ConfigError(describe_yaml_error(err))
+    # Hydra making the job's dir: a file in its place, a read-only or full disk
+    if isinstance(err, OSError) and err.errno in (errno.EEXIST, errno.ENOTDIR, errno.EACCES, errno.EROFS, errno.ENOSPC):
+        return ConfigError(
+            f"the run's dir cannot be made at {err.filename} ({err.strerror}). Give hydra.run.dir "
+            "(hydra.sweep.dir with -m) a directory you can write, or a new one."
+        )
+    raise err
+
+
+def end_command(err: BaseException) -> NoReturn:
+    """The command's end for what stopped it before or after its jobs: one paragraph on stderr, the exit
+    status of `runner.errors.ENDINGS`."""
+    heading, status = ending(err)
+    print(f"{heading}: {err}", file=sys.stderr)
+    sys.exit(status)
 
 
 def command_hydra(config_dir: str | None) -> Hydra:
@@ -169,11 +299,50 @@ def _claim(node: DictConfig) -> bool:
     return True
 
 
-def run_composed_once(args: argparse.Namespace, task_function: TaskFunction) -> bool:
-    """Run `task_function` on the config that Hydra's parsed command line `args` compose, as `Hydra.run`
-    does, composing it once. False, having run nothing, where the command is not one run (Hydra's own path
-    takes it then): `-m`, `--cfg`, `--info`, help, completion, `--config-path`, a config that sets
-    `hydra.mode` to MULTIRUN, or one that does not compose (Hydra composes it again and raises its error)."""
+@dataclass
+class Composed:
+    """One run's config as the command composed it, with the checked arguments and the Hydra that did."""
+
+    arguments: list[str]
+    hydra: Hydra
+    config_name: str
+    cfg: DictConfig
+
+
+def compose_command(arguments: list[str]) -> Composed | None:
+    """The command's one run composed before torch loads (`python -m runner` calls this first): its
+    arguments checked and its config composed against `runner.group_schemas`, a refusal of either raised
+    as the ConfigError the command ends with. None, having composed nothing, for what `runner.cli.run`
+    takes as it is: a subcommand, help, a sweep or another of Hydra's modes, `trainer.resume=last`, a
+    rank or a pod of a launched job."""
+    if (
+        (arguments and not arguments[0].startswith("-") and "=" not in arguments[0])  # a subcommand
+        or HELP_FLAGS & set(arguments)
+        or RESUME_LAST in arguments
+        or launched_environment() is not None
+        or launched_node() is not None
+    ):
+        return None
+    register_configs()
+    arguments = checked_arguments(arguments)
+    try:
+        with warnings.catch_warnings():
+            # Hydra only warns about a search path entry that is not there; its options then go missing.
+            warnings.filterwarnings("error", message=SEARCH_PATH_MISSING, category=UserWarning)
+            composed = composed_run(get_args_parser().parse_args(arguments), arguments)
+    except (UserWarning, HydraException, OmegaConfBaseException, yaml.YAMLError, OSError) as err:
+        GlobalHydra.instance().clear()
+        raise composition_error(err) from None
+    if composed is None:
+        GlobalHydra.instance().clear()
+    return composed
+
+
+def composed_run(args: argparse.Namespace, arguments: list[str]) -> Composed | None:
+    """The config that Hydra's parsed command line `args` compose in RUN mode, as `@hydra.main` would (what
+    composing raises is raised); None, having composed nothing, where the command is not one run:
+    `-m`, `--cfg`, `--info`, help, completion, `--config-path`, or a config that sets `hydra.mode` to
+    MULTIRUN (Hydra's own path takes it then)."""
     if (
         args.multirun
         or args.cfg
@@ -185,28 +354,26 @@ def run_composed_once(args: argparse.Namespace, task_function: TaskFunction) -> 
         or args.experimental_rerun is not None
         or args.config_path is not None
     ):
-        return False
+        return None
     config_name = args.config_name or CONFIG_NAME
+    hydra = command_hydra(args.config_dir)
+    cfg = hydra.compose_config(config_name, list(args.overrides), run_mode=RunMode.RUN, with_log_configuration=True)
+    if cfg.hydra.mode == RunMode.MULTIRUN:
+        return None
+    if cfg.hydra.mode is None:  # what `@hydra.main` adds for a run that no config gave a mode
+        cfg.hydra.mode = RunMode.RUN
+        cfg.hydra.overrides.hydra.append("hydra.mode=RUN")
+    return Composed(arguments, hydra, config_name, cfg)
+
+
+def run_composed(composed: Composed, task_function: TaskFunction) -> None:
+    """Run `task_function` on the composed config, as `Hydra.run` does."""
+    cfg, config_name = composed.cfg, composed.config_name
     try:
-        hydra = command_hydra(args.config_dir)
-    except SearchPathException:
-        return False
-    try:
-        try:
-            cfg = hydra.compose_config(
-                config_name, list(args.overrides), run_mode=RunMode.RUN, with_log_configuration=True
-            )
-        except Exception:  # `@hydra.main` composes it again and raises what it raises
-            return False
-        if cfg.hydra.mode == RunMode.MULTIRUN:
-            return False
-        if cfg.hydra.mode is None:  # what `@hydra.main` adds for a run that no config gave a mode
-            cfg.hydra.mode = RunMode.RUN
-            cfg.hydra.overrides.hydra.append("hydra.mode=RUN")
         callbacks = Callbacks(cfg)
         callbacks.on_run_start(config=cfg, config_name=config_name)
         job = run_job(
-            hydra_context=HydraContext(config_loader=hydra.config_loader, callbacks=callbacks),
+            hydra_context=HydraContext(config_loader=composed.hydra.config_loader, callbacks=callbacks),
             task_function=task_function,
             config=cfg,
             job_dir_key="hydra.run.dir",
@@ -214,6 +381,20 @@ def run_composed_once(args: argparse.Namespace, task_function: TaskFunction) -> 
         )
         callbacks.on_run_end(config=cfg, config_name=config_name, job_return=job)
         _ = job.return_value  # raises what the job raised
-        return True
     finally:
         GlobalHydra.instance().clear()
+
+
+def run_composed_once(args: argparse.Namespace, task_function: TaskFunction) -> bool:
+    """Run `task_function` on the config that Hydra's parsed command line `args` compose, as `Hydra.run`
+    does, composing it once. False, having run nothing, where the command is not one run (`composed_run`)
+    or its config does not compose (`@hydra.main` composes it again and raises its error)."""
+    try:
+        composed = composed_run(args, [])
+    except Exception:
+        composed = None
+    if composed is None:
+        GlobalHydra.instance().clear()
+        return False
+    run_composed(composed, task_function)
+    return True

@@ -27,6 +27,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import runner.cli
 from runner import Accelerator
+from runner.compose import compose_command, end_command
+from runner.errors import ConfigError
 from runner.hardware import DDP
 from runner.task import model_outputs
 from runner.trackers import MLflowTracker
@@ -100,8 +102,8 @@ def command(
     """`argv` (`python -m runner ...`, as `runner_command` makes it) run in `cwd` as a process forked from the
     forkserver, which imported torch and runner once (a fresh interpreter imports them in 3 s here): its exit
     status and output as `subprocess.run` gives them. For what the command decides before it starts anything
-    (a refusal, a plan): it runs `runner.cli.run`, not `python -m runner`'s early SIGTERM handler or MLflow
-    sender."""
+    (a refusal, a plan): it composes and runs as `python -m runner` does (`runner.compose.compose_command`,
+    then `runner.cli.run`), without its early SIGTERM handler or MLflow sender."""
     assert argv[:3] == RUNNER, argv
     with tempfile.TemporaryDirectory() as outputs:
         out, err = Path(outputs) / "stdout", Path(outputs) / "stderr"
@@ -127,7 +129,11 @@ def _command(arguments: list[str], cwd: str, environment: dict[str, str], out: s
     sys.argv = ["runner", *arguments]
     status = 0
     try:
-        runner.cli.run()
+        try:
+            composed = compose_command(arguments)
+        except ConfigError as err:
+            end_command(err)
+        runner.cli.run(composed)
     except SystemExit as ended:
         status = ended.code if isinstance(ended.code, int) else int(ended.code is not None)
     except BaseException:  # as the interpreter would: the traceback, status 1

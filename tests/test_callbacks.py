@@ -38,7 +38,7 @@ from runner.callbacks import (
 )
 from runner.config import CONF_DIR, ProfileConfig, TrainerConfig
 from runner.errors import ConfigError
-from runner.schemas import register_configs
+from runner.group_schemas import register_configs
 from runner.telemetry.goodput import Ledger, read_ledger
 from runner.telemetry.history import History, read_history
 from runner.telemetry.plots import curve, draw_run, run_figures, sweep_figures

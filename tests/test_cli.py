@@ -7,6 +7,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -286,6 +287,32 @@ def test_bad_input_gives_one_paragraph_and_no_traceback(forked_cli, overrides, e
     written = sorted(p.name for p in proc.run_dir.iterdir()) if proc.run_dir.exists() else []
     assert written in ([], ["runner.log"])  # nothing but the log (composition errors: not even that)
     assert "step " not in message and "starting" not in message  # nothing trained, no rank started
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["trainer.max_step=5"], "Did you mean trainer.max_steps?"),
+        (["hardware=ddp", "hardware.num_processes=two"], "hardware.num_processes: Value 'two'"),
+        (["hardware=fdsp"], "hardware=fdsp: there is no option 'fdsp' in the config group 'hardware'"),
+    ],
+)
+def test_a_config_that_does_not_compose_is_refused_before_torch_loads(tmp_path, overrides, expected):
+    """`python -m runner` composes before it imports torch: a misspelt key, a wrong type or an unknown
+    option is refused without waiting for torch (`-X importtime` lists every module imported)."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "runner", *overrides],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert "runner.compose" in imported and "torch" not in imported
+    assert "Configuration error: " in proc.stderr and expected in proc.stderr
+    assert not (tmp_path / "outputs").exists()  # no run dir claimed
 
 
 def test_deepspeed_without_its_extra_names_the_pip_install(run_cli, tmp_path):

@@ -26,13 +26,13 @@ from runner import Accelerator
 from runner.checkpoint.weights import load_weights
 from runner.config import CONF_DIR, ActivationCheckpointingConfig, CompileConfig, ProfileConfig
 from runner.errors import ConfigError
+from runner.group_schemas import register_configs
 from runner.hardware import SingleDevice
 from runner.hardware.parallelize import apply_compile
 from runner.models import GPT, MLP
 from runner.perf import PEAK_FLOPS, Profiler, count_flops, kept_for_backward, peak_flops
 from runner.plan import describe
 from runner.precision import Float8Precision
-from runner.schemas import register_configs
 from runner.task import batch_units
 from runner.validate import check_job
 

@@ -27,10 +27,11 @@ from safetensors.torch import save_file
 
 from hydra_plugins.runner_sweeper.resumable_sweeper import unfinished_batches
 from runner.build import locate
-from runner.cli import check_intervals, options_first
+from runner.compose import check_intervals, options_first
 from runner.config import CONF_DIR, FORMER_NAMES, Declared, Range, TrainerConfig, declared_ranges
 from runner.errors import ConfigError, describe_compose_error
-from runner.schemas import OPTIONS, register_configs, schemas
+from runner.group_schemas import SCHEMAS, register_configs
+from runner.schemas import GENERATED, OPTIONS, schemas, source
 from runner.validate import check_job, validate
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -272,11 +273,53 @@ def test_each_option_yaml_schema_and_class_agree(option):
 
 @pytest.mark.parametrize("option", typed_option_files())
 def test_a_composed_config_pickles_with_its_derived_schemas(option):
-    """Spawned ranks and SLURM jobs receive the config pickled: its derived schema classes must be
-    found again by name (`runner.schemas`), not be anonymous."""
+    """Spawned ranks and SLURM jobs receive the config pickled: its schema classes must be found again by
+    name (`runner.group_schemas`), not be anonymous."""
     group, name = option.split("/")
     cfg = compose("config", overrides=[f"{group}={name}"])
     assert pickle.loads(pickle.dumps(cfg)) == cfg
+
+
+def test_the_schemas_the_command_composes_against_are_the_derived_ones():
+    """`runner/group_schemas.py` is the derivation from the constructors written out (`python -m
+    runner.schemas` writes it again after a constructor changes): the same text, and the same fields,
+    types and defaults once imported."""
+    assert GENERATED.read_text() == source(), f"{GENERATED.name} is stale: run `python -m runner.schemas`"
+    for group, options in schemas().items():
+        for option, derived in options.items():
+            written = SCHEMAS[group][option]
+            assert written.__name__ == derived.__name__
+            assert [
+                (f.name, f.type, f.default, f.default_factory() if callable(f.default_factory) else None)
+                for f in dataclasses.fields(written)
+            ] == [
+                (f.name, f.type, f.default, f.default_factory() if callable(f.default_factory) else None)
+                for f in dataclasses.fields(derived)
+            ], f"{group}={option}"
+
+
+def test_a_typo_is_refused_by_a_composition_that_imports_no_torch():
+    """Composing the command's config, and refusing a misspelt key, a wrong type or an unknown option,
+    needs none of the classes the options build: torch is not imported."""
+    code = (
+        "import sys\n"
+        "from hydra import compose, initialize_config_dir\n"
+        "from hydra.errors import ConfigCompositionException\n"
+        "from runner.config import CONF_DIR\n"
+        "from runner.group_schemas import register_configs\n"
+        "register_configs()\n"
+        "with initialize_config_dir(config_dir=str(CONF_DIR), version_base='1.3'):\n"
+        "    compose('config', overrides=['hardware=fsdp', 'tracker=wandb', 'launcher=slurm'])\n"
+        "    for bad in ('trainer.max_step=5', 'hardware.num_processes=two', 'hardware=fdsp'):\n"
+        "        try:\n"
+        "            compose('config', overrides=[bad])\n"
+        "        except ConfigCompositionException:\n"
+        "            pass\n"
+        "        else:\n"
+        "            raise AssertionError(bad)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 # Where the class's default is written otherwise than the schema's, and means the same (why).
@@ -808,7 +851,7 @@ from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
 from omegaconf import OmegaConf
 from runner.compose import CONFIG_NAME, VERSION_BASE, run_composed_once
 from runner.config import CONF_SEARCH_PATH
-from runner.schemas import register_configs
+from runner.group_schemas import register_configs
 
 compositions, seen = [], {}
 compose = Hydra.compose_config

@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from runner.config import CONF_DIR
 from runner.data import RandomTokens, SyntheticRegression, TableFile, TextFile, digits
 from runner.errors import ConfigError
-from runner.schemas import register_configs
+from runner.group_schemas import register_configs
 from runner.tasks import Classification, Regression
 from runner.train import Trainer
 from runner.validate import check_job

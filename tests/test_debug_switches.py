@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from runner.build import fast_dev_run
 from runner.config import CONF_DIR
 from runner.errors import ConfigError
-from runner.schemas import register_configs
+from runner.group_schemas import register_configs
 from runner.train import Trainer
 from runner.validate import check_job
 

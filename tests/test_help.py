@@ -15,7 +15,7 @@ from hydra.errors import HydraException
 from runner.cli.help import docstring_args, first_job, help_text, sections, type_text, yaml_comments
 from runner.cli.init import init_project
 from runner.compose import command_hydra
-from runner.schemas import register_configs
+from runner.group_schemas import register_configs
 from tests.conftest import cli_env
 
 GROUPS = (

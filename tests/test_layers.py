@@ -67,6 +67,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.cli",
             "runner.compose",
             "runner.env",
+            "runner.group_schemas",
             "runner.schemas",
             "runner.sweep",
             "runner.__main__",

@@ -23,8 +23,8 @@ from hydra import compose, initialize_config_dir
 from runner.cli import checks_before_launch, resume_last
 from runner.config import CONF_DIR
 from runner.errors import ConfigError
+from runner.group_schemas import register_configs
 from runner.run_dir import lock as dir_lock
-from runner.schemas import register_configs
 from runner.telemetry.goodput import read_ledger, summarize
 from runner.telemetry.history import read_history
 

@@ -344,7 +344,7 @@ def test_every_setting_of_launcher_slurm_reaches_the_batch_script(tmp_path):
     from hydra.utils import instantiate
 
     from runner.config import CONF_DIR
-    from runner.schemas import register_configs
+    from runner.group_schemas import register_configs
 
     register_configs()
     settings = {

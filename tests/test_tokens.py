@@ -33,8 +33,8 @@ from runner.data.prepare import prepare
 from runner.data.shards import TokenStore
 from runner.data.tokens import ShuffledOrder, document_positions
 from runner.errors import ConfigError
+from runner.group_schemas import register_configs
 from runner.models.gpt import GPT
-from runner.schemas import register_configs
 from runner.task import model_outputs
 from runner.train import Trainer
 from runner.validate import check_job

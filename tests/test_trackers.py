@@ -26,7 +26,7 @@ from wandb.proto import wandb_internal_pb2 as wandb_pb
 from runner import Accelerator
 from runner.config import CONF_DIR
 from runner.errors import ConfigError
-from runner.schemas import register_configs
+from runner.group_schemas import register_configs
 from runner.telemetry.history import read_history
 from runner.trackers import WandbTracker
 from runner.trackers.journal import Journal

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import copy
-import errno
 import gc
 import logging
 import os
@@ -26,8 +25,6 @@ import torch
 import yaml
 from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import IntervalSweep
 from hydra.core.plugins import Plugins
 from hydra.errors import HydraException, InstantiationException
 from hydra.types import RunMode
@@ -38,7 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hydra_plugins.runner_launcher.launcher import RunnerLauncher
 from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
 from runner.build import fast_dev_run, is_inference, locate, records_goodput
-from runner.checkpoint.resume import LAST, check_finished_run, check_resume, latest_run
+from runner.checkpoint.resume import check_finished_run, check_resume, latest_run
 from runner.cli.estimate_memory import main as estimate_memory_command
 from runner.cli.help import help_text
 from runner.cli.init import main as init_project_command
@@ -46,11 +43,16 @@ from runner.cli.prepare_data import main as prepare_data_command
 from runner.cluster import ClusterEnvironment, launched_environment, launched_node, time_before_start
 from runner.compose import (
     CONFIG_NAME,
+    HELP_FLAGS,
+    RESUME_LAST,
     VERSION_BASE,
-    check_config_dirs,
+    Composed,
     check_hydra_settings,
+    checked_arguments,
+    composition_error,
+    end_command,
+    run_composed,
     run_composed_once,
-    user_config_dirs,
 )
 from runner.config import CONF_SEARCH_PATH
 from runner.errors import (
@@ -64,14 +66,13 @@ from runner.errors import (
     TrainingStopped,
     describe_compose_error,
     describe_exception,
-    describe_missing_search_path,
-    describe_yaml_error,
     ending,
     raise_terminated,
     signal_name,
     write_failure,
 )
 from runner.files import write_json
+from runner.group_schemas import register_configs
 from runner.inference import infer
 from runner.launchers import Job
 from runner.launchers.base import interrupted
@@ -80,7 +81,6 @@ from runner.plan import describe as describe_plan
 from runner.run_dir import FAILED, GOODPUT, JOB_CONFIG_DIR, RESOLVED, RUNS_DIR, FinishedRun
 from runner.run_dir.lock import run_dir_lock
 from runner.run_dir.log import FILE_ONLY, configure_rank_logging
-from runner.schemas import register_configs
 from runner.telemetry.goodput import Ledger, end_of_command, job_began
 from runner.telemetry.goodput import table as goodput_table
 from runner.train import evaluate_weights, train
@@ -343,10 +343,11 @@ def leave_the_heap() -> None:
 CLOSING: list[Path] = []
 
 
-def run() -> None:
+def run(composed: Composed | None = None) -> None:
     """Console entry point (`runner`, `python -m runner`): composition errors become one paragraph on stderr
-    and exit code 2. `runner init <dir>` writes a starter project instead, `runner prepare-data <overrides>`
-    the token shards of the data they compose, `runner estimate-memory <overrides>` the model's memory."""
+    and exit code 2. `composed`: the run `runner.compose.compose_command` composed already (before torch
+    loaded). `runner init <dir>` writes a starter project instead, `runner prepare-data <overrides>` the
+    token shards of the data they compose, `runner estimate-memory <overrides>` the model's memory."""
     register_configs()
     if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:  # never a Hydra override (those hold a `=`)
         _run_subcommand(sys.argv[1], sys.argv[2:])
@@ -354,9 +355,9 @@ def run() -> None:
     for plugin in (ResumableSweeper, RunnerLauncher):
         Plugins.instance().register(plugin)  # Hydra's scan misses them in an editable install
     try:
-        sys.argv[1:] = _checked_arguments(sys.argv[1:])
+        sys.argv[1:] = composed.arguments if composed else checked_arguments(sys.argv[1:], resume_last)
     except ConfigError as err:
-        _end_command(err)
+        end_command(err)
     _importable_cwd()
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra raise instead of printing its own report
     env, node = launched_environment(), launched_node()
@@ -368,17 +369,23 @@ def run() -> None:
         with warnings.catch_warnings():
             # Hydra only warns about a search path entry that is not there; its options then go missing.
             warnings.filterwarnings("error", message=SEARCH_PATH_MISSING, category=UserWarning)
-            if HELP_FLAGS & set(sys.argv[1:]):
-                print(help_text(sys.argv[1:], width=shutil.get_terminal_size().columns))
-                return
-            if not run_composed_once(get_args_parser().parse_args(), main):
-                hydra_main()
+            _answer(composed)
     except (UserWarning, HydraException, OmegaConfBaseException, yaml.YAMLError, OSError) as err:
-        _end_command(_composition_error(err))
+        end_command(composition_error(err))
     # What a sweep's launcher raises (`Launcher.launch_sweep`): its jobs refused before any is queued, a
     # job whose tasks died on SLURM, or the wait for them stopped.
     except (ConfigError, RankFailedError, TrainingInterrupted, TrainingStopped) as err:
-        _end_command(err)
+        end_command(err)
+
+
+def _answer(composed: Composed | None) -> None:
+    """Help, or the command's run (`composed`, else composed here), or what Hydra's own main takes."""
+    if HELP_FLAGS & set(sys.argv[1:]):
+        print(help_text(sys.argv[1:], width=shutil.get_terminal_size().columns))
+    elif composed is not None:
+        run_composed(composed, main)
+    elif not run_composed_once(get_args_parser().parse_args(), main):
+        hydra_main()
 
 
 SUBCOMMANDS = {
@@ -393,78 +400,9 @@ def _run_subcommand(name: str, arguments: list[str]) -> None:
     try:
         SUBCOMMANDS[name](arguments)
     except (HydraException, OmegaConfBaseException) as err:
-        _end_command(ConfigError(describe_compose_error(err)))
+        end_command(ConfigError(describe_compose_error(err)))
     except (ConfigError, DataNotPrepared) as err:
-        _end_command(err)
-
-
-def _checked_arguments(arguments: list[str]) -> list[str]:
-    """The command line's arguments, options first and `trainer.resume=last` resolved, once the checks that
-    need no composition pass (a ConfigError otherwise)."""
-    arguments = options_first(arguments)
-    check_intervals(arguments)
-    arguments = resume_last(arguments)
-    parsed = get_args_parser().parse_args(arguments)
-    check_one_mode(parsed)
-    check_config_dirs(user_config_dirs(parsed))
-    return arguments
-
-
-def _composition_error(err: BaseException) -> ConfigError:
-    """What composing the config raised, as the one paragraph the command ends with; `err` itself raised
-    again where it is not the config's fault."""
-    if isinstance(err, UserWarning):
-        return ConfigError(describe_missing_search_path(str(err)))
-    if isinstance(err, HydraException | OmegaConfBaseException):
-        return ConfigError(describe_compose_error(err))
-    if isinstance(err, yaml.YAMLError):  # a config file of the search path (the user's --config-dir)
-        return ConfigError(describe_yaml_error(err))
-    # Hydra making the job's dir: a file in its place, a read-only or full disk
-    if isinstance(err, OSError) and err.errno in (errno.EEXIST, errno.ENOTDIR, errno.EACCES, errno.EROFS, errno.ENOSPC):
-        return ConfigError(
-            f"the run's dir cannot be made at {err.filename} ({err.strerror}). Give hydra.run.dir "
-            "(hydra.sweep.dir with -m) a directory you can write, or a new one."
-        )
-    raise err
-
-
-def _end_command(err: BaseException) -> NoReturn:
-    """The command's end for what stopped it before or after its jobs: one paragraph on stderr, the exit
-    status of `runner.errors.ENDINGS`."""
-    heading, status = ending(err)
-    print(f"{heading}: {err}", file=sys.stderr)
-    sys.exit(status)
-
-
-HELP_FLAGS = {"--help", "-h"}  # runner's own help (runner.cli.help); --hydra-help is Hydra's
-# Hydra's options that take a value, and --info's optional one.
-VALUE_OPTIONS = (
-    *("--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp"),
-    *("--cfg", "-c", "--package", "-p", "--experimental-rerun"),
-)
-INFO_OPTIONS = ("--info", "-i")
-INFO_VALUES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
-
-
-def options_first(arguments: list[str]) -> list[str]:
-    """`arguments` with Hydra's options (`-m`, `--config-dir conf`, ...) moved before the overrides, in
-    their order: Hydra's parser takes them only there, and `runner experiment=mine -m optimizer.lr=1,2` is
-    how users type. An override never starts with `-`."""
-    options: list[str] = []
-    rest: list[str] = []
-    taking_value = False
-    for argument in arguments:
-        if taking_value:
-            options.append(argument)
-            taking_value = False
-        elif argument.startswith("-"):
-            options.append(argument)
-            taking_value = argument in VALUE_OPTIONS
-        elif options and options[-1] in INFO_OPTIONS and argument in INFO_VALUES:
-            options.append(argument)
-        else:
-            rest.append(argument)
-    return options + rest
+        end_command(err)
 
 
 def resume_last(arguments: list[str]) -> list[str]:
@@ -472,7 +410,7 @@ def resume_last(arguments: list[str]) -> list[str]:
     outputs/runs that a run of the same `experiment=` wrote last (`latest_run`: by time, not by name),
     resuming its latest checkpoint (a changed setting is refused there as in any resume, a finished run
     trains nothing); ConfigError where there is none, or two tie, or with a sweep or a run dir of its own."""
-    asked = f"trainer.resume={LAST}"
+    asked = RESUME_LAST
     if asked not in arguments:
         return arguments
     if any(a.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in arguments) or {
@@ -500,46 +438,6 @@ def resume_last(arguments: list[str]) -> list[str]:
         file=sys.stderr,
     )
     return [a for a in arguments if a != asked] + ["trainer.resume=auto", f"hydra.run.dir={latest.run_dir}"]
-
-
-def check_one_mode(args: Any) -> None:
-    """ConfigError for Hydra's modes given together (`-m --cfg job`: Hydra raises a bare ValueError)."""
-    modes = [
-        flag
-        for flag, given in (
-            ("-m", args.multirun),
-            ("--cfg", args.cfg),
-            ("--info", args.info),
-            ("--run", args.run),
-            ("--shell-completion", args.shell_completion),
-        )
-        if given
-    ]
-    if len(modes) > 1:
-        raise ConfigError(
-            f"{' and '.join(modes)} cannot be given together: each is a way to run the command (a sweep, print the "
-            "config, print information, one run). To see the config of one job of a sweep, give --cfg job with that "
-            "job's values and without -m (optimizer.lr=1e-3, not optimizer.lr=1e-3,1e-2)."
-        )
-
-
-def check_intervals(arguments: list[str]) -> None:
-    """ConfigError for a sweep's `interval(low, high)` written backwards (Optuna's sampler would raise a
-    ValueError once the sweep started). Arguments that do not parse are left to Hydra to report."""
-    parser = OverridesParser.create()
-    for argument in arguments:
-        if argument.startswith("-") or "interval(" not in argument:
-            continue
-        try:
-            override = parser.parse_override(argument)
-        except HydraException:
-            continue
-        value = override.value()
-        if isinstance(value, IntervalSweep) and value.start > value.end:
-            raise ConfigError(
-                f"{argument}: the interval is written backwards ({value.start:g} > {value.end:g}). Write "
-                f"{override.key_or_group}=interval({value.end:g},{value.start:g})."
-            )
 
 
 def _importable_cwd() -> None:

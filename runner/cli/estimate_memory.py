@@ -17,9 +17,9 @@ from omegaconf import DictConfig
 
 from runner.build import build_on_meta
 from runner.config import CONF_PACKAGE
+from runner.group_schemas import register_configs
 from runner.hardware.big_modeling import compute_module_sizes
 from runner.plan import MB, optimizer_states, state_memory
-from runner.schemas import register_configs
 
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Each hardware group as the overrides that select it.
