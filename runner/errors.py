@@ -171,6 +171,7 @@ def _unknown_key(cause: OmegaConfBaseException) -> str:
     )
 
 
+EXIT_REFUSED = 2  # a config refused before anything started (as argparse and Hydra exit)
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped by a signal after checkpointing; run the same command again
 
 
@@ -241,7 +242,7 @@ class RankFailedError(RuntimeError):
 # 2, the command is wrong and nothing ran; 75 (EX_TEMPFAIL), stopped after a checkpoint: run it again;
 # 1, the training failed. The first kind an error is decides.
 ENDINGS: tuple[tuple[type[BaseException], str, int], ...] = (
-    (ConfigError, "Configuration error", 2),
+    (ConfigError, "Configuration error", EXIT_REFUSED),
     (TrainingInterrupted, "Training interrupted", EXIT_INTERRUPTED),
     (RankFailedError, "Training failed", 1),
     (TrainingStopped, "Training stopped", 1),

@@ -40,6 +40,7 @@ from runner.cli.estimate_memory import main as estimate_memory_command
 from runner.cli.help import help_text
 from runner.cli.init import main as init_project_command
 from runner.cli.prepare_data import main as prepare_data_command
+from runner.cli.runs import main as runs_command
 from runner.cluster import ClusterEnvironment, launched_environment, launched_node, time_before_start
 from runner.compose import (
     CONFIG_NAME,
@@ -78,7 +79,17 @@ from runner.launchers import Job
 from runner.launchers.base import interrupted
 from runner.launchers.kubernetes import run_node
 from runner.plan import describe as describe_plan
-from runner.run_dir import FAILED, GOODPUT, JOB_CONFIG_DIR, RESOLVED, RUNS_DIR, FinishedRun
+from runner.run_dir import (
+    ENDED,
+    FAILED,
+    GOODPUT,
+    JOB_CONFIG_DIR,
+    RESOLVED,
+    RUNS_DIR,
+    FinishedRun,
+    ending_recorded,
+    record_ending,
+)
 from runner.run_dir.lock import run_dir_lock
 from runner.run_dir.log import FILE_ONLY, configure_rank_logging
 from runner.telemetry.goodput import Ledger, end_of_command, job_began
@@ -122,9 +133,11 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
                 built.tracker.warm_up(output_dir)
             metrics, spent = _launched(cfg, _job(cfg, hydra_cfg, output_dir, env, built), built, env)
     except (Exception, KeyboardInterrupt) as err:
-        _ended(err, hydra_cfg, output_dir, started)
+        with ending_recorded(output_dir, err):
+            _ended(err, hydra_cfg, output_dir, started)
     finally:
         owned.close()
+    record_ending(output_dir, 0)
     if not metrics:  # queued, not waited for (launcher.wait=false)
         return metrics
     log.info("final metrics (output dir %s):\n%s", output_dir, _table(metrics))
@@ -217,7 +230,8 @@ def _job(
     """The job the launcher runs; its config saved in its dir (by rank 0), and a sweep's parent run made."""
     if env is None or env.rank == 0:
         _save_job_config(cfg, hydra_cfg, output_dir)
-        (output_dir / FAILED).unlink(missing_ok=True)  # a sweep job run again: its last failure is past
+        for past in (FAILED, ENDED):  # a job run again in its dir: how the last one ended is past
+            (output_dir / past).unlink(missing_ok=True)
     if hydra_cfg.mode == RunMode.MULTIRUN and cfg.tracker._target_ and not cfg.tracker.parent_run_id:
         # One parent run per sweep; each job's run is its child.
         cfg.tracker.parent_run_id = instantiate(cfg.tracker).parent_for_sweep(Path(hydra_cfg.sweep.dir))
@@ -392,6 +406,7 @@ SUBCOMMANDS = {
     "init": init_project_command,
     "prepare-data": prepare_data_command,
     "estimate-memory": estimate_memory_command,
+    "runs": runs_command,
 }
 
 

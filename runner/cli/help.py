@@ -46,7 +46,8 @@ USAGE = (
     "Hydra's own options\n"
     "  callbacks=[early_stopping,best_checkpoints]: several callbacks at once; "
     "+callbacks.NAME._target_=pkg.Class: your own\n"
-    "  runner prepare-data [group=option ...] [key=value ...]: write the token shards data=tokens trains on"
+    "  runner prepare-data [group=option ...] [key=value ...]: write the token shards data=tokens trains on\n"
+    "  runner runs [DIR ...] [--state S] [--last N] [--metrics M,...]: the runs below outputs/ and their state"
 )
 
 

@@ -11,13 +11,17 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from runner.errors import EXIT_REFUSED
 from runner.files import write_text
 
 RUNS_DIR = "outputs/runs"  # where runs go by default (hydra.run.dir in conf/config.yaml)
@@ -40,6 +44,7 @@ BEST = "best"  # the best checkpoints and best.json (the `best_checkpoints` call
 BEST_RECORD = "best.json"  # in best/: them, best first
 TRACKING = "tracking"  # the trackers' journal of records, written before any is sent (runner.trackers)
 FAILED = "failed.json"  # a sweep job's: why its training failed (runner.cli)
+ENDED = "ended.json"  # how the command's job in the dir ended: its exit status and signal (`record_ending`)
 SWEEP_SUMMARY = "summary.csv"  # a sweep's dir: its jobs' settings, ranks and metrics (runner.sweep)
 RESULTS = (FINISHED, f"{MODEL}/", FINISHED_RECORD)  # what a finished run trained on in its dir moves aside
 REPLACED = "replaced-"  # + a time: a dir of a finished run's files moved aside (`move_aside`)
@@ -148,6 +153,30 @@ def finished_run(output_dir: Path) -> FinishedRun | None:
     if (output_dir / FINISHED).is_file() and (output_dir / RESOLVED).is_file():
         return FinishedRun(output_dir, None, json.loads((output_dir / FINISHED).read_text()))
     return None
+
+
+def record_ending(output_dir: Path, status: int, signum: int | None = None) -> None:
+    """Record that the job in `output_dir` ended with exit `status` (0: its end; a stop signal's
+    `signum`, where one stopped it), for `runner.run_dir.state`; not a refusal (exit 2: the dir's run, if
+    any, stays as it was) nor in a dir where no job started (it holds nothing but its log)."""
+    if status != EXIT_REFUSED and (output_dir / JOB_CONFIG_DIR).is_dir():
+        name = None if signum is None else signal.Signals(signum).name
+        write_text(output_dir / ENDED, json.dumps({"status": status, "signal": name, "time": time.time()}))
+
+
+@contextmanager
+def ending_recorded(output_dir: Path, err: BaseException) -> Iterator[None]:
+    """Inside: the job in `output_dir` ends because of `err` (its exit, or the exception a sweep's job
+    ends with); that ending recorded (`record_ending`), with the stop signal `err` carries."""
+    signum = getattr(err, "signum", None) or (signal.SIGINT if isinstance(err, KeyboardInterrupt) else None)
+    try:
+        yield
+    except SystemExit as exit:
+        record_ending(output_dir, exit.code if isinstance(exit.code, int) else 1, signum)
+        raise
+    except Exception:
+        record_ending(output_dir, 1, signum)
+        raise
 
 
 def move_aside(output_dir: Path, names: tuple[str, ...] | None = None) -> Path:

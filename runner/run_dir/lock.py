@@ -118,3 +118,10 @@ def _holders(path: Path) -> list[int]:
         except OSError:
             continue
     return sorted(found)
+
+
+def in_use(output_dir: Path) -> bool:
+    """Whether a live run holds `output_dir`'s lock, read from /proc/locks (taking none: a run starting
+    meanwhile is not refused); False without /proc/locks."""
+    owner = _lock_owner(output_dir)
+    return bool(owner) and _alive(owner)  # type: ignore[arg-type]
