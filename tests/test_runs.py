@@ -63,7 +63,7 @@ def test_runs_lists_each_run_with_its_state_step_objective_and_differing_overrid
     assert {name: row[1] for name, row in listed.items()} == {
         "finished": "finished",
         "failed": "failed",
-        "refused": "not",  # "not run"
+        "refused": "unstarted",
         "stopped": "running",
         "preempted": "running",
     }

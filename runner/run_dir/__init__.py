@@ -14,7 +14,7 @@ import shutil
 import signal
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,7 +161,8 @@ def record_ending(output_dir: Path, status: int, signum: int | None = None) -> N
     any, stays as it was) nor in a dir where no job started (it holds nothing but its log)."""
     if status != EXIT_REFUSED and (output_dir / JOB_CONFIG_DIR).is_dir():
         name = None if signum is None else signal.Signals(signum).name
-        write_text(output_dir / ENDED, json.dumps({"status": status, "signal": name, "time": time.time()}))
+        with suppress(OSError):  # a full or read-only disk: the ending the command reports stays its own
+            write_text(output_dir / ENDED, json.dumps({"status": status, "signal": name, "time": time.time()}))
 
 
 @contextmanager

@@ -4,7 +4,7 @@ got, its final (or latest) metrics, its goodput, when it started and the overrid
 The states: `running` (a live process holds the dir's lock), `finished` (it ran to its end), `stopped` (a
 stop asked by a person: Ctrl-C, SIGINT), `preempted` (stopped by a scheduler's signal: SIGTERM, SIGUSR1,
 SIGUSR2), `failed`, `died` (it ended without a word: kill -9, out of memory, a lost node), `ended` (a job
-that trains nothing ended: `mode=evaluate`, inference, a job queued elsewhere) and `not run` (no job
+that trains nothing ended: `mode=evaluate`, inference, a job queued elsewhere) and `unstarted` (no job
 started: its config was refused, or `plan=true`; the dir holds its log only).
 """
 
@@ -23,7 +23,7 @@ from runner.run_dir.lock import in_use
 from runner.telemetry.goodput import read_ledger, summarize
 from runner.telemetry.history import read_history
 
-STATES = ("running", "finished", "stopped", "preempted", "failed", "died", "ended", "not run")
+STATES = ("running", "finished", "stopped", "preempted", "failed", "died", "ended", "unstarted")
 PREEMPTION = ("SIGTERM", "SIGUSR1", "SIGUSR2")  # what schedulers send (SLURM, Kubernetes, Ray)
 
 
@@ -93,7 +93,7 @@ def run_state(run_dir: Path) -> str:
     if (run_dir / FAILED).is_file():
         return "failed"
     if not (run_dir / JOB_CONFIG_DIR).is_dir():
-        return "not run"
+        return "unstarted"
     ended = _json(run_dir / ENDED)
     if ended is None:
         return "died"
