@@ -16,6 +16,7 @@ import torch
 
 from runner.config import ProfileConfig
 from runner.errors import ConfigError
+from runner.torch_internals import dump_memory_snapshot, record_memory_history, view_base
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def kept_for_backward(module: torch.nn.Module) -> Iterator[dict[int, int]]:
     kept: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if id(tensor) not in parameters and id(tensor._base) not in parameters:
+        if id(tensor) not in parameters and id(view_base(tensor)) not in parameters:
             kept[id(tensor)] = tensor.numel() * tensor.element_size()
         return tensor
 
@@ -193,13 +194,13 @@ def memory_snapshot_on_oom(enabled: bool, device: torch.device, path: Path) -> I
             f"trainer.memory_snapshot=true records the CUDA allocator; this run computes on {device.type}. "
             "Set trainer.memory_snapshot=false, or run on a GPU."
         )
-    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    record_memory_history(True)
     try:
         yield
     except torch.OutOfMemoryError:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(path))
+        dump_memory_snapshot(path)
         log.error("out of memory: the allocator's history is in %s (open it at pytorch.org/memory_viz)", path)
         raise
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        record_memory_history(False)

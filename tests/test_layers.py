@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "runner.data",
             "runner.task",
             "runner.tasks",
+            "runner.torch_internals",
         ],
     ),
     ("precision", ["runner.precision"]),

@@ -51,6 +51,7 @@ from runner.ops import apply_to_tensors, concatenate, convert_to_fp32, find_batc
 from runner.precision import PrecisionType
 from runner.rng import RNGType, set_seed
 from runner.state import DistributedType
+from runner.torch_internals import compiled_module, compiled_wrapper
 from runner.trackers import LoggerType
 
 __all__ = [
@@ -335,17 +336,14 @@ def extract_model_from_parallel(
 ) -> torch.nn.Module:
     """The user's model inside DDP, a DeepSpeed engine or `torch.compile`'s wrapper (kept with
     `keep_torch_compile`); `keep_fp32_wrapper=False` also removes a mixed-precision autocast forward."""
-    from torch._dynamo.eval_frame import OptimizedModule  # torch._dynamo takes a second to import
-
-    compiled = model if isinstance(model, OptimizedModule) else None
-    inner = compiled._orig_mod if compiled is not None else model
+    compiled = compiled_module(model)
+    inner = model if compiled is None else compiled
     while isinstance(inner, DistributedDataParallel) or type(inner).__name__ == "DeepSpeedEngine":
         inner = inner.module
     if not keep_fp32_wrapper and "_original_forward" in inner.__dict__:
         inner.forward = inner.__dict__.pop("_original_forward")
     if compiled is not None and keep_torch_compile:
-        compiled._orig_mod = inner
-        return compiled
+        return compiled_wrapper(model, inner)
     return inner
 
 
@@ -616,9 +614,7 @@ def is_port_in_use(port: int | None = None) -> bool:
 
 def is_compiled_module(module: torch.nn.Module) -> bool:
     """Whether `module` is `torch.compile`'s wrapper of a model."""
-    from torch._dynamo.eval_frame import OptimizedModule  # torch._dynamo takes a second to import
-
-    return isinstance(module, OptimizedModule)
+    return compiled_module(module) is not None
 
 
 def is_namedtuple(data: Any) -> bool:

@@ -335,20 +335,17 @@ def tensor_owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def get_module_tensor(model: nn.Module, name: str) -> torch.Tensor:
     module, attribute = tensor_owner(model, name)
-    return module._parameters[attribute] if attribute in module._parameters else module._buffers[attribute]
+    return getattr(module, attribute)
 
 
 def set_module_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     """Put `tensor` in `model` as the parameter or buffer `name` (a Parameter keeps its requires_grad)."""
     module, attribute = tensor_owner(model, name)
-    if attribute in module._parameters:
-        if not isinstance(tensor, nn.Parameter):
-            tensor = nn.Parameter(tensor, requires_grad=module._parameters[attribute].requires_grad)
-        module._parameters[attribute] = tensor
-    else:
-        module._buffers[attribute] = tensor
+    if is_parameter(model, name) and not isinstance(tensor, nn.Parameter):
+        tensor = nn.Parameter(tensor, requires_grad=getattr(module, attribute).requires_grad)
+    setattr(module, attribute, tensor)
 
 
 def is_parameter(model: nn.Module, name: str) -> bool:
     module, attribute = tensor_owner(model, name)
-    return attribute in module._parameters
+    return attribute in dict(module.named_parameters(recurse=False, remove_duplicate=False))

@@ -63,17 +63,15 @@ def init_on_device(device: torch.device | str, include_buffers: bool = False) ->
     register_buffer = nn.Module.register_buffer
 
     def parameter_on_device(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register_parameter(module, name, param)
         if param is not None and param.device != device:
             kwargs = {**param.__dict__, "requires_grad": param.requires_grad}
-            module._parameters[name] = type(param)(param.to(device), **kwargs)
+            param = type(param)(param.to(device), **kwargs)
+        register_parameter(module, name, param)
 
     def buffer_on_device(
         module: nn.Module, name: str, buffer: torch.Tensor | None, persistent: bool = True
     ) -> None:
-        register_buffer(module, name, buffer, persistent=persistent)
-        if buffer is not None:
-            module._buffers[name] = buffer.to(device)
+        register_buffer(module, name, None if buffer is None else buffer.to(device), persistent=persistent)
 
     nn.Module.register_parameter = parameter_on_device  # type: ignore[method-assign]
     if include_buffers:

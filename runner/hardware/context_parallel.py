@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from runner.errors import ConfigError
 from runner.ops import apply_to_tensors
 from runner.task import HF_LABELS, model_inputs
+from runner.torch_internals import gathered_along, summed
 
 
 def chunks_of(rank: int, size: int) -> tuple[int, int]:
@@ -131,8 +131,8 @@ class ContextParallel:
         and values of the whole sequences, gathered from the group (fewer key/value heads than query
         heads: grouped-query attention)."""
         local = query.shape[2]
-        keys = funcol.all_gather_single_autograd(key.contiguous(), 2, self.group)
-        values = funcol.all_gather_single_autograd(value.contiguous(), 2, self.group)
+        keys = gathered_along(key.contiguous(), 2, self.group)
+        values = gathered_along(value.contiguous(), 2, self.group)
         mine = self.positions(local, query.device)
         gathered = torch.cat(
             [positions_of(rank, self.size, local, query.device) for rank in range(self.size)]
@@ -152,7 +152,7 @@ class ContextParallel:
         """`loss` (this rank's share's mean) with the value of the whole sequences' loss, the mean over the
         group (every share holds as many tokens), and the gradient of this rank's share: data-parallel
         averaging of the gradients over the group completes it."""
-        total = funcol.all_reduce(loss.detach(), "sum", self.group) / self.size
+        total = summed(loss.detach(), self.group) / self.size
         return loss + (total - loss.detach())
 
     @staticmethod

@@ -20,6 +20,7 @@ from runner.hardware.process_group import ParallelStrategy
 from runner.models.sequence_shares import share_problem
 from runner.state import ProcessState
 from runner.task import POSITIONS, trains_by_loss
+from runner.torch_internals import flatten_mesh
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class ParallelDims:
         present = tuple(n for n in names if n in (mesh.mesh_dim_names or ()))
         if len(present) < 2:
             return mesh[present[0]] if present else None
-        return mesh[present]._flatten(name)
+        return flatten_mesh(mesh[present], name)
 
 
 ACCELERATE_FLATTENED = {
@@ -167,7 +168,7 @@ class MeshStrategy(ParallelStrategy):
         # ranks a loss value is averaged over), one dimension alone included.
         for name, names in ACCELERATE_FLATTENED.items():
             if present := tuple(n for n in names if n in (self.mesh.mesh_dim_names or ())):
-                self.mesh[present]._flatten(name)
+                flatten_mesh(self.mesh[present], name)
         assert self._data_mesh is not None, "dp_shard is always in the mesh"
         return dataclasses.replace(
             state, data_parallel_index=self._data_mesh.get_local_rank(), data_parallel_size=dims.dp

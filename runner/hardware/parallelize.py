@@ -29,6 +29,7 @@ from runner.config import (
 from runner.errors import ConfigError
 from runner.hardware.context_parallel import ContextParallel
 from runner.models.sequence_shares import share_model
+from runner.torch_internals import inductor_modes
 
 # torch.distributed.tensor (under FSDP2, tensor parallel and DCP) takes about 0.5 s to import: only runs
 # that shard import it, when they do.
@@ -217,17 +218,14 @@ def check_compile(config: CompileConfig) -> None:
             f"trainer.compile.mode={config.mode} and trainer.compile.options: torch.compile takes one of them "
             "(a mode is a preset of options). Drop one."
         )
-    import torch._dynamo  # here: the registry of backends is in what compiling imports anyway
-    import torch._inductor
-
-    backends = torch._dynamo.list_backends(exclude_tags=())
+    backends = torch.compiler.list_backends(exclude_tags=())
     if config.backend not in backends:
         raise ConfigError(
             f"trainer.compile.backend={config.backend}: not a torch.compile backend of this torch "
             f"({torch.__version__}). Use one of {', '.join(backends)} (inductor generates kernels; aot_eager "
             "traces without them)."
         )
-    modes = list(torch._inductor.list_mode_options())
+    modes = inductor_modes()
     if config.mode is not None and config.backend == "inductor" and config.mode not in modes:
         raise ConfigError(
             f"trainer.compile.mode={config.mode}: not a mode of the inductor backend. Use one of "

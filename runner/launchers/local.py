@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import os
 import signal
@@ -18,12 +17,8 @@ from typing import Any, NoReturn
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig
-from torch.distributed.elastic.agent.server.api import WorkerGroup
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
-from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, record
-from torch.distributed.launcher import api as launcher_api
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from runner.callbacks.watchdog import EXIT_HUNG, read_reports
@@ -40,6 +35,7 @@ from runner.launchers.reports import (
     reported_failure,
 )
 from runner.run_dir import HANG_DIR
+from runner.torch_internals import ElasticAgent, launching_with
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +160,7 @@ class LocalLauncher(Launcher):
             with (
                 _threads_per_rank(num_processes),
                 _quiet_elastic_logs(),
-                _stopping_within_shutdown_timeout(
-                    Path(error_dir), job.output_dir, started, self.shutdown_timeout_s
-                ),
+                launching_with(self._agent(Path(error_dir), job.output_dir, started)),
                 _ctrl_c_once() as ctrl_c,
             ):
                 try:
@@ -181,64 +175,41 @@ class LocalLauncher(Launcher):
                     raise_failure(err.failures, Path(error_dir), job.output_dir, started)
         return results.get(0, {})
 
+    def _agent(self, error_dir: Path, run_dir: Path, launched: float) -> type[_Agent]:
+        """The agent of one launch, reporting into `error_dir`, its ranks stopped within `shutdown_timeout_s`."""
+        facts = {"error_dir": error_dir, "run_dir": run_dir, "launched": launched}
+        return type("_Agent", (_Agent,), {**facts, "shutdown_timeout_s": self.shutdown_timeout_s})
 
-class _Agent(LocalElasticAgent):
-    """torch's agent, but the ranks get `shutdown_timeout_s` to exit before SIGKILL, whatever ended them.
-    torch's own `shutdown_timeout` (newer than torch 2.11) counts only after a signal: after a failure its
-    process context waits a fixed 30 s for the other ranks (`ProcessContext.join` without a grace period),
-    and its agent 30 s more (`_stop_workers`), so a rank stuck in a collective held the job that long.
-    Before a restart (`launcher.max_restarts`) it says why and clears the failed attempt's reports."""
+
+class _Agent(ElasticAgent):
+    """The agent of a launch: before a restart (`launcher.max_restarts`) it says why and clears the failed
+    attempt's reports; a failure that a restart would repeat is not restarted."""
 
     error_dir: Path  # the ranks' failure reports (`report_failure`)
     run_dir: Path  # the job's dir: its watchdogs' reports
     launched: float  # when the launch began: the reports written since are this job's
-    shutdown_timeout_s: float  # launcher.shutdown_timeout_s
-    _failures: dict[int, ProcessFailure] = {}
 
-    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        pids = super()._start_workers(worker_group)
-        ranks = self._pcontext
-        if isinstance(ranks, MultiprocessContext):  # fork, spawn, forkserver
-            # Half the time to exit on their own (they may have lost the failed peer), half after SIGTERM.
-            ranks._pc.join = functools.partial(ranks._pc.join, grace_period=self.shutdown_timeout_s / 2)
-        if ranks is not None:  # every stop (a signal, a failure, a restart): SIGKILL after the timeout
-            close = ranks.close
-
-            def close_within_timeout(death_sig: signal.Signals | None = None, *_: Any, **__: Any) -> None:
-                close(death_sig, timeout=int(self.shutdown_timeout_s))
-
-            ranks.close = close_within_timeout  # type: ignore[method-assign]
-        return pids
-
-    def _monitor_workers(self, worker_group: WorkerGroup) -> Any:
-        result = super()._monitor_workers(worker_group)
-        self._failures = result.failures
-        if result.is_failed() and self._remaining_restarts and (kind := repeated_failure(self.error_dir)):
+    def restart_allowed(self) -> bool:
+        if kind := repeated_failure(self.error_dir):
             log.warning("not restarted: a rank stopped with %s, which a restart would repeat", kind)
-            self._remaining_restarts = 0
-        return result
+            return False
+        return True
 
-    def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        spec = worker_group.spec
-        done = spec.max_restarts - self._remaining_restarts
-        causes = "; ".join(_failure_text(rank, f) for rank, f in sorted(self._failures.items()))
-        hung_now = any(failure.exitcode == EXIT_HUNG for failure in self._failures.values())
+    def restarting(self, failures: dict[int, ProcessFailure], restart: int, restarts: int) -> None:
+        causes = "; ".join(_failure_text(rank, f) for rank, f in sorted(failures.items()))
+        hung_now = any(failure.exitcode == EXIT_HUNG for failure in failures.values())
         if hung_now and (reports := read_reports(self.run_dir, self.launched)):  # the rank in its own code
             hung = likeliest_hang(reports)
             causes = (
                 f"rank {hung} made no progress ({reports[hung]['doing']}, at {reports[hung].get('where')})"
             )
         log.warning(
-            "%s: restart %d of %d, the ranks resume from the run's latest checkpoint",
-            causes,
-            done,
-            spec.max_restarts,
+            "%s: restart %d of %d, the ranks resume from the run's latest checkpoint", causes, restart, restarts
         )
         for report in self.error_dir.glob("rank*.json"):
             report.unlink()
         for stacks in (self.run_dir / HANG_DIR).glob("rank*.txt"):  # kept, under the attempt's number
-            stacks.rename(stacks.with_name(f"attempt{done - 1}-{stacks.name}"))
-        super()._restart_workers(worker_group)
+            stacks.rename(stacks.with_name(f"attempt{restart - 1}-{stacks.name}"))
 
 
 def _failure_text(rank: int, failure: ProcessFailure) -> str:
@@ -247,23 +218,6 @@ def _failure_text(rank: int, failure: ProcessFailure) -> str:
     if failure.exitcode == EXIT_HUNG:
         return f"rank {rank} made no progress (see its hang/ report)"
     return f"rank {rank} exited with code {failure.exitcode}"
-
-
-@contextmanager
-def _stopping_within_shutdown_timeout(
-    error_dir: Path, run_dir: Path, launched: float, shutdown_timeout_s: float
-) -> Iterator[None]:
-    """`elastic_launch` builds torch's `LocalElasticAgent` by its module name: `_Agent` (reporting into
-    `error_dir`, stopping ranks within `shutdown_timeout_s`) meanwhile."""
-    original = launcher_api.LocalElasticAgent
-    facts = {"error_dir": error_dir, "run_dir": run_dir, "launched": launched}
-    launcher_api.LocalElasticAgent = type(  # type: ignore[misc]
-        "_Agent", (_Agent,), {**facts, "shutdown_timeout_s": shutdown_timeout_s}
-    )
-    try:
-        yield
-    finally:
-        launcher_api.LocalElasticAgent = original  # type: ignore[misc]
 
 
 @contextmanager

@@ -80,7 +80,7 @@ class TensorBoardTracker(Tracker):
         from torch.utils.tensorboard.summary import hparams
 
         # Into the run's own event file (`add_hparams` would open a second one beside it).
-        file_writer = self.writer._get_file_writer()
+        file_writer = self.writer.file_writer
         for summary in hparams(flat, metric_dict={}):
             file_writer.add_summary(summary)
         self.writer.flush()

@@ -1,0 +1,143 @@
+"""Every private torch name runner reaches, here only (tests/test_torch_internals.py finds none elsewhere),
+each checked against the installed torch by that test, which the oldest torch pyproject admits runs as well
+(`.ci/torch-2.9.sh`): a torch release that renames one fails that test, not a user's launch.
+
+- `torch.compile`'s wrapper (`OptimizedModule` and its `_orig_mod`), as Accelerate's `is_compiled_module`
+  reads it; inductor's modes (`torch._inductor.list_mode_options`, where `torch.compile`'s docstring points).
+- The CUDA allocator's history (`torch.cuda.memory._record_memory_history`, `_dump_snapshot`): the API that
+  pytorch.org/memory_viz documents.
+- The functional collectives (`torch.distributed._functional_collectives`), which dynamo traces and whose
+  gather has a gradient: what torch's deprecation of `torch.distributed.nn.functional` points to.
+- `DeviceMesh._flatten` (torchtitan's way to name several mesh dimensions as one); a view's `_base`.
+- torch elastic's local agent (`ElasticAgent`): how long stopped ranks get, and whether a failed rank group
+  restarts, reached through `LocalElasticAgent`'s private steps; `elastic_launch` builds its agent by the
+  module global `torch.distributed.launcher.api.LocalElasticAgent` (`launching_with`).
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.launcher import api as launcher_api
+
+
+def compiled_module(module: Any) -> torch.nn.Module | None:
+    """The model inside `module` when `module` is `torch.compile`'s wrapper, else None."""
+    from torch._dynamo.eval_frame import OptimizedModule  # torch._dynamo takes a second to import
+
+    return module._orig_mod if isinstance(module, OptimizedModule) else None
+
+
+def compiled_wrapper(wrapper: Any, model: torch.nn.Module) -> Any:
+    """`torch.compile`'s `wrapper`, around `model` from now on."""
+    wrapper._orig_mod = model
+    return wrapper
+
+
+def inductor_modes() -> list[str]:
+    """The modes `torch.compile(backend="inductor", mode=...)` takes."""
+    import torch._inductor  # what compiling imports anyway
+
+    return list(torch._inductor.list_mode_options())
+
+
+def record_memory_history(enabled: bool, max_entries: int = 100_000) -> None:
+    """Start (or stop) recording the CUDA allocator's history."""
+    if enabled:
+        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    else:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def dump_memory_snapshot(path: Path) -> None:
+    """Write the recorded history to `path` (a pickle that pytorch.org/memory_viz opens)."""
+    torch.cuda.memory._dump_snapshot(str(path))
+
+
+def gathered_along(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """The group's `tensor`s joined along `dim` in rank order; its gradient goes back to each rank's share."""
+    return funcol.all_gather_single_autograd(tensor, dim, group)
+
+
+def summed(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of the group's `tensor`s (no gradient)."""
+    return funcol.all_reduce(tensor, "sum", group)
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """The dimensions of `mesh` (a slice of several) as one dimension `name`, which the root mesh then
+    also answers to (`root[name]`)."""
+    return mesh._flatten(name)
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor that `tensor` is a view of (None: it is no view)."""
+    return tensor._base
+
+
+class ElasticAgent(LocalElasticAgent):
+    """torch's local agent whose ranks get `shutdown_timeout_s` to exit before SIGKILL, whatever ended them
+    (a signal, a failed peer, a restart), and whose subclasses say whether a failed group restarts
+    (`restart_allowed`) and hear of each restart (`restarting`). torch's own `shutdown_timeout` counts only
+    after a signal: after a failure its process context waits a fixed 30 s for the other ranks
+    (`ProcessContext.join` without a grace period), and its agent 30 s more (`_stop_workers`)."""
+
+    shutdown_timeout_s: float = 30.0
+    _failures: dict[int, ProcessFailure] = {}
+
+    def restart_allowed(self) -> bool:
+        """Whether the rank group that just failed may restart (when restarts are left)."""
+        return True
+
+    def restarting(self, failures: dict[int, ProcessFailure], restart: int, restarts: int) -> None:
+        """Restart `restart` of `restarts` begins, after the ranks of the last attempt failed with `failures`."""
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        pids = super()._start_workers(worker_group)
+        ranks = self._pcontext
+        if isinstance(ranks, MultiprocessContext):  # fork, spawn, forkserver
+            # Half the time to exit on their own (they may have lost the failed peer), half after SIGTERM.
+            ranks._pc.join = functools.partial(ranks._pc.join, grace_period=self.shutdown_timeout_s / 2)
+        if ranks is not None:  # every stop (a signal, a failure, a restart): SIGKILL after the timeout
+            close = ranks.close
+
+            def close_within_timeout(death_sig: signal.Signals | None = None, *_: Any, **__: Any) -> None:
+                close(death_sig, timeout=int(self.shutdown_timeout_s))
+
+            ranks.close = close_within_timeout  # type: ignore[method-assign]
+        return pids
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        self._failures = result.failures
+        if result.is_failed() and self._remaining_restarts and not self.restart_allowed():
+            self._remaining_restarts = 0
+        return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        restarts = worker_group.spec.max_restarts
+        self.restarting(self._failures, restarts - self._remaining_restarts, restarts)
+        super()._restart_workers(worker_group)
+
+
+@contextmanager
+def launching_with(agent: type[ElasticAgent]) -> Iterator[None]:
+    """Inside, `elastic_launch` runs its ranks under `agent`."""
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = agent  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original  # type: ignore[misc]
