@@ -66,9 +66,13 @@ def dump_memory_snapshot(path: Path) -> None:
     torch.cuda.memory._dump_snapshot(str(path))
 
 
+# torch 2.10 renamed the gathering one (the former name warns there).
+_GATHER = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
 def gathered_along(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     """The group's `tensor`s joined along `dim` in rank order; its gradient goes back to each rank's share."""
-    return funcol.all_gather_single_autograd(tensor, dim, group)
+    return _GATHER(tensor, dim, group)
 
 
 def summed(tensor: torch.Tensor, group: Any) -> torch.Tensor:

@@ -12,6 +12,7 @@ from functools import cache
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -126,10 +127,20 @@ def test_the_other_private_names_are_there():
     record = inspect.signature(torch.cuda.memory._record_memory_history).parameters
     assert {"enabled", "max_entries"} <= set(record)
     assert "filename" in inspect.signature(torch.cuda.memory._dump_snapshot).parameters
-    import torch.distributed._functional_collectives as funcol
-
-    assert list(inspect.signature(funcol.all_gather_single_autograd).parameters)[:3] == ["self", "gather_dim", "group"]
-    assert list(inspect.signature(funcol.all_reduce).parameters)[:3] == ["self", "reduceOp", "group"]
     assert list(inspect.signature(DeviceMesh._flatten).parameters)[:2] == ["self", "mesh_dim_name"]
     weight = torch.ones(4, 4)
     assert torch_internals.view_base(weight[1:]) is weight and torch_internals.view_base(weight) is None
+
+
+def test_the_functional_collectives_gather_with_a_gradient_and_sum(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        share = torch.arange(6.0).view(1, 2, 3).requires_grad_()
+        whole = torch_internals.gathered_along(share, 2, dist.group.WORLD)
+        assert torch.equal(whole, share.detach())
+        (whole * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+        assert torch.equal(share.grad, torch.tensor([1.0, 2.0, 3.0]).expand(1, 2, 3))
+        assert torch_internals.summed(torch.tensor(2.5), dist.group.WORLD).item() == 2.5
+    finally:
+        dist.destroy_process_group()
