@@ -1,6 +1,6 @@
 """Every private torch name runner reaches, here only (tests/test_torch_internals.py finds none elsewhere),
-each checked against the installed torch by that test, which the oldest torch pyproject admits runs as well
-(`.ci/torch-2.9.sh`): a torch release that renames one fails that test, not a user's launch.
+each checked against the installed torch by that test: a torch release that renames one fails that test,
+not a user's launch (run it in another torch's venv to check that torch).
 
 - `torch.compile`'s wrapper (`OptimizedModule` and its `_orig_mod`), as Accelerate's `is_compiled_module`
   reads it; inductor's modes (`torch._inductor.list_mode_options`, where `torch.compile`'s docstring points).

@@ -1,7 +1,6 @@
 """The private torch names runner reaches live in `runner/torch_internals.py` only, and each of them is
-there in the installed torch, with the arguments runner passes: a torch release that moves one fails here
-(CI runs this file on torch 2.13 and on 2.9, the oldest pyproject admits: `.ci/torch-2.9.sh`), not in a
-user's launch."""
+there in the installed torch, with the arguments runner passes: a torch release that moves one fails here,
+not in a user's launch (it passes on torch 2.13 and, run by hand in a venv of its own, on 2.9)."""
 
 from __future__ import annotations
 
