@@ -68,6 +68,19 @@ def records_goodput(cfg: DictConfig) -> bool:
     return not (is_inference(cfg.task._target_) or cfg.get("mode") == "evaluate" or cfg.trainer.fast_dev_run)
 
 
+def build_optimizer(cfg: DictConfig, parameters: Any) -> torch.optim.Optimizer:
+    """The configured optimizer over `parameters`, its settings as plain Python: a YAML list is a list, not
+    omegaconf's ListConfig, which some optimizers keep in their param groups (RAdam's `betas`), where
+    the weights-only load of a resume refuses it."""
+    return instantiate(cfg.optimizer, _convert_="all")(parameters)
+
+
+def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer, num_training_steps: int) -> Any:
+    """The configured LR schedule of `optimizer` over `num_training_steps` scheduler steps, its settings as
+    plain Python (as `build_optimizer`'s)."""
+    return instantiate(cfg.scheduler, _convert_="all")(optimizer, num_training_steps=num_training_steps)
+
+
 def build_model(cfg: DictConfig, data: DataSource) -> torch.nn.Module:
     """The configured model, with the sizes the (set up) data determines (see `model_dims`); built on the
     current default device (`with torch.device("meta")`, `init_empty_weights()` ...)."""

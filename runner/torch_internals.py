@@ -1,6 +1,6 @@
 """Every private torch name runner reaches, here only (tests/test_torch_internals.py finds none elsewhere),
 each checked against the installed torch by that test: a torch release that renames one fails that test,
-not a user's launch (run it in another torch's venv to check that torch).
+not a user's launch (CI runs it on torch 2.13 and on 2.9, the oldest pyproject.toml admits: .ci/tpu.sh).
 
 - `torch.compile`'s wrapper (`OptimizedModule` and its `_orig_mod`), as Accelerate's `is_compiled_module`
   reads it; inductor's modes (`torch._inductor.list_mode_options`, where `torch.compile`'s docstring points).
@@ -11,13 +11,18 @@ not a user's launch (run it in another torch's venv to check that torch).
 - `DeviceMesh._flatten` (torchtitan's way to name several mesh dimensions as one); a view's `_base`.
 - torch elastic's local agent (`ElasticAgent`): how long stopped ranks get, and whether a failed rank group
   restarts, reached through `LocalElasticAgent`'s private steps; `elastic_launch` builds its agent by the
-  module global `torch.distributed.launcher.api.LocalElasticAgent` (`launching_with`).
+  module global `torch.distributed.launcher.api.LocalElasticAgent` (`launching_with`). Which signals its
+  agent passes on to the ranks is `LaunchConfig.signals_to_handle` from torch 2.10 (`forwarding`); torch 2.9's
+  agent takes SIGTERM, SIGINT, SIGHUP and SIGQUIT whatever the launch asks, and the agent puts that right.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,9 +33,13 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.launcher import api as launcher_api
+
+# torch 2.10 added the launch's choice of the signals its agent passes on to the ranks.
+_SIGNALS_OPTION = "signals_to_handle" in {f.name for f in dataclasses.fields(launcher_api.LaunchConfig)}
+_TAKEN_BEFORE_2_10 = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def compiled_module(module: Any) -> torch.nn.Module | None:
@@ -99,6 +108,7 @@ class ElasticAgent(LocalElasticAgent):
     (`ProcessContext.join` without a grace period), and its agent 30 s more (`_stop_workers`)."""
 
     shutdown_timeout_s: float = 30.0
+    forwarded_signals: tuple[signal.Signals, ...] = _TAKEN_BEFORE_2_10  # what the launch gave `forwarding`
     _failures: dict[int, ProcessFailure] = {}
 
     def restart_allowed(self) -> bool:
@@ -109,7 +119,10 @@ class ElasticAgent(LocalElasticAgent):
         """Restart `restart` of `restarts` begins, after the ranks of the last attempt failed with `failures`."""
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        before = {sig: signal.getsignal(sig) for sig in _TAKEN_BEFORE_2_10}
         pids = super()._start_workers(worker_group)
+        if not _SIGNALS_OPTION:
+            _forward_only(self.forwarded_signals, before)
         ranks = self._pcontext
         if isinstance(ranks, MultiprocessContext):  # fork, spawn, forkserver
             # Half the time to exit on their own (they may have lost the failed peer), half after SIGTERM.
@@ -134,6 +147,29 @@ class ElasticAgent(LocalElasticAgent):
         restarts = worker_group.spec.max_restarts
         self.restarting(self._failures, restarts - self._remaining_restarts, restarts)
         super()._restart_workers(worker_group)
+
+
+def forwarding(signals: tuple[signal.Signals, ...]) -> dict[str, Any]:
+    """The `LaunchConfig` options by which its agent passes `signals` on to the ranks (and no others); an
+    `ElasticAgent` given the same `forwarded_signals` does it on a torch without the option."""
+    return {"signals_to_handle": ",".join(sig.name for sig in signals)} if _SIGNALS_OPTION else {}
+
+
+def _forward_only(signals: tuple[signal.Signals, ...], before: dict[signal.Signals, Any]) -> None:
+    """After torch 2.9 started the ranks: `signals` stop the agent as torch's own handler does (which passes
+    them on), and the others that it took get back the handlers they had before."""
+
+    def stop_agent(signum: int, frame: Any) -> None:
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    if threading.current_thread() is not threading.main_thread():
+        return  # torch takes none there either
+    for sig, handler in before.items():
+        if sig not in signals:
+            signal.signal(sig, handler)
+    for sig in signals:
+        if sig not in before:
+            signal.signal(sig, stop_agent)
 
 
 @contextmanager

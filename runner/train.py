@@ -20,7 +20,16 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner.build import Blueprint, build_data, build_model, load_start_weights, meta_copy, records_goodput
+from runner.build import (
+    Blueprint,
+    build_data,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    load_start_weights,
+    meta_copy,
+    records_goodput,
+)
 from runner.callbacks import Callbacks, built_callbacks
 from runner.checkpoint.checkpointer import ProjectConfiguration, Schedule
 from runner.checkpoint.resume import check_not_past, resume_checkpoint, resume_hint
@@ -168,12 +177,12 @@ class Trainer:
         if cfg.checkpoint is not None:  # fine-tune from these weights
             load_start_weights(model, cfg.checkpoint)
         self.task: Task = instantiate(cfg.task)
-        optimizer = instantiate(cfg.optimizer)(model.parameters())
+        optimizer = build_optimizer(cfg, model.parameters())
         self.total_steps = num_training_steps(trainer, self.train_loader)
         # A prepared scheduler advances once per data-parallel process on each optimizer step (Accelerate's
         # convention; tensor-parallel ranks share their data), once only with split batches.
         advances = 1 if trainer.split_batches else engine.state.data_parallel_size
-        scheduler = instantiate(cfg.scheduler)(optimizer, num_training_steps=self.total_steps * advances)
+        scheduler = build_scheduler(cfg, optimizer, self.total_steps * advances)
         described = (
             f"{type(model).__name__} ({count_text(sum(p.numel() for p in model.parameters()))} parameters)"
         )

@@ -20,7 +20,15 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch.utils.data import IterableDataset
 
-from runner.build import Blueprint, build_data, build_on_meta, is_inference, locate
+from runner.build import (
+    Blueprint,
+    build_data,
+    build_on_meta,
+    build_optimizer,
+    build_scheduler,
+    is_inference,
+    locate,
+)
 from runner.checkpoint.weights import DamagedFileError, check_against_model, checkpoint_tensors
 from runner.config import CheckpointingMode, RunConfig, declared_ranges
 from runner.data.base import DataSource, Stream
@@ -633,8 +641,8 @@ def _optimizer_problems(blueprint: Blueprint, hardware: Strategy | None, world_s
     cfg, model = blueprint.cfg, blueprint.model
     built = {}
     for node, build in (
-        ("optimizer", lambda: instantiate(cfg.optimizer)(model.parameters())),
-        ("scheduler", lambda: instantiate(cfg.scheduler)(built["optimizer"], num_training_steps=100)),
+        ("optimizer", lambda: build_optimizer(cfg, model.parameters())),
+        ("scheduler", lambda: build_scheduler(cfg, built["optimizer"], 100)),
     ):
         try:
             built[node] = build()

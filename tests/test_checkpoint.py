@@ -13,15 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from runner import Accelerator, ProjectConfiguration, load_checkpoint_in_model
+from runner.build import build_optimizer, build_scheduler
 from runner.checkpoint.accelerate_layout import batches_handed_out, torchdata_position
 from runner.checkpoint.checkpointer import Schedule
 from runner.checkpoint.files import damage, file_digest, latest_checkpoint, load_torch, read_meta
 from runner.checkpoint.resume import check_checkpoint_fits, check_model_fits, resume_checkpoint
 from runner.checkpoint.weights import DamagedFileError, stored_tensors
+from runner.config import CONF_DIR
 from runner.errors import ConfigError
 from runner.hardware import FSDP
 from runner.models import GPT
@@ -164,6 +167,28 @@ def test_loading_never_unpickles_code(tmp_path):
     (directory / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(Exception, match=r"[Ww]eights only"):
         accelerator.load_state(str(directory))
+
+
+@pytest.mark.parametrize("target", ["torch.optim.RAdam", "torch.optim.NAdam", "torch.optim.Adamax"])
+def test_an_optimizer_from_yaml_saves_a_state_that_loads(tmp_path, target):
+    """A YAML list (`betas: [0.9, 0.999]`) reaches the optimizer and the schedule as a list: these
+    optimizers (and every one on torch 2.9) keep the value they are given in their param groups, and
+    omegaconf's ListConfig there is refused by the weights-only load of the resume."""
+    cfg = OmegaConf.create(
+        {
+            "optimizer": {**OmegaConf.load(CONF_DIR / "optimizer" / "adamw.yaml"), "_target_": target},
+            "scheduler": OmegaConf.load(CONF_DIR / "scheduler" / "cosine.yaml"),
+        }
+    )
+    model = torch.nn.Linear(2, 2)
+    optimizer = build_optimizer(cfg, model.parameters())
+    accelerator = Accelerator()
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(cfg, optimizer, 10))
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step(), scheduler.step()
+    directory = accelerator.save_state(str(tmp_path / "ckpt"))
+    accelerator.load_state(directory)
+    assert optimizer.param_groups[0]["betas"] == pytest.approx([0.9, 0.999])
 
 
 @pytest.mark.parametrize("safe", [True, False])

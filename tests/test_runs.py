@@ -51,11 +51,10 @@ def test_runs_lists_each_run_with_its_state_step_objective_and_differing_overrid
         name: _start(root / name, "task._target_=faulty_tasks.WaitAtStep", f"+task.gate={gate}", "+task.step=3")
         for name in ("stopped", "preempted")
     }
-    for proc in (
-        _start(root / "finished"),
-        _start(root / "failed", "task._target_=faulty_tasks.RaiseAtThirdStep"),
-        _start(root / "refused", "optimizer.lr=-1"),
-    ):
+    ended = [_start(root / "finished"), _start(root / "refused", "optimizer.lr=-1")]
+    time.sleep(0.05)  # a start time is known to 10 ms (a clock tick): the failed run starts last
+    ended.append(_start(root / "failed", "task._target_=faulty_tasks.RaiseAtThirdStep"))
+    for proc in ended:
         proc.communicate(timeout=240)
     for name, proc in held.items():  # both at their third step: their dirs are held
         _wait_until(lambda name=name: (root / name / "history.jsonl").is_file(), proc)

@@ -1,6 +1,6 @@
 """The private torch names runner reaches live in `runner/torch_internals.py` only, and each of them is
 there in the installed torch, with the arguments runner passes: a torch release that moves one fails here,
-not in a user's launch (it passes on torch 2.13 and, run by hand in a venv of its own, on 2.9)."""
+not in a user's launch (CI runs it on torch 2.13 and, in .ci/tpu.sh's venv, on 2.9, the floor)."""
 
 from __future__ import annotations
 

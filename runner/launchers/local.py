@@ -35,9 +35,11 @@ from runner.launchers.reports import (
     reported_failure,
 )
 from runner.run_dir import HANG_DIR
-from runner.torch_internals import ElasticAgent, launching_with
+from runner.torch_internals import ElasticAgent, forwarding, launching_with
 
 log = logging.getLogger(__name__)
+# What the launcher passes on to the ranks (SIGINT, a terminal's Ctrl-C, reaches them itself: _ctrl_c_once).
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 START_METHODS = ("fork", "spawn", "forkserver")
 NODE_WAIT_S = 900  # how long the nodes of a job wait for each other (pods start minutes apart: image pulls)
@@ -155,7 +157,7 @@ class LocalLauncher(Launcher):
                 node,
                 monitor_interval=self.monitor_interval_s,
                 max_restarts=self.max_restarts,
-                signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",  # passed on to the ranks
+                **forwarding(FORWARDED_SIGNALS),
             )
             with (
                 _threads_per_rank(num_processes),
@@ -178,7 +180,8 @@ class LocalLauncher(Launcher):
     def _agent(self, error_dir: Path, run_dir: Path, launched: float) -> type[_Agent]:
         """The agent of one launch, reporting into `error_dir`, its ranks stopped within `shutdown_timeout_s`."""
         facts = {"error_dir": error_dir, "run_dir": run_dir, "launched": launched}
-        return type("_Agent", (_Agent,), {**facts, "shutdown_timeout_s": self.shutdown_timeout_s})
+        timing = {"shutdown_timeout_s": self.shutdown_timeout_s, "forwarded_signals": FORWARDED_SIGNALS}
+        return type("_Agent", (_Agent,), {**facts, **timing})
 
 
 class _Agent(ElasticAgent):
