@@ -80,3 +80,34 @@ def test_runs_lists_each_run_with_its_state_step_objective_and_differing_overrid
     assert list(_listed(capsys, str(root / "*ed"), "--last", "1")) == ["failed"]  # started last (refused: never)
     with pytest.raises(ConfigError, match="--state done: no state done"):
         runs.main([str(root), "--state", "done"])
+
+
+def test_compare_prints_the_settings_that_differ_and_overlays_both_runs_curves(tmp_path, capsys, monkeypatch):
+    """Two runs that differ in their learning rate: that one setting, and a PNG with a panel for the loss
+    and the objective, each with both runs' curves as their histories hold them."""
+    from matplotlib.image import imread
+
+    from runner.telemetry.history import read_history
+    from runner.telemetry.plots import compare_figure
+
+    slow, fast = tmp_path / "slow", tmp_path / "fast"
+    for proc in [_start(slow), _start(fast, "optimizer.lr=0.01")]:
+        _, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, stderr
+    monkeypatch.chdir(tmp_path)
+    runs.main(["compare", "slow", "fast", "--out", "lr.png"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split() for line in lines[:2]] == [["setting", "slow", "fast"], ["optimizer.lr", "0.001", "0.01"]]
+    assert lines[2] == "the curves of train/loss, eval/loss: lr.png"
+    assert imread(tmp_path / "lr.png").shape[:2] == (560, 700)  # two panels of 7 x 2.8 inches at 100 dpi
+    histories = {"slow": read_history(slow), "fast": read_history(fast)}
+    for axes in compare_figure(histories, ["train/loss", "eval/loss", "perf/not_logged"]).axes:
+        drawn = {line.get_label(): list(line.get_ydata()) for line in axes.get_lines()}
+        metric = axes.get_title()
+        assert drawn == {run: [row[metric] for row in rows if metric in row] for run, rows in histories.items()}
+    runs.main(["compare", "slow", "slow"])
+    assert capsys.readouterr().out.startswith("the runs' settings are the same")
+    with pytest.raises(ConfigError, match="compare nowhere: not a run's dir"):
+        runs.main(["compare", "slow", "nowhere"])
+    with pytest.raises(ConfigError, match=r"--out lr.jpg: the picture is a PNG"):
+        runs.main(["compare", "slow", "fast", "--out", "lr.jpg"])

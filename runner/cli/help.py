@@ -47,7 +47,8 @@ USAGE = (
     "  callbacks=[early_stopping,best_checkpoints]: several callbacks at once; "
     "+callbacks.NAME._target_=pkg.Class: your own\n"
     "  runner prepare-data [group=option ...] [key=value ...]: write the token shards data=tokens trains on\n"
-    "  runner runs [DIR ...] [--state S] [--last N] [--metrics M,...]: the runs below outputs/ and their state"
+    "  runner runs [DIR ...] [--state S] [--last N] [--metrics M,...]: the runs below outputs/ and their state\n"
+    "  runner runs compare A B [--metrics M,...] [--out PNG]: the settings two runs differ in, their curves"
 )
 
 

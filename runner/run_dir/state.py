@@ -60,7 +60,7 @@ def find_runs(root: Path) -> list[Path]:
 
 def read_run(run_dir: Path) -> RunInfo:
     """What `run_dir` says of its run (`RunInfo`)."""
-    config = _config(run_dir)
+    config = run_config(run_dir)
     trainer = config.get("trainer") or {}
     history = read_history(run_dir)
     finished = finished_run(run_dir)
@@ -105,7 +105,7 @@ def run_state(run_dir: Path) -> str:
     return "failed"
 
 
-def _config(run_dir: Path) -> dict[str, Any]:
+def run_config(run_dir: Path) -> dict[str, Any]:
     """The settings the run ran with (its resolved config, else the job's composed one), or {}."""
     for path in (run_dir / RESOLVED, run_dir / JOB_CONFIG_DIR / "config.yaml"):
         try:

@@ -97,8 +97,22 @@ def sweep_figures(
     for axes, metric in zip(
         curves.subplots(2, 1, squeeze=False)[:, 0], ("train/loss", objective), strict=True
     ):
-        _curves_panel(axes, metric, [*order, *(n for n in jobs if n not in order)], jobs, histories, best)
+        names = [*order, *(n for n in jobs if n not in order)]
+        labels = {n: f"job {n}: " + ", ".join(f"{k}={v}" for k, v in jobs[n].items()) for n in names}
+        _curves_panel(axes, metric, labels, histories, best)
     return {"summary": summary, "curves": curves}
+
+
+def compare_figure(histories: dict[str, list[dict[str, Any]]], metrics: list[str]) -> Any:
+    """The runs' curves overlaid: a panel for each of `metrics` that a run logged, a line per run
+    (`histories`: the run's label -> its history rows)."""
+    from matplotlib.figure import Figure  # the plots extra
+
+    logged = [m for m in metrics if any(curve(rows, m)[0] for rows in histories.values())]
+    figure = Figure(figsize=(7, 2.8 * max(1, len(logged))), layout="constrained")
+    for axes, metric in zip(figure.subplots(max(1, len(logged)), 1, squeeze=False)[:, 0], logged, strict=False):
+        _curves_panel(axes, metric, {label: label for label in histories}, histories, None)
+    return figure
 
 
 def _setting_panel(
@@ -144,17 +158,15 @@ def _setting_panel(
 def _curves_panel(
     axes: Any,
     metric: str,
-    names: list[str],
-    jobs: dict[str, dict[str, str]],
+    labels: dict[str, str],
     histories: dict[str, list[dict[str, Any]]],
     best: str | None,
 ) -> None:
-    """`metric` against the step for each of `names` that logged it, labelled by its settings (the best
-    job bold)."""
-    for name in names:
+    """`metric` against the step for each run of `labels` (name -> its label) that logged it, in that
+    order (the best one bold)."""
+    for name, label in labels.items():
         steps, values = curve(histories.get(name, []), metric)
         if steps:
-            label = f"job {name}: " + ", ".join(f"{k}={v}" for k, v in jobs[name].items())
             axes.plot(
                 steps,
                 values,
