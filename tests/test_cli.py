@@ -264,7 +264,7 @@ def test_user_csv_jsonl_and_text_files(run_cli, tmp_path):
         ),
         (["data=table", "data.path=missing.csv", "data.target=y"], "data.path='missing.csv': no such file"),
         (["optimizer.lr=-1"], "optimizer.lr=-1: must be > 0."),  # a declared range
-        (["optimizer.betas=[0.9]"], "optimizer: torch.optim.AdamW refuses its settings (ConfigIndexError"),
+        (["optimizer.betas=[0.9]"], "optimizer: torch.optim.AdamW refuses its settings (IndexError: list index out of range)"),
         (
             [
                 "hardware=ddp",
