@@ -180,8 +180,8 @@ class LocalLauncher(Launcher):
     def _agent(self, error_dir: Path, run_dir: Path, launched: float) -> type[_Agent]:
         """The agent of one launch, reporting into `error_dir`, its ranks stopped within `shutdown_timeout_s`."""
         facts = {"error_dir": error_dir, "run_dir": run_dir, "launched": launched}
-        timing = {"shutdown_timeout_s": self.shutdown_timeout_s, "forwarded_signals": FORWARDED_SIGNALS}
-        return type("_Agent", (_Agent,), {**facts, **timing})
+        stopping = {"shutdown_timeout_s": self.shutdown_timeout_s, "forwarded_signals": FORWARDED_SIGNALS}
+        return type("_Agent", (_Agent,), {**facts, **stopping})
 
 
 class _Agent(ElasticAgent):
