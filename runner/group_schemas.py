@@ -158,7 +158,9 @@ class LocalLauncherSchema(LauncherConfig):
     start_method: str | None = None
     monitor_interval_s: Annotated[float, Range(gt=0)] = 0.1
     shutdown_timeout_s: Annotated[float, Range(ge=0)] = 30.0
-    max_restarts: Annotated[int, Range(ge=0)] = 0
+    restarts: Annotated[int, Range(ge=0)] = 0
+    max_restarts: Annotated[int, Range(ge=0)] | None = None
+    max_failures: Annotated[int, Range(ge=0)] | None = None
 
 
 @dataclass
@@ -179,10 +181,12 @@ class SlurmLauncherSchema(LauncherConfig):
     wait: bool = True
     signal_delay_s: Annotated[int, Range(ge=0)] = 120
     max_timeouts: Annotated[int, Range(ge=0)] = 3
-    max_restarts: Annotated[int, Range(ge=0)] = 0
     folder: str | None = None
     poll_interval_s: Annotated[float, Range(gt=0)] = 1.0
     name: str = "runner"
+    restarts: Annotated[int, Range(ge=0)] = 0
+    max_restarts: Annotated[int, Range(ge=0)] | None = None
+    max_failures: Annotated[int, Range(ge=0)] | None = None
 
 
 @dataclass
@@ -192,9 +196,11 @@ class RayLauncherSchema(LauncherConfig):
     cpus_per_worker: Annotated[float, Range(gt=0)] = 1.0
     gpus_per_worker: Annotated[float, Range(ge=0)] | None = None
     placement: str = "pack"
-    max_failures: Annotated[int, Range(ge=0)] = 0
     storage: str | None = None
     runtime_env: dict[str, Any] | None = None
+    restarts: Annotated[int, Range(ge=0)] = 0
+    max_restarts: Annotated[int, Range(ge=0)] | None = None
+    max_failures: Annotated[int, Range(ge=0)] | None = None
 
 
 @dataclass
@@ -214,6 +220,9 @@ class KubernetesLauncherSchema(LauncherConfig):
     name: str | None = None
     submit: bool = False
     poll_interval_s: Annotated[float, Range(gt=0)] = 5.0
+    restarts: Annotated[int, Range(ge=0)] = 0
+    max_restarts: Annotated[int, Range(ge=0)] | None = None
+    max_failures: Annotated[int, Range(ge=0)] | None = None
 
 
 @dataclass

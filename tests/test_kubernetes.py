@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,9 +83,10 @@ def _remove_pod_network() -> None:
     subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
 
 
-def run_pods(manifest: dict, addresses: list[str], workdir: Path) -> list[subprocess.CompletedProcess]:
-    """The TrainJob's pods: its command and arguments in each namespace, with the trainer's environment and
-    what the runtime adds (`PET_*`, the master's name, the pod's hostname), the first pod started last."""
+def start_pods(manifest: dict, addresses: list[str], workdir: Path) -> list[subprocess.Popen]:
+    """The TrainJob's pods started: its command and arguments in each namespace, with the trainer's
+    environment and what the runtime adds (`PET_*`, the master's name, the pod's hostname), the first pod
+    started last; by node rank. Each is the pod's agent itself (nsenter, unshare and sh exec it)."""
     name, trainer = manifest["metadata"]["name"], manifest["spec"]["trainer"]
     master = f"{name}-node-0-0.{name}"  # the runtime's PET_MASTER_ADDR: the first pod in the headless service
     procs = []
@@ -105,18 +108,75 @@ def run_pods(manifest: dict, addresses: list[str], workdir: Path) -> list[subpro
                    *trainer["command"], *trainer["args"]]  # fmt: skip
         procs.append(
             subprocess.Popen(
-                command, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                command,
+                env=env,
+                cwd=workdir,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,  # a pod's processes end together (`finished`)
             )
         )
-    results = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=300)
-        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out))
-    return results[::-1]  # by node rank
+    return procs[::-1]
+
+
+def finished(pods: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
+    """The pods' ends, by node rank; a pod not ended within 300 s is killed with its ranks, as are the
+    others then."""
+    try:
+        results = []
+        for proc in pods:
+            out, _ = proc.communicate(timeout=300)
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out))
+        return results
+    finally:
+        kill(pods)
+
+
+def kill(pods: list[subprocess.Popen]) -> None:
+    """The pods still running killed, with their ranks."""
+    for proc in pods:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_pods(manifest: dict, addresses: list[str], workdir: Path) -> list[subprocess.CompletedProcess]:
+    """The TrainJob's pods run to their end, by node rank."""
+    return finished(start_pods(manifest, addresses, workdir))
+
+
+@pytest.fixture(scope="module")
+def local_weights(tmp_path_factory) -> bytes:
+    """The weights of TRAIN on 2 local processes, which the TrainJob's 2 pods of 1 process each match."""
+    run_dir = tmp_path_factory.mktemp("local")
+    local = subprocess.run(
+        runner_command(run_dir, *TRAIN, "hardware.num_processes=2"),
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert local.returncode == 0, local.stderr
+    return (run_dir / WEIGHTS).read_bytes()
+
+
+def write_trainjob(run_dir: Path, volume: Path, *overrides: str) -> tuple[dict, subprocess.CompletedProcess]:
+    """The TrainJob the command writes for TRAIN on 2 pods (their volume at `volume`), and its process."""
+    volume.mkdir(exist_ok=True)
+    written = subprocess.run(
+        runner_command(run_dir, *TRAIN, *TRAINJOB, f"launcher.mount_path={volume}", *overrides),
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert written.returncode == 0, written.stderr
+    return yaml.safe_load((run_dir / "kubernetes" / "trainjob.yaml").read_text()), written
 
 
 def test_the_trainjob_matches_kubeflows_schema_and_its_pods_train_bitwise_as_local_ranks(
-    pod_network, tmp_path
+    pod_network, local_weights, tmp_path
 ):
     """The TrainJob of 2 pods x 1 process, read by Kubeflow's model; its pods (network namespaces, the first
     one's name resolved as the headless service resolves it) form one job of 2 ranks that ends with bitwise
@@ -124,25 +184,8 @@ def test_the_trainjob_matches_kubeflows_schema_and_its_pods_train_bitwise_as_loc
     the other stops at once."""
     from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
 
-    local = subprocess.run(
-        runner_command(tmp_path / "local", *TRAIN, "hardware.num_processes=2"),
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert local.returncode == 0, local.stderr
     volume = tmp_path / "volume"
-    volume.mkdir()
-    written = subprocess.run(
-        runner_command(tmp_path / "submit", *TRAIN, *TRAINJOB, f"launcher.mount_path={volume}"),
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert written.returncode == 0, written.stderr
-    manifest = yaml.safe_load((tmp_path / "submit" / "kubernetes" / "trainjob.yaml").read_text())
+    manifest, written = write_trainjob(tmp_path / "submit", volume)
     assert TrainerV1alpha1TrainJob.from_dict(manifest).to_dict() == manifest  # nothing unknown to the schema
     trainer, name = manifest["spec"]["trainer"], manifest["metadata"]["name"]
     assert name == "runner-submit" and manifest["spec"]["runtimeRef"]["name"] == "torch-distributed"
@@ -167,12 +210,40 @@ def test_the_trainjob_matches_kubeflows_schema_and_its_pods_train_bitwise_as_loc
     pods = run_pods(manifest, pod_network, tmp_path)
     assert [p.returncode for p in pods] == [0, 0], "\n".join(p.stdout[-3000:] for p in pods)
     assert "final metrics" in pods[0].stdout and "nothing to run" not in pods[1].stdout
-    assert (run_dir / WEIGHTS).read_bytes() == (tmp_path / "local" / WEIGHTS).read_bytes()
+    assert (run_dir / WEIGHTS).read_bytes() == local_weights
 
     again = run_pods(manifest, pod_network, tmp_path)
     assert [p.returncode for p in again] == [0, 0], "\n".join(p.stdout[-3000:] for p in again)
     assert "nothing to train" in again[0].stdout
     assert f"node 1: nothing to run: {run_dir} holds a run that finished at step 60" in again[1].stdout
+
+
+def test_with_restarts_each_pod_restarts_its_ranks_and_the_job_ends_as_if_never_interrupted(
+    pod_network, local_weights, tmp_path
+):
+    """launcher.restarts=1: the second pod's rank killed (-9) after a checkpoint; each pod's agent starts
+    its node's ranks again (the first pod's rank lost its peer), they meet afresh, resume from the latest
+    checkpoint and end with bitwise the weights of the uninterrupted local run."""
+    volume = tmp_path / "volume"
+    manifest, _ = write_trainjob(tmp_path / "submit", volume, "launcher.restarts=1")
+    assert "launcher.restarts=1" in manifest["spec"]["trainer"]["args"]
+    run_dir = volume / "submit"
+    pods = start_pods(manifest, pod_network, tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "checkpoints" / "latest").exists():
+            assert all(p.poll() is None for p in pods) and time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.05)
+        rank = int(subprocess.check_output(["pgrep", "-P", str(pods[1].pid), "-n"], text=True).split()[0])
+        os.kill(rank, signal.SIGKILL)
+    except BaseException:
+        kill(pods)
+        raise
+    ended = finished(pods)
+    assert [p.returncode for p in ended] == [0, 0], "\n".join(p.stdout[-3000:] for p in ended)
+    assert "was killed by SIGKILL: restart 1 of 1, the ranks resume from the run's latest checkpoint" in ended[1].stdout
+    assert "restart 1 of 1" in ended[0].stdout and "resumed from" in ended[0].stdout
+    assert (run_dir / WEIGHTS).read_bytes() == local_weights
 
 
 def test_submitting_without_a_kube_context_is_refused_before_anything_is_written(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -20,9 +21,11 @@ from omegaconf import OmegaConf
 from hydra_plugins.runner_launcher.launcher import RunnerLauncher
 from runner import load_checkpoint_in_model
 from runner.checkpoint.weights import read_weights
+from runner.errors import ConfigError
 from runner.launchers.base import Sweep
 from runner.launchers.local import LocalLauncher
 from runner.models import GPT
+from runner.schemas import schemas
 
 pytestmark = pytest.mark.slow
 
@@ -202,10 +205,28 @@ def test_a_rank_that_raises_fails_the_job_with_its_traceback(run_cli, tmp_path):
     assert "runner/train.py" in (proc.run_dir / "runner.log").read_text()  # the whole traceback, in the log
 
 
+def test_restarts_is_one_setting_of_every_launcher_that_takes_its_former_names():
+    """launcher.restarts is declared once (`Launcher`) for every launcher; max_restarts (local, SLURM) and
+    max_failures (Ray) are its former names: either sets it, two that disagree are refused naming both, and
+    each has the range of restarts. (Each launcher's own restart is tested with its launcher.)"""
+    for option, schema in schemas()["launcher"].items():
+        fields = {f.name: f.default for f in dataclasses.fields(schema)}
+        assert (fields["restarts"], fields["max_restarts"], fields["max_failures"]) == (0, None, None), option
+    assert LocalLauncher(restarts=2).restarts == 2
+    assert LocalLauncher(max_restarts=2).restarts == LocalLauncher(max_failures=2).restarts == 2
+    assert LocalLauncher(restarts=2, max_restarts=2).restarts == 2
+    with pytest.raises(ConfigError, match=r"launcher.restarts=1 and launcher.max_restarts=2: these are one setting"):
+        LocalLauncher(restarts=1, max_restarts=2)
+    with pytest.raises(ConfigError, match=r"launcher.max_restarts=3 and launcher.max_failures=1"):
+        LocalLauncher(max_restarts=3, max_failures=1)
+    with pytest.raises(ConfigError, match=r"launcher.max_failures=-1: must be >= 0"):
+        LocalLauncher(max_failures=-1)
+
+
 def test_restarts_are_not_spent_on_a_failure_that_a_restart_would_repeat(run_cli):
-    """launcher.max_restarts=2 and a run that diverges (a restart would resume and diverge again): the job
+    """launcher.restarts=2 and a run that diverges (a restart would resume and diverge again): the job
     stops once, saying why it was not restarted."""
-    proc = run_cli(*TWO_RANKS, "optimizer.lr=1e3", "trainer.log_every=1", "launcher.max_restarts=2")
+    proc = run_cli(*TWO_RANKS, "optimizer.lr=1e3", "trainer.log_every=1", "launcher.restarts=2")
     assert proc.returncode == 1
     assert "Training stopped: train/loss=" in proc.stderr and "training diverged" in proc.stderr
     assert "restart 1 of 2" not in proc.stderr and proc.stderr.count("resumed from") == 0
@@ -306,8 +327,9 @@ def test_a_rank_that_skips_a_collective_ends_the_job_naming_where_each_rank_wait
 
 
 def test_a_rank_that_hangs_with_a_restart_allowed_resumes_and_finishes(run_cli):
-    """launcher.max_restarts=1: rank 1 hangs in the first attempt's third step; its watchdog ends it, the
-    rank group restarts from the checkpoint of step 2 and finishes; the ledger counts the restart."""
+    """launcher.max_restarts=1 (the former name of launcher.restarts): rank 1 hangs in the first attempt's
+    third step; its watchdog ends it, the rank group restarts from the checkpoint of step 2 and finishes;
+    the ledger counts the restart."""
     hang = "task._target_=faulty_tasks.HangOnRank1Once"
     proc = run_cli(
         *TWO_RANKS,
@@ -320,6 +342,7 @@ def test_a_rank_that_hangs_with_a_restart_allowed_resumes_and_finishes(run_cli):
         pythonpath=TESTS,
     )
     assert proc.returncode == 0, proc.stderr
+    assert "launcher.max_restarts is called launcher.restarts now" in proc.stderr
     assert re.search(
         r"rank 1 made no progress \(in step 3, at \S+faulty_tasks.py:\d+ in training_step\): restart 1 of 1",
         proc.stderr,

@@ -138,11 +138,11 @@ def test_a_worker_killed_mid_run_is_restarted_by_ray_and_the_run_ends_bitwise_as
     cluster, local, tmp_path
 ):
     """DDP on one worker per node (spread); rank 1's process killed (-9) after a checkpoint:
-    launcher.max_failures=1 lets Ray start the worker group again, which resumes from the latest checkpoint
+    launcher.restarts=1 lets Ray start the worker group again, which resumes from the latest checkpoint
     and ends with exactly the weights of the uninterrupted local 2-rank run."""
     run_dir, gate = tmp_path / "run", tmp_path / "gate"
     proc = start(
-        run_dir, *RAY, HARDWARE["ddp"], *TWO_NODES, *TRAIN, "launcher.max_failures=1", *gated(gate, 60)
+        run_dir, *RAY, HARDWARE["ddp"], *TWO_NODES, *TRAIN, "launcher.restarts=1", *gated(gate, 60)
     )
     wait_for(run_dir / "checkpoints" / "latest", proc)
     wait_for(run_dir / "ray" / "workers" / "rank1.json", proc)

@@ -288,11 +288,11 @@ def test_kill_9_after_a_checkpoint_then_rerun_finishes_identically(tmp_path, uni
 
 
 def test_a_rank_killed_mid_run_is_restarted_in_the_job_and_finishes_identically(tmp_path, uninterrupted):
-    """launcher.max_restarts=1: rank 1 killed (-9) after a checkpoint, the rank group starts again in the
+    """launcher.restarts=1: rank 1 killed (-9) after a checkpoint, the rank group starts again in the
     same job, resumes from the latest checkpoint and ends bitwise as the uninterrupted run."""
     cli_env()
     began = time.time()
-    proc = start(tmp_path, *TRAIN, *RANKS[2], "launcher.max_restarts=1")
+    proc = start(tmp_path, *TRAIN, *RANKS[2], "launcher.restarts=1")
     wait_for_checkpoint(tmp_path, proc)
     rank = int(subprocess.check_output(["pgrep", "-P", str(proc.pid), "-n"], text=True).split()[0])
     os.kill(rank, signal.SIGKILL)

@@ -220,7 +220,7 @@ def test_a_job_whose_rank_is_killed_is_reported_failed(slurm, tmp_path):
 
 
 def test_a_job_whose_rank_is_killed_is_submitted_again_and_finishes_from_its_checkpoint(slurm, tmp_path):
-    """launcher.max_restarts=1: rank 1 killed after a checkpoint; the command submits the job again, which
+    """launcher.restarts=1: rank 1 killed after a checkpoint; the command submits the job again, which
     resumes from that checkpoint and finishes; the ledger has both attempts."""
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -229,7 +229,7 @@ def test_a_job_whose_rank_is_killed_is_submitted_again_and_finishes_from_its_che
         *TWO_TASKS,
         "trainer.max_steps=200",
         "trainer.checkpoint_every=20",
-        "launcher.max_restarts=1",
+        "launcher.restarts=1",
     ]
     proc = subprocess.Popen(
         runner_command(run_dir, *overrides, "task._target_=faulty_tasks.RecordPid", f"+task.pid_dir={pids}"),
@@ -291,8 +291,8 @@ def test_a_job_whose_rank_hangs_fails_naming_the_rank_from_its_watchdogs_report(
         (["launcher.mem_gb=100000"], "launcher.mem_gb=100000.0: the nodes of partition debug have"),
         (["launcher.time_min=0"], "launcher.time_min=0: must be >= 1."),
         (
-            ["launcher.max_restarts=1", "launcher.wait=false"],
-            "launcher.max_restarts=1 with launcher.wait=false",
+            ["launcher.restarts=1", "launcher.wait=false"],
+            "launcher.restarts=1 with launcher.wait=false",
         ),
     ],
 )

@@ -4,6 +4,7 @@ starts runs (`run_rank`)."""
 from __future__ import annotations
 
 import json
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -18,7 +19,9 @@ from omegaconf import DictConfig, open_dict
 from runner.build import Blueprint
 from runner.checkpoint.files import LATEST, latest_checkpoint
 from runner.cluster import launched_environment
+from runner.config import NonNegativeInt, checked
 from runner.errors import (
+    ConfigError,
     TrainingStopped,
     write_failure,
 )
@@ -26,6 +29,8 @@ from runner.files import write_text
 from runner.hardware.base import Strategy
 from runner.run_dir import CHECKPOINTS, FINISHED, finite_metrics, resume_override
 from runner.run_dir.log import configure_rank_logging
+
+log = logging.getLogger(__name__)
 
 # What a rank runs: (resolved config, job dir, the strategy and the blueprint when this process built them)
 # -> metrics.
@@ -106,7 +111,29 @@ class SweepJob:
 
 class Launcher(ABC):
     """Starts the ranks of a job and returns rank 0's metrics; runs a sweep's jobs. `strategy` is the job's
-    hardware, built once by the launching process."""
+    hardware, built once by the launching process.
+
+    Every launcher takes `restarts` (its constructor's `**kwargs` reach this one) and honours it its own way
+    (the local agent restarts the rank group, SLURM submits the job again, Ray restarts the worker group, a
+    TrainJob's pods restart their node's ranks); whatever restarts, the ranks resume from the run's latest
+    checkpoint (`trainer.resume=auto`).
+
+    Args:
+        restarts: after the job's ranks failed (a rank raised, was killed or hung; a node was lost), start
+            them again this many times. Not after a failure a restart would repeat: a configuration error,
+            a stop signal, a divergence (`reports.REPEATED_BY_A_RESTART`).
+        max_restarts: the former name of `restarts` (`launcher=local` and `launcher=slurm`), still taken.
+        max_failures: the former name of `restarts` (`launcher=ray`), still taken.
+    """
+
+    @checked("launcher")
+    def __init__(
+        self,
+        restarts: NonNegativeInt = 0,
+        max_restarts: NonNegativeInt | None = None,
+        max_failures: NonNegativeInt | None = None,
+    ) -> None:
+        self.restarts = _restarts(restarts, {"max_restarts": max_restarts, "max_failures": max_failures})
 
     @abstractmethod
     def launch(self, job: Job) -> dict[str, float]: ...
@@ -137,6 +164,23 @@ class Launcher(ABC):
     @abstractmethod
     def describe(self, cfg: DictConfig, strategy: Strategy) -> str:
         """One line for the plan: where and how the ranks would start."""
+
+
+def _restarts(restarts: int, former: dict[str, int | None]) -> int:
+    """`restarts`, or the value given under one of its `former` names (ConfigError where two disagree)."""
+    given = {f"launcher.{name}": value for name, value in former.items() if value is not None}
+    if restarts:
+        given = {"launcher.restarts": restarts, **given}
+    if len(set(given.values())) > 1:
+        settings = " and ".join(f"{key}={value}" for key, value in given.items())
+        raise ConfigError(
+            f"{settings}: these are one setting (max_restarts and max_failures are former names of restarts), "
+            "given different values. Set only launcher.restarts."
+        )
+    for key in given:
+        if key != "launcher.restarts":
+            log.warning("%s is called launcher.restarts now (the former name is still taken)", key)
+    return next(iter(given.values()), 0)
 
 
 def interrupted(cause: str, output_dir: Path, since: float) -> str:

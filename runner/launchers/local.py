@@ -23,7 +23,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from runner.callbacks.watchdog import EXIT_HUNG, read_reports
 from runner.cluster import TrainJobNode, available_cores, launched_environment
-from runner.config import NonNegativeFloat, NonNegativeInt, PositiveFloat, checked
+from runner.config import NonNegativeFloat, PositiveFloat, checked
 from runner.errors import EXIT_INTERRUPTED, ConfigError, RankFailedError, TrainingInterrupted, signal_name
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher, interrupted, run_rank
@@ -60,9 +60,7 @@ class LocalLauncher(Launcher):
         shutdown_timeout_s: after a stop signal, how long the ranks get to exit (and checkpoint) before
             SIGKILL; after a rank failed, how long the others get (half to exit on their own, having lost
             a peer, half after SIGTERM).
-        max_restarts: after a rank failed (raised, was killed, hung), start the rank group again this many
-            times; the ranks resume from the run's latest checkpoint (`trainer.resume=auto`). Not after a
-            failure a restart would repeat (`reports.REPEATED_BY_A_RESTART`).
+        **kwargs: `restarts` (`Launcher`): after a rank failed, the agent starts the rank group again.
     """
 
     @checked("launcher")
@@ -71,8 +69,9 @@ class LocalLauncher(Launcher):
         start_method: str | None = None,
         monitor_interval_s: PositiveFloat = 0.1,
         shutdown_timeout_s: NonNegativeFloat = 30.0,
-        max_restarts: NonNegativeInt = 0,
+        **kwargs: Any,
     ) -> None:
+        super().__init__(**kwargs)
         if start_method is not None and start_method not in START_METHODS:
             raise ConfigError(
                 f"launcher.start_method={start_method!r}: expected one of {START_METHODS} or null."
@@ -80,7 +79,6 @@ class LocalLauncher(Launcher):
         self.start_method = start_method
         self.monitor_interval_s = monitor_interval_s
         self.shutdown_timeout_s = shutdown_timeout_s
-        self.max_restarts = max_restarts
 
     def launch(self, job: Job) -> dict[str, float]:
         strategy: Strategy = job.strategy or instantiate(job.cfg.hardware)
@@ -91,7 +89,7 @@ class LocalLauncher(Launcher):
                 env.rank,
                 env.world_size,
             )
-        if env is not None or (strategy.num_processes == 1 and not self.max_restarts):
+        if env is not None or (strategy.num_processes == 1 and not self.restarts):
             return run_rank(job)
         return self._launch_ranks(
             job.for_other_processes(), strategy.num_processes, self.start_method or strategy.start_method
@@ -101,11 +99,11 @@ class LocalLauncher(Launcher):
         """CPU ranks beyond this machine's cores share cores and wait on each other at every collective
         (64 ranks on 2 cores make no step in minutes): refused unless `hardware.oversubscribe`."""
         env = launched_environment()
-        if env is not None and self.max_restarts:
+        if env is not None and self.restarts:
             raise ConfigError(
-                f"launcher.max_restarts={self.max_restarts}: this process is already a rank (started by torchrun, "
+                f"launcher.restarts={self.restarts}: this process is already a rank (started by torchrun, "
                 "srun or similar), so restarting the ranks is that launcher's (torchrun --max-restarts); leave "
-                "launcher.max_restarts out."
+                "launcher.restarts out."
             )
         # ranks that something else started on this node (a SLURM step started by hand): as many as asked?
         if env is not None and "num_processes" in cfg.hardware:
@@ -127,10 +125,10 @@ class LocalLauncher(Launcher):
 
     def describe(self, cfg: DictConfig, strategy: Strategy) -> str:
         ranks = self.world_size(cfg, strategy)
-        if ranks == 1 and not self.max_restarts:
+        if ranks == 1 and not self.restarts:
             return "LocalLauncher: 1 node x 1 process, in this process"
         start_method = self.start_method or strategy.start_method
-        restarts = f", restarted up to {self.max_restarts} time(s)" if self.max_restarts else ""
+        restarts = f", restarted up to {self.restarts} time(s)" if self.restarts else ""
         return f"LocalLauncher: 1 node x {ranks} process(es), started with {start_method}{restarts}"
 
     def launch_node(self, job: Job, node: TrainJobNode, ranks_per_node: int) -> dict[str, float]:
@@ -156,7 +154,7 @@ class LocalLauncher(Launcher):
                 error_dir,
                 node,
                 monitor_interval=self.monitor_interval_s,
-                max_restarts=self.max_restarts,
+                max_restarts=self.restarts,
                 **forwarding(FORWARDED_SIGNALS),
             )
             with (
@@ -185,7 +183,7 @@ class LocalLauncher(Launcher):
 
 
 class _Agent(ElasticAgent):
-    """The agent of a launch: before a restart (`launcher.max_restarts`) it says why and clears the failed
+    """The agent of a launch: before a restart (`launcher.restarts`) it says why and clears the failed
     attempt's reports; a failure that a restart would repeat is not restarted."""
 
     error_dir: Path  # the ranks' failure reports (`report_failure`)

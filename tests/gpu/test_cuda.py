@@ -303,10 +303,10 @@ def test_stopped_cli_run_on_cuda_resumes_to_bitwise_the_uninterrupted_weights(
 def test_a_rank_killed_on_cuda_is_restarted_in_the_job_and_ends_bitwise_as_the_uninterrupted_run(
     tmp_path, uninterrupted_weights
 ):
-    """launcher.max_restarts=1: the rank (a spawned process on CUDA) killed after a checkpoint; the agent
+    """launcher.restarts=1: the rank (a spawned process on CUDA) killed after a checkpoint; the agent
     starts it again, it resumes from the latest checkpoint, and the ledger counts the restart."""
     proc = subprocess.Popen(
-        runner_command(tmp_path, "tracker=none", *CUDA_TRAIN, "launcher.max_restarts=1"),
+        runner_command(tmp_path, "tracker=none", *CUDA_TRAIN, "launcher.restarts=1"),
         env=runner_env(),
         stderr=subprocess.PIPE,
         text=True,

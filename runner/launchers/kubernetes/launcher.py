@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import yaml
 from hydra.core.hydra_config import HydraConfig
@@ -43,8 +44,10 @@ class KubernetesLauncher(Launcher):
 
     In the pods (the runtime's `PET_*` variables set), the first pod's command composes and checks the job
     and hands it to the others; each pod starts its node's ranks, numbered node by node, and they meet as
-    one job (torch's static rendezvous at the first pod). A pod that fails fails the TrainJob; the same
-    TrainJob submitted again resumes from the run dir's latest checkpoint.
+    one job (torch's static rendezvous at the first pod). After a rank failed, each pod's agent starts its
+    node's ranks again, up to `restarts` times, and they meet afresh and resume from the run dir's latest
+    checkpoint; a pod that fails beyond that fails the TrainJob, and the same TrainJob submitted again
+    resumes from there too.
 
     Args:
         image: the container image of the pods: runner and the project installed, its working dir holding
@@ -62,6 +65,8 @@ class KubernetesLauncher(Launcher):
         name: the TrainJob's name; None: runner-<the run dir's name>.
         submit: create the TrainJob in the current kube context and follow it; false: write it only.
         poll_interval_s: seconds between looks at the TrainJob's state while following it.
+        **kwargs: `restarts` (`Launcher`): each pod's agent restarts its node's ranks (Kubeflow's TrainJob
+            has no failure policy of its own to set: the JobSet's is its runtime's).
     """
 
     @checked("launcher")
@@ -81,7 +86,9 @@ class KubernetesLauncher(Launcher):
         name: str | None = None,
         submit: bool = False,
         poll_interval_s: PositiveFloat = 5.0,
+        **kwargs: Any,
     ) -> None:
+        super().__init__(**kwargs)
         self.image = image
         self.nodes = nodes
         self.namespace = namespace
@@ -152,21 +159,22 @@ class KubernetesLauncher(Launcher):
     def describe(self, cfg: DictConfig, strategy: Strategy) -> str:
         gpus = f", {self.gpus_per_node} GPU(s)" if self.gpus_per_node else ""
         where = f"submitted to kube context {current_context()}" if self.submit else "written, not submitted"
+        restarts = f", each pod's ranks restarted up to {self.restarts} time(s)" if self.restarts else ""
         return (
             f"KubernetesLauncher: a TrainJob ({self.runtime}) of {self.nodes} pod(s) x {strategy.num_processes} "
             f"process(es){gpus}, image {self.image}, namespace {self.namespace}, run dir on volume {self.volume} "
-            f"at {self.mount_path}; {where}"
+            f"at {self.mount_path}{restarts}; {where}"
         )
 
     def launch(self, job: Job) -> dict[str, float]:
         node = launched_node()
         if node is not None:  # the first pod (the others never compose: `run_node`)
             first = FirstNode(node)
-            first.launch(job)
+            first.launch(job, self.restarts)
             strategy = job.strategy
             ranks = strategy.num_processes if strategy is not None else int(node.procs_per_node)
             try:
-                return LocalLauncher().launch_node(job, node, ranks)
+                return LocalLauncher(restarts=self.restarts).launch_node(job, node, ranks)
             finally:
                 del first  # the store the pods met at, until the ranks are done
         manifest = self.trainjob(job)

@@ -20,7 +20,7 @@ from runner.run_dir.log import configure_rank_logging
 
 log = logging.getLogger("runner")
 
-VERDICT, JOB, READ = "runner/verdict", "runner/job", "runner/read"  # the store's keys
+VERDICT, JOB, RESTARTS, READ = "runner/verdict", "runner/job", "runner/restarts", "runner/read"  # the store's keys
 LAUNCH = "launch"  # the verdict that the job runs; any other is why not
 
 
@@ -40,9 +40,10 @@ class FirstNode:
             multi_tenant=True,
         )
 
-    def launch(self, job: Job) -> None:
-        """The other pods run `job`."""
+    def launch(self, job: Job, restarts: int) -> None:
+        """The other pods run `job`, their ranks restarted up to `restarts` times as the first pod's."""
         self.store.set(JOB, pickle.dumps(job.for_other_processes()))
+        self.store.set(RESTARTS, str(restarts))
         self.store.set(VERDICT, LAUNCH)
 
     def skip(self, reason: str) -> None:
@@ -55,8 +56,8 @@ class FirstNode:
 
 def run_node(node: TrainJobNode) -> int:
     """The agent of a pod other than the first: wait for the first pod's verdict (at most `NODE_WAIT_S`),
-    then start this node's ranks of the job it composed. The exit code: 0, 1 (a rank failed), 75 (stopped
-    by a signal, checkpointed)."""
+    then start this node's ranks of the job it composed, restarted as the first pod's are. The exit code: 0,
+    1 (a rank failed), 75 (stopped by a signal, checkpointed)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     where = f"{node.master_addr}:{node.master_port}"
     log.info("node %d of %d: waiting for the first node's job at %s", node.node_rank, node.nodes, where)
@@ -66,6 +67,7 @@ def run_node(node: TrainJobNode) -> int:
         )
         verdict = store.get(VERDICT).decode()
         job: Job | None = pickle.loads(store.get(JOB)) if verdict == LAUNCH else None
+        restarts = int(store.get(RESTARTS)) if job is not None else 0
         store.add(READ, 1)
     except RuntimeError as err:  # the first pod never answered (it failed before launch, or never started)
         log.error(
@@ -82,7 +84,7 @@ def run_node(node: TrainJobNode) -> int:
         return 0
     configure_rank_logging(job.logging_config, node.node_rank, "node")
     try:
-        LocalLauncher().launch_node(job, node, int(node.procs_per_node))
+        LocalLauncher(restarts=restarts).launch_node(job, node, int(node.procs_per_node))
     except RankFailedError as err:
         log.error("Training failed: %s", err)
         return 1

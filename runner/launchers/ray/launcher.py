@@ -21,7 +21,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from runner.config import NonNegativeFloat, NonNegativeInt, PositiveFloat, checked
+from runner.config import NonNegativeFloat, PositiveFloat, checked
 from runner.errors import ConfigError, RankFailedError, TrainingInterrupted, signal_name
 from runner.files import write_text
 from runner.hardware.base import Strategy
@@ -54,7 +54,7 @@ class RayLauncher(Launcher):
     option runs as under `launcher=local`. The run dir must be storage every node writes and this process
     reads (checked before anything is submitted): checkpoints and the ranks' reports are written there.
 
-    When a worker or its node dies, Ray starts the worker group again, up to `max_failures` times, and the
+    When a worker or its node dies, Ray starts the worker group again, up to `restarts` times, and the
     ranks resume from the run's latest checkpoint (runner decides what resumes: each launch is a new Ray
     Train run, never restored by Ray). Not after a failure that a restart would repeat (a refusal, a stop, a
     divergence). SIGTERM or Ctrl-C to this command: the ranks checkpoint and stop, and it exits 75.
@@ -66,11 +66,11 @@ class RayLauncher(Launcher):
         gpus_per_worker: GPUs for each rank; None: 1 where the hardware's ranks use GPUs here, else 0.
         placement: "pack" (as few nodes as possible), "spread" (across nodes), "strict_pack" (one node),
             "strict_spread" (one worker per node).
-        max_failures: how many times Ray starts the worker group again after a worker failed.
         storage: where Ray Train keeps its own files; None: `<run dir>/ray`.
         runtime_env: Ray's runtime environment for the ranks (`pip`, `env_vars`, `working_dir`, ...); the
             command's PYTHONPATH, its dir and its RUNNER_/MLFLOW_/WANDB_/HF_/TORCH_/NCCL_ variables are
             passed on.
+        **kwargs: `restarts` (`Launcher`): Ray's `FailureConfig(max_failures=restarts)`.
     """
 
     @checked("launcher")
@@ -80,10 +80,11 @@ class RayLauncher(Launcher):
         cpus_per_worker: PositiveFloat = 1.0,
         gpus_per_worker: NonNegativeFloat | None = None,
         placement: str = "pack",
-        max_failures: NonNegativeInt = 0,
         storage: str | None = None,
         runtime_env: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> None:
+        super().__init__(**kwargs)
         if placement not in PLACEMENTS:
             raise ConfigError(f"launcher.placement={placement!r}: expected one of {', '.join(PLACEMENTS)}.")
         require_ray("launcher=ray")
@@ -91,7 +92,6 @@ class RayLauncher(Launcher):
         self.cpus_per_worker = cpus_per_worker
         self.gpus_per_worker = gpus_per_worker
         self.placement = placement
-        self.max_failures = max_failures
         self.storage = storage
         self.runtime_env = dict(runtime_env or {})
 
@@ -119,7 +119,7 @@ class RayLauncher(Launcher):
         cluster = f"{len(nodes)} node(s), {sum(n.cpus for n in nodes):g} CPU(s), {sum(n.gpus for n in nodes):g} GPU(s)"
         where = ", ".join(f"{name}: {count}" for name, count in placed.items())
         restarts = (
-            f"; restarted up to {self.max_failures} time(s) after a failure" if self.max_failures else ""
+            f"; restarted up to {self.restarts} time(s) after a failure" if self.restarts else ""
         )
         return (
             f"RayLauncher: {workers} worker(s) x {self.cpus_per_worker:g} CPU(s), {gpus:g} GPU(s) on the Ray cluster "
@@ -156,7 +156,7 @@ class RayLauncher(Launcher):
             run_config=RunConfig(
                 name=name,
                 storage_path=str(self.storage or job.output_dir / REPORTS / "train"),
-                failure_config=FailureConfig(max_failures=self.max_failures),
+                failure_config=FailureConfig(max_failures=self.restarts),
             ),
         )
         log.info(
@@ -164,7 +164,7 @@ class RayLauncher(Launcher):
             name,
             strategy.num_processes,
             self.placement,
-            self.max_failures,
+            self.restarts,
         )
         launched = time.time()
         error: TrainingFailedError | None = None
@@ -173,7 +173,7 @@ class RayLauncher(Launcher):
                 trainer.fit()
             except TrainingFailedError as err:
                 error = err
-        return outcome(job.output_dir, launched, stopped, error, self.max_failures)
+        return outcome(job.output_dir, launched, stopped, error, self.restarts)
 
     @classmethod
     def launch_sweep(cls, sweep: Sweep) -> list[JobReturn]:
@@ -265,7 +265,7 @@ def forwarding_stops(reports: Sequence[Path]) -> Iterator[list[int]]:
 
 
 def outcome(
-    run_dir: Path, launched: float, stopped: list[int], error: Exception | None, max_failures: int
+    run_dir: Path, launched: float, stopped: list[int], error: Exception | None, restarts: int
 ) -> dict[str, float]:
     """Rank 0's metrics, or what to raise for the launch that began at `launched`: the stop this command
     passed on, a rank that hung, a worker that died (rank, node, cause: what another rank raised after it
@@ -283,23 +283,19 @@ def outcome(
     raised = {int(path.stem.removeprefix("rank")) for path in (reports / ERRORS).glob("rank*.json")}
     if reported is not None and set(failed) <= raised:
         raise reported
-    raise RankFailedError(_died(reports, error, max_failures))
+    raise RankFailedError(_died(reports, error, restarts))
 
 
-def _died(reports: Path, error: Exception | None, max_failures: int) -> str:
+def _died(reports: Path, error: Exception | None, restarts: int) -> str:
     """The workers that died without a report (killed, their node lost): rank, node, pid and Ray's cause."""
     where = {}
     for path in (reports / WORKERS).glob("rank*.json"):
         record = json.loads(path.read_text())
         where[record["rank"]] = record
     failures = getattr(error, "worker_failures", None) or {}
-    restarts = (
-        f" after {max_failures} restart(s) of the worker group (launcher.max_failures)"
-        if max_failures
-        else ""
-    )
+    after = f" after {restarts} restart(s) of the worker group (launcher.restarts)" if restarts else ""
     if not failures:
-        return f"the Ray Train run ended without rank 0's metrics{restarts}: {error or 'no error reported'}"
+        return f"the Ray Train run ended without rank 0's metrics{after}: {error or 'no error reported'}"
     lines = []
     for rank, failure in sorted(failures.items()):
         record = where.get(rank, {})
@@ -309,7 +305,7 @@ def _died(reports: Path, error: Exception | None, max_failures: int) -> str:
             else ""
         )
         lines.append(f"rank {rank}{node}: {_cause(failure)}")
-    return f"{'; '.join(lines)}{restarts}. The other ranks were stopped."
+    return f"{'; '.join(lines)}{after}. The other ranks were stopped."
 
 
 def _cause(failure: BaseException) -> str:

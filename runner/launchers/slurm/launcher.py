@@ -58,12 +58,11 @@ class SlurmLauncher(Launcher):
         wait: wait for the job and return its metrics; False: return once it is queued.
         signal_delay_s: how long before the time limit SLURM sends the preemption signal.
         max_timeouts: how many times a job that reaches its time limit is requeued.
-        max_restarts: after the job failed (a rank raised, was killed or hung; a node was lost), submit it
-            again this many times; it resumes from the run's latest checkpoint. Not after a configuration
-            error, a stop or a divergence, which a restart would repeat; not with `wait=False`.
         folder: submitit's files (batch script, logs); None: `<job output dir>/slurm`.
         poll_interval_s: how often the log is read and the job's state checked while waiting.
         name: the SLURM job name.
+        **kwargs: `restarts` (`Launcher`): after the job failed, this command submits it again (it follows
+            the job: not with `wait=False`).
     """
 
     @checked("launcher")
@@ -84,11 +83,12 @@ class SlurmLauncher(Launcher):
         wait: bool = True,
         signal_delay_s: NonNegativeInt = 120,
         max_timeouts: NonNegativeInt = 3,
-        max_restarts: NonNegativeInt = 0,
         folder: str | None = None,
         poll_interval_s: PositiveFloat = 1.0,
         name: str = "runner",
+        **kwargs: Any,
     ) -> None:
+        super().__init__(**kwargs)
         self.partition = partition
         self.nodes = nodes
         self.gpus_per_node = gpus_per_node
@@ -104,7 +104,6 @@ class SlurmLauncher(Launcher):
         self.wait = wait
         self.signal_delay_s = signal_delay_s
         self.max_timeouts = max_timeouts
-        self.max_restarts = max_restarts
         self.folder = folder
         self.poll_interval_s = poll_interval_s
         self.name = name
@@ -132,11 +131,11 @@ class SlurmLauncher(Launcher):
         """What the cluster would refuse, or queue forever, refused here before anything is queued."""
         if in_array_task():
             return
-        if self.max_restarts and not self.wait:
+        if self.restarts and not self.wait:
             raise ConfigError(
-                f"launcher.max_restarts={self.max_restarts} with launcher.wait=false: the restarts are made by this "
+                f"launcher.restarts={self.restarts} with launcher.wait=false: the restarts are made by this "
                 "command as it follows the job, and it would not wait. Set launcher.wait=true, or leave "
-                "launcher.max_restarts at 0 (run the command again after a failure: it resumes)."
+                "launcher.restarts at 0 (run the command again after a failure: it resumes)."
             )
         check_request(
             self.partition,
@@ -154,8 +153,8 @@ class SlurmLauncher(Launcher):
             f"SlurmLauncher: {self.nodes} node(s) x {self.tasks_per_node(cfg, strategy)} task(s){gpus} on partition "
             f"{self.partition or '(default)'}, time limit {self.time_min} min, requeued on preemption"
             + (
-                f", submitted again up to {self.max_restarts} time(s) after a failure"
-                if self.max_restarts
+                f", submitted again up to {self.restarts} time(s) after a failure"
+                if self.restarts
                 else ""
             )
         )
@@ -173,14 +172,14 @@ class SlurmLauncher(Launcher):
             except (
                 RankFailedError
             ) as failure:  # not what a restart would repeat: a refusal, a stop, a divergence
-                if restarts == self.max_restarts:
+                if restarts == self.restarts:
                     raise
                 restarts += 1
                 log.warning(
                     "%s: restart %d of %d, a new SLURM job resumes from the run's latest checkpoint",
                     str(failure).split(". ")[0],
                     restarts,
-                    self.max_restarts,
+                    self.restarts,
                 )
 
     def _submit_and_follow(
