@@ -34,6 +34,9 @@ up() {
         return
     fi
     down >/dev/null 2>&1 || true
+    # A cluster on a loopback-only namespace needs no token; where ~/.ray/auth_token exists, Ray 2.60's head
+    # turns token authentication on and the second node, without the token, fails to join.
+    export RAY_AUTH_MODE=disabled
     ip netns add "$NS"
     in_ns ip link set lo up
     local common=(--num-cpus="$CPUS" --object-store-memory=150000000 --disable-usage-stats

@@ -177,3 +177,10 @@ def test_every_docs_page_is_in_the_index_and_the_site_nav():
         if page.name != "index.md":
             assert f"]({page.name})" in index, f"docs/index.md's page table lacks {page.name}"
             assert f": {page.name}" in nav, f"mkdocs.yml's nav lacks {page.name}"
+
+
+def test_every_docs_page_has_its_text():
+    """A page opens with its title and holds more than that (an edit that emptied one went unseen once)."""
+    for page in PAGES:
+        text = page.read_text()
+        assert text.startswith("# ") and len(text.splitlines()) > 20, f"{page.name} is empty or has no title"

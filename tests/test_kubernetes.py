@@ -193,7 +193,7 @@ def test_the_trainjob_matches_kubeflows_schema_and_its_pods_train_bitwise_as_loc
     resources = {"cpu": "1.5", "memory": "2G"}  # launcher.cpus_per_node and mem_gb, for each pod
     assert trainer["resourcesPerNode"] == {"limits": resources, "requests": resources}
     assert {"name": "RUNNER_TEST_POD", "value": "yes"} in trainer["env"]
-    assert trainer["command"] == ["python", "-m", "runner"]
+    assert trainer["command"] == ["python", "-m", "runner.launchers.kubernetes"]
     run_dir = volume / "submit"
     assert trainer["args"][-1] == f"hydra.run.dir={run_dir}" and "launcher.nodes=2" in trainer["args"]
     pod = manifest["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][
@@ -310,6 +310,9 @@ def test_a_pod_of_a_trainjob_written_for_other_settings_is_refused(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ConfigError, match=r"this pod's TrainJob has 3 node\(s\) of 1 process\(es\)"):
         KubernetesLauncher(image="i:1", volume="runs", nodes=2).check(None, DDP(num_processes=1))  # type: ignore[arg-type]
+    monkeypatch.setenv("PET_NODE_RANK", "1")  # another pod than the first, given the CLI (an older TrainJob)
+    with pytest.raises(ConfigError, match=r"this pod is node 1 of its TrainJob .*python -m runner\.launchers\.kubernetes"):
+        KubernetesLauncher(image="i:1", volume="runs", nodes=3).check(None, DDP(num_processes=1))  # type: ignore[arg-type]
 
 
 def test_without_kubeflows_sdk_the_install_line_is_given(monkeypatch):

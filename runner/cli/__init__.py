@@ -41,7 +41,7 @@ from runner.cli.help import help_text
 from runner.cli.init import main as init_project_command
 from runner.cli.prepare_data import main as prepare_data_command
 from runner.cli.runs import main as runs_command
-from runner.cluster import ClusterEnvironment, launched_environment, launched_node, time_before_start
+from runner.cluster import ClusterEnvironment, launched_environment, time_before_start
 from runner.compose import (
     CONFIG_NAME,
     HELP_FLAGS,
@@ -77,7 +77,6 @@ from runner.group_schemas import register_configs
 from runner.inference import infer
 from runner.launchers import Job
 from runner.launchers.base import interrupted
-from runner.launchers.kubernetes import run_node
 from runner.plan import describe as describe_plan
 from runner.run_dir import (
     ENDED,
@@ -374,9 +373,7 @@ def run(composed: Composed | None = None) -> None:
         end_command(err)
     _importable_cwd()
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra raise instead of printing its own report
-    env, node = launched_environment(), launched_node()
-    if env is None and node is not None and node.node_rank != 0:  # a TrainJob's pod: the first one composes
-        sys.exit(run_node(node))
+    env = launched_environment()
     if env is not None and env.rank != 0:
         sys.argv += _scratch_output_dir(env.rank)
     try:

@@ -148,6 +148,13 @@ class KubernetesLauncher(Launcher):
             current_context()
 
     def _check_node(self, node: TrainJobNode, strategy: Strategy) -> None:
+        if node.node_rank != 0:  # only the first pod composes (`python -m runner.launchers.kubernetes`)
+            raise ConfigError(
+                f"this pod is node {node.node_rank} of its TrainJob (PET_NODE_RANK) and ran `python -m runner`: "
+                "only the first pod composes the job, the others take it from there. Every pod of a TrainJob "
+                "that runner writes runs `python -m runner.launchers.kubernetes`: write this one again with "
+                "`python -m runner launcher=kubernetes ...`."
+            )
         if (node.nodes, node.procs_per_node) != (self.nodes, str(strategy.num_processes)):
             raise ConfigError(
                 f"this pod's TrainJob has {node.nodes} node(s) of {node.procs_per_node} process(es) "

@@ -88,11 +88,11 @@ def trainjob(
     claim: str,
     mount_path: str,
 ) -> dict[str, Any]:
-    """The TrainJob: `nodes` pods of `image`, each running `python -m runner <args>` with
+    """The TrainJob: `nodes` pods of `image`, each running `python -m runner.launchers.kubernetes <args>` with
     `procs_per_node` ranks and `limits`, the PersistentVolumeClaim `claim` mounted at `mount_path`."""
     trainer: dict[str, Any] = {
         "image": image,
-        "command": ["python", "-m", "runner"],
+        "command": ["python", "-m", "runner.launchers.kubernetes"],  # the first pod composes, the others join
         "args": list(args),
         "numNodes": nodes,
         "numProcPerNode": procs_per_node,
