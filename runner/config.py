@@ -273,6 +273,13 @@ class Direction(str, Enum):
     maximize = "maximize"
 
 
+class NonFinite(str, Enum):
+    """What `trainer.on_nonfinite` does with an optimizer step whose gradients are NaN or infinite."""
+
+    stop = "stop"  # take it: the run stops as diverged at its next logging step (train/loss is not finite)
+    skip = "skip"  # leave it out (the weights, the optimizer state and the LR schedule stay), and count it
+
+
 class CheckpointingMode(str, Enum):
     """What `trainer.activation_checkpointing.mode` recomputes in backward."""
 
@@ -312,6 +319,8 @@ class TrainerConfig:
     gradient_accumulation_steps: PositiveInt = 1
     split_batches: bool = False  # data.batch_size is the global batch, split over the processes
     max_grad_norm: PositiveFloat | None = None  # clip the total gradient norm to this value
+    on_nonfinite: NonFinite = NonFinite.stop  # a step whose gradients are NaN or infinite: stop | skip
+    max_skipped_steps: PositiveInt = 10  # on_nonfinite=skip: this many skipped steps in a row stop the run
     seed: Seed = 0
     progress_bar: bool = True
     # optimizer steps between checkpoints; 0: only when stopped by a signal

@@ -50,6 +50,10 @@ class Autocast:
 class Precision:
     """Full fp32 (the `fp32` group): no autocast, no loss scaling."""
 
+    # Whether its optimizer step leaves out a step whose gradients are not finite by itself (fp16's loss
+    # scaler): `trainer.on_nonfinite=skip` then counts the steps it skips instead of checking them again.
+    skips_nonfinite_steps = False
+
     mixed_precision = "no"
     autocast_settings = Autocast()
 
@@ -292,6 +296,8 @@ class Float16MixedPrecision(MixedPrecision):
             from; multiplied by `growth_factor` (> 1) after `growth_interval` steps without inf/nan, and by
             `backoff_factor` (between 0 and 1) at a step with them.
     """
+
+    skips_nonfinite_steps = True
 
     @checked("precision")
     def __init__(

@@ -34,7 +34,7 @@ from runner.callbacks import Callbacks, built_callbacks
 from runner.checkpoint.checkpointer import ProjectConfiguration, Schedule
 from runner.checkpoint.resume import check_not_past, resume_checkpoint, resume_hint
 from runner.cluster import time_before_start
-from runner.config import TrainerConfig, trainer_settings
+from runner.config import NonFinite, TrainerConfig, trainer_settings
 from runner.data.base import DataSource, pins_memory
 from runner.engine import Accumulation, Engine, Loading
 from runner.errors import TrainingDiverged, TrainingInterrupted, signal_name
@@ -83,6 +83,26 @@ class Progress:
     def next_epoch(self) -> None:
         self.epoch += 1
         self.batches = 0
+
+
+class SkippingProgress(Progress):
+    """Progress where an optimizer step may be left out (`trainer.on_nonfinite=skip`): a step's losses join
+    the window once its step was taken; those of a step left out (not finite) do not."""
+
+    def watching(self, engine: Engine) -> SkippingProgress:
+        self.engine, self.step_loss, self.step_batches = engine, torch.zeros_like(self.window_loss), 0
+        return self
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.batches += 1
+        self.step_loss += loss.detach()
+        self.step_batches += 1
+        if self.engine.sync_gradients:  # the step's last micro-batch: its optimizer step was taken, or not
+            if not self.engine.optimizer_step_was_skipped:
+                self.window_loss += self.step_loss
+                self.window_batches += self.step_batches
+            self.step_loss.zero_()
+            self.step_batches = 0
 
 
 def train(
@@ -143,7 +163,12 @@ class Trainer:
         data = self.prepare_loaders(cfg, blueprint)
         ledger.lap("data")
         described = self.prepare_training(cfg, data, blueprint)
-        self.done = Progress(window_loss=torch.zeros((), device=engine.device))
+        window_loss = torch.zeros((), device=engine.device)
+        self.done = (
+            SkippingProgress(window_loss).watching(engine)
+            if engine.skip_nonfinite_steps
+            else Progress(window_loss)
+        )
         evaluating = cfg.get("mode") == "evaluate"  # the eval loop only (`evaluate_only`): the watchdog only
         self.callbacks = Callbacks(built_callbacks(cfg.get("callbacks"), trainer, evaluating, ledger))
         self.stopped: str | None = None  # why a callback ended the run early
@@ -383,13 +408,12 @@ class Trainer:
         """The mean loss over the steps since the last log line, the learning rate and the `perf/*`
         metrics: checked finite, logged, and (`trainer.checkpoint_last_finite`) the state kept."""
         engine, done = self.engine, self.done
-        window_loss = done.window_loss.item() / done.window_batches
+        # None when every step of the window was left out (`trainer.on_nonfinite=skip`: alike on every rank).
+        loss = {"train/loss": done.window_loss.item() / done.window_batches} if done.window_batches else {}
         # After the .item(), which waited for the device: the window's time is its work.
-        window = across_processes(
-            engine, {"train/loss": window_loss, **self.throughput.read(engine.device, done.step)}
-        )
+        window = across_processes(engine, loss | self.throughput.read(engine.device, done.step))
         logged = {
-            "train/loss": window.pop("train/loss"),
+            **{name: window.pop(name) for name in loss},
             "train/lr": self.scheduler.get_last_lr()[0],
             **window,
         }
@@ -531,6 +555,7 @@ def built_engine(
         trackers=[tracker] if tracker is not None else [],
         compile=trainer.compile,
         activation_checkpointing=trainer.activation_checkpointing,
+        skip_nonfinite_steps=trainer.on_nonfinite == NonFinite.skip,
     )
 
 

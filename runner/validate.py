@@ -335,7 +335,7 @@ def _built_node(cfg: DictConfig, node: str) -> Any:
 
 def _hardware_problems(cfg: DictConfig, hardware: Any) -> list[str]:
     """Whether the built hardware runs the precision on its device, the compute options, a memory
-    snapshot (CUDA only) and the checkpoints' settings."""
+    snapshot (CUDA only), a step left out (`trainer.on_nonfinite=skip`) and the checkpoints' settings."""
     problems = []
     device = getattr(hardware, "device", torch.device("cpu"))
     for check in (
@@ -353,6 +353,12 @@ def _hardware_problems(cfg: DictConfig, hardware: Any) -> list[str]:
         problems.append(
             f"trainer.memory_snapshot=true records the CUDA allocator's history; hardware={cfg.hardware._target_} "
             f"computes on {device.type}. Set trainer.memory_snapshot=false, or run on GPUs."
+        )
+    if cfg.trainer.get("on_nonfinite") == "skip" and not hardware.skips_steps:
+        problems.append(
+            f"trainer.on_nonfinite=skip: {type(hardware).__name__} takes every optimizer step itself (DeepSpeed's "
+            "engine; with precision=fp16 its loss scaler skips the steps that overflow). Use "
+            "trainer.on_nonfinite=stop with it."
         )
     return problems + _checkpoint_problems(cfg, hardware)
 

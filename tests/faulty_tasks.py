@@ -156,3 +156,21 @@ class SkipCollectiveOnRank1(Regression):
         if os.environ.get("RANK") not in (None, "1") and self.steps == 3:
             torch.distributed.barrier()
         return super().training_step(model, batch)
+
+
+class NonFiniteAtSteps(Regression):
+    """The loss is NaN at its training steps `at` and after, up to `until` (1-based, inclusive; null: only
+    `at`), on rank `rank` alone (null: on every process)."""
+
+    def __init__(self, at: int, until: int | None = None, rank: int | None = None) -> None:
+        self.at, self.until, self.rank, self.steps = at, at if until is None else until, rank, 0
+
+    def training_step(self, model, batch):
+        loss = super().training_step(model, batch)
+        if loss.device.type == "meta":  # the check's step before launch
+            return loss
+        self.steps += 1
+        poisoned = self.at <= self.steps <= self.until
+        if poisoned and (self.rank is None or os.environ.get("RANK") == str(self.rank)):
+            return loss * float("nan")
+        return loss

@@ -294,11 +294,6 @@ class Accelerator(Engine):
     def step(self, value: int) -> None:
         self.micro_step = value
 
-    @property
-    def optimizer_step_was_skipped(self) -> bool:
-        """True when the last optimizer step was skipped (fp16 overflow)."""
-        return any(opt.step_was_skipped for opt in self.checkpointer.of_kind("optimizer"))
-
     def verify_device_map(self, model: torch.nn.Module) -> bool:
         """Whether `model` (or a module in it) was dispatched over several devices with a device map
         (big model inference: such a model is for inference, not for training with `prepare`)."""

@@ -1,7 +1,8 @@
 """Callbacks: code a run's training loop calls at its named points.
 
 `base` is the contract. The built-ins are the loop's own periodic concerns, made from the trainer's
-settings and named: `goodput` (the goodput ledger's phases of the loop), `watchdog` (`trainer.hang_timeout_s`), `history` (`history.jsonl`), `progress` (the progress bar,
+settings and named: `goodput` (the goodput ledger's phases of the loop), `watchdog` (`trainer.hang_timeout_s`),
+`skipped_steps` (`trainer.on_nonfinite=skip`), `history` (`history.jsonl`), `progress` (the progress bar,
 `trainer.progress_bar`), `profile` (`trainer.profile`)
 and `plots` (`trainer.plots`). The shipped ones a config adds (`callbacks=[...]`, each a `_target_`):
 early stopping, the best checkpoints, a learning-rate monitor. A callback in `callbacks:` named like a
@@ -18,6 +19,7 @@ from runner.callbacks.lr_monitor import LearningRateMonitor
 from runner.callbacks.plots import PlotCurves
 from runner.callbacks.profiler import ProfileSteps
 from runner.callbacks.progress import ProgressBar
+from runner.callbacks.skipped_steps import SkippedSteps
 from runner.callbacks.watchdog import HangWatchdog
 
 __all__ = [
@@ -34,5 +36,6 @@ __all__ = [
     "ProgressBar",
     "RecordHistory",
     "Run",
+    "SkippedSteps",
     "built_callbacks",
 ]

@@ -12,8 +12,9 @@ from runner.callbacks.history import RecordHistory
 from runner.callbacks.plots import PlotCurves
 from runner.callbacks.profiler import ProfileSteps
 from runner.callbacks.progress import ProgressBar
+from runner.callbacks.skipped_steps import SkippedSteps
 from runner.callbacks.watchdog import HangWatchdog
-from runner.config import TrainerConfig
+from runner.config import NonFinite, TrainerConfig
 from runner.telemetry.goodput import Ledger
 
 
@@ -24,7 +25,9 @@ def built_callbacks(
     ledger: Ledger | None = None,
 ) -> dict[str, Any]:
     """The run's callbacks by name, in the order the loop calls them: `goodput` (the main process's
-    `ledger`, where the run records one), `watchdog` (`trainer.hang_timeout_s` not 0), `history`, `progress` (`trainer.progress_bar`), `profile` (`trainer.profile.active` > 0),
+    `ledger`, where the run records one), `watchdog` (`trainer.hang_timeout_s` not 0), `skipped_steps`
+    (`trainer.on_nonfinite=skip`), `history`, `progress` (`trainer.progress_bar`), `profile`
+    (`trainer.profile.active` > 0),
     `plots` (`trainer.plots`), then those of `callbacks:`, where one named like a built-in replaces it and
     a name set to null switches it off. `evaluating` (`mode=evaluate`, which trains nothing): the
     watchdog and the history only."""
@@ -33,6 +36,8 @@ def built_callbacks(
         named["goodput"] = GoodputLedger(ledger)
     if trainer.hang_timeout_s != 0:
         named["watchdog"] = HangWatchdog(trainer.hang_timeout_s)
+    if trainer.on_nonfinite == NonFinite.skip and not evaluating:
+        named["skipped_steps"] = SkippedSteps(trainer.max_skipped_steps)
     named["history"] = RecordHistory()
     if evaluating:
         return named

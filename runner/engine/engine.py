@@ -155,6 +155,8 @@ class Engine(ProcessControl):
         step_scheduler_with_optimizer: step prepared schedulers only on real optimizer steps.
         rng_types: RNGs that processes synchronise (from process 0) before each pass over a prepared
             dataloader: "generator" (the sampler's), "torch", "cuda". Default ["generator"].
+        skip_nonfinite_steps: prepared optimizers leave out a step whose gradients are NaN or infinite
+            (`optimizer_step_was_skipped` tells; `trainer.on_nonfinite=skip`).
     """
 
     def __init__(
@@ -170,8 +172,10 @@ class Engine(ProcessControl):
         device_placement: bool = True,
         step_scheduler_with_optimizer: bool = True,
         rng_types: list[str] | None = None,
+        skip_nonfinite_steps: bool = False,
     ) -> None:
         self.strategy = strategy
+        self.skip_nonfinite_steps = skip_nonfinite_steps
         self.state = strategy.setup_environment()
         activate(strategy, self.state)
         self.precision = strategy.setup_precision(precision)
@@ -305,6 +309,11 @@ class Engine(ProcessControl):
                 set_module_tensor(model, name, after[owner])
         return model
 
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True when the last optimizer step was skipped (fp16 overflow; `skip_nonfinite_steps`)."""
+        return any(opt.step_was_skipped for opt in self.checkpointer.of_kind("optimizer"))
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
@@ -312,7 +321,9 @@ class Engine(ProcessControl):
         return self._wrap_optimizer(self.strategy.prepared_optimizer(optimizer))
 
     def _wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
-        wrapped = AcceleratedOptimizer(optimizer, self.strategy, self.precision, self.gradient_state)
+        wrapped = AcceleratedOptimizer(
+            optimizer, self.strategy, self.precision, self.gradient_state, self.skip_nonfinite_steps
+        )
         self.checkpointer.add("optimizer", wrapped)
         return wrapped
 

@@ -19,7 +19,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     the precision plugin (fp16 loss scaling), as Accelerate's `AcceleratedOptimizer` does.
 
     `step()` and `zero_grad()` do nothing on accumulation micro-steps; `step_was_skipped` is True after an
-    fp16 step that found inf/nan gradients.
+    fp16 step that found inf/nan gradients, and (`skip_nonfinite`) after any step whose gradients were not
+    finite, which it left out.
     """
 
     def __init__(
@@ -28,6 +29,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         strategy: Strategy,
         precision: Precision,
         gradient_state: GradientState,
+        skip_nonfinite: bool = False,
     ) -> None:
         # The base __init__ is not called: state, param_groups and defaults are the wrapped optimizer's.
         self.optimizer = optimizer
@@ -35,6 +37,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.precision = precision
         self.gradient_state = gradient_state
         self.step_was_skipped = False
+        # Checked here unless the precision leaves such steps out itself (fp16's loss scaler).
+        self.checks_finite = skip_nonfinite and not precision.skips_nonfinite_steps
 
     @property
     def state(self) -> dict:  # type: ignore[override]
@@ -66,8 +70,15 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.strategy.zero_grad(self.optimizer, set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
-        if self.gradient_state.sync_gradients:
-            self.step_was_skipped = not self.strategy.optimizer_step(self.optimizer, self.precision, closure)
+        if not self.gradient_state.sync_gradients:
+            return
+        if self.checks_finite and not self.strategy.gradients_finite(self.parameters()):
+            self.step_was_skipped = True
+            return
+        self.step_was_skipped = not self.strategy.optimizer_step(self.optimizer, self.precision, closure)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def train(self) -> None:
         """Put an optimizer that has modes (schedule-free ones) in training mode; others have none."""

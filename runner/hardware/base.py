@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -143,6 +144,8 @@ class Strategy(ABC):
     checkpoint_format: str = "full"
     reshards_checkpoints: bool = False
     async_checkpoints: bool = True
+    # Whether the loop may leave out an optimizer step (`trainer.on_nonfinite=skip`, `gradients_finite`).
+    skips_steps: bool = True
     # Which of "weights", "gradients", "optimizer" each rank holds only a 1/world_size share of.
     sharded_states: frozenset[str] = frozenset()
     # The compute options (trainer.compile, trainer.activation_checkpointing) `setup_module` applies.
@@ -404,6 +407,12 @@ class Strategy(ABC):
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    def gradients_finite(self, parameters: Iterable[torch.Tensor]) -> bool:
+        """Whether the gradients of `parameters` are all finite, alike on every rank: their total norm,
+        which `clip_grad_norm_` measures over every rank that holds a part of them (a norm that no
+        clipping changes; it waits for the device)."""
+        return bool(torch.isfinite(self.clip_grad_norm_(parameters, math.inf)).item())
 
     def device_batches(
         self, batches: Iterator[Any], device: torch.device, non_blocking: bool = False

@@ -331,6 +331,7 @@ class DeepSpeed(ParallelStrategy):
         return state
 
     async_checkpoints = False  # DeepSpeed's engine writes its own checkpoints, synchronously
+    skips_steps = False  # its engine takes every step itself (fp16: its loss scaler skips overflows)
 
     def save_checkpoint(self, directory: Path) -> None:
         """Every rank writes its partitions through the engine (`deepspeed/state/`): the "deepspeed" format
