@@ -70,6 +70,8 @@ NonNegativeFloat = Annotated[float, Range(ge=0)]
 # trainer.hang_timeout_s: 0 turns the watchdog off; below 1 s (its poll is 0.5 s) any step, an evaluation
 # batch or a checkpoint's start would read as a hang
 HangTimeout = Annotated[float, Range(ge=1, off=0)]
+# trainer.spike.window: the median and the MAD of fewer steps say little; 0 turns the check off
+SpikeWindow = Annotated[int, Range(ge=8, off=0)]
 Fraction = Annotated[float, Range(gt=0, lt=1)]  # a share strictly between none and all
 Probability = Annotated[float, Range(ge=0, lt=1)]  # dropout, a warm-up share
 ShardDegree = Annotated[int, Range(ge=-1)]  # ranks a parameter is sharded over; -1: all the rest
@@ -280,6 +282,20 @@ class NonFinite(str, Enum):
     skip = "skip"  # leave it out (the weights, the optimizer state and the LR schedule stay), and count it
 
 
+class SpikeMetric(str, Enum):
+    """A per-step value `trainer.spike` watches (the mean over the processes)."""
+
+    loss = "loss"  # the step's training loss
+    grad_norm = "grad_norm"  # the total gradient norm before clipping
+
+
+class SpikeAction(str, Enum):
+    """What `trainer.spike` does with a spike."""
+
+    log = "log"  # warn, count it as train/spikes, record it in spikes.jsonl
+    rollback = "rollback"  # and return to a checkpoint before it, leaving out the batches since (PaLM's recipe)
+
+
 class CheckpointingMode(str, Enum):
     """What `trainer.activation_checkpointing.mode` recomputes in backward."""
 
@@ -311,6 +327,19 @@ class ProfileConfig:
 
 
 @dataclass
+class SpikeConfig:
+    """Loss and gradient-norm spikes (`trainer.spike`, `runner.callbacks.spikes`): a step whose value is
+    more than `threshold` robust z-scores ((x - median) / (1.4826 MAD)) above the `window` steps before it."""
+
+    window: SpikeWindow = 0  # steps the median and the MAD are taken over; 0: off
+    threshold: PositiveFloat = 6.0
+    metrics: list[SpikeMetric] = field(default_factory=lambda: [SpikeMetric.loss])
+    action: SpikeAction = SpikeAction.log
+    # rollback: to the newest checkpoint written at least this many steps before the spike
+    rollback_steps: PositiveInt = 1
+
+
+@dataclass
 class TrainerConfig:
     max_steps: PositiveInt | None = 200  # optimizer steps; null: run `max_epochs` epochs
     max_epochs: PositiveInt | None = None
@@ -321,6 +350,7 @@ class TrainerConfig:
     max_grad_norm: PositiveFloat | None = None  # clip the total gradient norm to this value
     on_nonfinite: NonFinite = NonFinite.stop  # a step whose gradients are NaN or infinite: stop | skip
     max_skipped_steps: PositiveInt = 10  # on_nonfinite=skip: this many skipped steps in a row stop the run
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
     seed: Seed = 0
     progress_bar: bool = True
     # optimizer steps between checkpoints; 0: only when stopped by a signal

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from hydra.utils import instantiate
@@ -31,10 +31,11 @@ from runner.build import (
     records_goodput,
 )
 from runner.callbacks import Callbacks, built_callbacks
+from runner.callbacks.base import LeftOut
 from runner.checkpoint.checkpointer import ProjectConfiguration, Schedule
 from runner.checkpoint.resume import check_not_past, resume_checkpoint, resume_hint
 from runner.cluster import time_before_start
-from runner.config import NonFinite, TrainerConfig, trainer_settings
+from runner.config import NonFinite, SpikeMetric, TrainerConfig, trainer_settings
 from runner.data.base import DataSource, pins_memory
 from runner.engine import Accumulation, Engine, Loading
 from runner.errors import TrainingDiverged, TrainingInterrupted, signal_name
@@ -62,6 +63,7 @@ class Progress:
     consumed in it, and the loss accumulated since the last log line."""
 
     window_loss: torch.Tensor  # on the device: adding to it never waits for the device
+    last_loss: ClassVar[torch.Tensor | None] = None  # the last step's mean loss, where kept (StepProgress)
     step: int = 0
     epoch: int = 0
     batches: int = 0
@@ -85,12 +87,14 @@ class Progress:
         self.batches = 0
 
 
-class SkippingProgress(Progress):
-    """Progress where an optimizer step may be left out (`trainer.on_nonfinite=skip`): a step's losses join
-    the window once its step was taken; those of a step left out (not finite) do not."""
+class StepProgress(Progress):
+    """Progress that keeps each optimizer step's own mean loss (`last_loss`, for `trainer.spike`) and, where
+    the prepared optimizer leaves out a step that is not finite (`trainer.on_nonfinite=skip`), joins a
+    step's losses to the window once its step was taken."""
 
-    def watching(self, engine: Engine) -> SkippingProgress:
-        self.engine, self.step_loss, self.step_batches = engine, torch.zeros_like(self.window_loss), 0
+    def watching(self, engine: Engine) -> StepProgress:
+        self.engine, self.step_batches = engine, 0
+        self.step_loss, self.last_loss = torch.zeros_like(self.window_loss), torch.zeros_like(self.window_loss)
         return self
 
     def add(self, loss: torch.Tensor) -> None:
@@ -98,7 +102,8 @@ class SkippingProgress(Progress):
         self.step_loss += loss.detach()
         self.step_batches += 1
         if self.engine.sync_gradients:  # the step's last micro-batch: its optimizer step was taken, or not
-            if not self.engine.optimizer_step_was_skipped:
+            torch.div(self.step_loss, self.step_batches, out=self.last_loss)
+            if not (self.engine.skip_nonfinite_steps and self.engine.optimizer_step_was_skipped):
                 self.window_loss += self.step_loss
                 self.window_batches += self.step_batches
             self.step_loss.zero_()
@@ -163,12 +168,10 @@ class Trainer:
         data = self.prepare_loaders(cfg, blueprint)
         ledger.lap("data")
         described = self.prepare_training(cfg, data, blueprint)
-        window_loss = torch.zeros((), device=engine.device)
-        self.done = (
-            SkippingProgress(window_loss).watching(engine)
-            if engine.skip_nonfinite_steps
-            else Progress(window_loss)
-        )
+        self.done = progress_of(engine, trainer)
+        self.clip_to = clip_norm(trainer)
+        self.grad_norm: torch.Tensor | None = None
+        self.rolling_back: Path | None = None  # the checkpoint a callback asked the run to return to
         evaluating = cfg.get("mode") == "evaluate"  # the eval loop only (`evaluate_only`): the watchdog only
         self.callbacks = Callbacks(built_callbacks(cfg.get("callbacks"), trainer, evaluating, ledger))
         self.stopped: str | None = None  # why a callback ended the run early
@@ -316,10 +319,14 @@ class Trainer:
     def step_done(self, received: list[int]) -> bool:
         """After an optimizer step: its progress told (the callbacks), then what is due at it
         (the log line, the evaluation, the checkpoints, a stop signal's checkpoint and exit) and the
-        callbacks. Whether the loop ends here: its last step, or a callback stopped the run."""
+        callbacks. Whether the epoch's pass ends here: its last step, a callback stopped the run, or rolled
+        it back (the pass starts again)."""
         done, trainer = self.done, self.settings
         done.step += 1
         self.callbacks.on_optimizer_step(self)
+        if self.rolling_back is not None:  # the epoch's pass starts again, at the data's position
+            self.roll_back_now(self.rolling_back)
+            return True
         last = done.step >= self.total_steps
         log_step = done.step % trainer.log_every == 0
         if last or log_step:
@@ -365,6 +372,26 @@ class Trainer:
         """End the run after this step (a callback's call, made alike on every rank)."""
         self.stopped = reason
 
+    def roll_back(self, checkpoint: Path) -> None:
+        """Return to `checkpoint` after this step (a callback's call, made alike on every rank)."""
+        self.rolling_back = checkpoint
+
+    def roll_back_now(self, checkpoint: Path) -> None:
+        """Return to `checkpoint` with the data where it is (`Checkpointer.roll_back_to`; the Progress's
+        position too): the batches since the checkpoint are left out; the callbacks' `on_rollback`."""
+        done, self.rolling_back = self.done, None
+        from_step, end = done.step, (done.epoch, done.batches)
+        steps = self.checkpointer.roll_back_to(checkpoint)
+        self.engine.optimizer_step, self.engine.micro_step = done.step, steps.micro
+        left_out = LeftOut((done.epoch, done.batches), end)
+        done.epoch, done.batches = end
+        self.throughput.restart(done.step)
+        self.callbacks.on_rollback(self, from_step, left_out)
+
+    @property
+    def step_loss(self) -> torch.Tensor | None:
+        return self.done.last_loss
+
     def batches_left_in_epoch(self) -> Any:
         """The train loader, past the batches of this epoch a resumed run consumed already (a loader that
         resumes by itself, a stream's, is past them)."""
@@ -379,8 +406,8 @@ class Trainer:
             with engine.accumulate(self.model):
                 loss = self.loss_of(batch)
                 engine.backward(loss)
-                if self.settings.max_grad_norm is not None and engine.sync_gradients:
-                    engine.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
+                if self.clip_to is not None and engine.sync_gradients:
+                    self.grad_norm = engine.clip_grad_norm_(self.model.parameters(), self.clip_to)
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad()
@@ -533,6 +560,22 @@ class Trainer:
         engine.free_memory()
         engine.end_training()
         return self.metrics
+
+
+def progress_of(engine: Engine, trainer: TrainerConfig) -> Progress:
+    """The loop's Progress: one that keeps each step's loss where a step may be left out
+    (`trainer.on_nonfinite=skip`) or spikes are watched (`trainer.spike`)."""
+    window_loss = torch.zeros((), device=engine.device)
+    if engine.skip_nonfinite_steps or trainer.spike.window:
+        return StepProgress(window_loss).watching(engine)
+    return Progress(window_loss)
+
+
+def clip_norm(trainer: TrainerConfig) -> float | None:
+    """What the loop clips the gradients' total norm to, measuring it: `trainer.max_grad_norm`, else
+    infinity (measured, not clipped) where `trainer.spike` watches it; None: neither."""
+    watched = trainer.spike.window and SpikeMetric.grad_norm in trainer.spike.metrics
+    return math.inf if trainer.max_grad_norm is None and watched else trainer.max_grad_norm
 
 
 def built_engine(

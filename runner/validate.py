@@ -30,7 +30,7 @@ from runner.build import (
     locate,
 )
 from runner.checkpoint.weights import DamagedFileError, check_against_model, checkpoint_tensors
-from runner.config import CheckpointingMode, RunConfig, declared_ranges
+from runner.config import CheckpointingMode, RunConfig, SpikeAction, SpikeMetric, declared_ranges
 from runner.data.base import DataSource, Stream
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
@@ -246,6 +246,7 @@ def _trainer_problems(trainer: DictConfig) -> list[str]:
             f"{checkpointing.mode.value} ({'every block is checkpointed whole' if checkpointing.mode == CheckpointingMode.full else 'nothing is checkpointed'}). "
             "Set trainer.activation_checkpointing.mode=selective, or leave every_n_blocks=1 and save_matmuls=false."
         )
+    problems += _spike_problems(trainer)
     window = trainer.profile.wait + trainer.profile.warmup + trainer.profile.active
     if trainer.profile.active and trainer.max_steps is not None and window > trainer.max_steps:
         problems.append(
@@ -254,6 +255,35 @@ def _trainer_problems(trainer: DictConfig) -> list[str]:
             "nothing would be written. Shorten the window or train longer."
         )
     return problems
+
+
+def _spike_problems(trainer: DictConfig) -> list[str]:
+    """`trainer.spike` watches something, and a rollback finds a checkpoint to return to: one numbered by
+    steps, still kept `rollback_steps` after it was written."""
+    spike = trainer.spike
+    if not spike.window:
+        return []
+    if not spike.metrics:
+        return ["trainer.spike.metrics=[]: nothing to watch. Give loss and/or grad_norm, or trainer.spike.window=0 (off)."]
+    if spike.action != SpikeAction.rollback:
+        return []
+    every, keep = trainer.checkpoint_every, trainer.keep_checkpoints
+    if not every:
+        return [
+            "trainer.spike.action=rollback returns to a checkpoint written before the spike, and "
+            "trainer.checkpoint_every=0 writes none by steps. Set trainer.checkpoint_every (PaLM returned about "
+            "100 steps before a spike), or use trainer.spike.action=log."
+        ]
+    reach = (keep - 1) * every + 1 if keep is not None else None  # the steps back the kept ones surely cover
+    if reach is not None and spike.rollback_steps > reach:
+        return [
+            f"trainer.spike.rollback_steps={spike.rollback_steps}: a rollback returns to the newest checkpoint "
+            f"at least that many steps before the spike, and with trainer.checkpoint_every={every} and "
+            f"trainer.keep_checkpoints={keep} the oldest one kept may be only {reach} step(s) back. Keep more "
+            f"(trainer.keep_checkpoints={-(-(spike.rollback_steps - 1) // every) + 1}, or null: all), or roll "
+            f"back fewer steps (at most {reach})."
+        ]
+    return []
 
 
 def _mode_problems(cfg: DictConfig) -> list[str]:
@@ -335,7 +365,8 @@ def _built_node(cfg: DictConfig, node: str) -> Any:
 
 def _hardware_problems(cfg: DictConfig, hardware: Any) -> list[str]:
     """Whether the built hardware runs the precision on its device, the compute options, a memory
-    snapshot (CUDA only), a step left out (`trainer.on_nonfinite=skip`) and the checkpoints' settings."""
+    snapshot (CUDA only), a step left out (`trainer.on_nonfinite=skip`), a gradient norm to watch
+    (`trainer.spike`) and the checkpoints' settings."""
     problems = []
     device = getattr(hardware, "device", torch.device("cpu"))
     for check in (
@@ -359,6 +390,14 @@ def _hardware_problems(cfg: DictConfig, hardware: Any) -> list[str]:
             f"trainer.on_nonfinite=skip: {type(hardware).__name__} takes every optimizer step itself (DeepSpeed's "
             "engine; with precision=fp16 its loss scaler skips the steps that overflow). Use "
             "trainer.on_nonfinite=stop with it."
+        )
+    spike = cfg.trainer.spike
+    watches_norm = spike.window and SpikeMetric.grad_norm in spike.metrics
+    if watches_norm and cfg.trainer.max_grad_norm is None and not hardware.skips_steps:
+        problems.append(
+            f"trainer.spike.metrics: grad_norm, and {type(hardware).__name__} measures the gradient norm inside "
+            "its own step, where it clips (DeepSpeed's engine). Set trainer.max_grad_norm (and "
+            "hardware.gradient_clipping to the same), or watch the loss only: trainer.spike.metrics=[loss]."
         )
     return problems + _checkpoint_problems(cfg, hardware)
 

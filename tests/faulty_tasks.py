@@ -174,3 +174,19 @@ class NonFiniteAtSteps(Regression):
         if poisoned and (self.rank is None or os.environ.get("RANK") == str(self.rank)):
             return loss * float("nan")
         return loss
+
+
+class PoisonedRegression(SyntheticRegression):
+    """SyntheticRegression whose training samples `poisoned` (positions in the training set) have targets
+    `factor` times too large: the batch that holds one makes the loss spike, at whatever step the order
+    puts it (rolled back past, it is not seen again)."""
+
+    def __init__(self, poisoned: list[int], factor: float = 1000.0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.poisoned, self.factor = list(poisoned), factor
+
+    def load(self):
+        train, eval_, sizes = super().load()
+        for i in self.poisoned:
+            train.dataset.tensors["targets"][train.indices[i]] *= self.factor
+        return train, eval_, sizes

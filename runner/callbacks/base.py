@@ -10,12 +10,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+import torch
 
 from runner.config import TrainerConfig
 from runner.engine import Engine
 from runner.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """The batches a rollback skipped: in each data-parallel process's order, its micro-batches from
+    `start` (epoch, batch: where the checkpoint was) up to `end` (where the run was), `end` excluded."""
+
+    start: tuple[int, int]
+    end: tuple[int, int]
+
+    def record(self) -> dict[str, dict[str, int]]:
+        return {name: {"epoch": e, "batch": b} for name, (e, b) in (("from", self.start), ("to", self.end))}
 
 
 class Run(Protocol):
@@ -40,13 +55,29 @@ class Run(Protocol):
     def stop(self, reason: str) -> None:
         """End the run after this step, as if it were the last (`reason` is logged)."""
 
+    def roll_back(self, checkpoint: Path) -> None:
+        """After this optimizer step (asked in `on_optimizer_step`, alike on every rank): return the model,
+        the optimizer, the schedule, the RNGs and the callbacks to `checkpoint`, the data going on where it
+        is (the batches since the checkpoint are left out); then `on_rollback`."""
+
+    @property
+    def step_loss(self) -> torch.Tensor | None:
+        """The last optimizer step's mean loss on this process (on the device), where the run keeps it
+        (`trainer.spike`), else None."""
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The last optimizer step's total gradient norm before clipping, where the run measures it
+        (`trainer.max_grad_norm`, `trainer.spike` of grad_norm), else None."""
+
 
 class Callback:
     """Code the loop runs at its named points; each method does nothing unless overridden. A `monitor`
     argument names an eval metric, checked before launch against those the task reports."""
 
     def train_batches(self, run: Run, batches: Iterable[Any]) -> Iterable[Any]:
-        """At each epoch's start: the batches the loop takes, as given or wrapped (to time each fetch, say)."""
+        """At each epoch's start (and where a rollback starts its pass again): the batches the loop takes, as
+        given or wrapped (to time each fetch, say)."""
         return batches
 
     def on_fit_start(self, run: Run) -> None:
@@ -57,6 +88,10 @@ class Callback:
 
     def on_step_end(self, run: Run) -> None:
         """After each optimizer step (its logging, evaluation and checkpoint done)."""
+
+    def on_rollback(self, run: Run, from_step: int, left_out: LeftOut) -> None:
+        """After the run returned from step `from_step` to an earlier checkpoint's state (`run.step`), the
+        batches `left_out` skipped (`Run.roll_back`)."""
 
     def on_log(self, run: Run, values: dict[str, float]) -> None:
         """After `values` were logged at this step: a logging step's train window and an evaluation's
@@ -102,6 +137,7 @@ POINTS = (
     "train_batches",
     "on_fit_start",
     "on_optimizer_step",
+    "on_rollback",
     "on_log",
     "on_eval_batch_end",
     "on_eval_end",
@@ -156,6 +192,9 @@ class Callbacks(Callback):
     def on_step_end(self, run: Run) -> None:
         for method in self.methods["on_step_end"]:
             method(run)
+
+    def on_rollback(self, run: Run, from_step: int, left_out: LeftOut) -> None:
+        self._call("on_rollback", run, from_step, left_out)
 
     def on_log(self, run: Run, values: dict[str, float]) -> None:
         self._call("on_log", run, values)

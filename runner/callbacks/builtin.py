@@ -13,6 +13,7 @@ from runner.callbacks.plots import PlotCurves
 from runner.callbacks.profiler import ProfileSteps
 from runner.callbacks.progress import ProgressBar
 from runner.callbacks.skipped_steps import SkippedSteps
+from runner.callbacks.spikes import Spikes
 from runner.callbacks.watchdog import HangWatchdog
 from runner.config import NonFinite, TrainerConfig
 from runner.telemetry.goodput import Ledger
@@ -25,31 +26,40 @@ def built_callbacks(
     ledger: Ledger | None = None,
 ) -> dict[str, Any]:
     """The run's callbacks by name, in the order the loop calls them: `goodput` (the main process's
-    `ledger`, where the run records one), `watchdog` (`trainer.hang_timeout_s` not 0), `skipped_steps`
-    (`trainer.on_nonfinite=skip`), `history`, `progress` (`trainer.progress_bar`), `profile`
-    (`trainer.profile.active` > 0),
-    `plots` (`trainer.plots`), then those of `callbacks:`, where one named like a built-in replaces it and
-    a name set to null switches it off. `evaluating` (`mode=evaluate`, which trains nothing): the
-    watchdog and the history only."""
+    `ledger`, where the run records one), `watchdog` (`trainer.hang_timeout_s` not 0), those of training
+    (`training_callbacks`), then those of `callbacks:`, where one named like a built-in replaces it and a
+    name set to null switches it off. `evaluating` (`mode=evaluate`, which trains nothing): the watchdog
+    and the history only."""
     named: dict[str, Any] = {}
     if ledger is not None and ledger.recording:
         named["goodput"] = GoodputLedger(ledger)
     if trainer.hang_timeout_s != 0:
         named["watchdog"] = HangWatchdog(trainer.hang_timeout_s)
-    if trainer.on_nonfinite == NonFinite.skip and not evaluating:
-        named["skipped_steps"] = SkippedSteps(trainer.max_skipped_steps)
-    named["history"] = RecordHistory()
     if evaluating:
-        return named
+        return named | {"history": RecordHistory()}
+    named |= training_callbacks(trainer)
+    for name, node in (callbacks or {}).items():
+        if node is None:
+            named.pop(name, None)
+        else:
+            named[name] = instantiate(node)
+    return named
+
+
+def training_callbacks(trainer: TrainerConfig) -> dict[str, Any]:
+    """The built-ins of a training loop, in their order: `skipped_steps` (`trainer.on_nonfinite=skip`),
+    `spikes` (`trainer.spike.window` > 0), `history`, `progress` (`trainer.progress_bar`), `profile`
+    (`trainer.profile.active` > 0), `plots` (`trainer.plots`)."""
+    named: dict[str, Any] = {}
+    if trainer.on_nonfinite == NonFinite.skip:
+        named["skipped_steps"] = SkippedSteps(trainer.max_skipped_steps)
+    if trainer.spike.window:
+        named["spikes"] = Spikes(trainer.spike)
+    named["history"] = RecordHistory()
     if trainer.progress_bar:
         named["progress"] = ProgressBar()
     if trainer.profile.active:
         named["profile"] = ProfileSteps(trainer.profile)
     if trainer.plots:
         named["plots"] = PlotCurves()
-    for name, node in (callbacks or {}).items():
-        if node is None:
-            named.pop(name, None)
-        else:
-            named[name] = instantiate(node)
     return named

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from runner.callbacks.base import Callback, Run
+from runner.callbacks.base import Callback, LeftOut, Run
 from runner.telemetry.goodput import Ledger, tracked, write_summary
 
 
@@ -30,6 +30,10 @@ class GoodputLedger(Callback):
     def on_optimizer_step(self, run: Run) -> None:
         self.ledger.step_done(run.step, first=not self.stepped)
         self.stepped = True
+
+    def on_rollback(self, run: Run, from_step: int, left_out: LeftOut) -> None:
+        """The steps past the checkpoint rolled back to are lost, as after a restart's resume."""
+        self.ledger.lap("restore", resumed_at=run.step, rolled_back_from=from_step)
 
     def on_eval_end(self, run: Run, metrics: dict[str, float]) -> None:
         self.ledger.lap("eval", step=run.step)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from runner.callbacks.base import Callback, Run
+from runner.callbacks.base import Callback, LeftOut, Run
 from runner.telemetry.history import History
 
 
 class RecordHistory(Callback):
     """Appends every set of metrics the run logs, with its step, to `<run dir>/history.jsonl` (the main
-    process's; `runner.telemetry.history`), whatever the tracker; a run resumed from a checkpoint first drops the
-    lines past its step, which it logs again. What `runner.telemetry.plots` draws."""
+    process's; `runner.telemetry.history`), whatever the tracker; a run resumed from a checkpoint (or rolled
+    back to one) first drops the lines past its step, which it logs again. What `runner.telemetry.plots` draws."""
 
     def __init__(self) -> None:
         self.history: History | None = None
@@ -21,6 +21,10 @@ class RecordHistory(Callback):
     def on_log(self, run: Run, values: dict[str, float]) -> None:
         if self.history is not None:
             self.history.add(run.step, values)
+
+    def on_rollback(self, run: Run, from_step: int, left_out: LeftOut) -> None:
+        if self.history is not None:
+            self.history.resume_at(run.step)  # as a resume: the steps rolled back are logged again
 
     def on_fit_end(self, run: Run, metrics: dict[str, float]) -> None:
         self._close()

@@ -536,6 +536,38 @@ class Checkpointer:
         meta = read_meta(latest)
         return latest if "micro_step" in meta and meta["step"] == step else None
 
+    def newest_at_or_before(self, step: int) -> Path | None:
+        """The project's newest whole numbered checkpoint written at optimizer step `step` or before, else
+        None (one numbered past `latest` was never completed)."""
+        checkpoints = self.project.checkpoints_dir
+        latest = latest_checkpoint(checkpoints)
+        whole = checkpoint_number(latest) if latest is not None else None
+        if whole is None:
+            return None
+        for path in reversed(numbered_checkpoints(checkpoints)):
+            meta = read_meta(path)
+            if (checkpoint_number(path) or 0) <= whole and "micro_step" in meta and meta["step"] <= step:
+                return path
+        return None
+
+    def roll_back_to(self, checkpoint: Path) -> Steps:
+        """`resume` from `checkpoint` in a run that goes on, its data where it is (the dataloaders'
+        positions put back after the load: the batches since are left out); `checkpoint` made the latest
+        again and the numbered ones written after it deleted (the states they hold were left behind:
+        `trainer.resume=auto` must not pick one). The steps it was written at."""
+        self.wait()  # one being written in the background is whole
+        loaders = self.of_kind("dataloader")
+        positions = [loader.state_dict() for loader in loaders]
+        steps = self.resume(checkpoint)
+        for loader, position in zip(loaders, positions, strict=True):
+            loader.load_state_dict(position)
+        if self.state.is_main_process:
+            for path in numbered_checkpoints(self.project.checkpoints_dir):
+                if path != checkpoint and read_meta(path).get("step", -1) > steps.optimizer:
+                    shutil.rmtree(path, ignore_errors=True)
+            mark_latest(checkpoint)
+        return steps
+
     def _latest(self) -> Path:
         latest = latest_checkpoint(self.project.checkpoints_dir) if self.project.project_dir else None
         if latest is None:

@@ -37,6 +37,7 @@ FINISHED_RECORD = "finished.json"  # a training run ran to its end: its step, se
 HISTORY = "history.jsonl"  # each logged set of metrics with its step (runner.telemetry.history)
 LEDGER = "goodput.jsonl"  # the goodput ledger's intervals, appended (runner.telemetry.goodput)
 GOODPUT = "goodput.json"  # their sum (runner.telemetry.goodput.summarize)
+SPIKES = "spikes.jsonl"  # each loss or gradient-norm spike and what was done (the `spikes` callback)
 HANG_DIR = "hang"  # one report per rank that hung (runner.callbacks.watchdog)
 PLOTS = "plots"  # the curves drawn from the history (runner.telemetry.plots, the `plots` callback)
 PROFILE = "profile"  # each rank's trace and table (the `profile` callback)

@@ -37,7 +37,7 @@ PHASES = {
     "data_wait": "steps waiting for their batches",
     "checkpoint": "checkpoint saves (the blocking part)",
     "eval": "evaluation",
-    "lost": "steps trained after the last checkpoint, discarded by a failure",
+    "lost": "steps trained after the last checkpoint, discarded by a failure or a spike's rollback",
     "finish": "saving the model, closing trackers, exit",
     "other": "time no record accounts for",
 }
@@ -182,7 +182,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "goodput": phases["train"] / wall if wall > 0 else 0.0,
         "wall_s": wall,
         "phases_s": {name: value for name, value in phases.items() if value > 0},
-        "attempts": sum(1 for r in records if "resumed_at" in r),
+        "attempts": sum(1 for r in records if "resumed_at" in r and "rolled_back_from" not in r),
+        "rollbacks": sum(1 for r in records if "rolled_back_from" in r),
         "restarts": sum(1 for r in records if r.get("before") == "restart"),
         "lost_steps": lost_steps,
     }
@@ -194,7 +195,9 @@ def table(summary: dict[str, Any]) -> str:
     counts = [f"{summary['attempts']} attempt(s)"] if summary["attempts"] > 1 else []
     if summary["restarts"]:
         counts.append(f"{summary['restarts']} restart(s)")
-    if summary["attempts"] > 1 or summary["lost_steps"]:
+    if summary["rollbacks"]:
+        counts.append(f"{summary['rollbacks']} rollback(s)")
+    if summary["attempts"] > 1 or summary["lost_steps"] or summary["rollbacks"]:
         counts.append(f"{summary['lost_steps']} step(s) lost")
     lines = [f"goodput {summary['goodput']:.1%} of {wall:.1f} s{''.join(', ' + c for c in counts)}"]
     for name, value in summary["phases_s"].items():
@@ -208,6 +211,7 @@ def tracked(summary: dict[str, Any]) -> dict[str, float]:
         "goodput/goodput": summary["goodput"],
         "goodput/wall_s": summary["wall_s"],
         "goodput/restarts": float(summary["restarts"]),
+        "goodput/rollbacks": float(summary["rollbacks"]),
         "goodput/lost_steps": float(summary["lost_steps"]),
         **{f"goodput/{name}_s": value for name, value in summary["phases_s"].items()},
     }
