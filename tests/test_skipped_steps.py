@@ -57,6 +57,9 @@ def test_a_step_with_nonfinite_gradients_on_one_rank_is_left_out_on_both_and_cou
     losses = [row["train/loss"] for row in history if "train/loss" in row]
     assert len(losses) == 4 and all(isinstance(v, float) for v in losses)  # step 5's NaN left out of its window
     assert [row["step"] for row in history if "train/skipped_steps" in row] == [5]
+    ledger = [json.loads(line) for line in (proc.run_dir / "goodput.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in ledger if r["phase"] == "skipped"] == [5]  # not productive time
+    assert json.loads((proc.run_dir / "goodput.json").read_text())["phases_s"]["skipped"] > 0
 
 
 def test_skipped_steps_in_a_row_stop_the_run_and_stop_is_the_default(run_cli, tmp_path):

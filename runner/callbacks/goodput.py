@@ -12,7 +12,8 @@ from runner.telemetry.goodput import Ledger, tracked, write_summary
 
 class GoodputLedger(Callback):
     """Records into the main process's `ledger` (whose construction phases the Trainer lapped) the loop's:
-    each attempt's first step (`warmup`), the training steps and the time they waited for batches, the
+    each attempt's first step (`warmup`), the training steps and the time they waited for batches (a step
+    left out for gradients that were not finite: `skipped`), the
     blocking part of each checkpoint, each evaluation, and at the run's end `finish`, with the ledger's
     summary logged as `goodput/*` metrics. A failure writes the steps not yet written (they are `lost`
     once a later attempt resumes from an earlier checkpoint)."""
@@ -28,7 +29,7 @@ class GoodputLedger(Callback):
         self.stepped = False
 
     def on_optimizer_step(self, run: Run) -> None:
-        self.ledger.step_done(run.step, first=not self.stepped)
+        self.ledger.step_done(run.step, first=not self.stepped, skipped=run.engine.optimizer_step_was_skipped)
         self.stepped = True
 
     def on_rollback(self, run: Run, from_step: int, left_out: LeftOut) -> None:

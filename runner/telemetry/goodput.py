@@ -35,6 +35,7 @@ PHASES = {
     "restore": "loading the checkpoint the run continues from",
     "warmup": "each attempt's first step (compilation, allocator, autotuning)",
     "data_wait": "steps waiting for their batches",
+    "skipped": "optimizer steps left out, their gradients not finite (on_nonfinite=skip, fp16's scaler)",
     "checkpoint": "checkpoint saves (the blocking part)",
     "eval": "evaluation",
     "lost": "steps trained after the last checkpoint, discarded by a failure or a spike's rollback",
@@ -42,7 +43,7 @@ PHASES = {
     "other": "time no record accounts for",
 }
 # The phases that belong to optimizer steps: those past the checkpoint a later attempt resumed from are lost.
-STEP_WORK = ("warmup", "train", "checkpoint", "eval")
+STEP_WORK = ("warmup", "train", "skipped", "checkpoint", "eval")
 
 T = TypeVar("T")
 
@@ -76,12 +77,13 @@ class Ledger:
         self._write({"phase": phase, "t0": self.mark, "t1": now, **facts})
         self.mark = now
 
-    def step_done(self, step: int, first: bool = False) -> None:
-        """Optimizer step `step` ended; `first`: the attempt's first (its warm-up)."""
+    def step_done(self, step: int, first: bool = False, skipped: bool = False) -> None:
+        """Optimizer step `step` ended; `first`: the attempt's first (its warm-up); `skipped`: it was left
+        out (its time is not productive)."""
         if self.path is None:
             return
-        if first:
-            self.lap("warmup", step=step, waited=self._take_waited())
+        if first or skipped:
+            self.lap("warmup" if first else "skipped", step=step, waited=self._take_waited())
             return
         now = time.time()
         steps = self._steps
@@ -169,7 +171,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         step = record.get("step")
         if record["phase"] in STEP_WORK and step is not None and step > resumed_later:
             phases["lost"] += seconds[i]
-            if record["phase"] in ("warmup", "train"):
+            if record["phase"] in ("warmup", "train", "skipped"):
                 lost_steps += step - max(record.get("first", step), int(resumed_later) + 1) + 1
         else:
             waited = min(record.get("waited", 0.0), seconds[i])
