@@ -17,15 +17,15 @@ if TYPE_CHECKING:  # torch.distributed.tensor takes ~0.5 s to import: tp_plan im
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+    def __init__(self, d_model: int, n_heads: int, dropout: float, bias: bool = True) -> None:
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"model.d_model={d_model} must be divisible by model.n_heads={n_heads}.")
         self.head_dim = d_model // n_heads
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.k_proj = nn.Linear(d_model, d_model)
-        self.v_proj = nn.Linear(d_model, d_model)
-        self.o_proj = nn.Linear(d_model, d_model)
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.o_proj = nn.Linear(d_model, d_model, bias=bias)
         self.dropout = dropout
         self.sequence_share: SequenceShare | None = None  # context parallel (GPT.context_parallel)
 
@@ -48,10 +48,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, d_model: int, hidden: int, dropout: float) -> None:
+    def __init__(self, d_model: int, hidden: int, dropout: float, bias: bool = True) -> None:
         super().__init__()
-        self.fc_in = nn.Linear(d_model, hidden)
-        self.fc_out = nn.Linear(hidden, d_model)
+        self.fc_in = nn.Linear(d_model, hidden, bias=bias)
+        self.fc_out = nn.Linear(hidden, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,12 +61,12 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """One transformer layer: the sharding unit for FSDP and activation checkpointing."""
 
-    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int, dropout: float) -> None:
+    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int, dropout: float, bias: bool = True) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads, dropout)
-        self.ln_2 = nn.LayerNorm(d_model)
-        self.mlp = FeedForward(d_model, mlp_ratio * d_model, dropout)
+        self.ln_1 = nn.LayerNorm(d_model, bias=bias)
+        self.attn = CausalSelfAttention(d_model, n_heads, dropout, bias)
+        self.ln_2 = nn.LayerNorm(d_model, bias=bias)
+        self.mlp = FeedForward(d_model, mlp_ratio * d_model, dropout, bias)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), mask=mask)  # by name: a tensor-parallel plan prepares the inputs
@@ -74,7 +74,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token ids (batch, seq) to next-token logits (batch, seq, vocab_size)."""
+    """Token ids (batch, seq) to next-token logits (batch, seq, vocab_size). `bias=False`: no biases in
+    the linear layers and the LayerNorms (nanoGPT's, Llama's); `scaled_init`: GPT-2's init of the
+    projections that write into the residual stream (attention's output, the MLP's second layer), std
+    0.02 / sqrt(2 n_layers) instead of 0.02, so that the stream's variance does not grow with depth."""
 
     _no_split_modules = ["Block"]  # kept whole on one device by a device map (the residual stream)
 
@@ -88,6 +91,8 @@ class GPT(nn.Module):
         mlp_ratio: PositiveInt = 4,
         dropout: Probability = 0.0,
         tie_embeddings: bool = True,
+        bias: bool = True,
+        scaled_init: bool = False,
     ) -> None:
         super().__init__()
         check_sizes(
@@ -103,12 +108,16 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(max_seq_len, d_model)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads, mlp_ratio, dropout) for _ in range(n_layers))
-        self.ln_f = nn.LayerNorm(d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, mlp_ratio, dropout, bias) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model, bias=bias)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         if tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.apply(_init_weights)
+        if scaled_init:
+            for block in self.blocks:
+                for residual in (block.attn.o_proj, block.mlp.fc_out):
+                    nn.init.normal_(residual.weight, mean=0.0, std=0.02 / (2 * n_layers) ** 0.5)
         self.sequence_share: SequenceShare | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
