@@ -5,6 +5,7 @@ task runs."""
 from __future__ import annotations
 
 import copy
+import fnmatch
 import importlib
 import inspect
 import logging
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import IterableDataset
 
 from runner.checkpoint.weights import load_weights
@@ -68,11 +69,38 @@ def records_goodput(cfg: DictConfig) -> bool:
     return not (is_inference(cfg.task._target_) or cfg.get("mode") == "evaluate" or cfg.trainer.fast_dev_run)
 
 
-def build_optimizer(cfg: DictConfig, parameters: Any) -> torch.optim.Optimizer:
-    """The configured optimizer over `parameters`, its settings as plain Python: a YAML list is a list, not
-    omegaconf's ListConfig, which some optimizers keep in their param groups (RAdam's `betas`), where
-    the weights-only load of a resume refuses it."""
-    return instantiate(cfg.optimizer, _convert_="all")(parameters)
+# Settings of the `optimizer` node that runner reads itself (the rest are its `_target_`'s arguments).
+OPTIMIZER_SETTINGS = ("no_decay",)
+
+
+def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The configured optimizer over `model`'s parameters, its settings as plain Python: a YAML list is a
+    list, not omegaconf's ListConfig, which some optimizers keep in their param groups (RAdam's `betas`),
+    where the weights-only load of a resume refuses it. `optimizer.no_decay` (glob patterns of parameter
+    names, `*.bias`): those parameters in a second group with weight_decay 0, as GPT recipes keep biases,
+    norms and embeddings; a pattern that matches no parameter is a ConfigError naming them."""
+    settings = OmegaConf.to_container(cfg.optimizer, resolve=True)
+    patterns = settings.pop("no_decay", None) or []
+    patterns = [patterns] if isinstance(patterns, str) else patterns
+    optimizer = instantiate(settings, _convert_="all")
+    if not patterns:
+        return optimizer(model.parameters())
+    named = dict(model.named_parameters())
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(name, p) for name in named)]
+    if unmatched:
+        shown = ", ".join(list(named)[:24]) + (f", ... ({len(named)} in all)" if len(named) > 24 else "")
+        raise ConfigError(
+            f"optimizer.no_decay: {', '.join(map(repr, unmatched))} match(es) no parameter of "
+            f"{type(model).__name__}, whose parameters are: {shown}. Give glob patterns of these names "
+            "(`*.bias`, `*ln_*`), or optimizer.no_decay=[]."
+        )
+    kept = {name for name in named if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
+    return optimizer(
+        [
+            {"params": [p for name, p in named.items() if name not in kept]},
+            {"params": [p for name, p in named.items() if name in kept], "weight_decay": 0.0},
+        ]
+    )
 
 
 def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer, num_training_steps: int) -> Any:

@@ -205,7 +205,7 @@ class Trainer:
         if cfg.checkpoint is not None:  # fine-tune from these weights
             load_start_weights(model, cfg.checkpoint)
         self.task: Task = instantiate(cfg.task)
-        optimizer = build_optimizer(cfg, model.parameters())
+        optimizer = build_optimizer(cfg, model)
         self.total_steps = num_training_steps(trainer, self.train_loader)
         # A prepared scheduler advances once per data-parallel process on each optimizer step (Accelerate's
         # convention; tensor-parallel ranks share their data), once only with split batches.

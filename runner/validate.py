@@ -21,6 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch.utils.data import IterableDataset
 
 from runner.build import (
+    OPTIMIZER_SETTINGS,
     Blueprint,
     build_data,
     build_on_meta,
@@ -200,7 +201,7 @@ def _target_problems(cfg: DictConfig) -> list[str]:
                 f"`runner --help` lists the {node} options that ship with runner."
             )
             continue
-        problems += _argument_problems(node, obj, node_cfg)
+        problems += _argument_problems(node, obj, node_cfg, OPTIMIZER_SETTINGS if node == "optimizer" else ())
         if node.startswith("callbacks.") and (check := getattr(obj, "check_settings", None)) is not None:
             problems += check(
                 node, node_cfg, cfg.trainer
@@ -208,12 +209,13 @@ def _target_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
-def _argument_problems(node: str, obj: Any, node_cfg: DictConfig) -> list[str]:
+def _argument_problems(node: str, obj: Any, node_cfg: DictConfig, own: tuple[str, ...] = ()) -> list[str]:
+    """The settings of `node` that its `_target_` does not take (those in `own` runner reads itself)."""
     try:
         signature = inspect.signature(obj)
     except (TypeError, ValueError):  # builtins without a signature: nothing to check
         return []
-    arguments = {k: v for k, v in node_cfg.items() if k not in _HYDRA_KEYS}
+    arguments = {k: v for k, v in node_cfg.items() if k not in _HYDRA_KEYS and k not in own}
     try:
         signature.bind_partial(**arguments)
     except TypeError as err:
@@ -686,7 +688,7 @@ def _optimizer_problems(blueprint: Blueprint, hardware: Strategy | None, world_s
     cfg, model = blueprint.cfg, blueprint.model
     built = {}
     for node, build in (
-        ("optimizer", lambda: build_optimizer(cfg, model.parameters())),
+        ("optimizer", lambda: build_optimizer(cfg, model)),
         ("scheduler", lambda: build_scheduler(cfg, built["optimizer"], 100)),
     ):
         try:

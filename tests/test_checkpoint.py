@@ -181,7 +181,7 @@ def test_an_optimizer_from_yaml_saves_a_state_that_loads(tmp_path, target):
         }
     )
     model = torch.nn.Linear(2, 2)
-    optimizer = build_optimizer(cfg, model.parameters())
+    optimizer = build_optimizer(cfg, model)
     accelerator = Accelerator()
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, build_scheduler(cfg, optimizer, 10))
     model(torch.ones(1, 2)).sum().backward()
