@@ -432,3 +432,18 @@ def test_plots_of_a_sweep_dir_draw_the_sweeps_pictures_and_each_jobs_and_a_dir_o
     )
     assert refused.returncode == 2 and f"{neither} is neither a run's dir (no history.jsonl) nor a sweep's" in refused.stderr
     assert list(neither.iterdir()) == []  # no empty plots/ left
+
+
+def test_eval_at_start_evaluates_the_untrained_model_at_step_0_and_trains_the_same(run_cli, tmp_path):
+    short = ("trainer.max_steps=10", "trainer.eval_every=0", "tracker=none", "trainer.plots=false")
+    first = run_cli(*short, "trainer.eval_at_start=true")
+    assert first.returncode == 0, first.stderr
+    assert re.search(r"^step 0/10: eval/loss=", first.stderr, re.MULTILINE)
+    rows = [json.loads(line) for line in (first.run_dir / "history.jsonl").read_text().splitlines()]
+    evals = [(row["step"], row["eval/loss"]) for row in rows if "eval/loss" in row]
+    assert [step for step, _ in evals] == [0, 10] and evals[0][1] > evals[1][1]  # before any training
+
+    plain = run_cli(*short, f"hydra.run.dir={tmp_path / 'plain'}")
+    assert plain.returncode == 0 and "step 0/10" not in plain.stderr, plain.stderr
+    last = [json.loads(line) for line in (tmp_path / "plain" / "history.jsonl").read_text().splitlines()]
+    assert [r for r in rows if "train/loss" in r][-1]["train/loss"] == [r for r in last if "train/loss" in r][-1]["train/loss"]

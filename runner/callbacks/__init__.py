@@ -1,18 +1,20 @@
 """Callbacks: code a run's training loop calls at its named points.
 
 `base` is the contract. The built-ins are the loop's own periodic concerns, made from the trainer's
-settings and named: `goodput` (the goodput ledger's phases of the loop), `watchdog` (`trainer.hang_timeout_s`),
-`skipped_steps` (`trainer.on_nonfinite=skip`), `history` (`history.jsonl`), `progress` (the progress bar,
-`trainer.progress_bar`), `profile` (`trainer.profile`)
-and `plots` (`trainer.plots`). The shipped ones a config adds (`callbacks=[...]`, each a `_target_`):
-early stopping, the best checkpoints, a learning-rate monitor. A callback in `callbacks:` named like a
-built-in replaces it; `callbacks.<name>=null` switches one off.
+settings and named: `goodput` (the goodput ledger's phases of the loop), `watchdog`
+(`trainer.hang_timeout_s`), `skipped_steps` (`trainer.on_nonfinite=skip`), `spikes` (`trainer.spike`),
+`history` (`history.jsonl`), `progress` (the progress bar, `trainer.progress_bar`), `profile`
+(`trainer.profile`), `plots` (`trainer.plots`) and `eval_at_start` (`trainer.eval_at_start`). The shipped
+ones a config adds (`callbacks=[...]`, each a `_target_`): early stopping, the best checkpoints, a
+learning-rate monitor. A callback in `callbacks:` named like a built-in replaces it;
+`callbacks.<name>=null` switches one off.
 """
 
 from runner.callbacks.base import Callback, Callbacks, Monitor, Run
 from runner.callbacks.best_checkpoints import BestCheckpoints
 from runner.callbacks.builtin import built_callbacks
 from runner.callbacks.early_stopping import EarlyStopping
+from runner.callbacks.eval_at_start import EvaluateAtStart
 from runner.callbacks.goodput import GoodputLedger
 from runner.callbacks.history import RecordHistory
 from runner.callbacks.lr_monitor import LearningRateMonitor
@@ -20,6 +22,7 @@ from runner.callbacks.plots import PlotCurves
 from runner.callbacks.profiler import ProfileSteps
 from runner.callbacks.progress import ProgressBar
 from runner.callbacks.skipped_steps import SkippedSteps
+from runner.callbacks.spikes import Spikes
 from runner.callbacks.watchdog import HangWatchdog
 
 __all__ = [
@@ -27,6 +30,7 @@ __all__ = [
     "Callback",
     "Callbacks",
     "EarlyStopping",
+    "EvaluateAtStart",
     "GoodputLedger",
     "HangWatchdog",
     "LearningRateMonitor",
@@ -37,5 +41,6 @@ __all__ = [
     "RecordHistory",
     "Run",
     "SkippedSteps",
+    "Spikes",
     "built_callbacks",
 ]

@@ -55,6 +55,9 @@ class Run(Protocol):
     def stop(self, reason: str) -> None:
         """End the run after this step, as if it were the last (`reason` is logged)."""
 
+    def evaluate(self) -> None:
+        """Run the eval loop now, its metrics logged at this step (and `on_eval_end`)."""
+
     def roll_back(self, checkpoint: Path) -> None:
         """After this optimizer step (asked in `on_optimizer_step`, alike on every rank): return the model,
         the optimizer, the schedule, the RNGs and the callbacks to `checkpoint`, the data going on where it

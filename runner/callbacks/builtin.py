@@ -7,6 +7,7 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from runner.callbacks.eval_at_start import EvaluateAtStart
 from runner.callbacks.goodput import GoodputLedger
 from runner.callbacks.history import RecordHistory
 from runner.callbacks.plots import PlotCurves
@@ -49,7 +50,7 @@ def built_callbacks(
 def training_callbacks(trainer: TrainerConfig) -> dict[str, Any]:
     """The built-ins of a training loop, in their order: `skipped_steps` (`trainer.on_nonfinite=skip`),
     `spikes` (`trainer.spike.window` > 0), `history`, `progress` (`trainer.progress_bar`), `profile`
-    (`trainer.profile.active` > 0), `plots` (`trainer.plots`)."""
+    (`trainer.profile.active` > 0), `plots` (`trainer.plots`), `eval_at_start` (`trainer.eval_at_start`)."""
     named: dict[str, Any] = {}
     if trainer.on_nonfinite == NonFinite.skip:
         named["skipped_steps"] = SkippedSteps(trainer.max_skipped_steps)
@@ -62,4 +63,6 @@ def training_callbacks(trainer: TrainerConfig) -> dict[str, Any]:
         named["profile"] = ProfileSteps(trainer.profile)
     if trainer.plots:
         named["plots"] = PlotCurves()
+    if trainer.eval_at_start:  # after the history and the plots, which record its metrics
+        named["eval_at_start"] = EvaluateAtStart()
     return named
