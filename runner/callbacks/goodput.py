@@ -21,15 +21,20 @@ class GoodputLedger(Callback):
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
         self.stepped = False  # this attempt's first optimizer step is its warm-up
+        self.may_skip = False
 
     def train_batches(self, run: Run, batches: Iterable[Any]) -> Iterable[Any]:
         return self.ledger.batches(batches)
 
     def on_fit_start(self, run: Run) -> None:
         self.stepped = False
+        # Whether a step can be left out (asked at every step only then: the question costs calls).
+        engine = run.engine
+        self.may_skip = engine.skip_nonfinite_steps or engine.precision.skips_nonfinite_steps
 
     def on_optimizer_step(self, run: Run) -> None:
-        self.ledger.step_done(run.step, first=not self.stepped, skipped=run.engine.optimizer_step_was_skipped)
+        skipped = self.may_skip and run.engine.optimizer_step_was_skipped
+        self.ledger.step_done(run.step, first=not self.stepped, skipped=skipped)
         self.stepped = True
 
     def on_rollback(self, run: Run, from_step: int, left_out: LeftOut) -> None:
