@@ -25,8 +25,9 @@ import torch
 from safetensors.torch import save_file
 
 from runner.checkpoint.files import load_torch, save_torch
-from runner.checkpoint.weights import checkpoint_tensors, distinct_tensors, load_weights
+from runner.checkpoint.weights import checkpoint_tensors, distinct_tensors, load_weights, read_weights
 from runner.hardware import Strategy
+from runner.hardware.deepspeed import DeepSpeed
 from runner.ops import host_copy, send_to_device
 
 
@@ -248,6 +249,38 @@ def model_shapes(
             if hasattr(entry, "size")  # tensors, not the bytes of other objects
         }
     return None
+
+
+def model_weights(directory: Path, checkpoint_format: str, index: int = 0) -> dict[str, torch.Tensor]:
+    """The whole weights of the `index`-th model of a checkpoint in `checkpoint_format`, read in this
+    process without a process group (to export or inspect it): a "full" checkpoint's file, DCP's shards
+    assembled, DeepSpeed's partitions assembled (its fp32 master weights; its engine holds one model)."""
+    return WEIGHT_READERS[checkpoint_format](directory, index)
+
+
+def _full_weights(directory: Path, index: int) -> dict[str, torch.Tensor]:
+    return read_weights(directory / runner_file("model", index))
+
+
+def _sharded_weights(directory: Path, index: int) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+
+    path = directory / f"model_{index}"
+    written = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {
+        name: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        for name, entry in written.items()
+        if hasattr(entry, "size")  # tensors, not the bytes of other objects
+    }
+    dcp.load(state, checkpoint_id=path)  # no process group: this process reads every shard
+    return {name.removeprefix("model."): tensor for name, tensor in state.items()}
+
+
+WEIGHT_READERS: dict[str, Callable[[Path, int], dict[str, torch.Tensor]]] = {
+    "full": _full_weights,
+    "sharded": _sharded_weights,
+    "deepspeed": lambda directory, index: DeepSpeed.checkpoint_weights(directory),
+}
 
 
 def _by_parameter_name() -> Any:

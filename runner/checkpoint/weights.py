@@ -209,7 +209,17 @@ def load_weights(
     """Load a weights file or directory (see `weight_files`) into `model`, each tensor where the model's is
     (the CPU for meta tensors), in place where device and dtype agree. Every name and shape is checked
     first (`check_against_model`): on a mismatch nothing is loaded."""
-    sources = checkpoint_tensors(checkpoint)
+    place_weights(model, checkpoint_tensors(checkpoint), checkpoint, dtype, strict)
+
+
+def place_weights(
+    model: nn.Module,
+    sources: dict[str, StoredTensor | torch.Tensor],
+    checkpoint: Any,
+    dtype: torch.dtype | None = None,
+    strict: bool = True,
+) -> None:
+    """`load_weights` of tensors at hand (`sources`, by name; `checkpoint`: where they are from)."""
     for name in check_against_model(model, checkpoint, sources, strict):
         del sources[name]
     current, aliases = dict(named_tensors(model, True)), tensor_aliases(model)

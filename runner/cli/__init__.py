@@ -37,6 +37,7 @@ from hydra_plugins.runner_sweeper.resumable_sweeper import ResumableSweeper
 from runner.build import fast_dev_run, is_inference, locate, records_goodput
 from runner.checkpoint.resume import check_finished_run, check_resume, latest_run
 from runner.cli.estimate_memory import main as estimate_memory_command
+from runner.cli.export import main as export_command
 from runner.cli.help import help_text
 from runner.cli.init import main as init_project_command
 from runner.cli.prepare_data import main as prepare_data_command
@@ -404,6 +405,7 @@ SUBCOMMANDS = {
     "prepare-data": prepare_data_command,
     "estimate-memory": estimate_memory_command,
     "runs": runs_command,
+    "export": export_command,
 }
 
 

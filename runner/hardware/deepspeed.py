@@ -330,6 +330,14 @@ class DeepSpeed(ParallelStrategy):
             state[name] = full[id(tensor)]
         return state
 
+    @staticmethod
+    def checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
+        """The fp32 weights of the model in a checkpoint `save_checkpoint` wrote, assembled in this process
+        from every rank's partitions (DeepSpeed's `zero_to_fp32`; no process group, no engine)."""
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(directory / CHECKPOINT_DIR), tag=CHECKPOINT_TAG)
+
     async_checkpoints = False  # DeepSpeed's engine writes its own checkpoints, synchronously
     skips_steps = False  # its engine takes every step itself (fp16: its loss scaler skips overflows)
 
