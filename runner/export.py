@@ -78,18 +78,22 @@ def export_hf(
     settings = _run_settings(run_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"runner export: {out} exists. Give a new directory (nothing is overwritten).")
-    source, checkpoint_format, step = _weights_source(run_dir, checkpoint)
     model_settings = OmegaConf.create(settings["model"])
+    if isinstance(built := get_object(model_settings._target_), type):  # a class: known before building
+        _check_exportable(built, model_settings._target_, PreTrainedModel)
     probed = dict(zip(_data_dims(model_settings), PROBES, strict=False))
     probe = _build(model_settings, probed)
-    _check_exportable(probe, settings["model"]["_target_"], PreTrainedModel)
+    _check_exportable(type(probe), model_settings._target_, PreTrainedModel)
+    source, checkpoint_format, step = _weights_source(run_dir, checkpoint)
     tokenizer_dir, tokenizer_note = _tokenizer_of(settings.get("data") or {}, tokenizer)
     weights = _read(source, checkpoint_format)
     model = _build(model_settings, _dims_in(probe, probed, weights))
     tied = {alias for names in tensor_aliases(model).values() for alias in names[1:]}
     place_weights(model, {name: t for name, t in weights.items() if name not in tied}, source)
     model.eval()
-    exported = model if isinstance(model, PreTrainedModel) else get_method(LAYOUTS[_class_name(model)])(model)
+    exported = (
+        model if isinstance(model, PreTrainedModel) else get_method(LAYOUTS[_class_name(type(model))])(model)
+    )
     transformers.utils.logging.disable_progress_bar()
     with atomic_directory(out) as staging:
         exported.save_pretrained(staging)
@@ -175,18 +179,18 @@ def _build(model_settings: Any, dims: Mapping[str, int]) -> torch.nn.Module:
         return instantiate(model_settings, **dims, **skip)
 
 
-def _check_exportable(model: torch.nn.Module, target: str, transformers_class: type) -> None:
-    if not isinstance(model, transformers_class) and _class_name(model) not in LAYOUTS:
+def _check_exportable(model_class: type, target: str, transformers_class: type) -> None:
+    if not issubclass(model_class, transformers_class) and _class_name(model_class) not in LAYOUTS:
         raise ConfigError(
-            f"runner export --to hf: the run's model ({target}, {type(model).__name__}) has no transformers "
+            f"runner export --to hf: the run's model ({target}, {model_class.__name__}) has no transformers "
             "architecture. runner exports transformers models (model=hf_causal_lm, ...) and its GPT (model=gpt, "
             f"as GPT2LMHeadModel); this run's weights are in its {MODEL}/ and checkpoints, for runner's own "
             "loading (checkpoint=<dir>)."
         )
 
 
-def _class_name(model: torch.nn.Module) -> str:
-    return f"{type(model).__module__}.{type(model).__qualname__}"
+def _class_name(model_class: type) -> str:
+    return f"{model_class.__module__}.{model_class.__qualname__}"
 
 
 def _dims_in(

@@ -21,13 +21,16 @@ from conftest import run_to_end
 from omegaconf import OmegaConf
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from runner.build import model_dims
+from runner.checkpoint.weights import load_weights
 from runner.data.hf import HFDataset
 from runner.data.image_folder import ImageFolder
 from runner.engine.data_loader import DataLoaderShard, StreamReading, shard_dataloader
 from runner.errors import ConfigError
+from runner.export import export_hf
+from runner.models.hf import causal_lm
 from runner.state import GradientState
 
 SONNETS = Path(__file__).resolve().parents[1] / "runner" / "data" / "assets" / "sonnets.txt"
@@ -127,6 +130,39 @@ def test_random_flips_reach_the_training_images(files, tmp_path):
     assert (tmp_path / "flip" / "model" / "model.safetensors").read_bytes() != (
         tmp_path / "plain" / "model" / "model.safetensors"
     ).read_bytes()
+
+
+@pytest.mark.slow
+def test_a_transformers_run_exports_from_its_checkpoint_with_the_datas_tokenizer(files, tmp_path):
+    """`runner export` of a run that saved no model/: its latest checkpoint, the vocabulary the data gave
+    the model, the tokenizer of data.tokenizer beside it; refused once that tokenizer is gone."""
+    overrides = [*_sources(files)["hf_parquet"], "trainer.max_steps=4", "trainer.checkpoint_every=2"]
+    run_dir = tmp_path / "run"
+    _cli(run_dir, *overrides, "trainer.save_model=false")
+    exported = export_hf(run_dir, tmp_path / "hf")
+    assert (exported.architecture, exported.checkpoint_format, exported.step) == (
+        "LlamaForCausalLM",
+        "full",
+        4,
+    )
+    assert exported.tokenizer == str(files / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(files / "tokenizer").get_vocab()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    architecture = OmegaConf.load(run_dir / "resolved_config.yaml").model.config
+    ours = causal_lm(config=architecture, vocab_size=len(tokenizer)).eval()
+    load_weights(ours, run_dir / "checkpoints" / "checkpoint_1" / "model_0.safetensors")
+    ids = tokenizer("Shall I compare thee to a summer's day?", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert (ours(ids).logits - loaded(ids).logits).abs().max() < 1e-5
+    moved = files.parent / "tokenizer-moved"
+    (files / "tokenizer").rename(moved)
+    try:
+        with pytest.raises(ConfigError, match=r"the run's data.tokenizer .* is not a tokenizer dir here"):
+            export_hf(run_dir, tmp_path / "again")
+    finally:
+        moved.rename(files / "tokenizer")
+    assert not (tmp_path / "again").exists()
 
 
 def test_hf_language_modeling_blocks_and_classification_samples(files):

@@ -157,6 +157,17 @@ def test_the_layout_holds_for_every_gpt_setting(tmp_path):
 @pytest.mark.slow
 def test_bad_input_is_refused_before_anything_is_written(runs, tmp_path):
     fsdp = runs["fsdp"]
+    mlp, unsaved = tmp_path / "mlp", tmp_path / "unsaved"
+    run_to_end(mlp, "trainer.max_steps=2", "tracker=none", "trainer.plots=false", "trainer.eval_every=0")
+    run_to_end(
+        unsaved, *GPT_RUN, "trainer.max_steps=1", "trainer.checkpoint_every=0", "trainer.save_model=false"
+    )
+    with pytest.raises(
+        ConfigError, match=r"model \(runner.models.MLP, MLP\) has no transformers architecture"
+    ):
+        export_hf(mlp, tmp_path / "out")
+    with pytest.raises(ConfigError, match="the run has no model/ and no checkpoint yet"):
+        export_hf(unsaved, tmp_path / "out")
     with pytest.raises(ConfigError, match=r"not a run's dir \(no runner.log in it\)"):
         export_hf(tmp_path, tmp_path / "out")
     (tmp_path / "taken").mkdir()
