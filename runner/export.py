@@ -89,7 +89,10 @@ def export_hf(
     weights = _read(source, checkpoint_format)
     model = _build(model_settings, _dims_in(probe, probed, weights))
     tied = {alias for names in tensor_aliases(model).values() for alias in names[1:]}
-    place_weights(model, {name: t for name, t in weights.items() if name not in tied}, source)
+    try:
+        place_weights(model, {name: t for name, t in weights.items() if name not in tied}, source)
+    except ValueError as err:  # names or shapes of another model: a checkpoint of another run
+        raise ConfigError(f"runner export: {err} Export a checkpoint of this run ({run_dir}).") from err
     model.eval()
     exported = (
         model if isinstance(model, PreTrainedModel) else get_method(LAYOUTS[_class_name(type(model))])(model)
@@ -102,8 +105,8 @@ def export_hf(
         difference = _largest_difference(model, type(exported).from_pretrained(staging))
         if difference > TOLERANCE.get(next(exported.parameters()).dtype, 1e-2):
             raise RuntimeError(  # a bug of the layout, not of the input: nothing is written
-                f"runner export: {staging} loaded by transformers computes other logits than runner's model "
-                f"(largest difference {difference:.3g}); nothing was written to {out}."
+                f"runner export: the {type(exported).__name__} written, loaded by transformers, computes other "
+                f"logits than runner's model (largest difference {difference:.3g}); nothing was written to {out}."
             )
     return Exported(
         source=source,

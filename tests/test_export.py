@@ -176,6 +176,11 @@ def test_bad_input_is_refused_before_anything_is_written(runs, tmp_path):
         export_hf(fsdp, tmp_path / "taken")
     with pytest.raises(ConfigError, match=r"is not a tokenizer dir here .* --tokenizer DIR"):
         export_hf(fsdp, tmp_path / "out", tokenizer=tmp_path)
+    other = runs["deepspeed"] / "checkpoints" / "checkpoint_1"  # biases the fsdp run's GPT does not have
+    with pytest.raises(
+        ConfigError, match=r"does not match GPT \(not in the model: .*bias.* a checkpoint of this run"
+    ):
+        export_hf(fsdp, tmp_path / "out", checkpoint=other)
     damaged = tmp_path / "damaged"
     shutil.copytree(runs["deepspeed"] / "checkpoints" / "checkpoint_1", damaged)
     state = next((damaged / "deepspeed" / "state").glob("*model_states.pt"))
