@@ -78,14 +78,15 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Opti
     list, not omegaconf's ListConfig, which some optimizers keep in their param groups (RAdam's `betas`),
     where the weights-only load of a resume refuses it. `optimizer.no_decay` (glob patterns of parameter
     names, `*.bias`): those parameters in a second group with weight_decay 0, as GPT recipes keep biases,
-    norms and embeddings; a pattern that matches no parameter is a ConfigError naming them."""
+    norms and embeddings; a pattern that matches no parameter is a ConfigError naming them. Frozen
+    parameters (a PEFT model's base) are not the optimizer's."""
     settings = OmegaConf.to_container(cfg.optimizer, resolve=True)
     patterns = settings.pop("no_decay", None) or []
     patterns = [patterns] if isinstance(patterns, str) else patterns
     optimizer = instantiate(settings, _convert_="all")
+    named = {name: p for name, p in model.named_parameters() if p.requires_grad}
     if not patterns:
-        return optimizer(model.parameters())
-    named = dict(model.named_parameters())
+        return optimizer(list(named.values()))
     unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(name, p) for name in named)]
     if unmatched:
         shown = ", ".join(list(named)[:24]) + (f", ... ({len(named)} in all)" if len(named) > 24 else "")
@@ -217,7 +218,7 @@ def value_free_attention(model: torch.nn.Module) -> Iterator[None]:
 def load_start_weights(model: torch.nn.Module, checkpoint: str) -> None:
     """`checkpoint=`'s weights into `model`, or a ConfigError naming what does not match."""
     try:
-        load_weights(model, checkpoint)
+        load_weights(model, checkpoint, frozen_optional=True)  # a PEFT run's checkpoint: its adapter
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(f"checkpoint={checkpoint}: {err}") from None
     log.info("weights from %s", checkpoint)

@@ -57,6 +57,14 @@ def count_text(count: int) -> str:
     return str(count)
 
 
+def parameters_text(model: torch.nn.Module) -> str:
+    """"45.7K parameters", with how many train where some are frozen: "45.7K parameters, 8.19K trained"
+    (tied weights once)."""
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"{count_text(total)} parameters" + (f", {count_text(trained)} trained" if trained < total else "")
+
+
 def mfu_unknown(device_name: str) -> str:
     """Why perf/mfu is not reported on `device_name`, and the fix."""
     return f"no peak FLOP/s is known for {device_name}; set hardware.peak_flops"

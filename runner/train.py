@@ -40,11 +40,12 @@ from runner.data.base import DataSource, pins_memory
 from runner.engine import Accumulation, Engine, Loading
 from runner.errors import TrainingDiverged, TrainingInterrupted, signal_name
 from runner.hardware.base import Strategy
+from runner.models.model_dir import write_model_dir
 from runner.perf import (
     Throughput,
-    count_text,
     memory_snapshot_on_oom,
     mfu_unknown,
+    parameters_text,
     peak_flops,
 )
 from runner.rng import rng_kept, set_rng_state, set_seed
@@ -152,6 +153,7 @@ class Trainer:
         self.engine = engine = built_engine(cfg, trainer, strategy, tracker)
         self.checkpointer = engine.checkpointer
         self.checkpointer.schedule = Schedule.of(trainer)
+        self.checkpointer.keep_trained_only()  # frozen weights (a PEFT model's base) come from the config
         # Under torchrun or srun each rank ran Hydra itself: the job's dir is rank 0's.
         self.output_dir = output_dir = Path(engine.broadcast_object_list([str(output_dir)])[0])
         engine.project_configuration.project_dir = str(output_dir)
@@ -211,9 +213,7 @@ class Trainer:
         # convention; tensor-parallel ranks share their data), once only with split batches.
         advances = 1 if trainer.split_batches else engine.state.data_parallel_size
         scheduler = build_scheduler(cfg, optimizer, self.total_steps * advances)
-        described = (
-            f"{type(model).__name__} ({count_text(sum(p.numel() for p in model.parameters()))} parameters)"
-        )
+        described = f"{type(model).__name__} ({parameters_text(model)})"
         self.model, self.optimizer, self.scheduler = engine.prepare(model, optimizer, scheduler)
         # The loss of a batch, for `backward`: by the task's `loss` the strategy computes it (pipeline
         # parallel runs its schedule there), else by the task's own `training_step`.
@@ -537,11 +537,10 @@ class Trainer:
             log.info("the checkpoint was written at the last step (%d): evaluating only", self.done.step)
             self.log_metrics(evaluate(engine, self.model, self.task, self.eval_loader, self.eval_batch_done))
         if self.settings.save_model:
-            engine.save_model(self.model, str(output_dir / MODEL))
-            # A transformers model's config next to its weights: from_pretrained loads the dir.
-            model_config = getattr(engine.unwrap_model(self.model), "config", None)
-            if engine.is_main_process and hasattr(model_config, "save_pretrained"):
-                model_config.save_pretrained(output_dir / MODEL)
+            weights = engine.get_state_dict(self.model)  # a collective
+            if engine.is_main_process:
+                write_model_dir(engine.unwrap_model(self.model), weights, output_dir / MODEL)
+            engine.wait_for_everyone()
         engine.wait_for_checkpoint()  # one of the last step, written in the background, is whole
         if self.settings.fast_dev_run:
             log.info("trainer.fast_dev_run: everything ran; no results recorded")

@@ -201,12 +201,27 @@ def _target_problems(cfg: DictConfig) -> list[str]:
                 f"`runner --help` lists the {node} options that ship with runner."
             )
             continue
+        if node == "model" and "peft" in node_cfg and not _takes(obj, "peft"):
+            problems.append(
+                f"model.peft: {target} trains every weight it has; PEFT adapters (model/peft=lora) are for the "
+                "Hugging Face models: model=hf_causal_lm or model=hf_sequence_classification, with "
+                "model.pretrained=<a local model dir>. Remove model/peft, or choose one of those models."
+            )
+            continue
         problems += _argument_problems(node, obj, node_cfg, OPTIMIZER_SETTINGS if node == "optimizer" else ())
         if node.startswith("callbacks.") and (check := getattr(obj, "check_settings", None)) is not None:
             problems += check(
                 node, node_cfg, cfg.trainer
             )  # the callback's own rule (`Callback.check_settings`)
     return problems
+
+
+def _takes(obj: Any, argument: str) -> bool:
+    """Whether the callable `obj` has a parameter named `argument`."""
+    try:
+        return argument in inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _argument_problems(node: str, obj: Any, node_cfg: DictConfig, own: tuple[str, ...] = ()) -> list[str]:

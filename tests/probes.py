@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from runner.callbacks import Callback
@@ -212,6 +213,19 @@ class RecordingCallback(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.calls = state["calls"]
+
+
+class FinalWeights(Callback):
+    """Writes the whole model's weights (gathered from every rank, frozen ones included) to `path` as
+    safetensors when the fit ends."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_fit_end(self, run: Any, metrics: dict[str, float]) -> None:
+        weights = run.engine.get_state_dict(run.model)
+        if run.engine.is_main_process:
+            save_file({name: t.contiguous() for name, t in weights.items()}, self.path)
 
 
 class OnlyStepEnd:

@@ -169,6 +169,12 @@ class Checkpointer:
         self.facts: dict[str, Any] = {}
         self._group: Any = None  # its process group
 
+    def keep_trained_only(self) -> None:
+        """From now on write the models' trained state only, not their frozen parameters (a PEFT model's
+        base, which a run builds again from its config), and load it so: runner's loop. Accelerate's
+        `save_state` writes whole models."""
+        self.format = format_of(self.strategy, trained_only=True)
+
     # ------------------------------------------------------------------------------------- registry
     def add(self, kind: str, obj: Any) -> None:
         """Save and load `obj` as the next object of `kind` (one of `KINDS`)."""

@@ -8,6 +8,10 @@
 
 A "full" checkpoint also has Accelerate's names for its files (`runner.checkpoint.accelerate_layout`).
 
+`trained_only` (runner's loop; Accelerate's `save_state` writes whole models): a checkpoint leaves out
+the frozen parameters (a PEFT model's base), which the run builds again from its config, and a load
+keeps the values they were built with.
+
 A strategy names its format (`Strategy.checkpoint_format`) and hands over what only it knows (the full
 weights of a model, the module inside its wrapper); `format_of` gives the Checkpointer the object that
 writes and reads that format (`CheckpointFormat`): every format's writing is here, DeepSpeed's engine
@@ -25,7 +29,13 @@ import torch
 from safetensors.torch import save_file
 
 from runner.checkpoint.files import load_torch, save_torch
-from runner.checkpoint.weights import checkpoint_tensors, distinct_tensors, load_weights, read_weights
+from runner.checkpoint.weights import (
+    checkpoint_tensors,
+    distinct_tensors,
+    load_weights,
+    read_weights,
+    without_frozen,
+)
 from runner.hardware import Strategy
 from runner.hardware.deepspeed import DeepSpeed
 from runner.ops import host_copy, send_to_device
@@ -58,12 +68,18 @@ class Full:
 
     accelerate_readable = True
 
-    def __init__(self, strategy: Strategy) -> None:
+    def __init__(self, strategy: Strategy, trained_only: bool = False) -> None:
         self.strategy = strategy
+        self.trained_only = trained_only
+
+    def weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of `model`'s weights (on the main process)."""
+        weights = distinct_tensors(self.strategy.full_state_dict(model))
+        return without_frozen(self.strategy.unwrap_module(model), weights) if self.trained_only else weights
 
     def save(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], main: bool) -> None:
         if main:
-            weights = [distinct_tensors(self.strategy.full_state_dict(model)) for model in models]
+            weights = [self.weights(model) for model in models]
             states = [send_to_device(optimizer.state_dict(), torch.device("cpu")) for optimizer in optimizers]
             write_full(directory, weights, states)
 
@@ -72,12 +88,13 @@ class Full:
     ) -> Callable[[], None]:
         if not main:
             return _nothing
-        weights = [host_copy(distinct_tensors(self.strategy.full_state_dict(model))) for model in models]
+        weights = [host_copy(self.weights(model)) for model in models]
         states = [host_copy(optimizer.state_dict()) for optimizer in optimizers]
         return functools.partial(write_full, directory, weights, states)
 
     def load(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
-        load_full(directory, [self.strategy.unwrap_module(model) for model in models], optimizers)
+        modules = [self.strategy.unwrap_module(model) for model in models]
+        load_full(directory, modules, optimizers, frozen_optional=self.trained_only)
 
 
 class Sharded:
@@ -86,11 +103,12 @@ class Sharded:
 
     accelerate_readable = False
 
-    def __init__(self, strategy: Strategy) -> None:
+    def __init__(self, strategy: Strategy, trained_only: bool = False) -> None:
         self.strategy = strategy
+        self.trained_only = trained_only
 
     def save(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], main: bool) -> None:
-        write_sharded(sharded_state_dicts(directory, models, optimizers))
+        write_sharded(sharded_state_dicts(directory, models, optimizers, self.trained_only))
 
     def stage(
         self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], main: bool, group: Any
@@ -98,13 +116,12 @@ class Sharded:
         """Each rank's shards copied to host memory now, written with DCP over `group` later. (Not DCP's
         `async_save`: two of them, model and optimizer, run their collectives at once in two threads, in
         an order that can differ between ranks.)"""
-        states = [
-            (host_copy(state), path) for state, path in sharded_state_dicts(directory, models, optimizers)
-        ]
+        written = sharded_state_dicts(directory, models, optimizers, self.trained_only)
+        states = [(host_copy(state), path) for state, path in written]
         return functools.partial(write_sharded, states, group)
 
     def load(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
-        load_sharded(directory, models, optimizers)
+        load_sharded(directory, models, optimizers, self.trained_only)
 
 
 class EngineOwned:
@@ -113,11 +130,12 @@ class EngineOwned:
 
     accelerate_readable = False
 
-    def __init__(self, strategy: Any) -> None:
+    def __init__(self, strategy: Any, trained_only: bool = False) -> None:
         self.strategy = strategy
+        self.trained_only = trained_only
 
     def save(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], main: bool) -> None:
-        self.strategy.save_checkpoint(directory)
+        self.strategy.save_checkpoint(directory, self.trained_only)
 
     def stage(
         self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any], main: bool, group: Any
@@ -127,7 +145,7 @@ class EngineOwned:
         )
 
     def load(self, directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
-        self.strategy.load_checkpoint(directory)
+        self.strategy.load_checkpoint(directory, self.trained_only)
 
 
 # `Strategy.checkpoint_format` -> what writes and reads it
@@ -138,9 +156,10 @@ FORMATS: dict[str, type[Full] | type[Sharded] | type[EngineOwned]] = {
 }
 
 
-def format_of(strategy: Strategy) -> CheckpointFormat:
-    """The format `strategy`'s checkpoints are written in (`Strategy.checkpoint_format`)."""
-    return FORMATS[strategy.checkpoint_format](strategy)
+def format_of(strategy: Strategy, trained_only: bool = False) -> CheckpointFormat:
+    """The format `strategy`'s checkpoints are written in (`Strategy.checkpoint_format`); `trained_only`:
+    without the models' frozen parameters."""
+    return FORMATS[strategy.checkpoint_format](strategy, trained_only)
 
 
 def _nothing() -> None:
@@ -162,12 +181,14 @@ def load_full(
     modules: list[torch.nn.Module],
     optimizers: list[Any],
     path: Callable[[str, int], Path] | None = None,
+    frozen_optional: bool = False,
 ) -> None:
     """Load what `write_full` wrote into the (unwrapped) models and the optimizers; `path(kind, i)`: the
-    file of the `i`-th "model" or "optimizer" where another layout wrote them (Accelerate's)."""
+    file of the `i`-th "model" or "optimizer" where another layout wrote them (Accelerate's);
+    `frozen_optional`: frozen parameters may be left out (they keep their values)."""
     path = path or (lambda kind, i: directory / runner_file(kind, i))
     for i, module in enumerate(modules):
-        load_weights(module, path("model", i))
+        load_weights(module, path("model", i), frozen_optional=frozen_optional)
     for i, optimizer in enumerate(optimizers):
         optimizer.load_state_dict(load_torch(path("optimizer", i)))
 
@@ -178,14 +199,16 @@ def runner_file(kind: str, i: int) -> str:
 
 
 def sharded_state_dicts(
-    directory: Path, models: list[torch.nn.Module], optimizers: list[Any]
+    directory: Path, models: list[torch.nn.Module], optimizers: list[Any], trained_only: bool = False
 ) -> list[tuple[dict[str, Any], Path]]:
     """What the "sharded" format writes: each model's and optimizer's state dict (this rank's shards) and
     its DCP directory. Each optimizer belongs to the model of its index (the last model for any beyond)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    options = _model_options(trained_only)
     states = [
-        ({"model": get_model_state_dict(model)}, directory / f"model_{i}") for i, model in enumerate(models)
+        ({"model": get_model_state_dict(model, options=options)}, directory / f"model_{i}")
+        for i, model in enumerate(models)
     ]
     for i, optimizer in enumerate(optimizers):
         model = models[min(i, len(models) - 1)]
@@ -203,9 +226,11 @@ def write_sharded(states: list[tuple[dict[str, Any], Path]], group: Any = None) 
         dcp.save(state, checkpoint_id=path, process_group=group)
 
 
-def load_sharded(directory: Path, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
+def load_sharded(
+    directory: Path, models: list[torch.nn.Module], optimizers: list[Any], trained_only: bool = False
+) -> None:
     """Load what `write_sharded` wrote into the (sharded) models and optimizers: DCP reshards it onto
-    this run's layout."""
+    this run's layout; `trained_only`: the models' frozen parameters are not read (they keep their values)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -214,10 +239,11 @@ def load_sharded(directory: Path, models: list[torch.nn.Module], optimizers: lis
         set_optimizer_state_dict,
     )
 
+    options = _model_options(trained_only)
     for i, model in enumerate(models):
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": get_model_state_dict(model, options=options)}
         dcp.load(state, checkpoint_id=directory / f"model_{i}")
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=options)
     for i, optimizer in enumerate(optimizers):
         model = models[min(i, len(models) - 1)]
         path = directory / f"optimizer_{i}"
@@ -281,6 +307,14 @@ WEIGHT_READERS: dict[str, Callable[[Path, int], dict[str, torch.Tensor]]] = {
     "sharded": _sharded_weights,
     "deepspeed": lambda directory, index: DeepSpeed.checkpoint_weights(directory),
 }
+
+
+def _model_options(trained_only: bool) -> Any:
+    """DCP's options for a model's state: without its frozen parameters where `trained_only` (and then
+    loaded without them: `strict` would ask for every key)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=trained_only, strict=not trained_only)
 
 
 def _by_parameter_name() -> Any:

@@ -53,6 +53,13 @@ def distinct_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
+def without_frozen(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` (of `model`, by its names) without the parameters that do not require grad (under
+    any of their names); buffers kept."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {name: tensor for name, tensor in state_dict.items() if name not in frozen}
+
+
 def write_weights(
     state_dict: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str, safe_serialization: bool
 ) -> list[str]:
@@ -204,12 +211,17 @@ def read_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_weights(
-    model: nn.Module, checkpoint: str | os.PathLike, dtype: torch.dtype | None = None, strict: bool = True
+    model: nn.Module,
+    checkpoint: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    strict: bool = True,
+    frozen_optional: bool = False,
 ) -> None:
     """Load a weights file or directory (see `weight_files`) into `model`, each tensor where the model's is
     (the CPU for meta tensors), in place where device and dtype agree. Every name and shape is checked
-    first (`check_against_model`): on a mismatch nothing is loaded."""
-    place_weights(model, checkpoint_tensors(checkpoint), checkpoint, dtype, strict)
+    first (`check_against_model`): on a mismatch nothing is loaded. `frozen_optional`: the checkpoint may
+    leave out frozen parameters (a PEFT model's base), which keep their values."""
+    place_weights(model, checkpoint_tensors(checkpoint), checkpoint, dtype, strict, frozen_optional)
 
 
 def place_weights(
@@ -218,9 +230,10 @@ def place_weights(
     checkpoint: Any,
     dtype: torch.dtype | None = None,
     strict: bool = True,
+    frozen_optional: bool = False,
 ) -> None:
     """`load_weights` of tensors at hand (`sources`, by name; `checkpoint`: where they are from)."""
-    for name in check_against_model(model, checkpoint, sources, strict):
+    for name in check_against_model(model, checkpoint, sources, strict, frozen_optional):
         del sources[name]
     current, aliases = dict(named_tensors(model, True)), tensor_aliases(model)
     for name, source in sources.items():
@@ -285,11 +298,16 @@ def checkpoint_tensors(checkpoint: str | os.PathLike) -> dict[str, StoredTensor 
 
 
 def check_against_model(
-    model: nn.Module, checkpoint: Any, sources: Mapping[str, StoredTensor | torch.Tensor], strict: bool
+    model: nn.Module,
+    checkpoint: Any,
+    sources: Mapping[str, StoredTensor | torch.Tensor],
+    strict: bool,
+    frozen_optional: bool = False,
 ) -> list[str]:
     """ValueError, before anything is loaded, for a checkpoint tensor whose shape differs from the
-    model's, and with `strict` for one the model lacks or one the checkpoint lacks; without `strict` those
-    two are logged as a warning (Accelerate's default). Returns the checkpoint's names the model lacks."""
+    model's, and with `strict` for one the model lacks or one the checkpoint lacks (but a frozen one,
+    with `frozen_optional`); without `strict` those two are logged as a warning (Accelerate's default).
+    Returns the checkpoint's names the model lacks."""
     own = model.state_dict(keep_vars=True)  # persistent tensors, tied ones under each of their names
     aliases = tensor_aliases(model)
     unexpected = [name for name in sources if name not in own]
@@ -299,6 +317,8 @@ def check_against_model(
         if (source := sources.get(name)) is not None and tuple(source.shape) != tuple(own[name].shape)
     ]
     covered = {alias for name in sources if name in aliases for alias in aliases[name]} | set(sources)
+    if frozen_optional:
+        covered |= {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     missing = [name for name in own if name not in covered]
     named = {"not in the model": unexpected, "missing from the checkpoint": missing}
     problems = _listed({"with another shape": wrong_shape, **(named if strict else {})})

@@ -341,16 +341,23 @@ class DeepSpeed(ParallelStrategy):
     async_checkpoints = False  # DeepSpeed's engine writes its own checkpoints, synchronously
     skips_steps = False  # its engine takes every step itself (fp16: its loss scaler skips overflows)
 
-    def save_checkpoint(self, directory: Path) -> None:
+    def save_checkpoint(self, directory: Path, trained_only: bool = False) -> None:
         """Every rank writes its partitions through the engine (`deepspeed/state/`): the "deepspeed" format
-        (`runner.checkpoint.formats.EngineOwned`)."""
-        self.engine.save_checkpoint(str(directory / CHECKPOINT_DIR), tag=CHECKPOINT_TAG, save_latest=False)
+        (`runner.checkpoint.formats.EngineOwned`); `trained_only`: without the frozen parameters."""
+        self.engine.save_checkpoint(
+            str(directory / CHECKPOINT_DIR),
+            tag=CHECKPOINT_TAG,
+            save_latest=False,
+            exclude_frozen_parameters=trained_only,
+        )
 
-    def load_checkpoint(self, directory: Path) -> None:
+    def load_checkpoint(self, directory: Path, trained_only: bool = False) -> None:
+        """Load what `save_checkpoint` wrote (`trained_only`: the frozen parameters keep their values)."""
         try:
             loaded, _ = self.engine.load_checkpoint(
                 str(directory / CHECKPOINT_DIR),
                 tag=CHECKPOINT_TAG,
+                load_module_strict=not trained_only,
                 load_optimizer_states=True,
                 load_lr_scheduler_states=False,
             )

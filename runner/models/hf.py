@@ -13,6 +13,7 @@ import torch
 from runner.checkpoint.weights import DamagedFileError, checkpoint_tensors
 from runner.config import PositiveInt
 from runner.errors import ConfigError, install_command
+from runner.models.adapters import TASK_TYPES, with_adapter
 
 try:
     import transformers
@@ -28,6 +29,7 @@ def causal_lm(
     load_weights: bool = True,
     config: Mapping[str, Any] | None = None,
     vocab_size: PositiveInt | None = None,
+    peft: Mapping[str, Any] | None = None,
     **overrides: Any,
 ) -> transformers.PreTrainedModel:
     """A causal language model (`AutoModelForCausalLM`); its `logits` feed the language-modeling task.
@@ -39,9 +41,13 @@ def causal_lm(
         config: the architecture of a model built from scratch (random init): `model_type` (llama, gpt2,
             qwen2, ...) and the settings of its config class (`hidden_size`, `num_hidden_layers`, ...).
         vocab_size: the vocabulary; None in YAML: the data's.
+        peft: an adapter trained on the model, which is frozen (`model/peft=lora`; the `peft` extra):
+            `method` and the settings of its PEFT config (`runner.models.adapters.adapter_config`), `merge`
+            whether the final dir is the merged model instead of the adapter; None: every weight trains.
         overrides: settings that replace the architecture's either way (`attention_dropout`, ...).
     """
-    return _build(AutoModelForCausalLM, pretrained, load_weights, config, vocab_size=vocab_size, **overrides)
+    model = _build(AutoModelForCausalLM, pretrained, load_weights, config, vocab_size=vocab_size, **overrides)
+    return with_adapter(model, peft, TASK_TYPES["causal_lm"]) if peft else model
 
 
 def sequence_classification(
@@ -50,12 +56,13 @@ def sequence_classification(
     config: Mapping[str, Any] | None = None,
     vocab_size: PositiveInt | None = None,
     num_labels: PositiveInt | None = None,
+    peft: Mapping[str, Any] | None = None,
     **overrides: Any,
 ) -> transformers.PreTrainedModel:
     """A sequence classifier (`AutoModelForSequenceClassification`): a transformer whose `logits` are one
-    score per class. `num_labels`: the classes (None in YAML: the data's). The other arguments are
-    `causal_lm`'s."""
-    return _build(
+    score per class. `num_labels`: the classes (None in YAML: the data's); with `peft` the head trains
+    whole beside the adapter (PEFT's SEQ_CLS task). The other arguments are `causal_lm`'s."""
+    model = _build(
         AutoModelForSequenceClassification,
         pretrained,
         load_weights,
@@ -64,6 +71,7 @@ def sequence_classification(
         num_labels=num_labels,
         **overrides,
     )
+    return with_adapter(model, peft, TASK_TYPES["sequence_classification"]) if peft else model
 
 
 def _build(
