@@ -10,7 +10,7 @@ from runner.cluster import available_cores
 from runner.config import CheckpointingMode, CompileScope
 from runner.hardware.base import Strategy
 from runner.hardware.parallelize import apply_ac, blocks_of
-from runner.perf import count_text, kept_for_backward, mfu_unknown, peak_flops
+from runner.perf import kept_for_backward, mfu_unknown, parameters_text, peak_flops
 
 MB = 1024**2
 
@@ -33,6 +33,7 @@ def describe(
         blueprint = Blueprint(cfg, data, build_on_meta(cfg, data), per_device)
     model = blueprint.model
     parameters = sum(p.numel() for p in model.parameters())  # tied weights once
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     trainer = cfg.trainer
     peak = strategy.peak_flops or peak_flops(strategy.device_name(), precision)
     batch = cfg.data.get("batch_size")
@@ -65,9 +66,10 @@ def describe(
         + f", keep {trainer.keep_checkpoints}; resume from {resume_from or 'nothing (a fresh start)'}",
         "failure": loss_per_failure(trainer),
         "tracker": _tracker(cfg),
-        "model": f"{cfg.model._target_}, {count_text(parameters)} parameters",
+        "model": f"{cfg.model._target_}, {parameters_text(model)}"
+        + (f" ({type(model).__name__}: the others frozen)" if trained < parameters else ""),
         "perf/mfu": None if peak else f"not reported: {mfu_unknown(strategy.device_name())}",
-        "memory/device": _memory(parameters, strategy, world_size, cfg.optimizer),
+        "memory/device": _memory(parameters, trained, strategy, world_size, cfg.optimizer),
         "compute": _compute(strategy),
         "activations": _activations(blueprint, strategy),
     }
@@ -140,14 +142,20 @@ def optimizer_states(optimizer: DictConfig) -> int:
 
 
 def state_memory(
-    parameters: int, bytes_per_value: float, states: int, sharded: frozenset[str], world_size: int
+    parameters: int,
+    bytes_per_value: float,
+    states: int,
+    sharded: frozenset[str],
+    world_size: int,
+    trained: int | None = None,
 ) -> dict[str, float]:
     """Bytes on one device of the weights, gradients and optimizer states, those in `sharded` split over
-    `world_size` devices."""
+    `world_size` devices; gradients and optimizer states for the `trained` parameters only (None: all)."""
+    trained = parameters if trained is None else trained
     sizes = {
         "weights": parameters * bytes_per_value,
-        "gradients": parameters * bytes_per_value,
-        "optimizer": parameters * bytes_per_value * states,
+        "gradients": trained * bytes_per_value,
+        "optimizer": trained * bytes_per_value * states,
     }
     return {k: v / (world_size if k in sharded else 1) for k, v in sizes.items()}
 
@@ -175,11 +183,11 @@ def _activations(blueprint: Blueprint, strategy: Strategy) -> str:
     )
 
 
-def _memory(parameters: int, strategy: Strategy, world_size: int, optimizer: DictConfig) -> str:
-    """Weights, gradients and optimizer states in fp32 on one device, after the backend's sharding;
-    activations depend on the batch and are not estimated."""
+def _memory(parameters: int, trained: int, strategy: Strategy, world_size: int, optimizer: DictConfig) -> str:
+    """Weights, gradients and optimizer states in fp32 on one device (gradients and states of the
+    `trained` parameters), after the backend's sharding; activations are the `activations` line's."""
     sharded = strategy.sharded_states
-    per_device = state_memory(parameters, 4, optimizer_states(optimizer), sharded, world_size)
+    per_device = state_memory(parameters, 4, optimizer_states(optimizer), sharded, world_size, trained)
     parts = ", ".join(
         f"{k} {v / MB:.1f} MB" + (" (sharded)" if k in sharded else "") for k, v in per_device.items()
     )

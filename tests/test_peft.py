@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import peft
@@ -226,6 +228,9 @@ def test_a_sharded_lora_run_on_two_ranks_trains_as_one_process_and_resumes_from_
     assert got.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.allclose(got[name], tensor, atol=1e-5), name
+    adapter = load_file(run_dir / "model" / "adapter_model.safetensors")  # gathered, in PEFT's layout
+    for name, tensor in load_file(one_process / "model" / "adapter_model.safetensors").items():
+        assert torch.allclose(adapter[name], tensor, atol=1e-5), name
     checkpoint = run_dir / "checkpoints" / "checkpoint_0"
     names = checkpoint_names(checkpoint, hardware[0])
     assert names and all("lora_" in name for name in names)  # the frozen base is the build's
@@ -249,3 +254,65 @@ def checkpoint_names(checkpoint: Path, hardware: str) -> list[str]:
         for path in state.rglob("*model_states.pt")
         for name in torch.load(path, weights_only=False)["module"]
     ]
+
+
+def eval_loss(model: torch.nn.Module) -> float:
+    """runner's eval loss of `model` on the sonnets' held-out sequences: each sequence's mean token loss,
+    averaged."""
+    data = runner.data.sonnets(seq_len=32, batch_size=8)
+    data.setup()
+    per_sequence = []
+    with torch.no_grad():
+        for batch in data.eval_dataloader():
+            logits = model(batch["inputs"]).logits
+            per_sequence.append(
+                F.cross_entropy(logits.transpose(1, 2), batch["targets"], reduction="none").mean(-1)
+            )
+    return torch.cat(per_sequence).mean().item()
+
+
+@pytest.mark.slow
+def test_the_final_dir_is_pefts_adapter_or_with_merge_the_merged_model(base, one_process, tmp_path):
+    saved = one_process / "model"
+    assert (saved / "adapter_config.json").is_file() and not (saved / "config.json").exists()
+    adapter = load_file(saved / "adapter_model.safetensors")
+    assert adapter and all("lora_" in name for name in adapter)
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), saved).eval()
+    metrics = json.loads((one_process / "metrics.json").read_text())
+    assert eval_loss(loaded) == pytest.approx(metrics["eval/loss"], abs=1e-5)
+
+    merged_run = tmp_path / "merged"
+    run_to_end(merged_run, *lora_run(base, "model.peft.merge=true"))
+    merged = AutoModelForCausalLM.from_pretrained(merged_run / "model").eval()
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens).logits, loaded(tokens).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_the_plan_shows_what_trains_and_the_memory_of_its_gradients_and_optimizer_state(base, forked_cli):
+    def plan(overrides: list[str]) -> dict[str, str]:
+        proc = forked_cli(*overrides, "plan=true")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return dict(re.findall(r"^  (model|memory/device) +(.*)$", proc.stdout + proc.stderr, re.MULTILINE))
+
+    lora = plan(lora_run(base))
+    full = plan([override for override in lora_run(base) if "peft" not in override])
+    assert full["model"].endswith(" parameters") and "frozen" not in full["model"]
+    assert re.search(r", 1\.02K trained \(PeftModelForCausalLM: the others frozen\)$", lora["model"]), lora[
+        "model"
+    ]
+    gradients = [
+        float(re.search(r"gradients ([\d.]+) MB", p["memory/device"]).group(1)) for p in (full, lora)
+    ]
+    assert gradients[1] < gradients[0] / 10
+
+
+def test_exporting_an_adapter_run_says_how_its_model_dir_loads_and_how_to_merge(one_process, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", "export", str(one_process), "--to", "hf", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "trained a PEFT adapter (model.peft)" in proc.stderr and "model.peft.merge=true" in proc.stderr
+    assert not (tmp_path / "out").exists()

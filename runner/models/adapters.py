@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
+import warnings
 from collections.abc import Mapping
 from copy import deepcopy
 from pathlib import Path
@@ -79,7 +80,9 @@ def with_adapter(model: torch.nn.Module, settings: Mapping[str, Any], task_type:
     peft = _peft()
     config = adapter_config(settings, task_type)
     try:
-        adapted = peft.get_peft_model(model, config)
+        with warnings.catch_warnings():  # PEFT's use of transformers' deprecated names: not the user's
+            warnings.simplefilter("ignore", FutureWarning)
+            adapted = peft.get_peft_model(model, config)
     except ValueError as err:  # PEFT's refusal of its settings on this model
         reason = " ".join(str(err).split())
         if "target" in reason.lower():
@@ -107,10 +110,18 @@ def save_adapted(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], di
     """Write a PEFT model (`model`, its whole weights in `state_dict`: a sharded run's gathered) into
     `directory`: the adapter in PEFT's layout (`adapter_config.json`, `adapter_model.safetensors`), or
     with `merge` the model with the adapter merged into its weights, in transformers' layout."""
-    if not getattr(model, MERGE, False):
-        model.save_pretrained(str(directory), state_dict=state_dict)
-        return
-    merged_model(model, state_dict).save_pretrained(str(directory))
+    from transformers.utils import logging as transformers_logging
+
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()  # its bar of "Writing model shards": the run logs its own lines
+    try:
+        if getattr(model, MERGE, False):
+            merged_model(model, state_dict).save_pretrained(str(directory))
+        else:
+            model.save_pretrained(str(directory), state_dict=state_dict)
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
 
 
 def merged_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
