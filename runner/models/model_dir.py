@@ -14,7 +14,10 @@ from runner.models.adapters import is_adapted, save_adapted
 
 
 def write_model_dir(
-    model: torch.nn.Module, state_dict: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str = "10GB"
+    model: torch.nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    directory: Path,
+    max_shard_size: int | str = "10GB",
 ) -> None:
     """Write the (unwrapped) `model`, whose whole weights are `state_dict`, into `directory`, whole or not
     at all (from one process)."""
