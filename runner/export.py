@@ -79,13 +79,7 @@ def export_hf(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"runner export: {out} exists. Give a new directory (nothing is overwritten).")
     model_settings = OmegaConf.create(settings["model"])
-    if model_settings.get("peft"):
-        raise ConfigError(
-            f"runner export: {run_dir} trained a PEFT adapter (model.peft), and its {MODEL}/ is that adapter in "
-            f"PEFT's layout: PeftModel.from_pretrained(<its base model>, '{run_dir / MODEL}') loads it. For a "
-            "transformers model dir with the adapter merged into the weights, train with model.peft.merge=true "
-            f"(its {MODEL}/ is then one)."
-        )
+    _check_no_adapter(run_dir, model_settings)
     if isinstance(built := get_object(model_settings._target_), type):  # a class: known before building
         _check_exportable(built, model_settings._target_, PreTrainedModel)
     probed = dict(zip(_data_dims(model_settings), PROBES, strict=False))
@@ -187,6 +181,16 @@ def _build(model_settings: Any, dims: Mapping[str, int]) -> torch.nn.Module:
     skip = {"load_weights": False} if "load_weights" in parameters else {}
     with init_empty_weights():
         return instantiate(model_settings, **dims, **skip)
+
+
+def _check_no_adapter(run_dir: Path, model_settings: Any) -> None:
+    if model_settings.get("peft"):
+        raise ConfigError(
+            f"runner export: {run_dir} trained a PEFT adapter (model.peft), and its {MODEL}/ is that adapter in "
+            f"PEFT's layout: PeftModel.from_pretrained(<its base model>, '{run_dir / MODEL}') loads it. For a "
+            "transformers model dir with the adapter merged into the weights, train with model.peft.merge=true "
+            f"(its {MODEL}/ is then one)."
+        )
 
 
 def _check_exportable(model_class: type, target: str, transformers_class: type) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -66,8 +68,7 @@ def describe(
         + f", keep {trainer.keep_checkpoints}; resume from {resume_from or 'nothing (a fresh start)'}",
         "failure": loss_per_failure(trainer),
         "tracker": _tracker(cfg),
-        "model": f"{cfg.model._target_}, {parameters_text(model)}"
-        + (f" ({type(model).__name__}: the others frozen)" if trained < parameters else ""),
+        "model": _model(cfg.model._target_, model),
         "perf/mfu": None if peak else f"not reported: {mfu_unknown(strategy.device_name())}",
         "memory/device": _memory(parameters, trained, strategy, world_size, cfg.optimizer),
         "compute": _compute(strategy),
@@ -76,6 +77,14 @@ def describe(
     lines = {k: v for k, v in lines.items() if v is not None}
     width = max(map(len, lines))
     return "plan (nothing was started):\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in lines.items())
+
+
+def _model(target: str, model: Any) -> str:
+    """The model's line: its target and parameters, how many train where some are frozen (an adapter's)."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return f"{target}, {parameters_text(model)}" + (
+        f" ({type(model).__name__}: the others frozen)" if frozen else ""
+    )
 
 
 def checkpoint_periods(trainer: DictConfig) -> list[str]:

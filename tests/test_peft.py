@@ -24,7 +24,7 @@ import runner.data
 from runner.checkpoint.formats import model_shapes
 from runner.errors import ConfigError
 from runner.models.adapters import adapter_config
-from runner.models.hf import causal_lm
+from runner.models.hf import causal_lm, sequence_classification
 
 TESTS = Path(__file__).parent
 STEPS = 8
@@ -209,10 +209,11 @@ def test_a_checkpoint_holds_the_adapter_and_its_optimizer_state_and_resumes_bitw
 @pytest.mark.parametrize(
     "hardware",
     [
+        ["hardware=ddp", "hardware.num_processes=2"],  # DDP reduces the adapter's gradients only
         ["hardware=fsdp", "hardware.num_processes=2"],  # the frozen base sharded, the adapter trained
         ["hardware=deepspeed", "hardware.num_processes=2", "hardware.zero_stage=3"],
     ],
-    ids=["fsdp", "deepspeed_zero3"],
+    ids=["ddp", "fsdp", "deepspeed_zero3"],
 )
 def test_a_sharded_lora_run_on_two_ranks_trains_as_one_process_and_resumes_from_its_adapter(
     base, one_process, tmp_path, hardware
@@ -242,8 +243,10 @@ def test_a_sharded_lora_run_on_two_ranks_trains_as_one_process_and_resumes_from_
 
 
 def checkpoint_names(checkpoint: Path, hardware: str) -> list[str]:
-    """The tensors a checkpoint holds: DCP's model and optimizer metadata, DeepSpeed's module state and
-    optimizer partitions' names."""
+    """The tensors a checkpoint holds: the "full" format's weights file, DCP's model and optimizer
+    metadata, DeepSpeed's module state."""
+    if hardware == "hardware=ddp":  # the "full" format: the main process's file
+        return list(load_file(checkpoint / "model_0.safetensors"))
     if hardware == "hardware=fsdp":
         names = list(model_shapes(checkpoint, "sharded"))
         optimizer = dcp.FileSystemReader(checkpoint / "optimizer_0").read_metadata().state_dict_metadata
@@ -316,3 +319,14 @@ def test_exporting_an_adapter_run_says_how_its_model_dir_loads_and_how_to_merge(
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "trained a PEFT adapter (model.peft)" in proc.stderr and "model.peft.merge=true" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_sequence_classifier_trains_its_head_whole_beside_the_adapter():
+    model = sequence_classification(
+        config={"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                "num_attention_heads": 4, "num_key_value_heads": 4, "pad_token_id": 0},
+        vocab_size=64, num_labels=3, peft={"method": "lora", "r": 2, "target_modules": ["q_proj"]},
+    )  # fmt: skip
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert any("score" in name for name in trained) and any("lora_A" in name for name in trained)
+    assert not any("embed_tokens" in name or "mlp" in name for name in trained)
