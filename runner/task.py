@@ -12,6 +12,9 @@ from runner.ops import find_batch_size
 
 HF_LABELS = "labels"  # Hugging Face batches: the targets' key; every other key is a model argument
 POSITIONS = "positions"  # in a runner sample: each input's position in its document (`data.document_mask`)
+# What a model whose forward takes `position_ids=` and attends within the documents they restart at has set
+# True (runner's GPT; transformers' causal LMs whose attention masks follow them, `runner.models.hf`).
+ATTENDS_WITHIN_DOCUMENTS = "attends_within_documents"
 
 
 class Task:
@@ -60,14 +63,21 @@ def trains_by_loss(task: Any) -> bool:
 
 def model_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The arguments the model is called with for `batch`: runner's samples (`{"inputs", "targets"}`) and
-    `(inputs, targets)` tuples pass `inputs` (and a sample's `positions` in their documents, by name);
+    `(inputs, targets)` tuples pass `inputs` (and a sample's `positions` in their documents, as
+    `position_ids=`: transformers' name);
     Hugging Face batches (`{"input_ids", "attention_mask", ..., "labels"}`) pass every key but the labels,
     by name. (`(dict, Mapping)`: a dict is answered before the Mapping ABC's check, 0.3 us a micro-batch.)"""
     if not isinstance(batch, (dict, Mapping)):
         return (batch[0],), {}
     if "inputs" not in batch:
         return (), {key: value for key, value in batch.items() if key != HF_LABELS}
-    return (batch["inputs"],), ({POSITIONS: batch[POSITIONS]} if POSITIONS in batch else {})
+    return (batch["inputs"],), ({"position_ids": batch[POSITIONS]} if POSITIONS in batch else {})
+
+
+def attends_within_documents(model: torch.nn.Module) -> bool:
+    """Whether `model` takes each token's position in its document (`position_ids=`) and attends within
+    documents by them (`ATTENDS_WITHIN_DOCUMENTS`; a PEFT model answers for the model it wraps)."""
+    return bool(getattr(model, ATTENDS_WITHIN_DOCUMENTS, False))
 
 
 def model_outputs(model: torch.nn.Module, batch: Any) -> torch.Tensor:

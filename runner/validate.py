@@ -37,7 +37,7 @@ from runner.errors import ConfigError
 from runner.hardware.base import Strategy
 from runner.hardware.big_model import BigModel
 from runner.rng import seeded
-from runner.task import POSITIONS
+from runner.task import POSITIONS, attends_within_documents
 from runner.trackers.base import Tracker
 
 T = TypeVar("T")
@@ -633,19 +633,19 @@ def _step_problems(blueprint: Blueprint, hardware: Strategy | None, world_size: 
 
 
 def _positions_problems(cfg: DictConfig, model: torch.nn.Module, data: DataSource) -> list[str]:
-    """Samples that give each token's position in its document (`data.document_mask`) need a model whose
-    forward takes them (`positions=`)."""
+    """Samples that give each token's position in its document (`data.document_mask`, `data.packing`) need
+    a model that attends within documents by them (`position_ids=`)."""
     sample = (
         None if isinstance(data.train_set, IterableDataset) or not len(data.train_set) else data.train_set[0]
     )
-    if not isinstance(sample, dict) or POSITIONS not in sample:
+    if not isinstance(sample, dict) or POSITIONS not in sample or attends_within_documents(model):
         return []
-    if POSITIONS in inspect.signature(model.forward).parameters:
-        return []
+    setting = "data.document_mask=true" if cfg.data.get("document_mask") else "data.packing=true"
     return [
-        f"data.document_mask=true gives the model each token's position in its document (positions=), and "
-        f"{cfg.model._target_}'s forward does not take it. Use model=gpt, a model whose forward(input_ids, "
-        "positions=None) masks attention by document, or data.document_mask=false."
+        f"{setting} gives the model each token's position in its document (position_ids=), and "
+        f"{cfg.model._target_}'s forward does not take it or does not attend within documents by it. Use model=gpt "
+        "or a transformers causal LM whose attention follows position_ids (llama, qwen2, mistral, gpt2, ...), or "
+        f"{setting.replace('true', 'false')}."
     ]
 
 

@@ -597,6 +597,12 @@ def test_document_mask_with_a_model_or_hardware_that_cannot_is_refused(corpus, t
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         hf = compose("config", overrides=[*data, "model=hf_causal_lm", "tracker=none"])
+        mamba = compose(  # a transformers LM whose attention-free blocks know no documents
+            "config",
+            overrides=[*data, "model=hf_causal_lm", "model.config.model_type=mamba", "tracker=none",
+                       "~model.config.num_attention_heads", "~model.config.num_key_value_heads",
+                       "~model.config.max_position_embeddings"],
+        )  # fmt: skip
         cp = compose(
             "config",
             overrides=[*data, "model=gpt", "hardware=tensor_parallel", "hardware.cp_size=2", "hardware.tp_size=1",
@@ -611,7 +617,8 @@ def test_document_mask_with_a_model_or_hardware_that_cannot_is_refused(corpus, t
     with pytest.raises(
         ConfigError, match=r"data.document_mask=true gives the model .* forward does not take it"
     ):
-        check_job(hf)
+        check_job(mamba)
+    check_job(hf)  # a Llama's attention masks follow the positions (test_chat checks its logits)
     with pytest.raises(ConfigError, match=r"hardware.cp_size=2 with samples that mask attention by document"):
         check_job(cp)
     with pytest.raises(ConfigError, match=r"hardware.pp_size=2 with samples that mask attention by document"):

@@ -80,6 +80,7 @@ class GPT(nn.Module):
     0.02 / sqrt(2 n_layers) instead of 0.02, so that the stream's variance does not grow with depth."""
 
     _no_split_modules = ["Block"]  # kept whole on one device by a device map (the residual stream)
+    attends_within_documents = True  # given position_ids (runner.task.attends_within_documents)
 
     def __init__(
         self,
@@ -120,11 +121,11 @@ class GPT(nn.Module):
                     nn.init.normal_(residual.weight, mean=0.0, std=0.02 / (2 * n_layers) ** 0.5)
         self.sequence_share: SequenceShare | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """`positions` (batch, seq), each token's position in its document (`data.document_mask`): the
-        position embeddings follow them, and each token attends within its document only."""
-        x = _embed(self, input_ids, positions)
-        mask = None if positions is None else document_mask(positions)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids` (batch, seq), each token's position in its document (`data.document_mask`, packed
+        chat data): the position embeddings follow them, and each token attends within its document only."""
+        x = _embed(self, input_ids, position_ids)
+        mask = None if position_ids is None else document_mask(position_ids)
         for block in self.blocks:
             x = block(x, mask=mask)
         return self.lm_head(self.ln_f(x))

@@ -4,6 +4,7 @@ init) or from a local directory (`from_pretrained`, no network)."""
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,12 @@ from runner.models.adapters import TASK_TYPES, with_adapter
 
 try:
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        masking_utils,
+    )
 except ImportError as err:  # the module names the extra to install instead of a bare import error
     raise ImportError(
         f"{err}: Hugging Face models need the `hf` extra: {install_command('hf')} (transformers, datasets)"
@@ -47,6 +53,7 @@ def causal_lm(
         overrides: settings that replace the architecture's either way (`attention_dropout`, ...).
     """
     model = _build(AutoModelForCausalLM, pretrained, load_weights, config, vocab_size=vocab_size, **overrides)
+    model = attend_within_documents(model)
     return with_adapter(model, peft, TASK_TYPES["causal_lm"]) if peft else model
 
 
@@ -191,7 +198,27 @@ def limit_positions(model: transformers.PreTrainedModel) -> transformers.PreTrai
                 f"more positions ({key})"
             )
 
-    model.register_forward_pre_hook(check, with_kwargs=True)
+    model.base_model.register_forward_pre_hook(check, with_kwargs=True)  # a PEFT model calls its forward
+    return model
+
+
+def attend_within_documents(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """`model`, taking packed documents (`data.document_mask`, `data.packing`) where its architecture's
+    attention masks follow `position_ids` (its modeling module builds them with transformers'
+    `create_causal_mask`, which finds the documents where the positions restart): so marked
+    (`runner.task.attends_within_documents`), its forward given position_ids and no cache keeps none,
+    as transformers only looks for documents then (a cache is of no use in training anyway)."""
+    modeling = sys.modules[type(model).__module__]
+    if getattr(modeling, "create_causal_mask", None) is not masking_utils.create_causal_mask:
+        return model
+
+    def no_cache(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if kwargs.get("position_ids") is not None and kwargs.get("past_key_values") is None:
+            kwargs["use_cache"] = False
+        return args, kwargs
+
+    model.base_model.register_forward_pre_hook(no_cache, with_kwargs=True)  # a PEFT model calls its forward
+    model.attends_within_documents = True
     return model
 
 
