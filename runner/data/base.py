@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -15,6 +16,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
 from runner.config import NonNegativeInt, PositiveInt
 from runner.errors import ConfigError
+from runner.files import replacing
+
+log = logging.getLogger(__name__)
 
 
 class TensorDictDataset(Dataset):
@@ -181,3 +185,26 @@ def file_stats(paths: Iterable[Path]) -> list[tuple[str, int, int]]:
 def fingerprint(content: object) -> str:
     """A short digest of JSON-able `content` (file stats, settings): a cache entry's name."""
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def read_cache(path: Path) -> dict[str, Any] | None:
+    """What `write_cache` kept at `path` (data prepared once a machine: a tokenization), or None when there
+    is none or it cannot be read whole (then it is prepared again)."""
+    if not path.is_file():
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a cut or damaged file: prepared again and replaced
+        log.warning("the data cached in %s cannot be read (%s): preparing it again", path, err)
+        return None
+
+
+def write_cache(path: Path, encoded: dict[str, Any]) -> None:
+    """Keep `encoded` for the next process, written whole or not at all (several may write at once: the
+    last rename wins, with the same content); a cache that cannot be written is only a warning."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with replacing(path) as staging:
+            torch.save(encoded, staging)
+    except OSError as err:
+        log.warning("could not cache the prepared data in %s (%s): each process prepares it", path, err)

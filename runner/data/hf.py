@@ -18,11 +18,12 @@ from runner.data.base import (
     fingerprint,
     machine_cache,
     random_split,
+    read_cache,
+    write_cache,
 )
 from runner.data.streaming import LINES, TextStream
 from runner.data.table import check_class_labels, label_order
 from runner.errors import ConfigError, install_command
-from runner.files import replacing
 
 try:
     import datasets
@@ -50,26 +51,49 @@ CACHE_FORMAT = (
 )
 
 
-def _read_cache(path: Path) -> dict[str, Any] | None:
-    """A cached tokenization, or None when there is none or it cannot be read whole (it is rebuilt)."""
-    if not path.is_file():
-        return None
+def load_tokenizer(name: str) -> Any:
+    """The tokenizer saved in the local directory `name` (`data.tokenizer`; never downloaded)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # a cut or damaged file: tokenize again and replace it
-        log.warning("the tokenized data cached in %s cannot be read (%s): tokenizing again", path, err)
-        return None
+        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except Exception as err:  # a damaged tokenizer.json, a config naming a class that is not there
+        raise ConfigError(
+            f"data.tokenizer={name!r}: the tokenizer cannot be loaded ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:200] if str(err) else 'no message'}). Give a directory written "
+            "whole by a tokenizer's save_pretrained."
+        ) from err
 
 
-def _write_cache(path: Path, encoded: dict[str, Any]) -> None:
-    """Keep `encoded` for the next process, written whole or not at all (several may write at once: the
-    last rename wins, with the same content); a cache that cannot be written is only a warning."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with replacing(path) as staging:
-            torch.save(encoded, staging)
-    except OSError as err:
-        log.warning("could not cache the tokenized data in %s (%s): each process tokenizes it", path, err)
+def read_rows(
+    path: Path, split: str, eval_split: str | None
+) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """The rows of a data file (`FORMATS`), or of split `split` of a dataset saved with `save_to_disk`
+    (and its `eval_split`'s; None: there is none, or it was not asked for), read into memory."""
+    if path.is_file():
+        if path.stat().st_size == 0:
+            raise ConfigError(f"data.path={str(path)!r}: the file is empty.")
+        shown = not datasets.are_progress_bars_disabled()
+        datasets.disable_progress_bars()  # a bar a file would fill the console
+        try:
+            loaded = datasets.load_dataset(
+                FORMATS[path.suffix], data_files=str(path), split="train", keep_in_memory=True
+            )
+        except Exception as err:  # datasets' builders raise whatever their parser raised
+            raise ConfigError(
+                f"data.path={str(path)!r}: cannot be read as {FORMATS[path.suffix]} "
+                f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else 'no message'}). "
+                "Check that the file is whole and in the format its suffix says."
+            ) from err
+        finally:
+            if shown:
+                datasets.enable_progress_bars()
+        return loaded, None
+    loaded = datasets.load_from_disk(str(path), keep_in_memory=True)
+    if isinstance(loaded, datasets.Dataset):
+        return loaded, None
+    for key, name in (("split", split), ("eval_split", eval_split)):
+        if name is not None and name not in loaded:
+            raise ConfigError(f"data.{key}={name!r}: {path} has the splits {sorted(loaded)}.")
+    return loaded[split], loaded[eval_split] if eval_split else None
 
 
 class HFDataset(DataSource):
@@ -166,10 +190,10 @@ class HFDataset(DataSource):
         if self.streaming:
             return self._stream()
         cache = machine_cache("hf_data") / f"{self._fingerprint()}.pt"
-        encoded = _read_cache(cache)
+        encoded = read_cache(cache)
         if encoded is None:
             encoded = self._encode()
-            _write_cache(cache, encoded)
+            write_cache(cache, encoded)
         train = TensorDictDataset(**encoded["train"])
         if encoded["eval"] is None:
             train, eval_ = random_split(train, self.eval_fraction, self.split_seed)
@@ -183,7 +207,7 @@ class HFDataset(DataSource):
         return self.loader(self.train_set.with_seed(seed), batch_size=self.batch_size)
 
     def _stream(self) -> tuple[TextStream, TensorDictDataset, dict[str, int]]:
-        tokenizer = self._tokenizer()
+        tokenizer = load_tokenizer(self.tokenizer)
         if self.path.is_dir():
             columns = self._saved_split(self.split).column_names
             if self.eval_split is not None:
@@ -232,20 +256,9 @@ class HFDataset(DataSource):
             raise ConfigError(f"{key}={split!r}: {self.path} has the splits {sorted(loaded)}.")
         return loaded[split]
 
-    def _tokenizer(self) -> Any:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer, local_files_only=True)
-        except Exception as err:  # a damaged tokenizer.json, a config naming a class that is not there
-            raise ConfigError(
-                f"data.tokenizer={self.tokenizer!r}: the tokenizer cannot be loaded ({type(err).__name__}: "
-                f"{str(err).splitlines()[0][:200] if str(err) else 'no message'}). Give a directory written "
-                "whole by a tokenizer's save_pretrained."
-            ) from err
-        return tokenizer
-
     def _encode(self) -> dict[str, Any]:
         """Read and tokenize: the train (and eval split's) tensors and the dims they give the model."""
-        tokenizer = self._tokenizer()
+        tokenizer = load_tokenizer(self.tokenizer)
         train_rows, eval_rows = self._read()
         encode = self._blocks if self.task == "language_modeling" else self._classified
         train, dims = encode(tokenizer, train_rows, None)
@@ -277,28 +290,8 @@ class HFDataset(DataSource):
         return fingerprint(settings)
 
     def _read(self) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-        if self.path.is_file():
-            if self.path.stat().st_size == 0:
-                raise ConfigError(f"data.path={str(self.path)!r}: the file is empty.")
-            try:
-                loaded = datasets.load_dataset(
-                    FORMATS[self.path.suffix], data_files=str(self.path), split="train", keep_in_memory=True
-                )
-            except Exception as err:  # datasets' builders raise whatever their parser raised
-                raise ConfigError(
-                    f"data.path={str(self.path)!r}: cannot be read as {FORMATS[self.path.suffix]} "
-                    f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else 'no message'}). "
-                    "Check that the file is whole and in the format its suffix says."
-                ) from err
-            return self._columns(loaded), None
-        loaded = datasets.load_from_disk(str(self.path), keep_in_memory=True)
-        if isinstance(loaded, datasets.Dataset):
-            return self._columns(loaded), None
-        for key, name in (("split", self.split), ("eval_split", self.eval_split)):
-            if name is not None and name not in loaded:
-                raise ConfigError(f"data.{key}={name!r}: {self.path} has the splits {sorted(loaded)}.")
-        eval_rows = self._columns(loaded[self.eval_split]) if self.eval_split else None
-        return self._columns(loaded[self.split]), eval_rows
+        train, eval_ = read_rows(self.path, self.split, self.eval_split)
+        return self._columns(train), None if eval_ is None else self._columns(eval_)
 
     def _columns(self, rows: datasets.Dataset) -> datasets.Dataset:
         wanted = [self.text_column] + ([self.label_column] if self.task == "classification" else [])
