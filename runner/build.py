@@ -104,10 +104,16 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Opti
     )
 
 
-def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer, num_training_steps: int) -> Any:
+def build_scheduler(
+    cfg: DictConfig, optimizer: torch.optim.Optimizer, num_training_steps: int, steps_per_update: int = 1
+) -> Any:
     """The configured LR schedule of `optimizer` over `num_training_steps` scheduler steps, its settings as
-    plain Python (as `build_optimizer`'s)."""
-    return instantiate(cfg.scheduler, _convert_="all")(optimizer, num_training_steps=num_training_steps)
+    plain Python (as `build_optimizer`'s); `steps_per_update` (scheduler steps per optimizer step) to a
+    schedule that takes it (`runner.schedulers`)."""
+    schedule = instantiate(cfg.scheduler, _convert_="all")
+    takes = "steps_per_update" in inspect.signature(schedule).parameters
+    extra = {"steps_per_update": steps_per_update} if takes else {}
+    return schedule(optimizer, num_training_steps=num_training_steps, **extra)
 
 
 def build_model(cfg: DictConfig, data: DataSource) -> torch.nn.Module:

@@ -212,7 +212,7 @@ class Trainer:
         # A prepared scheduler advances once per data-parallel process on each optimizer step (Accelerate's
         # convention; tensor-parallel ranks share their data), once only with split batches.
         advances = 1 if trainer.split_batches else engine.state.data_parallel_size
-        scheduler = build_scheduler(cfg, optimizer, self.total_steps * advances)
+        scheduler = build_scheduler(cfg, optimizer, self.total_steps * advances, advances)
         described = f"{type(model).__name__} ({parameters_text(model)})"
         self.model, self.optimizer, self.scheduler = engine.prepare(model, optimizer, scheduler)
         # The loss of a batch, for `backward`: by the task's `loss` the strategy computes it (pipeline

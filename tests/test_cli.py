@@ -188,6 +188,23 @@ def test_epochs_sgd_and_a_constant_schedule_reach_the_loop(run_cli, tmp_path):
     assert metrics_of(proc)["eval/loss"] < 1.0
 
 
+def test_the_schedules_step_counts_are_optimizer_steps_on_any_number_of_processes(tmp_path):
+    """scheduler.warmup_steps=3, decay_steps=8, min_lr: the logged rate peaks at step 3 and is min_lr
+    from step 8 on, the same curve on 1 process and on 2 (whose scheduler steps twice an update)."""
+    curves = {}
+    for ranks, hardware in ((1, []), (2, ["hardware=ddp", "hardware.num_processes=2"])):
+        run_dir = tmp_path / str(ranks)
+        run_to_end(
+            run_dir, *hardware, "scheduler=cosine", "scheduler.warmup_steps=3", "scheduler.decay_steps=8",
+            "scheduler.min_lr=0.001", "optimizer.lr=0.01", "trainer.max_steps=10", "trainer.log_every=1",
+            "trainer.eval_every=0", "trainer.save_model=false",
+        )  # fmt: skip
+        curves[ranks] = [row["train/lr"] for row in read_history(run_dir) if "train/lr" in row]
+    assert curves[1] == pytest.approx(curves[2]) and len(curves[1]) == 10
+    assert max(curves[1]) == pytest.approx(0.01) and curves[1].index(max(curves[1])) in (2, 3)
+    assert curves[1][-3:] == pytest.approx([0.001] * 3)
+
+
 @pytest.mark.parametrize("hardware", ["deepspeed", "fsdp", "multi_gpu"])
 def test_a_parallel_backend_in_one_process_trains_like_the_cpu_group(run_cli, hardware):
     """num_processes=1 trains in this process, in a process group of one (DeepSpeed included, whose engine

@@ -38,7 +38,7 @@ from runner.hardware.pipeline import check_pipeline, local_stage_indices, stage_
 from runner.hardware.single_device import SingleDevice
 from runner.launchers.reports import lost_a_peer, repeated_failure, report_failure, reported_failure
 from runner.models import GPT
-from runner.schedulers import cosine
+from runner.schedulers import constant, cosine
 
 
 # ------------------------------------------------------------------------------------------ ParallelDims
@@ -354,6 +354,43 @@ def test_the_cosine_schedule_warms_up_then_decays_to_min_lr_ratio():
     assert all(a < b for a, b in itertools.pairwise(rates[:11]))
     assert rates[-1] == pytest.approx(0.5 * (0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * 89 / 90))))
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # after the last step: 0.2 x 0.5
+
+
+def test_the_schedules_absolute_settings_replace_the_shares_in_optimizer_steps():
+    """warmup_steps, decay_steps and min_lr count optimizer steps (2 scheduler steps each here, as on 2
+    processes) and replace warmup_ratio and min_lr_ratio: the rate peaks after 10 updates, reaches min_lr
+    in every group at update 50 of 100 and stays there; constant warms up over warmup_steps too."""
+    def groups() -> list[dict]:
+        return [{"params": [torch.zeros(1, requires_grad=True)], "lr": lr} for lr in (0.5, 0.1)]
+
+    optimizer = torch.optim.SGD(groups(), lr=0.5)
+    schedule = cosine(
+        optimizer, 200, warmup_ratio=0.3, min_lr_ratio=0.5, warmup_steps=10, decay_steps=50, min_lr=0.05,
+        steps_per_update=2,
+    )  # fmt: skip
+    rates = []
+    for _ in range(200):
+        rates.append([group["lr"] for group in optimizer.param_groups])
+        optimizer.step()
+        schedule.step()
+    updates = rates[::2]  # the rate of each optimizer step
+    assert rates[1::2] == updates and updates[0] == pytest.approx([0.5 / 11, 0.1 / 11])
+    assert updates[9] == pytest.approx([0.5 * 10 / 11, 0.1 * 10 / 11]) and updates[10] == pytest.approx([0.5, 0.1])
+    assert all(a[0] > b[0] for a, b in itertools.pairwise(updates[10:51]))
+    assert updates[50] == updates[99] == pytest.approx([0.05, 0.05])
+    assert updates[30][0] == pytest.approx(0.05 + 0.45 * 0.5 * (1 + math.cos(math.pi * 20 / 40)))
+    flat = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    warming = constant(flat, 100, warmup_steps=4, steps_per_update=2)
+    seen = []
+    for _ in range(10):
+        seen.append(flat.param_groups[0]["lr"])
+        flat.step()
+        warming.step()
+    assert seen[6:8] == pytest.approx([4 / 5, 4 / 5]) and seen[8:] == [1.0, 1.0]
+    with pytest.raises(ConfigError, match=r"scheduler.min_lr=0.2: above the learning rate 0.1"):
+        cosine(torch.optim.SGD(groups(), lr=0.5), 100, min_lr=0.2)
+    with pytest.raises(ConfigError, match=r"the warm-up \(60 optimizer steps\) leaves nothing of the 50"):
+        cosine(torch.optim.SGD(groups(), lr=0.5), 100, warmup_steps=60, decay_steps=50)
 
 
 def test_the_watchdogs_limit_follows_the_steps_once_measured(tmp_path):
