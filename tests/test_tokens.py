@@ -570,6 +570,44 @@ def test_document_mask_gives_each_token_its_position_in_its_document(corpus, tmp
     assert "positions" not in TokenShards(str(tmp_path / "s"), seq_len=64, eval_samples=4).load()[0][0]
 
 
+def test_a_window_stride_starts_a_training_window_every_stride_tokens(corpus, tmp_path):
+    """data.window_stride=8 (and 1) of seq_len 32: window i starts at token 8i, the windows reach up to
+    the first held-out token and no further, the eval windows are those of the default stride; a run
+    trains on other windows than the default's (another loss curve). A stride above seq_len is refused."""
+    prepare(tmp_path / "s", str(corpus / "lines.jsonl"), workers=1, progress=False)
+    store = TokenStore(tmp_path / "s")
+    plain = TokenShards(str(tmp_path / "s"), seq_len=32, eval_samples=4)
+    plain.setup()
+    held_out = len(plain.train_set) * 32
+    for stride in (8, 1):
+        data = TokenShards(str(tmp_path / "s"), seq_len=32, eval_samples=4, window_stride=stride)
+        data.setup()
+        assert len(data.train_set) == (held_out - 32) // stride + 1
+        last = len(data.train_set) - 1
+        for i in (0, 1, last):
+            expected = torch.from_numpy(store.read(i * stride, i * stride + 33).astype(np.int64))
+            assert torch.equal(data.train_set[i]["inputs"], expected[:-1])
+            assert torch.equal(data.train_set[i]["targets"], expected[1:])
+        assert last * stride + 32 <= held_out < last * stride + 32 + stride
+        assert all(torch.equal(data.eval_set[i]["inputs"], plain.eval_set[i]["inputs"]) for i in range(4))
+    with pytest.raises(ConfigError, match=r"data.window_stride=33: above data.seq_len=32"):
+        TokenShards(str(tmp_path / "s"), seq_len=32, window_stride=33)
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            "config",
+            overrides=["data=tokens", f"data.path={tmp_path / 's'}", "data.seq_len=32", "data.batch_size=4",
+                       "task=language_modeling", "model=gpt", "tracker=none", "trainer.max_steps=5",
+                       "trainer.plots=false", "trainer.save_model=false"],
+        )  # fmt: skip
+    losses = {}
+    for stride in (None, 4):
+        cfg.data.window_stride = stride
+        (tmp_path / str(stride)).mkdir()
+        losses[stride] = Trainer(cfg, tmp_path / str(stride)).fit()["train/loss"]
+    assert losses[None] != losses[4]
+
+
 def test_a_gpt_given_positions_attends_within_each_document_only():
     """The logits of a document packed after another equal those of the document alone; without the
     positions (plain causal attention) they do not."""

@@ -25,16 +25,23 @@ CHUNK = 1 << 16  # indices computed at once by the shuffled order
 
 
 class ShardWindows(Dataset):
-    """Windows of `seq_len + 1` tokens of `store`, every `seq_len` tokens from token `first` on: sample i
-    is `{"inputs": tokens[s : s + seq_len], "targets": tokens[s + 1 : s + seq_len + 1]}` (int64). With
+    """Windows of `seq_len + 1` tokens of `store`, every `stride` tokens (None: `seq_len`) from token
+    `first` on: sample i is `{"inputs": tokens[s : s + seq_len], "targets": tokens[s + 1 : s + seq_len +
+    1]}` (int64, s = first + i * stride). With
     `positions`, also each input's position in its document, counted from the window's start for the
     document the window starts in (`document_positions`)."""
 
     def __init__(
-        self, store: TokenStore, seq_len: int, first: int, count: int, positions: bool = False
+        self,
+        store: TokenStore,
+        seq_len: int,
+        first: int,
+        count: int,
+        positions: bool = False,
+        stride: int | None = None,
     ) -> None:
         self.store, self.seq_len, self.first, self.count = store, seq_len, first, count
-        self.positions = positions
+        self.positions, self.stride = positions, stride or seq_len
 
     def __len__(self) -> int:
         return self.count
@@ -42,7 +49,7 @@ class ShardWindows(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < self.count:
             raise IndexError(f"window {index} of {self.count}")
-        start = self.first + index * self.seq_len
+        start = self.first + index * self.stride
         window = torch.from_numpy(self.store.read(start, start + self.seq_len + 1).astype(np.int64))
         sample = {"inputs": window[:-1], "targets": window[1:]}
         if self.positions:
@@ -61,9 +68,9 @@ def document_positions(length: int, starts: torch.Tensor) -> torch.Tensor:
     return index - torch.cummax(began, dim=0).values
 
 
-def windows_in(tokens: int, seq_len: int) -> int:
-    """How many windows of `seq_len + 1` tokens, `seq_len` apart, `tokens` tokens hold."""
-    return max(0, (tokens - 1) // seq_len)
+def windows_in(tokens: int, seq_len: int, stride: int | None = None) -> int:
+    """How many windows of `seq_len + 1` tokens, `stride` apart (None: `seq_len`), `tokens` tokens hold."""
+    return max(0, (tokens - seq_len - 1) // (stride or seq_len) + 1)
 
 
 class ShuffledOrder(Sampler[int]):
@@ -192,6 +199,9 @@ class TokenShards(DataSource):
         eval_path: a shards directory to evaluate on (e.g. prepared from a validation file); null: hold
             out the end of `path`.
         eval_samples: windows to evaluate on (null with eval_path: all of them).
+        window_stride: tokens between the starts of consecutive training windows (null: seq_len, windows
+            that do not overlap; 1: a window at every token, as nanoGPT's random offsets can draw), shuffled
+            alike; the eval windows stay seq_len apart.
         document_mask: each token attends only to the tokens before it in its own document (windows still
             run across documents): every sample also gives the model each input's position in its
             document (`positions`), which restarts at each document's first token.
@@ -213,6 +223,7 @@ class TokenShards(DataSource):
         sources: list[dict[str, Any]] | None = None,
         eval_path: str | None = None,
         eval_samples: PositiveInt | None = 64,
+        window_stride: PositiveInt | None = None,
         document_mask: bool = False,
         source: str | list[str] | None = None,
         tokenizer: str = "bytes",
@@ -242,6 +253,12 @@ class TokenShards(DataSource):
                 "data.eval_samples=null: without data.eval_path the eval set is the last eval_samples windows of "
                 "data.path; give their number, or a data.eval_path to evaluate on."
             )
+        if window_stride is not None and window_stride > seq_len:
+            raise ConfigError(
+                f"data.window_stride={window_stride}: above data.seq_len={seq_len}, the tokens between windows would "
+                "never be trained on. Give a stride of at most seq_len, or null (seq_len)."
+            )
+        self.window_stride = window_stride
         self.path = None if path is None else Path(path).expanduser()
         self.sources, self.eval_path = sources, eval_path
         self.seq_len, self.eval_samples, self.document_mask = seq_len, eval_samples, document_mask
@@ -294,8 +311,10 @@ class TokenShards(DataSource):
                     "evaluation (data.eval_samples). Use more data, a shorter seq_len, fewer eval samples, or a "
                     "data.eval_path."
                 )
-            train_parts.append(self._windows(store, 0, windows - kept))
-            eval_parts.append(self._windows(store, (windows - kept) * self.seq_len, kept))
+            held_out = (windows - kept) * self.seq_len  # the eval windows' first token
+            train = windows_in(held_out + 1, self.seq_len, self.window_stride)  # ending where they start
+            train_parts.append(self._windows(store, 0, train, self.window_stride))
+            eval_parts.append(self._windows(store, held_out, kept))
         if eval_store is not None:
             windows = windows_in(len(eval_store), self.seq_len)
             if windows < 1:
@@ -320,8 +339,8 @@ class TokenShards(DataSource):
         """The checksums of the shards trained and evaluated on (`DataSource.identity`)."""
         return getattr(self, "_identity", None)
 
-    def _windows(self, store: TokenStore, first: int, count: int) -> ShardWindows:
-        return ShardWindows(store, self.seq_len, first, count, positions=self.document_mask)
+    def _windows(self, store: TokenStore, first: int, count: int, stride: int | None = None) -> ShardWindows:
+        return ShardWindows(store, self.seq_len, first, count, positions=self.document_mask, stride=stride)
 
     def _named_sources(self) -> list[tuple[str, float, str]]:
         """(directory, weight, config key) of each shards directory trained on."""
