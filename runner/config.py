@@ -345,6 +345,7 @@ class TrainerConfig:
     max_epochs: PositiveInt | None = None
     eval_every: NonNegativeInt = 100  # optimizer steps between evaluations; 0: evaluate at the end only
     eval_at_start: bool = False  # also evaluate before the first step of a run started afresh (step 0)
+    eval_train_batches: NonNegativeInt = 0  # batches a process of a fixed training sample evaluated with each evaluation
     log_every: PositiveInt = 10  # optimizer steps between log lines
     gradient_accumulation_steps: PositiveInt = 1
     split_batches: bool = False  # data.batch_size is the global batch, split over the processes

@@ -450,16 +450,19 @@ class Trainer:
         if log.isEnabledFor(logging.INFO):
             log.info("step %d/%d: %s", done.step, self.total_steps, _fmt(logged))
 
-    def evaluate(self, heading: str | None = None) -> None:
-        """The task's metrics over the whole eval set, checked finite and logged, under `heading` (default:
-        the step, "step 40/200"). What it draws from the RNGs (the eval loader's seed, say) is not
-        training's: how often a run evaluates does not change it."""
+    def evaluate(self, heading: str | None = None, loader: Any = None, prefix: str = "eval") -> None:
+        """The task's metrics over the whole eval set (or a prepared `loader` of other samples, its metrics
+        named `<prefix>/...`), checked finite and logged, under `heading` (default: the step, "step
+        40/200"); the eval set's then go to `on_eval_end`. What it draws from the RNGs (the eval loader's
+        seed, say) is not training's: how often a run evaluates does not change it."""
+        batches = self.eval_loader if loader is None else loader
         with rng_kept():
-            evaluated = evaluate(self.engine, self.model, self.task, self.eval_loader, self.eval_batch_done)
-        self.evaluated_at = self.done.step
+            evaluated = evaluate(self.engine, self.model, self.task, batches, self.eval_batch_done, prefix)
         self.log_metrics(evaluated)
         log.info("%s: %s", heading or f"step {self.done.step}/{self.total_steps}", _fmt(evaluated))
-        self.callbacks.on_eval_end(self, evaluated)
+        if loader is None:
+            self.evaluated_at = self.done.step
+            self.callbacks.on_eval_end(self, evaluated)
 
     def eval_batch_done(self) -> None:
         self.callbacks.on_eval_batch_end(self)
@@ -728,9 +731,10 @@ def evaluate(
     task: Task,
     loader: Any,
     batch_done: Callable[[], None] = lambda: None,
+    prefix: str = "eval",
 ) -> dict[str, float]:
-    """Average the task's per-sample metrics over the whole eval set (all processes); `batch_done` is
-    called after each batch."""
+    """Average the task's per-sample metrics over the whole eval set (all processes), named
+    `<prefix>/<metric>`; `batch_done` is called after each batch."""
     model.eval()
     sums: dict[str, torch.Tensor] = {}
     count = 0
@@ -742,7 +746,7 @@ def evaluate(
         batch_done()
     model.train()
     means = {name: (total / count).item() for name, total in sums.items()}
-    return {f"eval/{name}": value for name, value in task.summarize(means).items()}
+    return {f"{prefix}/{name}": value for name, value in task.summarize(means).items()}
 
 
 def num_training_steps(trainer: TrainerConfig, train_loader: Any) -> int:

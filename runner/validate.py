@@ -577,6 +577,12 @@ def _stream_problems(
             f"trainer.overfit_batches={cfg.trainer.overfit_batches} with a streamed training set ({cfg.data._target_}): "
             "a stream has no first batches to go back to. Use the same data unstreamed (data.streaming=false)."
         )
+    if cfg.trainer.eval_train_batches:
+        problems.append(
+            f"trainer.eval_train_batches={cfg.trainer.eval_train_batches} with a streamed training set "
+            f"({cfg.data._target_}): a stream has no fixed sample to evaluate on. Set trainer.eval_train_batches=0, "
+            "or use the same data unstreamed (data.streaming=false)."
+        )
     processes = hardware.data_parallel_size(world_size) if hardware is not None else world_size
     try:
         stream.check_readers(processes * max(1, cfg.data.get("num_workers") or 0))

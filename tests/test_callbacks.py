@@ -447,3 +447,31 @@ def test_eval_at_start_evaluates_the_untrained_model_at_step_0_and_trains_the_sa
     assert plain.returncode == 0 and "step 0/10" not in plain.stderr, plain.stderr
     last = [json.loads(line) for line in (tmp_path / "plain" / "history.jsonl").read_text().splitlines()]
     assert [r for r in rows if "train/loss" in r][-1]["train/loss"] == [r for r in last if "train/loss" in r][-1]["train/loss"]
+
+
+def test_eval_train_batches_evaluates_a_fixed_training_sample_beside_each_evaluation(tmp_path):
+    """trainer.eval_train_batches=2: eval_train/loss beside eval/loss at every evaluation (step 0 too),
+    over the same sample on 1 and 2 processes (split batches: the same loss of the same untrained model);
+    the training curve and the checkpoint's files are those of a run without it."""
+    common = (
+        "trainer.max_steps=10", "trainer.eval_every=5", "trainer.eval_at_start=true", "trainer.log_every=1",
+        "trainer.split_batches=true", "trainer.checkpoint_every=10",
+    )  # fmt: skip
+    runs = {
+        "one": ["trainer.eval_train_batches=2"],
+        "two": ["trainer.eval_train_batches=2", "hardware=ddp", "hardware.num_processes=2"],
+        "without": [],
+    }
+    rows, files = {}, {}
+    for name, overrides in runs.items():
+        run_to_end(tmp_path / name, *common, *overrides)
+        rows[name] = read_history(tmp_path / name)
+        files[name] = sorted(p.name for p in (tmp_path / name / "checkpoints" / "checkpoint_0").iterdir())
+    sampled = {name: [(r["step"], r["eval_train/loss"]) for r in rows[name] if "eval_train/loss" in r] for name in rows}
+    assert [step for step, _ in sampled["one"]] == [step for step, _ in sampled["two"]] == [0, 5, 10]
+    assert sampled["one"][0][1] == pytest.approx(sampled["two"][0][1], rel=1e-6) and not sampled["without"]
+    evals = [r["eval/loss"] for r in rows["one"] if "eval/loss" in r]
+    assert all(a != b for a, b in zip(evals, [loss for _, loss in sampled["one"]], strict=True))
+    assert sampled["one"][-1][1] < sampled["one"][0][1]
+    trained = {name: [r["train/loss"] for r in rows[name] if "train/loss" in r] for name in ("one", "without")}
+    assert trained["one"] == trained["without"] and files["one"] == files["without"]

@@ -4,8 +4,8 @@
 settings and named: `goodput` (the goodput ledger's phases of the loop), `watchdog`
 (`trainer.hang_timeout_s`), `skipped_steps` (`trainer.on_nonfinite=skip`), `spikes` (`trainer.spike`),
 `history` (`history.jsonl`), `progress` (the progress bar, `trainer.progress_bar`), `profile`
-(`trainer.profile`), `plots` (`trainer.plots`) and `eval_at_start` (`trainer.eval_at_start`). The shipped
-ones a config adds (`callbacks=[...]`, each a `_target_`): early stopping, the best checkpoints, a
+(`trainer.profile`), `plots` (`trainer.plots`), `eval_train` (`trainer.eval_train_batches`) and
+`eval_at_start` (`trainer.eval_at_start`). The shipped ones a config adds (`callbacks=[...]`, each a `_target_`): early stopping, the best checkpoints, a
 learning-rate monitor. A callback in `callbacks:` named like a built-in replaces it;
 `callbacks.<name>=null` switches one off.
 """

@@ -41,6 +41,7 @@ class Run(Protocol):
     settings: TrainerConfig  # the trainer settings (`trainer.*`), typed
     total_steps: int  # optimizer steps the run trains
     metrics: dict[str, float]  # the latest value of every metric logged
+    train_loader: Any  # the prepared training loader (its `dataset`, `batch_size`, `collate_fn`)
 
     @property
     def step(self) -> int:
@@ -55,8 +56,9 @@ class Run(Protocol):
     def stop(self, reason: str) -> None:
         """End the run after this step, as if it were the last (`reason` is logged)."""
 
-    def evaluate(self) -> None:
-        """Run the eval loop now, its metrics logged at this step (and `on_eval_end`)."""
+    def evaluate(self, heading: str | None = None, loader: Any = None, prefix: str = "eval") -> None:
+        """Run the eval loop now, its metrics logged at this step (and `on_eval_end`); over a prepared
+        `loader` of other samples, its metrics named `<prefix>/...` (and no `on_eval_end`)."""
 
     def roll_back(self, checkpoint: Path) -> None:
         """After this optimizer step (asked in `on_optimizer_step`, alike on every rank): return the model,

@@ -15,6 +15,7 @@ from runner.callbacks.profiler import ProfileSteps
 from runner.callbacks.progress import ProgressBar
 from runner.callbacks.skipped_steps import SkippedSteps
 from runner.callbacks.spikes import Spikes
+from runner.callbacks.train_sample import EvaluateTrainSample
 from runner.callbacks.watchdog import HangWatchdog
 from runner.config import NonFinite, TrainerConfig
 from runner.telemetry.goodput import Ledger
@@ -50,7 +51,8 @@ def built_callbacks(
 def training_callbacks(trainer: TrainerConfig) -> dict[str, Any]:
     """The built-ins of a training loop, in their order: `skipped_steps` (`trainer.on_nonfinite=skip`),
     `spikes` (`trainer.spike.window` > 0), `history`, `progress` (`trainer.progress_bar`), `profile`
-    (`trainer.profile.active` > 0), `plots` (`trainer.plots`), `eval_at_start` (`trainer.eval_at_start`)."""
+    (`trainer.profile.active` > 0), `plots` (`trainer.plots`), `eval_train` (`trainer.eval_train_batches`), `eval_at_start`
+    (`trainer.eval_at_start`)."""
     named: dict[str, Any] = {}
     if trainer.on_nonfinite == NonFinite.skip:
         named["skipped_steps"] = SkippedSteps(trainer.max_skipped_steps)
@@ -63,6 +65,8 @@ def training_callbacks(trainer: TrainerConfig) -> dict[str, Any]:
         named["profile"] = ProfileSteps(trainer.profile)
     if trainer.plots:
         named["plots"] = PlotCurves()
+    if trainer.eval_train_batches:  # before eval_at_start: ready for its evaluation
+        named["eval_train"] = EvaluateTrainSample(trainer.eval_train_batches)
     if trainer.eval_at_start:  # after the history and the plots, which record its metrics
         named["eval_at_start"] = EvaluateAtStart()
     return named

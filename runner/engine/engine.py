@@ -347,9 +347,10 @@ class Engine(ProcessControl):
         return own or prepared
 
     def prepare_data_loader(
-        self, data_loader: DataLoader, device_placement: bool | None = None
+        self, data_loader: DataLoader, device_placement: bool | None = None, checkpointed: bool = True
     ) -> DataLoaderShard:
-        """This process's share of `data_loader`'s batches, placed on the device."""
+        """This process's share of `data_loader`'s batches, placed on the device; its position saved with
+        the checkpoints unless `checkpointed` is False (a loader of runner's own, outside the run's state)."""
         dataloader = data_loader
         place = device_placement if device_placement is not None else self.device_placement
         readers, reader = self.state.data_parallel_size, self.state.data_parallel_index
@@ -383,7 +384,8 @@ class Engine(ProcessControl):
             global_rng=global_rng,
             stateful=config.stateful,
         )
-        self.checkpointer.add("dataloader", wrapped)
+        if checkpointed:
+            self.checkpointer.add("dataloader", wrapped)
         return wrapped
 
     def skip_first_batches(self, dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard:
