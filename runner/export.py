@@ -33,7 +33,7 @@ LAYOUTS = {"runner.models.gpt.GPT": "runner.models.gpt2_layout.as_gpt2"}
 # The model sizes a run may take from its data (`build.model_dims`), found again in the weights' shapes.
 DATA_DIMS = ("vocab_size", "num_labels")
 PROBES = (7919, 7927)  # primes no model size is: the axes a probe lands on are the data's sizes
-BYTE_TOKENS = ("bytes", "ids")  # data.tokenizer values that name no tokenizer dir (data=tokens)
+BYTE_TOKENS = ("bytes", "chars", "ids")  # data.tokenizer values that name no tokenizer dir (data=tokens)
 CHECK_TOKENS = 16
 TOLERANCE = {torch.float32: 1e-4}  # of the logits' largest difference; 16-bit weights: 1e-2
 
@@ -169,9 +169,11 @@ def _read(source: Path, checkpoint_format: str) -> dict[str, torch.Tensor]:
 
 
 def _data_dims(model_settings: Any) -> list[str]:
-    """The sizes the run took from its data: those of DATA_DIMS its model takes and its settings left null."""
+    """The sizes the run took from its data: those of DATA_DIMS its model takes and its settings left null;
+    a pretrained transformers model's vocabulary is its own (`model.pretrained`: the data had to match it)."""
     parameters = inspect.signature(get_object(model_settings._target_)).parameters
-    return [name for name in DATA_DIMS if name in parameters and model_settings.get(name) is None]
+    own = {"vocab_size"} if model_settings.get("pretrained") else set()
+    return [name for name in DATA_DIMS if name in parameters and model_settings.get(name) is None and name not in own]
 
 
 def _build(model_settings: Any, dims: Mapping[str, int]) -> torch.nn.Module:
@@ -236,6 +238,8 @@ def _tokenizer_of(data: Mapping[str, Any], given: Path | None) -> tuple[Path | N
         named, key = data["tokenizer"], "the run's data.tokenizer"
     elif data.get("tokenizer") == "ids":
         return None, "none (data.tokenizer=ids: the run's sources were token ids already)"
+    elif data.get("tokenizer") == "chars":
+        return None, "none (data.tokenizer=chars: a token id indexes the characters in the shards' manifest.json)"
     else:
         return None, "none (the run's data is byte-level: a token id is a byte's value)"
     directory = Path(named).expanduser()

@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from conftest import run_to_end
 from hydra import compose, initialize_config_dir
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from runner.config import CONF_DIR
 from runner.data.chat import IGNORED, ChatData
 from runner.errors import ConfigError
+from runner.export import export_hf
 from runner.group_schemas import register_configs
 from runner.models.gpt import GPT
 from runner.models.hf import causal_lm
@@ -251,3 +252,23 @@ def test_a_chat_run_trains_on_the_assistants_tokens_and_packing_changes_its_rows
         ConfigError, match=r"data.packing=true gives the model .* does not attend within documents"
     ):
         check_job(mamba)
+
+
+def test_a_pretrained_model_fine_tuned_on_chats_exports_with_its_tokenizer_and_template(files, tmp_path):
+    """A pretrained Llama (the data's vocabulary is its own) fully fine-tuned on conversations: `runner
+    export` reads its vocabulary from the model, not the data, and writes the tokenizer with its chat
+    template; the exported model's logits are the checkpoint's."""
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(files / "tokenizer")
+    torch.manual_seed(0)
+    base = causal_lm(config=LLAMA, vocab_size=len(tokenizer))
+    base.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    run_dir = tmp_path / "run"
+    run_to_end(
+        run_dir, "data=chat", f"data.path={files / 'chats.jsonl'}", f"data.tokenizer={tmp_path / 'base'}",
+        "data.seq_len=64", "task=language_modeling", "model=hf_causal_lm", f"model.pretrained={tmp_path / 'base'}",
+        "trainer.max_steps=3", "trainer.eval_every=0",
+    )  # fmt: skip
+    exported = export_hf(run_dir, tmp_path / "hf")
+    assert exported.architecture == "LlamaForCausalLM" and exported.max_difference < 1e-5
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template == TEMPLATE

@@ -608,6 +608,26 @@ def test_a_window_stride_starts_a_training_window_every_stride_tokens(corpus, tm
     assert losses[None] != losses[4]
 
 
+def test_a_character_level_vocabulary_is_the_corpus_own_characters(corpus, tmp_path):
+    """data.tokenizer=chars: the manifest lists the sources' characters, sorted; token i is the i-th (é
+    one token, where byte-level it is two), the windows decode to the text, the model's vocab_size is
+    their number; preparing again keeps the shards."""
+    text = "".join(json.loads(line)["text"] + "\n" for line in (corpus / "lines.jsonl").read_text().splitlines())
+    text += "café\n"
+    (tmp_path / "corpus.txt").write_text(text)
+    manifest = prepare(tmp_path / "c", str(tmp_path / "corpus.txt"), tokenizer="chars", workers=1, progress=False)
+    assert manifest.characters == "".join(sorted(set(text))) and manifest.tokenizer == "chars"
+    assert json.loads((tmp_path / "c" / "manifest.json").read_text())["characters"] == manifest.characters
+    data = TokenShards(str(tmp_path / "c"), seq_len=32, eval_samples=2, tokenizer="chars", source=str(tmp_path / "corpus.txt"))
+    data.setup()
+    assert data.dims == {"vocab_size": len(set(text))} and len(set(text)) < 256
+    decoded = "".join(manifest.characters[i] for i in data.train_set[0]["inputs"].tolist())
+    assert decoded == text[:32]
+    assert TokenStore(tmp_path / "c").manifest.tokens == len(text)  # é: one token
+    again = prepare(tmp_path / "c", str(tmp_path / "corpus.txt"), tokenizer="chars", workers=1, progress=False)
+    assert again.shards == manifest.shards
+
+
 def test_a_gpt_given_positions_attends_within_each_document_only():
     """The logits of a document packed after another equal those of the document alone; without the
     positions (plain causal attention) they do not."""

@@ -40,6 +40,8 @@ PARQUET = (".parquet",)  # one document per row
 IDS = (".npy", ".bin")  # token ids: one document per file
 SUFFIXES = TEXT + JSONL + PARQUET + IDS
 BYTES_VOCAB = 256
+BUILT_IN_TOKENIZERS = ("bytes", "chars", "ids")  # data.tokenizer values that name no tokenizer dir
+CHARS_DTYPE = np.dtype("uint16")  # a character-level corpus's ids: up to 65536 distinct characters
 
 
 def source_files(source: str | list[str]) -> list[Path]:
@@ -96,9 +98,11 @@ def prepare(
     files = source_files(source)
     ids = tokenizer == "ids"
     _check_sources(files, ids, tokenizer, source_dtype)
-    text_tokenizer = None if ids else load_tokenizer(tokenizer)
+    chars = tokenizer == "chars"
+    text_tokenizer = None if ids or chars else load_tokenizer(tokenizer)
     vocab = vocab_size if ids else (BYTES_VOCAB if text_tokenizer is None else len(text_tokenizer))
     dtype = _ids_dtype(files, source_dtype) if ids and vocab is None else token_dtype(vocab)
+    dtype = CHARS_DTYPE if chars else dtype
     recipe = {
         "sources": [list(s) for s in source_stats(files)],
         "tokenizer": _tokenizer_record(tokenizer),
@@ -117,6 +121,8 @@ def prepare(
         return done
     output.mkdir(parents=True, exist_ok=True)
     units = list(_units(files, max(1, int(shard_mb * 2**20)), source_dtype))
+    characters = characters_of(units, text_column) if chars else None
+    vocab = len(characters) if characters is not None else vocab
     job = {
         "tokenizer": tokenizer,
         "text_column": text_column,
@@ -124,6 +130,7 @@ def prepare(
         "source_dtype": source_dtype,
         "vocab_size": vocab,
         "recipe": fingerprint(recipe),
+        "characters": characters,
     }
     made = _shards(output, units, job, dtype, workers, progress)
     if ids and vocab is None:
@@ -133,6 +140,7 @@ def prepare(
         vocab_size=vocab,
         tokenizer=recipe["tokenizer"]["name"],
         eos_token_id=None if text_tokenizer is None else text_tokenizer.eos_token_id,
+        characters=characters,
         shards=made,
         sources=recipe["sources"],
         settings=recipe["settings"] | {"recipe": job["recipe"]},
@@ -220,14 +228,15 @@ def source_stats(files: list[Path]) -> list[tuple[str, int, int]]:
 
 
 def tokenizer_name(tokenizer: str) -> str:
-    """How a manifest names `tokenizer`: "bytes" and "ids" as they are, a directory by its absolute path."""
-    return tokenizer if tokenizer in ("bytes", "ids") else str(Path(tokenizer).expanduser().resolve())
+    """How a manifest names `tokenizer`: "bytes", "chars" and "ids" as they are, a directory by its
+    absolute path."""
+    return tokenizer if tokenizer in BUILT_IN_TOKENIZERS else str(Path(tokenizer).expanduser().resolve())
 
 
 def _tokenizer_record(tokenizer: str) -> dict[str, Any]:
     """Its name, and for a directory its files' stats (what the shards depend on)."""
     name = tokenizer_name(tokenizer)
-    if tokenizer in ("bytes", "ids"):
+    if tokenizer in BUILT_IN_TOKENIZERS:
         return {"name": name}
     return {"name": name, "files": file_stats(sorted(p for p in Path(name).rglob("*") if p.is_file()))}
 
@@ -443,6 +452,11 @@ def _ids(unit: dict[str, Any], job: dict[str, Any], dtype: np.dtype) -> Iterator
 def _encode(unit: dict[str, Any], job: dict[str, Any], dtype: np.dtype) -> Iterator[np.ndarray]:
     """The token ids of each text of `unit` (the tokenizer's end-of-sequence token after each)."""
     texts = list(_texts(unit, job["text_column"]))
+    if job["characters"] is not None:  # character-level: each character's index in the corpus' own
+        index = {character: i for i, character in enumerate(job["characters"])}
+        for text in texts:
+            yield np.fromiter((index[c] for c in text), dtype=dtype, count=len(text))
+        return
     loaded = load_tokenizer(job["tokenizer"])
     if loaded is None:
         for text in texts:
@@ -451,6 +465,21 @@ def _encode(unit: dict[str, Any], job: dict[str, Any], dtype: np.dtype) -> Itera
     end = [] if loaded.eos_token_id is None else [loaded.eos_token_id]
     for ids in loaded(texts, add_special_tokens=False)["input_ids"]:
         yield np.array(ids + end, dtype=dtype)
+
+
+def characters_of(units: list[dict[str, Any]], column: str) -> str:
+    """Every character the text units hold, sorted (a character-level vocabulary: nanoGPT's
+    shakespeare_char), read in one pass; a ConfigError where they are more than the ids' dtype holds."""
+    found: set[str] = set()
+    for unit in units:
+        for text in _texts(unit, column):
+            found.update(text)
+    if len(found) > np.iinfo(CHARS_DTYPE).max + 1:
+        raise ConfigError(
+            f"data.tokenizer=chars: the sources hold {len(found)} distinct characters, more than a character-level "
+            f"vocabulary of {CHARS_DTYPE} ids holds. Use data.tokenizer=bytes or a tokenizer directory."
+        )
+    return "".join(sorted(found))
 
 
 def _texts(unit: dict[str, Any], column: str) -> Iterator[str]:

@@ -60,11 +60,12 @@ class Manifest:
 
     dtype: str
     vocab_size: int
-    tokenizer: str  # "bytes", a tokenizer directory, or "ids" (converted token arrays)
+    tokenizer: str  # "bytes", "chars", a tokenizer directory, or "ids" (converted token arrays)
     eos_token_id: int | None
     shards: list[Shard]
     sources: list[list[Any]]  # (path, size, mtime_ns) of each source file
     settings: dict[str, Any]  # what else shaped the shards (text_column, shard size, ...)
+    characters: str | None = None  # tokenizer "chars": the vocabulary, token id i the i-th character
     format: str = FORMAT
     version: int = VERSION
 

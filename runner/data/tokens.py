@@ -207,8 +207,9 @@ class TokenShards(DataSource):
             document (`positions`), which restarts at each document's first token.
         source: files, directories or glob patterns to prepare from (text, jsonl, parquet, a saved
             `datasets` dir, .npy or .bin token ids); null: the shards are taken as they are.
-        tokenizer: "bytes" (one token per byte, vocabulary 256), a local tokenizer directory, or "ids"
-            (the sources are token ids already).
+        tokenizer: "bytes" (one token per byte, vocabulary 256), "chars" (one token per character, the
+            vocabulary the sources' own characters, kept in the manifest), a local tokenizer directory, or
+            "ids" (the sources are token ids already).
         text_column: the field holding the text (jsonl, parquet, datasets).
         source_dtype: the dtype of raw `.bin` token ids (e.g. uint16).
         vocab_size: the vocabulary of token-id sources (null: the largest id + 1).
