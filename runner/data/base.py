@@ -182,6 +182,11 @@ def file_stats(paths: Iterable[Path]) -> list[tuple[str, int, int]]:
     return [(str(p.resolve()), (stat := p.stat()).st_size, stat.st_mtime_ns) for p in paths]
 
 
+def tree_stats(root: Path) -> list[tuple[str, int, int]]:
+    """`file_stats` of the file `root`, or of every file under the directory `root` (sorted)."""
+    return file_stats([root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()))
+
+
 def fingerprint(content: object) -> str:
     """A short digest of JSON-able `content` (file stats, settings): a cache entry's name."""
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]

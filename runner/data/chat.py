@@ -17,11 +17,11 @@ from runner.config import Fraction, PositiveInt, Seed
 from runner.data.base import (
     DataSource,
     TensorDictDataset,
-    file_stats,
     fingerprint,
     machine_cache,
     random_split,
     read_cache,
+    tree_stats,
     write_cache,
 )
 from runner.data.hf import FORMATS, load_tokenizer, read_rows
@@ -135,15 +135,12 @@ class ChatData(DataSource):
     def _fingerprint(self) -> str:
         """What the rows depend on: the data, tokenizer and template files and the settings."""
 
-        def files(root: Path) -> list[tuple[str, int, int]]:
-            return file_stats([root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()))
-
-        template = [] if self.chat_template is None else files(Path(self.chat_template).expanduser())
+        template = [] if self.chat_template is None else tree_stats(Path(self.chat_template).expanduser())
         return fingerprint(
             {
                 "format": CACHE_FORMAT,
-                "data": files(self.path),
-                "tokenizer": files(Path(self.tokenizer).expanduser()),
+                "data": tree_stats(self.path),
+                "tokenizer": tree_stats(Path(self.tokenizer).expanduser()),
                 "template": template,
                 "transformers": transformers.__version__,
                 **self.columns,

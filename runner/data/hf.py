@@ -14,11 +14,11 @@ from runner.config import Fraction, PositiveInt, Seed
 from runner.data.base import (
     DataSource,
     TensorDictDataset,
-    file_stats,
     fingerprint,
     machine_cache,
     random_split,
     read_cache,
+    tree_stats,
     write_cache,
 )
 from runner.data.streaming import LINES, TextStream
@@ -274,13 +274,10 @@ class HFDataset(DataSource):
         """What the tokenized samples depend on: the data and tokenizer files (names, sizes, times) and
         the settings that shape the samples."""
 
-        def files(root: Path) -> list[tuple[str, int, int]]:
-            return file_stats([root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()))
-
         settings = {
             "format": CACHE_FORMAT,
-            "data": files(self.path),
-            "tokenizer": files(Path(self.tokenizer).expanduser()),
+            "data": tree_stats(self.path),
+            "tokenizer": tree_stats(Path(self.tokenizer).expanduser()),
             "transformers": transformers.__version__,
             **{
                 k: getattr(self, k)
