@@ -96,23 +96,15 @@ def prepare(
     name; see there). Shards finished by an earlier, interrupted run with the same sources and settings
     are kept; a finished `output` of the same is returned as it is, one of other sources is refused."""
     files = source_files(source)
-    ids = tokenizer == "ids"
+    ids, chars = tokenizer == "ids", tokenizer == "chars"
     _check_sources(files, ids, tokenizer, source_dtype)
-    chars = tokenizer == "chars"
-    text_tokenizer = None if ids or chars else load_tokenizer(tokenizer)
-    vocab = vocab_size if ids else (BYTES_VOCAB if text_tokenizer is None else len(text_tokenizer))
-    dtype = _ids_dtype(files, source_dtype) if ids and vocab is None else token_dtype(vocab)
-    dtype = CHARS_DTYPE if chars else dtype
+    text_tokenizer, vocab, dtype = _vocabulary(tokenizer, files, source_dtype, vocab_size)
     recipe = {
         "sources": [list(s) for s in source_stats(files)],
         "tokenizer": _tokenizer_record(tokenizer),
-        "settings": {
-            "text_column": text_column,
-            "source_dtype": source_dtype,
-            "vocab_size": vocab_size,
-            "shard_mb": shard_mb,
-            "dtype": dtype.str,
-        },
+        "settings": dict(
+            text_column=text_column, source_dtype=source_dtype, vocab_size=vocab_size, shard_mb=shard_mb, dtype=dtype.str
+        ),
     }
     output = Path(output).expanduser()
     done = _existing(output, recipe)
@@ -147,6 +139,20 @@ def prepare(
     )
     write_json(output / MANIFEST, manifest.to_json())
     return manifest
+
+
+def _vocabulary(
+    tokenizer: str, files: list[Path], source_dtype: str | None, vocab_size: int | None
+) -> tuple[Any, int | None, np.dtype]:
+    """(the tokenizer directory's tokenizer or None, the vocabulary if known before reading, the ids'
+    dtype): "ids" `vocab_size` (None: the largest id's, read later), "bytes" 256, "chars" up to
+    `CHARS_DTYPE`'s (their number is read later), a directory its tokenizer's."""
+    if tokenizer == "chars":
+        return None, None, CHARS_DTYPE
+    ids = tokenizer == "ids"
+    text_tokenizer = None if ids else load_tokenizer(tokenizer)
+    vocab = vocab_size if ids else (BYTES_VOCAB if text_tokenizer is None else len(text_tokenizer))
+    return text_tokenizer, vocab, _ids_dtype(files, source_dtype) if ids and vocab is None else token_dtype(vocab)
 
 
 def _check_sources(files: list[Path], ids: bool, tokenizer: str, source_dtype: str | None) -> None:
