@@ -72,6 +72,8 @@ NonNegativeFloat = Annotated[float, Range(ge=0)]
 HangTimeout = Annotated[float, Range(ge=1, off=0)]
 # trainer.spike.window: the median and the MAD of fewer steps say little; 0 turns the check off
 SpikeWindow = Annotated[int, Range(ge=8, off=0)]
+Port = Annotated[int, Range(ge=1, le=65535)]  # a TCP port to listen on
+StragglerRatio = Annotated[float, Range(gt=1, off=0)]  # how many times as long a straggler makes the steps
 Fraction = Annotated[float, Range(gt=0, lt=1)]  # a share strictly between none and all
 Probability = Annotated[float, Range(ge=0, lt=1)]  # dropout, a warm-up share
 ShardDegree = Annotated[int, Range(ge=-1)]  # ranks a parameter is sharded over; -1: all the rest
@@ -347,6 +349,9 @@ class TrainerConfig:
     eval_at_start: bool = False  # also evaluate before the first step of a run started afresh (step 0)
     eval_train_batches: NonNegativeInt = 0  # batches a process of a fixed training sample evaluated with each evaluation
     log_every: PositiveInt = 10  # optimizer steps between log lines
+    rank_metrics: bool = True  # every rank's step time, data wait and memory at log steps (rank/<r>/...)
+    # a rank whose extra data wait makes the steps this many times as long is named a straggler; 0: off
+    straggler_ratio: StragglerRatio = 1.5
     gradient_accumulation_steps: PositiveInt = 1
     split_batches: bool = False  # data.batch_size is the global batch, split over the processes
     max_grad_norm: PositiveFloat | None = None  # clip the total gradient norm to this value

@@ -175,7 +175,8 @@ class Trainer:
         self.grad_norm: torch.Tensor | None = None
         self.rolling_back: Path | None = None  # the checkpoint a callback asked the run to return to
         evaluating = cfg.get("mode") == "evaluate"  # the eval loop only (`evaluate_only`): the watchdog only
-        self.callbacks = Callbacks(built_callbacks(cfg.get("callbacks"), trainer, evaluating, ledger))
+        named = built_callbacks(cfg.get("callbacks"), trainer, evaluating, ledger, engine.num_processes)
+        self.callbacks = Callbacks(named)
         self.stopped: str | None = None  # why a callback ended the run early
         self.evaluated_at: int | None = None  # the step of the latest evaluation
         engine.register_for_checkpointing(self.done, self.callbacks)

@@ -139,6 +139,35 @@ class GlobalRNGRegressionData(SyntheticRegression):
         return super().load()
 
 
+class _Delayed(torch.utils.data.Dataset):
+    """`samples`, each taking `delay_s` to read."""
+
+    def __init__(self, samples: Any, delay_s: float) -> None:
+        self.samples, self.delay_s = samples, delay_s
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> Any:
+        time.sleep(self.delay_s)
+        return self.samples[index]
+
+
+class SlowRankRegressionData(SyntheticRegression):
+    """runner's synthetic regression data whose training samples take `delay_s` each to read on the rank
+    `slow_rank` (a straggler: a slow disk, a busy host)."""
+
+    def __init__(self, delay_s: float = 0.0, slow_rank: int = 1, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.delay_s, self.slow_rank = delay_s, slow_rank
+
+    def load(self) -> tuple[Any, Any, dict[str, int]]:
+        train, eval_, sizes = super().load()
+        if int(os.environ.get("RANK", "0")) == self.slow_rank:
+            train = _Delayed(train, self.delay_s)
+        return train, eval_, sizes
+
+
 class LossRecordingRegression(Regression):
     """The regression task recording, per call of its loss, whether torch.compile traced it:
     "compiled" (the value `is_compiling()` had when the call was traced) or "eager"."""

@@ -33,9 +33,11 @@ from runner.callbacks import (
     PlotCurves,
     ProfileSteps,
     ProgressBar,
+    RankMetrics,
     RecordHistory,
     built_callbacks,
 )
+from runner.callbacks.ranks import stragglers
 from runner.config import CONF_DIR, ProfileConfig, TrainerConfig
 from runner.errors import ConfigError
 from runner.group_schemas import register_configs
@@ -372,20 +374,35 @@ def test_a_plain_class_with_one_callback_method_is_called_there_and_checkpointed
 
 def test_the_loops_own_concerns_are_built_in_callbacks_a_config_replaces_or_switches_off(tmp_path):
     trainer = TrainerConfig(progress_bar=True, plots=True, profile=ProfileConfig(active=2))
-    built = built_callbacks(None, trainer, ledger=Ledger(tmp_path, time.time(), "startup"))
+    built = built_callbacks(None, trainer, ledger=Ledger(tmp_path, time.time(), "startup"), processes=2)
     assert {name: type(c) for name, c in built.items()} == {
         "goodput": GoodputLedger, "watchdog": HangWatchdog, "history": RecordHistory, "progress": ProgressBar, "profile": ProfileSteps,
-        "plots": PlotCurves,
+        "plots": PlotCurves, "ranks": RankMetrics,
     }  # fmt: skip
-    off = TrainerConfig(progress_bar=False, plots=False, hang_timeout_s=0)
+    off = TrainerConfig(progress_bar=False, plots=False, hang_timeout_s=0, rank_metrics=False)
     assert list(built_callbacks(OmegaConf.create({"history": None}), off)) == []
     assert list(built_callbacks(None, off, ledger=Ledger(None, time.time(), "startup"))) == ["history"]  # rank > 0
     mine = OmegaConf.create({"progress": {"_target_": "probes.OnlyStepEnd", "record": "x"}, "plots": None})
-    built = built_callbacks(mine, trainer)
+    built = built_callbacks(mine, trainer, processes=2)
+    assert "ranks" not in built_callbacks(mine, trainer)  # a run of one process
     assert {name: type(c).__name__ for name, c in built.items()} == {
         "watchdog": "HangWatchdog", "history": "RecordHistory", "progress": "OnlyStepEnd", "profile": "ProfileSteps",
+        "ranks": "RankMetrics",
     }  # fmt: skip
     assert list(built_callbacks(mine, trainer, evaluating=True)) == ["watchdog", "history"]  # mode=evaluate
+
+
+def test_a_straggler_is_a_rank_whose_extra_data_wait_makes_the_steps_ratio_times_as_long():
+    waits = [0.001, 0.002, 0.061, 0.001]  # steps of 0.1 s; rank 2 waits 0.06 s more than the others' median
+    assert stragglers(0.1, waits, 1.5) == {2: pytest.approx(0.06)}  # 0.04 s a step without it: 2.5x
+    assert stragglers(0.1, waits, 3.0) == {}  # 2.5x is not 3x
+    assert stragglers(0.1, [0.02, 0.03, 0.02], 1.5) == {}  # jitter
+    assert stragglers(0.1, [0.09, 0.001], 1.5) == {0: pytest.approx(0.089)}  # of two, against the other
+    rows = [{"step": 5, "rank/0/data_wait_s": 0.001, "rank/1/data_wait_s": 0.07, "rank/0/step_time_s": 0.08}]
+    (waits_panel, steps_panel) = run_figures(rows)["ranks"].axes
+    assert waits_panel.get_title() == "data_wait_s by rank" and steps_panel.get_title() == "step_time_s by rank"
+    assert [line.get_label() for line in waits_panel.lines] == ["rank 0", "rank 1"]
+    assert list(waits_panel.lines[1].get_ydata()) == [0.07]
 
 
 def test_a_categorical_setting_is_one_position_per_value_however_many_jobs_share_it():

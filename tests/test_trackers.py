@@ -144,6 +144,33 @@ def test_a_run_is_in_its_wandb_file_with_every_value_at_its_step(tmp_path):
 
 
 @pytest.mark.slow
+def test_every_ranks_figures_are_in_the_wandb_file_and_a_slow_rank_is_named_a_straggler(tmp_path):
+    """A 2-rank run whose rank 1 takes 1 ms to read each sample (64 a batch): every rank's step time, data
+    wait and memory are tracked at each log step, rank 1 is named a straggler once, and the ledger has it."""
+    run_dir = tmp_path / "run"
+    proc = run_to_end(
+        run_dir, *OFFLINE, "hardware=ddp", "hardware.num_processes=2", "trainer.max_steps=20",
+        "trainer.log_every=5", "trainer.eval_every=0", "data._target_=probes.SlowRankRegressionData",
+        "+data.delay_s=0.001", pythonpath=TESTS,
+    )  # fmt: skip
+    (run,) = offline_runs(run_dir)
+    assert run.rows == logged(run_dir)
+    figures = {"step_time_s", "data_wait_s", "peak_host_memory_gb"}  # a CPU device's memory is the host's
+    for step in (5, 10, 15, 20):
+        row = run.rows[step]
+        assert {key for key in row if key.startswith("rank/")} == {f"rank/{r}/{f}" for r in (0, 1) for f in figures}
+        assert row["rank/1/data_wait_s"] > 0.05 > 0.01 > row["rank/0/data_wait_s"]  # 64 ms a batch on rank 1
+        assert row["rank/0/step_time_s"] == pytest.approx(row["rank/1/step_time_s"], rel=0.1)  # in lockstep
+        assert row["rank/1/step_time_s"] > row["rank/1/data_wait_s"]
+    said = [line for line in proc.stderr.splitlines() if "straggler" in line]
+    assert len(said) == 2 and "rank 1 is a straggler: it waits" in said[0], proc.stderr[-3000:]
+    assert "trainer.straggler_ratio=1.5" in said[0] and "stragglers: rank 1 in 4 log window(s)" in said[1]
+    summary = json.loads((run_dir / "goodput.json").read_text())
+    assert summary["straggler_windows"] == 4 and summary["straggler_ranks"] == [1]
+    assert summary["straggler_s"] > 15 * 0.05  # the windows' excess wait (each step's at least 50 ms)
+
+
+@pytest.mark.slow
 def test_a_killed_run_loses_no_record_and_its_resume_logs_each_step_once(tmp_path):
     """Killed (-9) at step 13 after its checkpoint of step 8: the journal holds steps 1-12, which the upload
     command gives W&B (the run ends preempted, 75); the resume continues the same W&B run from step 13

@@ -127,6 +127,10 @@ def test_a_two_rank_run_logs_params_tags_metrics_and_artifacts_to_a_server(run_c
         30,
     ]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/loss")] == [10, 20, 30]
+    for rank in (0, 1):  # every rank's own figures at each log step (trainer.rank_metrics)
+        for figure in ("step_time_s", "data_wait_s", "peak_host_memory_gb"):
+            history = client.get_metric_history(run.info.run_id, f"rank/{rank}/{figure}")
+            assert [m.step for m in history] == [5, 10, 15, 20, 25, 30] and all(m.value >= 0 for m in history)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"resolved_config.yaml", "runner.log", "model"} <= artifacts
     assert [a.path for a in client.list_artifacts(run.info.run_id, "model")] == ["model/model.safetensors"]

@@ -3,7 +3,8 @@
 `base` is the contract. The built-ins are the loop's own periodic concerns, made from the trainer's
 settings and named: `goodput` (the goodput ledger's phases of the loop), `watchdog`
 (`trainer.hang_timeout_s`), `skipped_steps` (`trainer.on_nonfinite=skip`), `spikes` (`trainer.spike`),
-`history` (`history.jsonl`), `progress` (the progress bar, `trainer.progress_bar`), `profile`
+`history` (`history.jsonl`), `progress` (the progress bar, `trainer.progress_bar`), `ranks` (every
+rank's figures and stragglers, `trainer.rank_metrics`), `profile`
 (`trainer.profile`), `plots` (`trainer.plots`), `eval_train` (`trainer.eval_train_batches`) and
 `eval_at_start` (`trainer.eval_at_start`). The shipped ones a config adds (`callbacks=[...]`, each a `_target_`): early stopping, the best checkpoints, a
 learning-rate monitor. A callback in `callbacks:` named like a built-in replaces it;
@@ -21,6 +22,7 @@ from runner.callbacks.lr_monitor import LearningRateMonitor
 from runner.callbacks.plots import PlotCurves
 from runner.callbacks.profiler import ProfileSteps
 from runner.callbacks.progress import ProgressBar
+from runner.callbacks.ranks import RankMetrics
 from runner.callbacks.skipped_steps import SkippedSteps
 from runner.callbacks.spikes import Spikes
 from runner.callbacks.watchdog import HangWatchdog
@@ -38,6 +40,7 @@ __all__ = [
     "PlotCurves",
     "ProfileSteps",
     "ProgressBar",
+    "RankMetrics",
     "RecordHistory",
     "Run",
     "SkippedSteps",

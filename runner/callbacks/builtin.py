@@ -13,6 +13,7 @@ from runner.callbacks.history import RecordHistory
 from runner.callbacks.plots import PlotCurves
 from runner.callbacks.profiler import ProfileSteps
 from runner.callbacks.progress import ProgressBar
+from runner.callbacks.ranks import RankMetrics
 from runner.callbacks.skipped_steps import SkippedSteps
 from runner.callbacks.spikes import Spikes
 from runner.callbacks.train_sample import EvaluateTrainSample
@@ -26,10 +27,12 @@ def built_callbacks(
     trainer: TrainerConfig,
     evaluating: bool = False,
     ledger: Ledger | None = None,
+    processes: int = 1,
 ) -> dict[str, Any]:
     """The run's callbacks by name, in the order the loop calls them: `goodput` (the main process's
     `ledger`, where the run records one), `watchdog` (`trainer.hang_timeout_s` not 0), those of training
-    (`training_callbacks`), then those of `callbacks:`, where one named like a built-in replaces it and a
+    (`training_callbacks`), `ranks` (`trainer.rank_metrics`, of a run of several `processes`), then those
+    of `callbacks:`, where one named like a built-in replaces it and a
     name set to null switches it off. `evaluating` (`mode=evaluate`, which trains nothing): the watchdog
     and the history only."""
     named: dict[str, Any] = {}
@@ -40,6 +43,8 @@ def built_callbacks(
     if evaluating:
         return named | {"history": RecordHistory()}
     named |= training_callbacks(trainer)
+    if trainer.rank_metrics and processes > 1:  # after the history: it records the log window before the ranks' figures
+        named["ranks"] = RankMetrics(trainer.straggler_ratio, ledger)
     for name, node in (callbacks or {}).items():
         if node is None:
             named.pop(name, None)

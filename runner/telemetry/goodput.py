@@ -48,6 +48,30 @@ STEP_WORK = ("warmup", "train", "skipped", "checkpoint", "eval")
 T = TypeVar("T")
 
 
+class FetchClock:
+    """The seconds spent waiting for the batches of the loaders it times (`timed`), since the last `take`."""
+
+    def __init__(self) -> None:
+        self.waited = 0.0
+
+    def timed(self, loader: Iterable[T]) -> Iterator[T]:
+        """`loader`'s batches, the time each took to arrive added to `waited`."""
+        batches = iter(loader)
+        while True:
+            began = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.waited += time.perf_counter() - began
+            yield batch
+
+    def take(self) -> float:
+        """The seconds waited since the last call."""
+        waited, self.waited = self.waited, 0.0
+        return waited
+
+
 class Ledger:
     """Appends one process's phases to `<run_dir>/goodput.jsonl` (None: records nothing, the other ranks).
 
@@ -61,7 +85,7 @@ class Ledger:
         self._lines = None if self.path is None else JsonLines(self.path)
         self.mark = began
         self.before: str | None = before
-        self.waited = 0.0  # seconds the steps since the last record waited for batches
+        self.fetches = FetchClock()  # the time the steps since the last record waited for batches
         self._steps: dict[str, Any] | None = None  # the training steps not yet written
 
     @property
@@ -76,6 +100,12 @@ class Ledger:
         now = time.time() if until is None else until
         self._write({"phase": phase, "t0": self.mark, "t1": now, **facts})
         self.mark = now
+
+    def note(self, event: str, **facts: Any) -> None:
+        """An event that takes no time of its own (`straggler`: a window of steps a rank slowed), recorded
+        where the ledger's time stands."""
+        if self.path is not None:
+            self._write({"phase": event, "t0": self.mark, "t1": self.mark, **facts})
 
     def step_done(self, step: int, first: bool = False, skipped: bool = False) -> None:
         """Optimizer step `step` ended; `first`: the attempt's first (its warm-up); `skipped`: it was left
@@ -100,21 +130,17 @@ class Ledger:
             steps, self._steps = self._steps, None
             self._write({**steps, "waited": self._take_waited()})
 
+    @property
+    def waited(self) -> float:
+        """Seconds the steps not yet written waited for their batches."""
+        return self.fetches.waited
+
     def batches(self, loader: Iterable[T]) -> Iterator[T]:
         """`loader`'s batches, the time spent waiting for each added to the steps' data wait."""
-        batches = iter(loader)
-        while True:
-            began = time.perf_counter()
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            self.waited += time.perf_counter() - began
-            yield batch
+        return self.fetches.timed(loader)
 
     def _take_waited(self) -> float:
-        waited, self.waited = self.waited, 0.0
-        return round(waited, 6)
+        return round(self.fetches.take(), 6)
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.before is not None:
@@ -188,6 +214,20 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "rollbacks": sum(1 for r in records if "rolled_back_from" in r),
         "restarts": sum(1 for r in records if r.get("before") == "restart"),
         "lost_steps": lost_steps,
+        **stragglers(records),
+    }
+
+
+def stragglers(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The log windows a straggler slowed (`RankMetrics`): how many, the ranks, and the time every rank
+    waited for them (the straggler's excess data wait); nothing when there was none."""
+    slowed = [r for r in records if r["phase"] == "straggler"]
+    if not slowed:
+        return {}
+    return {
+        "straggler_windows": len(slowed),
+        "straggler_ranks": sorted({r["rank"] for r in slowed}),
+        "straggler_s": sum(r["slowed_s"] for r in slowed),
     }
 
 
@@ -204,6 +244,12 @@ def table(summary: dict[str, Any]) -> str:
     lines = [f"goodput {summary['goodput']:.1%} of {wall:.1f} s{''.join(', ' + c for c in counts)}"]
     for name, value in summary["phases_s"].items():
         lines.append(f"  {name:<10} {value:9.2f} s  {value / wall if wall else 0:6.1%}  {PHASES[name]}")
+    if "straggler_windows" in summary:
+        ranks = ", ".join(str(rank) for rank in summary["straggler_ranks"])
+        lines.append(
+            f"  stragglers: rank {ranks} in {summary['straggler_windows']} log window(s); every rank waited "
+            f"{summary['straggler_s']:.2f} s for them (within train and data_wait)"
+        )
     return "\n".join(lines)
 
 
@@ -216,6 +262,7 @@ def tracked(summary: dict[str, Any]) -> dict[str, float]:
         "goodput/rollbacks": float(summary["rollbacks"]),
         "goodput/lost_steps": float(summary["lost_steps"]),
         **{f"goodput/{name}_s": value for name, value in summary["phases_s"].items()},
+        **({"goodput/straggler_s": summary["straggler_s"]} if "straggler_s" in summary else {}),
     }
 
 

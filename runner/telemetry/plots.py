@@ -33,11 +33,16 @@ def panels(rows: list[dict[str, Any]]) -> dict[str, list[list[str]]]:
     losses = [name for name in ("train/loss", "eval/loss") if name in names]
     rates = [name for name in names if name == "train/lr" or name.startswith("lr/")]
     speed = [name for name in ("perf/tokens_per_s", "perf/samples_per_s", "perf/mfu") if name in names]
+    by_rank: dict[str, list[str]] = {}  # a figure of each rank's: rank/<r>/<figure>, a panel per figure
+    for name in names:
+        if name.startswith("rank/"):
+            by_rank.setdefault(name.split("/", 2)[2], []).append(name)
     figures = {
         "loss": [losses],
         "eval": [[name] for name in names if name.startswith("eval/") and name != "eval/loss"],
         "lr": [rates],
         "throughput": [[name] for name in speed],
+        "ranks": list(by_rank.values()),
     }
     return {name: [panel for panel in drawn if panel] for name, drawn in figures.items() if any(drawn)}
 
@@ -52,9 +57,11 @@ def run_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for axes, metrics in zip(figure.subplots(len(drawn), 1, squeeze=False)[:, 0], drawn, strict=True):
             for metric in metrics:
                 steps, values = curve(rows, metric)
-                axes.plot(steps, values, label=metric, marker="o" if len(steps) < 30 else None, markersize=3)
+                label = f"rank {metric.split('/')[1]}" if metric.startswith("rank/") else metric
+                axes.plot(steps, values, label=label, marker="o" if len(steps) < 30 else None, markersize=3)
             axes.set_xlabel("step")
-            axes.set_title(", ".join(metrics), fontsize=9)
+            ranks = metrics[0].startswith("rank/")
+            axes.set_title(f"{metrics[0].split('/', 2)[2]} by rank" if ranks else ", ".join(metrics), fontsize=9)
             axes.grid(alpha=0.3)
             if len(metrics) > 1:
                 axes.legend(fontsize=8)
