@@ -43,7 +43,7 @@ from runner.errors import ConfigError
 from runner.group_schemas import register_configs
 from runner.telemetry.goodput import Ledger, read_ledger
 from runner.telemetry.history import History, read_history
-from runner.telemetry.plots import curve, draw_run, run_figures, sweep_figures
+from runner.telemetry.plots import curve, draw_run, marks, run_figures, sweep_figures
 from runner.validate import check_job
 
 TESTS = Path(__file__).parent
@@ -313,8 +313,8 @@ def test_one_process_started_with_the_training_draws_at_evaluations_and_the_whol
     assert [Path(p).stem for p in pictures] == ["loss", "lr"]
     assert f"plots: {' '.join(pictures)}" in caplog.text
     assert drawer.returncode == 0 and plots.drawer is None  # the one process, ended
-    whole = tmp_path / "whole"  # the whole history drawn here: the same pictures
-    whole.mkdir()
+    whole = tmp_path / "whole" / tmp_path.name  # the whole history drawn here (a dir of the run's name): the same pictures
+    whole.mkdir(parents=True)
     shutil.copy(tmp_path / "history.jsonl", whole)
     assert [p.read_bytes() for p in draw_run(whole)] == [Path(p).read_bytes() for p in pictures]
 
@@ -403,6 +403,29 @@ def test_a_straggler_is_a_rank_whose_extra_data_wait_makes_the_steps_ratio_times
     assert waits_panel.get_title() == "data_wait_s by rank" and steps_panel.get_title() == "step_time_s by rank"
     assert [line.get_label() for line in waits_panel.lines] == ["rank 0", "rank 1"]
     assert list(waits_panel.lines[1].get_ydata()) == [0.07]
+
+
+def test_the_pictures_name_the_run_and_mark_where_it_resumed_restarted_or_rolled_back(tmp_path):
+    run_dir = tmp_path / "named"
+    steps = ("tracker=none", "trainer.checkpoint_every=10", "trainer.log_every=5", "trainer.eval_every=10")
+    run_to_end(run_dir, *steps, "trainer.max_steps=20")
+    run_to_end(run_dir, *steps, "trainer.max_steps=40")  # continues from step 20
+    assert marks(read_ledger(run_dir)) == [(20, "resumed")]
+    figures = run_figures(read_history(run_dir), "named", marks(read_ledger(run_dir)))
+    assert figures["loss"].get_suptitle() == "named"
+    (losses,) = figures["loss"].axes
+    assert [line.get_label() for line in losses.lines[:2]] == ["train/loss", "eval/loss"]
+    assert list(losses.lines[2].get_xdata()) == [20, 20] and losses.texts[0].get_text() == "resumed"
+    assert {p.stem for p in draw_run(run_dir)} == {"eval", "loss", "lr", "throughput"}
+    restore = {"phase": "restore", "t0": 0.0, "t1": 0.0}
+    records = [
+        {**restore, "resumed_at": 0},  # the first attempt
+        {**restore, "resumed_at": 30, "rolled_back_from": 36},
+        {"phase": "rendezvous", "t0": 0.0, "t1": 0.0, "before": "restart"},  # a failed attempt's ranks restarted
+        {**restore, "resumed_at": 40},
+        {**restore, "resumed_at": 50},  # a later command resumed it
+    ]
+    assert marks(records) == [(30, "rolled back"), (40, "restarted"), (50, "resumed")]
 
 
 def test_a_categorical_setting_is_one_position_per_value_however_many_jobs_share_it():

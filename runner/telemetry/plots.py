@@ -17,6 +17,7 @@ from typing import Any
 
 from runner.files import replacing
 from runner.run_dir import HISTORY, PLOTS, SWEEP_SUMMARY
+from runner.telemetry.goodput import read_ledger
 from runner.telemetry.history import read_history
 
 
@@ -47,18 +48,45 @@ def panels(rows: list[dict[str, Any]]) -> dict[str, list[list[str]]]:
     return {name: [panel for panel in drawn if panel] for name, drawn in figures.items() if any(drawn)}
 
 
-def run_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """figure name -> a matplotlib Figure of its panels (a line per metric against the step)."""
+def marks(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """(step, what) where the run went on from a checkpoint, from its goodput ledger's `restore` records:
+    each attempt after the first ("restarted" where a failed attempt's ranks were restarted in the job,
+    else "resumed") and each rollback ("rolled back")."""
+    found, attempts, restarted = [], 0, False
+    for record in records:
+        restarted = restarted or record.get("before") == "restart"
+        if record["phase"] != "restore" or "resumed_at" not in record:
+            continue
+        if "rolled_back_from" in record:
+            found.append((record["resumed_at"], "rolled back"))
+            continue
+        if attempts:
+            found.append((record["resumed_at"], "restarted" if restarted else "resumed"))
+        attempts, restarted = attempts + 1, False
+    return found
+
+
+def run_figures(
+    rows: list[dict[str, Any]], title: str | None = None, resumed: list[tuple[int, str]] | None = None
+) -> dict[str, Any]:
+    """figure name -> a matplotlib Figure of its panels (a line per metric against the step), titled
+    `title` (the run's name), with a dashed line at each of `resumed`'s steps (`marks`)."""
     from matplotlib.figure import Figure  # the plots extra; no pyplot: no GUI backend, no global state
 
     figures = {}
     for name, drawn in panels(rows).items():
-        figure = Figure(figsize=(7, 2.8 * len(drawn)), layout="constrained")
+        figure = Figure(figsize=(7, 2.8 * len(drawn) + (0.3 if title else 0)), layout="constrained")
+        if title:
+            figure.suptitle(title, fontsize=10)
         for axes, metrics in zip(figure.subplots(len(drawn), 1, squeeze=False)[:, 0], drawn, strict=True):
             for metric in metrics:
                 steps, values = curve(rows, metric)
                 label = f"rank {metric.split('/')[1]}" if metric.startswith("rank/") else metric
                 axes.plot(steps, values, label=label, marker="o" if len(steps) < 30 else None, markersize=3)
+            for step, what in resumed or []:
+                axes.axvline(step, color="0.5", linestyle="--", linewidth=0.8)
+                axes.annotate(what, (step, 1), xycoords=("data", "axes fraction"), fontsize=7, color="0.4",
+                              rotation=90, va="top", ha="right")  # fmt: skip
             axes.set_xlabel("step")
             ranks = metrics[0].startswith("rank/")
             axes.set_title(f"{metrics[0].split('/', 2)[2]} by rank" if ranks else ", ".join(metrics), fontsize=9)
@@ -210,7 +238,11 @@ def save_figures(figures: dict[str, Any], directory: Path) -> list[Path]:
 
 def draw_run(run_dir: Path) -> list[Path]:
     """Write the run's figures to `<run_dir>/plots/<name>.png`; their paths."""
-    return save_figures(run_figures(read_history(run_dir)), Path(run_dir) / PLOTS)
+    run_dir = Path(run_dir)
+    sweep_job = (run_dir.parent / SWEEP_SUMMARY).is_file() or (run_dir.parent / "multirun.yaml").is_file()
+    title = f"{run_dir.parent.name}/{run_dir.name}" if sweep_job else run_dir.name
+    figures = run_figures(read_history(run_dir), title, marks(read_ledger(run_dir)))
+    return save_figures(figures, run_dir / PLOTS)
 
 
 def draw_sweep(sweep_dir: Path) -> list[Path]:
