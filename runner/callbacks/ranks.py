@@ -72,7 +72,8 @@ class RankMetrics(Callback):
         waited = self.fetches.take()
         local = [(self.stepped - self.began) / steps, waited / steps, *peak_memory_gb(engine.device)]
         self.began, self.began_at = self.stepped, run.step
-        rows = engine.gather(torch.tensor([local], dtype=torch.float32, device=engine.device)).tolist()
+        mine = torch.tensor([local], dtype=torch.float32, device=engine.device)
+        rows = engine.strategy.all_gather_processes(mine).tolist()  # every rank's, not only data-parallel ones
         cuda = engine.device.type == "cuda"
         figures = [(i, name) for i, name in enumerate(MEASURED) if cuda or name != "peak_memory_gb"]
         run.log({f"rank/{r}/{name}": row[i] for r, row in enumerate(rows) for i, name in figures})

@@ -231,6 +231,11 @@ class Strategy(ABC):
         """Concatenate `tensor` from all processes along the first dimension."""
         return tensor
 
+    def all_gather_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate `tensor` from every process, in rank order, along the first dimension: the ranks that
+        share a batch (tensor, context or pipeline parallel) too, which `all_gather` leaves out."""
+        return tensor
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite `tensor` (in place) with process `src`'s and return it."""
         return tensor

@@ -152,9 +152,15 @@ class ParallelStrategy(Strategy):
         return reduced.to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._gather(tensor, self.data_group())
+
+    def all_gather_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._gather(tensor, None)
+
+    def _gather(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         local = self._on_device(tensor if tensor.ndim else tensor[None]).contiguous()
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.data_group()))]
-        dist.all_gather(parts, local, group=self.data_group())
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local, group=group)
         return torch.cat(parts).to(tensor.device)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
