@@ -12,6 +12,7 @@ from runner.ops import find_batch_size
 
 HF_LABELS = "labels"  # Hugging Face batches: the targets' key; every other key is a model argument
 POSITIONS = "positions"  # in a runner sample: each input's position in its document (`data.document_mask`)
+SOURCE = "source"  # in a sample of a data mixture: the index of the source it was drawn from (not a model input)
 # What a model whose forward takes `position_ids=` and attends within the documents they restart at has set
 # True (runner's GPT; transformers' causal LMs whose attention masks follow them, `runner.models.hf`).
 ATTENDS_WITHIN_DOCUMENTS = "attends_within_documents"

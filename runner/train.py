@@ -9,7 +9,7 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -39,6 +39,7 @@ from runner.config import NonFinite, SpikeMetric, TrainerConfig, trainer_setting
 from runner.data.base import DataSource, pins_memory
 from runner.engine import Accumulation, Engine, Loading
 from runner.errors import TrainingDiverged, TrainingInterrupted, signal_name
+from runner.evaluation import evaluate
 from runner.hardware.base import Strategy
 from runner.models.model_dir import write_model_dir
 from runner.perf import (
@@ -175,7 +176,10 @@ class Trainer:
         self.grad_norm: torch.Tensor | None = None
         self.rolling_back: Path | None = None  # the checkpoint a callback asked the run to return to
         evaluating = cfg.get("mode") == "evaluate"  # the eval loop only (`evaluate_only`): the watchdog only
-        named = built_callbacks(cfg.get("callbacks"), trainer, evaluating, ledger, engine.num_processes)
+        self.sources = list(data.mixture)  # a mixture's: evaluated each on its own too
+        named = built_callbacks(
+            cfg.get("callbacks"), trainer, evaluating, ledger, engine.num_processes, data.mixture
+        )
         self.callbacks = Callbacks(named)
         self.stopped: str | None = None  # why a callback ended the run early
         self.evaluated_at: int | None = None  # the step of the latest evaluation
@@ -458,12 +462,16 @@ class Trainer:
         seed, say) is not training's: how often a run evaluates does not change it."""
         batches = self.eval_loader if loader is None else loader
         with rng_kept():
-            evaluated = evaluate(self.engine, self.model, self.task, batches, self.eval_batch_done, prefix)
+            evaluated = self.eval_metrics(batches, prefix)
         self.log_metrics(evaluated)
         log.info("%s: %s", heading or f"step {self.done.step}/{self.total_steps}", _fmt(evaluated))
         if loader is None:
             self.evaluated_at = self.done.step
             self.callbacks.on_eval_end(self, evaluated)
+
+    def eval_metrics(self, loader: Any, prefix: str = "eval") -> dict[str, float]:
+        """The task's metrics over `loader`'s samples (`evaluate`; a mixture's, of each source too)."""
+        return evaluate(self.engine, self.model, self.task, loader, self.eval_batch_done, prefix, self.sources)
 
     def eval_batch_done(self) -> None:
         self.callbacks.on_eval_batch_end(self)
@@ -539,7 +547,7 @@ class Trainer:
         engine, output_dir = self.engine, self.output_dir
         if not self.metrics:  # resumed from a checkpoint of the last step: nothing left to train
             log.info("the checkpoint was written at the last step (%d): evaluating only", self.done.step)
-            self.log_metrics(evaluate(engine, self.model, self.task, self.eval_loader, self.eval_batch_done))
+            self.log_metrics(self.eval_metrics(self.eval_loader))
         if self.settings.save_model:
             weights = engine.get_state_dict(self.model)  # a collective
             if engine.is_main_process:
@@ -723,31 +731,6 @@ def _caught(received: list[int]) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-@torch.no_grad()
-def evaluate(
-    engine: Engine,
-    model: torch.nn.Module,
-    task: Task,
-    loader: Any,
-    batch_done: Callable[[], None] = lambda: None,
-    prefix: str = "eval",
-) -> dict[str, float]:
-    """Average the task's per-sample metrics over the whole eval set (all processes), named
-    `<prefix>/<metric>`; `batch_done` is called after each batch."""
-    model.eval()
-    sums: dict[str, torch.Tensor] = {}
-    count = 0
-    for batch in loader:
-        values = engine.gather_for_metrics(task.evaluation_step(model, batch))
-        for name, value in values.items():
-            sums[name] = sums.get(name, 0) + value.double().sum()
-        count += len(next(iter(values.values())))
-        batch_done()
-    model.train()
-    means = {name: (total / count).item() for name, total in sums.items()}
-    return {f"{prefix}/{name}": value for name, value in task.summarize(means).items()}
 
 
 def num_training_steps(trainer: TrainerConfig, train_loader: Any) -> int:

@@ -30,6 +30,7 @@ from runner.callbacks import (
     EarlyStopping,
     GoodputLedger,
     HangWatchdog,
+    MixtureShares,
     PlotCurves,
     ProfileSteps,
     ProgressBar,
@@ -273,6 +274,17 @@ def test_the_history_keeps_each_step_once_and_the_figures_draw_what_it_holds(tmp
     ]
     assert [axes.get_title() for axes in figures["eval"].axes] == ["eval/accuracy"]
     assert list(figures["throughput"].axes[0].lines[0].get_ydata()) == [110.0, 120.0, 99.0]
+    mixture = [
+        {"step": 5, "data/share/a": 0.6, "data/share/b": 0.4, "data/weight/a": 0.7, "data/weight/b": 0.3},
+        {"step": 5, "eval/loss": 2.0, "eval/loss/a": 1.5, "eval/loss/b": 3.0, "eval/accuracy": 0.5, "eval/accuracy/a": 0.6},
+    ]  # fmt: skip
+    figures = run_figures(mixture)
+    assert [axes.get_title() for axes in figures["eval"].axes] == [
+        "eval/loss, eval/loss/a, eval/loss/b", "eval/accuracy, eval/accuracy/a"
+    ]  # fmt: skip
+    assert [axes.get_title() for axes in figures["mixture"].axes] == [
+        "data/share/a, data/weight/a", "data/share/b, data/weight/b"
+    ]  # fmt: skip
     nan = History(tmp_path / "nan")
     (tmp_path / "nan").mkdir()
     nan.add(5, {"train/loss": float("inf")})
@@ -374,11 +386,14 @@ def test_a_plain_class_with_one_callback_method_is_called_there_and_checkpointed
 
 def test_the_loops_own_concerns_are_built_in_callbacks_a_config_replaces_or_switches_off(tmp_path):
     trainer = TrainerConfig(progress_bar=True, plots=True, profile=ProfileConfig(active=2))
-    built = built_callbacks(None, trainer, ledger=Ledger(tmp_path, time.time(), "startup"), processes=2)
+    built = built_callbacks(
+        None, trainer, ledger=Ledger(tmp_path, time.time(), "startup"), processes=2, mixture={"a": 0.7, "b": 0.3}
+    )
     assert {name: type(c) for name, c in built.items()} == {
         "goodput": GoodputLedger, "watchdog": HangWatchdog, "history": RecordHistory, "progress": ProgressBar, "profile": ProfileSteps,
-        "plots": PlotCurves, "ranks": RankMetrics,
+        "plots": PlotCurves, "ranks": RankMetrics, "mixture": MixtureShares,
     }  # fmt: skip
+    assert "mixture" not in built_callbacks(None, trainer, mixture={})  # data of one source
     off = TrainerConfig(progress_bar=False, plots=False, hang_timeout_s=0, rank_metrics=False)
     assert list(built_callbacks(OmegaConf.create({"history": None}), off)) == []
     assert list(built_callbacks(None, off, ledger=Ledger(None, time.time(), "startup"))) == ["history"]  # rank > 0

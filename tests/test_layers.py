@@ -59,7 +59,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("building from config", ["runner.build", "runner.validate"]),
     (
         "loops and the plan",
-        ["runner.callbacks", "runner.train", "runner.inference", "runner.plan", "runner.export"],
+        ["runner.callbacks", "runner.train", "runner.evaluation", "runner.inference", "runner.plan", "runner.export"],
     ),
     ("launchers", ["runner.launchers"]),
     (

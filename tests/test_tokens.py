@@ -35,7 +35,8 @@ from runner.data.tokens import ShuffledOrder, document_positions
 from runner.errors import ConfigError
 from runner.group_schemas import register_configs
 from runner.models.gpt import GPT
-from runner.task import model_outputs
+from runner.task import SOURCE, model_outputs
+from runner.telemetry.history import read_history
 from runner.train import Trainer
 from runner.validate import check_job
 
@@ -504,9 +505,14 @@ def test_a_mixture_draws_its_sources_in_proportion_continues_them_across_epochs_
     assert len(data.train_set) == 2497 + 743 and len(data.eval_set) == 2 + 6  # each holds out its share
     assert all(data.eval_set[i]["inputs"].max() < 100 for i in range(2))
     assert all(data.eval_set[i]["inputs"].min() >= 100 for i in range(2, 8))
+    assert [data.eval_set[i][SOURCE] for i in range(8)] == [0] * 2 + [1] * 6  # each sample says its source
+    assert data.mixture == {"low": 0.25, "high": 0.75}  # named after their directories
 
     def highs(batches) -> list[bool]:
-        return [bool(s.min() >= 100) for b in batches for s in b["inputs"]]
+        pairs = [zip(b["inputs"], b[SOURCE], strict=True) for b in batches]
+        drawn = [(bool(s.min() >= 100), int(source)) for batch in pairs for s, source in batch]
+        assert all(high == source for high, source in drawn)
+        return [high for high, _ in drawn]
 
     loader = data.train_dataloader(seed=0)
     epoch = highs(loader)
@@ -525,6 +531,53 @@ def test_a_mixture_draws_its_sources_in_proportion_continues_them_across_epochs_
     assert len(first) == len(second) == 810 and not first & second
 
 
+@pytest.mark.slow
+def test_a_mixture_logs_each_sources_eval_and_the_shares_it_drew_exactly_across_a_resume(tmp_path):
+    """Two sources (ids below 100, ids from 100; weights 1:3), holding out 2 and 6 of 8 eval windows. Each
+    source's eval loss and perplexity equal that source's evaluated alone at the run's final weights. The
+    share of the training samples each gave so far, logged at every log step beside the weights, is the
+    same in the uninterrupted run on 1 rank and in the run resumed from its step-6 checkpoint on 2 (split
+    batches: the same global batches, counted over both ranks)."""
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "low.npy", rng.integers(0, 100, 8_000).astype(np.uint16))
+    np.save(tmp_path / "high.npy", rng.integers(100, 200, 4_000).astype(np.uint16))
+    for name in ("low", "high"):
+        prepare(tmp_path / name, str(tmp_path / f"{name}.npy"), "ids", vocab_size=256, workers=1, progress=False)
+    data = ["data=tokens", "data.seq_len=16", "data.batch_size=8", "model=gpt", "task=language_modeling"]
+    run = [
+        *data, "data.path=null", f"data.sources=[{{path: {tmp_path / 'low'}, weight: 1}}, {{path: {tmp_path / 'high'}, weight: 3, name: hi}}]",
+        "data.eval_samples=8", "trainer.max_steps=12", "trainer.log_every=3", "trainer.checkpoint_every=6",
+        "trainer.keep_checkpoints=null", "trainer.eval_every=0", "trainer.split_batches=true", "hardware=fsdp",
+        "hardware.device=cpu",
+    ]  # fmt: skip
+    whole = run_to_end(tmp_path / "whole", *run, "hardware.num_processes=1")
+    final = metrics_of(whole)
+    assert "drawn from the mixture's sources: low 28.1% (weight 25.0%), hi 71.9% (weight 75.0%)" in whole.stderr
+    for source, held_out in (("low", 2), ("high", 6)):
+        alone = run_to_end(
+            tmp_path / source, *data, "mode=evaluate", f"checkpoint={tmp_path / 'whole'}",
+            f"data.path={tmp_path / source}", f"data.eval_samples={held_out}",
+        )  # fmt: skip
+        name = "hi" if source == "high" else source
+        for metric in ("loss", "perplexity"):
+            assert metrics_of(alone)[f"eval/{metric}"] == pytest.approx(final[f"eval/{metric}/{name}"], abs=1e-6)
+    resumed = run_to_end(
+        tmp_path / "resumed", *run, "hardware.num_processes=2",
+        f"trainer.resume={tmp_path / 'whole' / 'checkpoints' / 'checkpoint_0'}",
+    )  # fmt: skip
+    assert "at step 6" in resumed.stderr
+
+    def shares(run_dir: Path) -> dict[int, tuple[float, ...]]:
+        rows = [row for row in read_history(run_dir) if "data/share/low" in row]
+        assert all((row["data/weight/low"], row["data/weight/hi"]) == (0.25, 0.75) for row in rows)
+        return {int(row["step"]): (row["data/share/low"], row["data/share/hi"]) for row in rows}
+
+    drawn = shares(tmp_path / "whole")
+    assert list(drawn) == [3, 6, 9, 12] and all(sum(pair) == pytest.approx(1) for pair in drawn.values())
+    assert drawn[12] == (27 / 96, 69 / 96)  # the samples drawn, not the weights
+    assert shares(tmp_path / "resumed") == {9: drawn[9], 12: drawn[12]}
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -538,6 +591,11 @@ def test_a_mixture_draws_its_sources_in_proportion_continues_them_across_epochs_
         ({"sources": [{"path": "a"}]}, r"data\.sources\[0\]=\{'path': 'a'\}: expected \{path"),
         ({"sources": []}, r"data\.sources=\[\]: expected a list"),
         ({"path": "a", "sources": [{"path": "a", "weight": 1}]}, "give one"),
+        (
+            {"sources": [{"path": "x/web", "weight": 1}, {"path": "y/web/", "weight": 1}]},
+            r"data\.sources\[1\] and data\.sources\[0\] are both named 'web'.*name: web",
+        ),
+        ({"sources": [{"path": "a", "weight": 1, "name": "a b"}]}, r"data\.sources\[0\]: its name 'a b' is not"),
         ({}, "give one"),
     ],
 )

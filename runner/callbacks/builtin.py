@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from runner.callbacks.eval_at_start import EvaluateAtStart
 from runner.callbacks.goodput import GoodputLedger
 from runner.callbacks.history import RecordHistory
+from runner.callbacks.mixture import MixtureShares
 from runner.callbacks.plots import PlotCurves
 from runner.callbacks.profiler import ProfileSteps
 from runner.callbacks.progress import ProgressBar
@@ -28,13 +29,14 @@ def built_callbacks(
     evaluating: bool = False,
     ledger: Ledger | None = None,
     processes: int = 1,
+    mixture: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The run's callbacks by name, in the order the loop calls them: `goodput` (the main process's
     `ledger`, where the run records one), `watchdog` (`trainer.hang_timeout_s` not 0), those of training
-    (`training_callbacks`), `ranks` (`trainer.rank_metrics`, of a run of several `processes`), then those
-    of `callbacks:`, where one named like a built-in replaces it and a
-    name set to null switches it off. `evaluating` (`mode=evaluate`, which trains nothing): the watchdog
-    and the history only."""
+    (`training_callbacks`), `ranks` (`trainer.rank_metrics`, of a run of several `processes`), `mixture`
+    (of data that is a `mixture`: its sources' shares of the draws), then those of `callbacks:`, where one
+    named like a built-in replaces it and a name set to null switches it off. `evaluating` (`mode=evaluate`,
+    which trains nothing): the watchdog and the history only."""
     named: dict[str, Any] = {}
     if ledger is not None and ledger.recording:
         named["goodput"] = GoodputLedger(ledger)
@@ -45,6 +47,8 @@ def built_callbacks(
     named |= training_callbacks(trainer)
     if trainer.rank_metrics and processes > 1:  # after the history: it records the log window before the ranks' figures
         named["ranks"] = RankMetrics(trainer.straggler_ratio, ledger)
+    if mixture:
+        named["mixture"] = MixtureShares(mixture)
     for name, node in (callbacks or {}).items():
         if node is None:
             named.pop(name, None)

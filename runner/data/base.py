@@ -108,6 +108,9 @@ class DataSource(ABC):
         # dims this source's settings withhold, and why (an image source that does not flatten has no
         # `in_features`): what a model that needs one is told
         self.withheld: dict[str, str] = {}
+        # A mixture's sources by name, with their shares of the draws (their weights, normalized), once
+        # loaded: each sample's `SOURCE` is its source's index in this order. Empty: one source.
+        self.mixture: dict[str, float] = {}
 
     @abstractmethod
     def load(self) -> tuple[Dataset, Dataset, dict[str, int]]:

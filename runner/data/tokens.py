@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,15 +14,17 @@ from typing import Any
 import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig
-from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from runner.config import PositiveFloat, PositiveInt
 from runner.data.base import DataSource, fingerprint
 from runner.data.prepare import prepare, source_files, source_stats, tokenizer_name
 from runner.data.shards import TokenStore
 from runner.errors import ConfigError
+from runner.task import SOURCE
 
 CHUNK = 1 << 16  # indices computed at once by the shuffled order
+NAME = re.compile(r"[\w.-]+", re.ASCII)  # a mixture source's name, as its metrics carry it
 
 
 class ShardWindows(Dataset):
@@ -129,7 +132,8 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 class MixedWindows(Dataset):
     """`counts[s]` windows of each `parts[s]` in turn: index k of part s's range is its window
     (k + epoch * counts[s]) mod len(part), so that a part drawn less than it holds continues where the last
-    epoch stopped, and one drawn more repeats. The sampler's shuffle mixes them."""
+    epoch stopped, and one drawn more repeats. The sampler's shuffle mixes them. Each sample says which part
+    it is from (`SOURCE`: s)."""
 
     def __init__(self, parts: list[Dataset], counts: list[int]) -> None:
         self.parts, self.counts, self.epoch = parts, counts, 0
@@ -144,7 +148,8 @@ class MixedWindows(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         part = bisect.bisect_right(self.starts, index) - 1
         within = index - self.starts[part]
-        return self.parts[part][(within + self.epoch * self.counts[part]) % len(self.parts[part])]
+        sample = self.parts[part][(within + self.epoch * self.counts[part]) % len(self.parts[part])]
+        return sample | {SOURCE: part}
 
 
 def shares(total: int, weights: list[float]) -> list[int]:
@@ -158,25 +163,44 @@ def shares(total: int, weights: list[float]) -> list[int]:
 
 
 def check_mixture(sources: Any) -> None:
-    """ConfigError unless `sources` is a non-empty list of {path, weight} with positive weights."""
+    """ConfigError unless `sources` is a non-empty list of {path, weight} (and an optional name) with
+    positive weights and names (`source_name`) that differ."""
     entries = list(sources) if isinstance(sources, (list, tuple, ListConfig)) else None
+    named: dict[str, int] = {}
     for i, entry in enumerate(entries or []):
         keys = set(entry) if isinstance(entry, (dict, DictConfig)) else None
         weight = entry.get("weight") if keys else None
-        if keys != {"path", "weight"} or not isinstance(entry["path"], str):
+        if keys not in ({"path", "weight"}, {"path", "weight", "name"}) or not isinstance(entry["path"], str):
             problem = f"data.sources[{i}]={entry!r}: expected {{path: <shards dir>, weight: <number>}}"
         elif isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
             problem = f"data.sources[{i}].weight={weight!r}: a weight must be a positive finite number"
+        elif not NAME.fullmatch(name := source_name(entry)):
+            problem = (
+                f"data.sources[{i}]: its name {name!r} is not one metrics can carry (letters, digits, '_', '-', "
+                "'.')"
+            )
+        elif name in named:
+            problem = (
+                f"data.sources[{i}] and data.sources[{named[name]}] are both named {name!r} (their directories' "
+                "name): each source's metrics carry its name"
+            )
         else:
+            named[name] = i
             continue
         raise ConfigError(
-            f"{problem}. Give each source of the mixture its shards directory and a weight > 0."
+            f"{problem}. Give each source of the mixture its shards directory, a weight > 0 and, where "
+            "directories share a name, a name of its own ({path: a/, weight: 0.7, name: web})."
         )
     if not entries:
         raise ConfigError(
             f"data.sources={sources!r}: expected a list of {{path, weight}}, e.g. "
             "data.sources='[{path: a/, weight: 0.7}, {path: b/, weight: 0.3}]'."
         )
+
+
+def source_name(entry: Any) -> str:
+    """A mixture source's name in its metrics (`eval/loss/<name>`): its `name`, else its directory's."""
+    return str(entry.get("name") or Path(entry["path"]).name)
 
 
 class TokenShards(DataSource):
@@ -329,12 +353,11 @@ class TokenShards(DataSource):
         )
         if len(train_parts) == 1:
             return train_parts[0], eval_parts[0], {"vocab_size": vocab}
+        self.mixture = {source_name(e): w / sum(weights) for e, w in zip(self.sources, weights, strict=True)}
         total = sum(len(part) for part in train_parts)
-        return (
-            MixedWindows(train_parts, shares(total, weights)),
-            ConcatDataset(eval_parts),
-            {"vocab_size": vocab},
-        )
+        if len(eval_parts) > 1:  # each source's held-out windows, each sample saying which
+            eval_parts = [MixedWindows(eval_parts, [len(part) for part in eval_parts])]
+        return MixedWindows(train_parts, shares(total, weights)), eval_parts[0], {"vocab_size": vocab}
 
     def identity(self) -> str | None:
         """The checksums of the shards trained and evaluated on (`DataSource.identity`)."""

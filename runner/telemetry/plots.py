@@ -35,15 +35,22 @@ def panels(rows: list[dict[str, Any]]) -> dict[str, list[list[str]]]:
     rates = [name for name in names if name == "train/lr" or name.startswith("lr/")]
     speed = [name for name in ("perf/tokens_per_s", "perf/samples_per_s", "perf/mfu") if name in names]
     by_rank: dict[str, list[str]] = {}  # a figure of each rank's: rank/<r>/<figure>, a panel per figure
+    by_metric: dict[str, list[str]] = {}  # eval/<metric> with a mixture's eval/<metric>/<source>: a panel each
+    by_source: dict[str, list[str]] = {}  # a mixture's data/share/<source> beside its data/weight/<source>
     for name in names:
         if name.startswith("rank/"):
             by_rank.setdefault(name.split("/", 2)[2], []).append(name)
+        elif name.startswith("eval/"):
+            by_metric.setdefault(name.split("/")[1], []).append(name)
+        elif name.startswith(("data/share/", "data/weight/")):
+            by_source.setdefault(name.split("/", 2)[2], []).append(name)
     figures = {
         "loss": [losses],
-        "eval": [[name] for name in names if name.startswith("eval/") and name != "eval/loss"],
+        "eval": [panel for panel in by_metric.values() if panel != ["eval/loss"]],  # alone: in "loss"
         "lr": [rates],
         "throughput": [[name] for name in speed],
         "ranks": list(by_rank.values()),
+        "mixture": list(by_source.values()),
     }
     return {name: [panel for panel in drawn if panel] for name, drawn in figures.items() if any(drawn)}
 
