@@ -284,6 +284,14 @@ class NonFinite(str, Enum):
     skip = "skip"  # leave it out (the weights, the optimizer state and the LR schedule stay), and count it
 
 
+class Console(str, Enum):
+    """What the console says of a run (`trainer.console`); the log file, the history and the trackers keep
+    everything either way."""
+
+    quiet = "quiet"  # what repeats itself left out (`runner.telemetry.console`)
+    full = "full"  # every figure, and the goodput table of every run
+
+
 class SpikeMetric(str, Enum):
     """A per-step value `trainer.spike` watches (the mean over the processes)."""
 
@@ -378,6 +386,8 @@ class TrainerConfig:
     overwrite: bool = False
     save_model: bool = True  # write the final weights to <output dir>/model
     plots: bool = True  # draw the curves (history.jsonl) into <output dir>/plots/ at each eval and the end
+    plots_log_scale: bool = False  # the losses' and perplexities' curves on a logarithmic y axis
+    console: Console = Console.quiet  # quiet: what repeats itself left out | full: every figure, each time
     objective: str | None = "eval/loss"  # the metric the Hydra main returns to sweepers; null: all metrics
     compile: CompileConfig = field(default_factory=CompileConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(

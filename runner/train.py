@@ -35,7 +35,7 @@ from runner.callbacks.base import LeftOut
 from runner.checkpoint.checkpointer import ProjectConfiguration, Schedule
 from runner.checkpoint.resume import check_not_past, resume_checkpoint, resume_hint
 from runner.cluster import time_before_start
-from runner.config import NonFinite, SpikeMetric, TrainerConfig, trainer_settings
+from runner.config import Console, NonFinite, SpikeMetric, TrainerConfig, trainer_settings
 from runner.data.base import DataSource, pins_memory
 from runner.engine import Accumulation, Engine, Loading
 from runner.errors import TrainingDiverged, TrainingInterrupted, signal_name
@@ -53,6 +53,7 @@ from runner.rng import rng_kept, set_rng_state, set_seed
 from runner.run_dir import JOB_CONFIG_DIR, MODEL, RESOLVED, record_finished, resume_override
 from runner.run_dir.log import FILE_ONLY
 from runner.task import Task, batch_units, trains_by_loss
+from runner.telemetry.console import metrics_line
 from runner.telemetry.goodput import Ledger, job_began
 from runner.trackers.base import Tracker
 
@@ -176,7 +177,6 @@ class Trainer:
         self.grad_norm: torch.Tensor | None = None
         self.rolling_back: Path | None = None  # the checkpoint a callback asked the run to return to
         evaluating = cfg.get("mode") == "evaluate"  # the eval loop only (`evaluate_only`): the watchdog only
-        self.sources = list(data.mixture)  # a mixture's: evaluated each on its own too
         named = built_callbacks(
             cfg.get("callbacks"), trainer, evaluating, ledger, engine.num_processes, data.mixture
         )
@@ -252,6 +252,7 @@ class Trainer:
         )
         self.train_loader.limit_batches = trainer.limit_train_batches
         self.eval_loader.limit_batches = trainer.limit_eval_batches
+        self.sources = list(data.mixture)  # a mixture's: evaluated each on its own too
         return data
 
     def start_tracking(self, tracker: Tracker) -> None:
@@ -453,7 +454,7 @@ class Trainer:
         done.window_batches = 0
         self.log_metrics(logged)
         if log.isEnabledFor(logging.INFO):
-            log.info("step %d/%d: %s", done.step, self.total_steps, _fmt(logged))
+            log.info("step %d/%d: %s", done.step, self.total_steps, metrics_line(logged, self.full_console))
 
     def evaluate(self, heading: str | None = None, loader: Any = None, prefix: str = "eval") -> None:
         """The task's metrics over the whole eval set (or a prepared `loader` of other samples, its metrics
@@ -464,10 +465,16 @@ class Trainer:
         with rng_kept():
             evaluated = self.eval_metrics(batches, prefix)
         self.log_metrics(evaluated)
-        log.info("%s: %s", heading or f"step {self.done.step}/{self.total_steps}", _fmt(evaluated))
+        step = heading or f"step {self.done.step}/{self.total_steps}"
+        log.info("%s: %s", step, metrics_line(evaluated, self.full_console))
         if loader is None:
             self.evaluated_at = self.done.step
             self.callbacks.on_eval_end(self, evaluated)
+
+    @property
+    def full_console(self) -> bool:
+        """Whether the console says every figure (`trainer.console=full`)."""
+        return self.settings.console == Console.full
 
     def eval_metrics(self, loader: Any, prefix: str = "eval") -> dict[str, float]:
         """The task's metrics over `loader`'s samples (`evaluate`; a mixture's, of each source too)."""
@@ -739,7 +746,3 @@ def num_training_steps(trainer: TrainerConfig, train_loader: Any) -> int:
     if trainer.max_steps is not None:
         return trainer.max_steps
     return trainer.max_epochs * math.ceil(len(train_loader) / trainer.gradient_accumulation_steps)
-
-
-def _fmt(metrics: dict[str, float]) -> str:
-    return "  ".join(f"{k}={v:.4g}" for k, v in metrics.items())

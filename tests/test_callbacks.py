@@ -101,7 +101,7 @@ def test_callbacks_stop_keep_the_best_log_and_resume_their_state(tmp_path):
     pictures = sorted((whole / "plots").glob("*.png"))
     assert [p.stem for p in pictures] == ["eval", "loss", "lr", "throughput"]
     assert all(Image.open(p).format == "PNG" for p in pictures)
-    assert f"plots: {' '.join(map(str, pictures))}" in done.stderr
+    assert "plots: whole/plots/{eval,loss,lr,throughput}.png\n" in done.stderr  # relative to the working dir
     assert [row["step"] for row in read_history(whole) if "eval/loss" in row] == [5, 10, 15, 20, 25]
     points = [line.split("|")[0] for line in probes.read(whole / "probe", "callback")]
     assert points[0] == "fit_start" and points[-1] == "fit_end"
@@ -323,12 +323,17 @@ def test_one_process_started_with_the_training_draws_at_evaluations_and_the_whol
         plots.on_fit_end(run, {})
     pictures = sorted(map(str, (tmp_path / "plots").glob("*.png")))
     assert [Path(p).stem for p in pictures] == ["loss", "lr"]
-    assert f"plots: {' '.join(pictures)}" in caplog.text
+    assert f"plots: {tmp_path / 'plots'}/{{loss,lr}}.png" in caplog.text  # not under the working dir
     assert drawer.returncode == 0 and plots.drawer is None  # the one process, ended
     whole = tmp_path / "whole" / tmp_path.name  # the whole history drawn here (a dir of the run's name): the same pictures
     whole.mkdir(parents=True)
     shutil.copy(tmp_path / "history.jsonl", whole)
     assert [p.read_bytes() for p in draw_run(whole)] == [Path(p).read_bytes() for p in pictures]
+    # The run's trainer.plots_log_scale (its resolved config): the losses on a log scale, the rates as they were.
+    (whole / "resolved_config.yaml").write_text("trainer:\n  plots_log_scale: true\n")
+    assert [p.read_bytes() == Path(q).read_bytes() for p, q in zip(draw_run(whole), pictures, strict=True)] == [False, True]
+    log_scaled = run_figures(read_history(whole), log_scale=True)
+    assert [axes.get_yscale() for axes in log_scaled["loss"].axes + log_scaled["lr"].axes] == ["log", "linear"]
 
 
 @pytest.mark.parametrize("failure", ["a file where plots/ goes", "the drawer killed"])

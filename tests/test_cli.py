@@ -67,10 +67,15 @@ def test_default_experiment_trains_and_leaves_config_and_log(run_cli, tmp_path):
     metrics = metrics_of(proc)
     assert metrics["eval/loss"] < 0.2 and metrics["train/loss"] < 0.2  # the target variance is ~0.4
     assert "train:" not in proc.stderr  # piped: no progress bar
+    # A quiet console (trainer.console's default): on a CPU one memory figure, the goodput's headline.
+    assert "perf/peak_host_memory_gb=" in proc.stderr and "perf/peak_memory_gb" not in proc.stderr
+    assert "s (each phase: trainer.console=full)\n" in proc.stderr and "  startup " not in proc.stderr
     code, terminal = in_a_terminal(
-        runner_command(tmp_path / "tty", "trainer.progress_bar=true", "tracker=none"), tmp_path
+        runner_command(tmp_path / "tty", "trainer.progress_bar=true", "tracker=none", "trainer.console=full"),
+        tmp_path,
     )
     assert code == 0 and "train: 100%" in terminal  # on a terminal the progress bar ran
+    assert "perf/peak_memory_gb=" in terminal and "  startup " in terminal  # trainer.console=full: all of it
     files = {p.name for p in proc.run_dir.iterdir()}
     assert {"resolved_config.yaml", "runner.log", ".hydra", "history.jsonl"} <= files
     assert "plots" not in files  # trainer.plots=false (the tests' default): none drawn

@@ -15,6 +15,7 @@ import pytest
 from conftest import run_to_end
 
 from runner.run_dir import LEDGER
+from runner.telemetry.console import goodput_said, metrics_line, shown
 from runner.telemetry.goodput import (
     PHASES,
     Ledger,
@@ -227,3 +228,24 @@ def test_a_forked_rank_knows_its_own_start_not_its_parents():
     os.close(read)
     os.close(write)
     assert began > parent + 0.04 and process_start_time() == parent
+
+
+def test_a_quiet_console_leaves_out_what_repeats_itself_and_the_goodput_table_of_a_short_or_good_run():
+    cpu = {"train/loss": 0.5, "perf/peak_memory_gb": 0.33, "perf/peak_host_memory_gb": 0.33}
+    assert shown(cpu, full=False) == {"train/loss": 0.5, "perf/peak_host_memory_gb": 0.33}
+    assert shown(cpu, full=True) == cpu
+    cuda = cpu | {"perf/peak_memory_gb": 4.0}  # the device's memory: not the host's
+    assert shown(cuda, full=False) == cuda
+    assert metrics_line(cpu, full=False) == "train/loss=0.5  perf/peak_host_memory_gb=0.33"
+
+    def summary(goodput: float, wall_s: float) -> dict:
+        phases = {"train": goodput * wall_s, "startup": (1 - goodput) * wall_s}
+        return {"goodput": goodput, "wall_s": wall_s, "phases_s": phases, "attempts": 1, "restarts": 0,
+                "rollbacks": 0, "lost_steps": 0}  # fmt: skip
+
+    assert goodput_said(summary(0.1, 5.0), full=False) == "goodput 10.0% of 5.0 s (each phase: trainer.console=full)"
+    assert goodput_said(summary(0.8, 600.0), full=False) == "goodput 80.0% of 600.0 s (each phase: trainer.console=full)"
+    low = summary(0.4, 600.0)  # a long run that lost most of its time: the table
+    assert goodput_said(low, full=False) == table(low) and "\n  startup " in table(low)
+    assert goodput_said(summary(0.1, 5.0), full=True) == table(summary(0.1, 5.0))
+

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import IO, Any
 
 import torch
@@ -111,7 +112,7 @@ class PlotCurves(Callback):
         if "error" in self.answer:
             log.warning("the plots could not be drawn: %s", self.answer["error"])
             return
-        log.info("plots: %s", " ".join(sorted(self.answer["drawn"])))
+        log.info("plots: %s", brace_paths([Path(path) for path in self.answer["drawn"]]))
 
     def on_exception(self, run: Run, error: BaseException) -> None:
         self._close()
@@ -125,3 +126,14 @@ class PlotCurves(Callback):
             self.drawer.stdout.close()  # type: ignore[union-attr]
             self.errors.close()  # type: ignore[union-attr]
             self.drawer = None
+
+
+def brace_paths(paths: list[Path]) -> str:
+    """Files of one directory as the shell's braces write them, relative to the working directory where
+    they are under it: `run/plots/{eval,loss}.png` (one file: its path)."""
+    here = Path.cwd()
+    shown = sorted(path.relative_to(here) if path.is_relative_to(here) else path for path in paths)
+    if len(shown) < 2 or len({(p.parent, p.suffix) for p in shown}) > 1:
+        return " ".join(map(str, shown))
+    first = shown[0]
+    return f"{first.parent}/{{{','.join(p.stem for p in shown)}}}{first.suffix}"

@@ -92,6 +92,7 @@ from runner.run_dir import (
 )
 from runner.run_dir.lock import run_dir_lock
 from runner.run_dir.log import FILE_ONLY, configure_rank_logging
+from runner.telemetry.console import goodput_said, metrics_table
 from runner.telemetry.goodput import Ledger, end_of_command, job_began
 from runner.telemetry.goodput import table as goodput_table
 from runner.train import evaluate_weights, train
@@ -140,10 +141,21 @@ def main(cfg: DictConfig) -> float | dict[str, float]:
     record_ending(output_dir, 0)
     if not metrics:  # queued, not waited for (launcher.wait=false)
         return metrics
-    log.info("final metrics (output dir %s):\n%s", output_dir, _table(metrics))
-    if spent is not None:
-        log.info("time spent (%s):\n%s", output_dir / GOODPUT, goodput_table(spent))
+    _say_results(output_dir, metrics, spent, full=cfg.trainer.console == "full")
     return _objective(cfg, metrics)
+
+
+def _say_results(
+    output_dir: Path, metrics: dict[str, float], spent: dict[str, Any] | None, full: bool
+) -> None:
+    """The final metrics and the time spent, as `trainer.console` has them said; the log file keeps the
+    goodput table whole."""
+    log.info("final metrics (output dir %s):\n%s", output_dir, metrics_table(metrics, full))
+    if spent is not None:
+        said = goodput_said(spent, full)
+        log.info("time spent (%s):\n%s", output_dir / GOODPUT, said)
+        if said != (whole := goodput_table(spent)):
+            log.info("time spent (%s):\n%s", output_dir / GOODPUT, whole, extra=FILE_ONLY)
 
 
 # Hydra's own entry for what `run_composed_once` leaves to it: a sweep, --cfg, --info, a config asking for
@@ -506,8 +518,3 @@ def _resolved(cfg: DictConfig) -> DictConfig:
     resolved = copy.deepcopy(cfg)
     OmegaConf.resolve(resolved)
     return resolved
-
-
-def _table(metrics: dict[str, float]) -> str:
-    width = max(map(len, metrics), default=0)
-    return "\n".join(f"  {name:<{width}}  {value:.6g}" for name, value in metrics.items())

@@ -15,10 +15,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from runner.files import replacing
-from runner.run_dir import HISTORY, PLOTS, SWEEP_SUMMARY
+from runner.run_dir import HISTORY, PLOTS, RESOLVED, SWEEP_SUMMARY
 from runner.telemetry.goodput import read_ledger
 from runner.telemetry.history import read_history
+
+# The metrics (train/<name>, eval/<name>, eval/<name>/<source>) `trainer.plots_log_scale` draws on a log scale.
+LOG_SCALED = ("loss", "perplexity")
 
 
 def curve(rows: list[dict[str, Any]], name: str) -> tuple[list[int], list[float]]:
@@ -74,10 +79,14 @@ def marks(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
 
 
 def run_figures(
-    rows: list[dict[str, Any]], title: str | None = None, resumed: list[tuple[int, str]] | None = None
+    rows: list[dict[str, Any]],
+    title: str | None = None,
+    resumed: list[tuple[int, str]] | None = None,
+    log_scale: bool = False,
 ) -> dict[str, Any]:
     """figure name -> a matplotlib Figure of its panels (a line per metric against the step), titled
-    `title` (the run's name), with a dashed line at each of `resumed`'s steps (`marks`)."""
+    `title` (the run's name), with a dashed line at each of `resumed`'s steps (`marks`); `log_scale`: the
+    panels of losses and perplexities (`LOG_SCALED`) on a logarithmic y axis."""
     from matplotlib.figure import Figure  # the plots extra; no pyplot: no GUI backend, no global state
 
     figures = {}
@@ -95,6 +104,8 @@ def run_figures(
                 axes.annotate(what, (step, 1), xycoords=("data", "axes fraction"), fontsize=7, color="0.4",
                               rotation=90, va="top", ha="right")  # fmt: skip
             axes.set_xlabel("step")
+            if log_scale and metrics[0].partition("/")[2].split("/")[0] in LOG_SCALED:
+                axes.set_yscale("log")
             ranks = metrics[0].startswith("rank/")
             axes.set_title(f"{metrics[0].split('/', 2)[2]} by rank" if ranks else ", ".join(metrics), fontsize=9)
             axes.grid(alpha=0.3)
@@ -244,11 +255,16 @@ def save_figures(figures: dict[str, Any], directory: Path) -> list[Path]:
 
 
 def draw_run(run_dir: Path) -> list[Path]:
-    """Write the run's figures to `<run_dir>/plots/<name>.png`; their paths."""
+    """Write the run's figures to `<run_dir>/plots/<name>.png` (on the scale its `trainer.plots_log_scale`
+    asks); their paths."""
     run_dir = Path(run_dir)
     sweep_job = (run_dir.parent / SWEEP_SUMMARY).is_file() or (run_dir.parent / "multirun.yaml").is_file()
     title = f"{run_dir.parent.name}/{run_dir.name}" if sweep_job else run_dir.name
-    figures = run_figures(read_history(run_dir), title, marks(read_ledger(run_dir)))
+    resolved = run_dir / RESOLVED
+    trainer = (yaml.safe_load(resolved.read_text()) or {}).get("trainer", {}) if resolved.is_file() else {}
+    figures = run_figures(
+        read_history(run_dir), title, marks(read_ledger(run_dir)), bool(trainer.get("plots_log_scale"))
+    )
     return save_figures(figures, run_dir / PLOTS)
 
 
