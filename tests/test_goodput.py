@@ -248,4 +248,8 @@ def test_a_quiet_console_leaves_out_what_repeats_itself_and_the_goodput_table_of
     low = summary(0.4, 600.0)  # a long run that lost most of its time: the table
     assert goodput_said(low, full=False) == table(low) and "\n  startup " in table(low)
     assert goodput_said(summary(0.1, 5.0), full=True) == table(summary(0.1, 5.0))
+    slowed = summary(0.8, 5.0) | {"straggler_windows": 4, "straggler_ranks": [1], "straggler_s": 2.5}
+    assert goodput_said(slowed, full=False).split("\n")[1:] == [  # a straggler is said whatever the goodput
+        "  stragglers: rank 1 in 4 log window(s); every rank waited 2.50 s for them (within train and data_wait)"
+    ]
 

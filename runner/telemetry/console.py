@@ -38,7 +38,10 @@ def metrics_table(metrics: dict[str, float], full: bool) -> str:
 
 def goodput_said(summary: dict[str, Any], full: bool) -> str:
     """The goodput ledger's summary as the console says it: its table (`full`, or goodput low in a long
-    run), else its headline, with where the table is."""
+    run), else its headline, with where the table is, and the stragglers it names."""
+    whole = table(summary)
     if full or (summary["goodput"] < LOW_GOODPUT and summary["wall_s"] >= LONG_RUN_S):
-        return table(summary)
-    return table(summary).split("\n", 1)[0] + " (each phase: trainer.console=full)"
+        return whole
+    headline, *lines = whole.split("\n")
+    stragglers = [line for line in lines if line.startswith("  stragglers:")]
+    return "\n".join([f"{headline} (each phase: trainer.console=full)", *stragglers])
