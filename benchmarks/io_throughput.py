@@ -100,7 +100,9 @@ def checkpoint_rates(root: Path, hardware: list[str], width: int) -> tuple[int, 
     model = [f"model.hidden_size={width}", *hardware]
     saved = runner_run(root / "saved", [*model, "trainer.max_steps=1", "trainer.checkpoint_every=1"])
     checkpoint = root / "saved" / "checkpoints" / "checkpoint_0"
-    size = sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
+    # Each file once: the Accelerate-readable names are hard links to runner's own files.
+    files = {p.stat().st_ino: p.stat().st_size for p in checkpoint.rglob("*") if p.is_file()}
+    size = sum(files.values())
     dropped(checkpoint)
     resumed = runner_run(root / "resumed", [*model, "trainer.max_steps=2", f"trainer.resume={checkpoint}"])
     shutil.rmtree(root)
@@ -120,6 +122,7 @@ def datasets_prepare(corpus: Path, tokenizer: Path, out: Path) -> float:
     import datasets
     from transformers import AutoTokenizer
 
+    datasets.disable_progress_bars()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     start = time.perf_counter()
