@@ -4,9 +4,9 @@
 
 Each command starts in a fresh process, in interleaved rounds (the reference twice per round, the second
 time as an A/A control); the time is from launch to exit, and each refusal's exit status (2) and its first
-line are checked. A misspelt key, a wrong type and an unknown option are refused by the composition, which
-imports no torch (`runner.compose.compose_command`); a missing data file is refused by the checks before
-launch, which build the data source and so come after torch. Ratios are of medians; nothing here gates CI.
+line are checked. Each is refused by the composition, which imports no torch (`runner.compose.compose_command`):
+a misspelt key, a wrong type and an unknown option against the schemas, a missing data file against the
+paths the data option's class declares (`runner.config.Exists`). Ratios are of medians; nothing here gates CI.
 """
 
 from __future__ import annotations

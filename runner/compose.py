@@ -50,7 +50,7 @@ from runner.errors import (
     describe_yaml_error,
     ending,
 )
-from runner.group_schemas import register_configs
+from runner.group_schemas import PATH_SETTINGS, register_configs
 
 CONFIG_NAME = "config"  # the primary config: conf/config.yaml
 VERSION_BASE = "1.3"  # Hydra's defaults of that version (`hydra.job.chdir: false`, ...)
@@ -335,7 +335,27 @@ def compose_command(arguments: list[str]) -> Composed | None:
         raise composition_error(err) from None
     if composed is None:
         GlobalHydra.instance().clear()
+    elif problems := path_problems(composed.cfg):
+        GlobalHydra.instance().clear()
+        raise ConfigError("\n\n".join(problems))
     return composed
+
+
+def path_problems(cfg: DictConfig) -> list[str]:
+    """What the settings of a shipped option name that is not there (`group_schemas.PATH_SETTINGS`, the
+    `Exists` its class declares): a missing data file is refused before torch loads, in the words its
+    class's constructor would use."""
+    problems = []
+    for node in cfg:
+        try:
+            node_cfg = cfg[node]
+            declared = PATH_SETTINGS.get(node_cfg.get("_target_")) if isinstance(node_cfg, DictConfig) else None
+            for key, exists in (declared or {}).items():
+                if (problem := exists.problem(f"{node}.{key}", node_cfg.get(key))) is not None:
+                    problems.append(problem)
+        except OmegaConfBaseException:  # a value given later (`???`) or resolved later: checked before launch
+            continue
+    return problems
 
 
 def composed_run(args: argparse.Namespace, arguments: list[str]) -> Composed | None:

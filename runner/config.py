@@ -80,20 +80,27 @@ ShardDegree = Annotated[int, Range(ge=-1)]  # ranks a parameter is sharded over;
 
 
 def checked(group: str) -> Callable[[F], F]:
-    """Decorates a constructor whose arguments declare `Range`s: a value out of its range is a ConfigError
-    naming `<group>.<argument>`, for an object built from Python as for one built from YAML (whose ranges
-    `runner.validate` checks before launch, with the same `declared_ranges` and `Declared.problem`)."""
+    """Decorates a constructor whose arguments declare `Range`s or `Exists`: a value out of its range, or
+    a path that is not there, is a ConfigError naming `<group>.<argument>`, for an object built from Python
+    as for one built from YAML (whose ranges `runner.validate` checks before launch, with the same
+    `declared_ranges` and `Declared.problem`, and whose paths the command checks as it composes)."""
 
     def decorate(init: F) -> F:
         signature = inspect.signature(init)
 
         @functools.wraps(init)
         def checked_init(*args: Any, **kwargs: Any) -> Any:
-            ranges = _ranges_of(init)
+            ranges, paths = _ranges_of(init), _paths_of(init)
+            arguments = signature.bind(*args, **kwargs).arguments
             problems = [
                 problem
-                for name, value in signature.bind(*args, **kwargs).arguments.items()
+                for name, value in arguments.items()
                 if name in ranges and (problem := ranges[name].problem(f"{group}.{name}", value)) is not None
+            ] + [
+                problem
+                for name, value in arguments.items()
+                if name in paths
+                and (problem := paths[name].problem(f"{group}.{name}", value)) is not None
             ]
             if problems:
                 raise ConfigError(" ".join(problems))
@@ -108,6 +115,67 @@ def checked(group: str) -> Callable[[F], F]:
 def _ranges_of(function: Callable[..., Any]) -> dict[str, Declared]:
     """`declared_ranges(function)`, resolved at its first call (once every name it names exists)."""
     return declared_ranges(function)
+
+
+@functools.cache
+def _paths_of(function: Callable[..., Any]) -> dict[str, Exists]:
+    """`declared_paths(function)`, resolved at its first call."""
+    return declared_paths(function)
+
+
+@dataclass(frozen=True)
+class Exists:
+    """Marks a setting that names a path on this machine, which must be there before anything starts
+    (`path: Annotated[str, Exists("file", "a CSV file")]`): a "file", a "folder", a "path" (a file or a
+    directory), a "tokenizer" (a directory `save_pretrained` wrote) or "shards" (a directory `runner
+    prepare-data` wrote); `what` says what to give. Checked as the command composes, for the shipped
+    options (before torch loads: `runner.group_schemas.PATH_SETTINGS`), and as a constructor decorated
+    with `checked` is called."""
+
+    kind: Literal["file", "folder", "path", "tokenizer", "shards"]
+    what: str
+
+    def problem(self, key: str, value: Any) -> str | None:
+        """Why `key=value` names no such path (None: it does, or no path is given)."""
+        if not isinstance(value, (str, Path)):
+            return None
+        path = Path(value).expanduser()
+        found = {
+            "file": path.is_file(),
+            "folder": path.is_dir(),
+            "path": path.exists(),
+            "tokenizer": (path / "tokenizer_config.json").is_file(),
+            "shards": (path / "manifest.json").is_file(),
+        }[self.kind]
+        if found:
+            return None
+        named, where = f"{key}={str(value)!r}", f"looked for {path.resolve()}"
+        said = {
+            "file": f"no such file ({where})",
+            "folder": f"no such folder ({where})",
+            "path": f"no such file or directory ({where})",
+            "tokenizer": f"not a tokenizer directory (no tokenizer_config.json in {path.resolve()})",
+            "shards": f"no token shards there ({'no manifest.json in it' if path.is_dir() else 'no such directory'}; "
+            f"looked in {path.resolve()})",
+        }[self.kind]
+        return f"{named}: {said}. Give {self.what}; a relative path is taken from the directory you run in."
+
+
+def declared_paths(target: Any) -> dict[str, Exists]:
+    """The arguments of `target` (a class or function a `_target_` names; see `declared_ranges`) that name
+    a path which must exist, each with its `Exists`."""
+    paths: dict[str, Exists] = {}
+    for function in _signatures(target):
+        for key, hint in _hints(function).items():
+            for inner in [hint, *get_args(hint)] if get_origin(hint) in (Union, UnionType) else [hint]:
+                marks = inner.__metadata__ if get_origin(inner) is Annotated else ()
+                for mark in marks:
+                    if isinstance(mark, Exists):
+                        paths.setdefault(key, mark)
+    return paths
+
+
+TokenizerDir = Annotated[str, Exists("tokenizer", "a local directory written by save_pretrained")]
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from hydra.core.config_store import ConfigStore
 
 from runner.config import (
+    Exists,
     HardwareConfig,
     LauncherConfig,
     PrecisionConfig,
@@ -286,6 +287,43 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "tensorboard": TensorBoardTrackerSchema,
         "wandb": WandbTrackerSchema,
         "none": TrackerConfig,
+    },
+}
+
+# `_target_` -> its settings that name a path which must exist: checked as the command composes
+PATH_SETTINGS: dict[str, dict[str, Exists]] = {
+    "runner.data.TableFile": {
+        "path": Exists(kind='file', what='a .csv or .jsonl file (or one gzipped)'),
+    },
+    "runner.data.TextFile": {
+        "path": Exists(kind='file', what='a text file'),
+    },
+    "runner.data.TokenShards": {
+        "path": Exists(kind='shards', what="a directory of token shards: `runner prepare-data` with this run's data settings (data.source, data.tokenizer) prepares them there from your text or token files"),
+        "eval_path": Exists(kind='shards', what="a directory of token shards: `runner prepare-data` with this run's data settings (data.source, data.tokenizer) prepares them there from your text or token files"),
+    },
+    "runner.data.chat.ChatData": {
+        "path": Exists(kind='path', what='a file or a dataset directory written by save_to_disk, of conversations'),
+        "tokenizer": Exists(kind='tokenizer', what='a local directory written by save_pretrained'),
+        "chat_template": Exists(kind='file', what="a Jinja template file, or null for the tokenizer's own"),
+    },
+    "runner.data.hf.HFDataset": {
+        "path": Exists(kind='path', what='a data file or a dataset directory written by save_to_disk'),
+        "tokenizer": Exists(kind='tokenizer', what='a local directory written by save_pretrained'),
+    },
+    "runner.data.image_folder.ImageFolder": {
+        "path": Exists(kind='folder', what='a folder with one sub-folder of images per class'),
+        "eval_path": Exists(kind='folder', what='a folder with one sub-folder of images per class'),
+    },
+    "runner.data.table.TableFile": {
+        "path": Exists(kind='file', what='a .csv or .jsonl file (or one gzipped)'),
+    },
+    "runner.data.text.TextFile": {
+        "path": Exists(kind='file', what='a text file'),
+    },
+    "runner.data.tokens.TokenShards": {
+        "path": Exists(kind='shards', what="a directory of token shards: `runner prepare-data` with this run's data settings (data.source, data.tokenizer) prepares them there from your text or token files"),
+        "eval_path": Exists(kind='shards', what="a directory of token shards: `runner prepare-data` with this run's data settings (data.source, data.tokenizer) prepares them there from your text or token files"),
     },
 }
 

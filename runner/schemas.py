@@ -20,12 +20,18 @@ from functools import cache
 from pathlib import Path
 from typing import Annotated, Any, Union, get_args, get_origin, get_type_hints
 
+import yaml
+from hydra.utils import get_object
+
 from runner.config import (
+    CONF_DIR,
+    Exists,
     HardwareConfig,
     LauncherConfig,
     NotASetting,
     PrecisionConfig,
     TrackerConfig,
+    declared_paths,
 )
 from runner.hardware import DDP, FSDP, DeepSpeed, SingleDevice, TensorParallel
 from runner.hardware.big_model import BigModel
@@ -133,6 +139,23 @@ def schemas() -> dict[str, dict[str, type]]:
     }
 
 
+UNTYPED_GROUPS = ("model", "data", "task", "optimizer", "scheduler")  # no schema: their `_target_`s' own
+
+
+def path_settings() -> dict[str, dict[str, Exists]]:
+    """`_target_` -> its settings that name a path which must exist (`Exists`), of what the untyped groups'
+    shipped options build (classes: a function such as `data=digits` names its own files), under the name
+    their YAML gives and the class's own."""
+    found: dict[str, dict[str, Exists]] = {}
+    for group in UNTYPED_GROUPS:
+        for option in sorted((CONF_DIR / group).glob("*.yaml")):
+            target = (yaml.safe_load(option.read_text()) or {}).get("_target_")
+            built = get_object(target) if isinstance(target, str) else None
+            if isinstance(built, type) and (declared := declared_paths(built)):
+                found[target] = found[f"{built.__module__}.{built.__qualname__}"] = declared
+    return dict(sorted(found.items()))
+
+
 GENERATED = Path(__file__).with_name("group_schemas.py")
 HEADER = '''"""The structured configs of the typed groups, as `runner.schemas` derives them from the constructors of
 the classes their options build, written out so that composing a command imports none of those classes
@@ -145,6 +168,7 @@ from typing import Annotated, Any
 from hydra.core.config_store import ConfigStore
 
 from runner.config import (
+    Exists,
     HardwareConfig,
     LauncherConfig,
     PrecisionConfig,
@@ -190,8 +214,21 @@ def source() -> str:
         + "\n\n# group -> option -> its structured config\nSCHEMAS: dict[str, dict[str, type]] = {\n"
         + "\n".join(table)
         + "\n}\n"
+        + _paths_source(imports)
         + FOOTER
     )
+
+
+def _paths_source(imports: set[tuple[str, str]]) -> str:
+    lines = [
+        "\n# `_target_` -> its settings that name a path which must exist: checked as the command composes",
+        "PATH_SETTINGS: dict[str, dict[str, Exists]] = {",
+    ]
+    for target, declared in path_settings().items():
+        lines.append(f"    {json.dumps(target)}: {{")
+        lines += [f"        {json.dumps(key)}: {_value_source(mark, imports)}," for key, mark in declared.items()]
+        lines.append("    },")
+    return "\n".join([*lines, "}\n"])
 
 
 def _class_source(schema: type, base: type, imports: set[tuple[str, str]]) -> str:

@@ -317,11 +317,16 @@ def test_bad_input_gives_one_paragraph_and_no_traceback(forked_cli, overrides, e
         (["trainer.max_step=5"], "Did you mean trainer.max_steps?"),
         (["hardware=ddp", "hardware.num_processes=two"], "hardware.num_processes: Value 'two'"),
         (["hardware=fdsp"], "hardware=fdsp: there is no option 'fdsp' in the config group 'hardware'"),
+        (["data=tokens", "data.path=missing"], "data.path='missing': no token shards there (no such directory"),
+        (["data=table", "data.path=gone.csv", "data.target=y"], "data.path='gone.csv': no such file"),
+        (["data=image_folder", "data.path=images"], "data.path='images': no such folder"),
+        (["data=hf", "data.path=.", "data.tokenizer=gpt2"], "data.tokenizer='gpt2': not a tokenizer directory"),
     ],
 )
 def test_a_config_that_does_not_compose_is_refused_before_torch_loads(tmp_path, overrides, expected):
-    """`python -m runner` composes before it imports torch: a misspelt key, a wrong type or an unknown
-    option is refused without waiting for torch (`-X importtime` lists every module imported)."""
+    """`python -m runner` composes before it imports torch: a misspelt key, a wrong type, an unknown
+    option or a data file that is not there is refused without waiting for torch (`-X importtime` lists
+    every module imported)."""
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "runner", *overrides],
         cwd=tmp_path,

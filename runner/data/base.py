@@ -153,17 +153,6 @@ def pins_memory(setting: bool | None) -> bool:
     return torch.cuda.is_available() if setting is None else setting
 
 
-def existing_file(path: str | Path, key: str = "data.path") -> Path:
-    """`path` as a Path, or a ConfigError naming `key` when there is no such file."""
-    resolved = Path(path).expanduser()
-    if not resolved.is_file():
-        raise ConfigError(
-            f"{key}={str(path)!r}: no such file (looked in {resolved.resolve().parent}). Pass an existing "
-            f"file, e.g. `{key}=/abs/path/to/file`; relative paths are taken from the directory you run in."
-        )
-    return resolved
-
-
 def random_split(dataset: Dataset, eval_fraction: float, seed: int) -> tuple[Subset, Subset]:
     """Split `dataset` into train and eval subsets with a fixed permutation."""
     if not 0.0 < eval_fraction < 1.0:

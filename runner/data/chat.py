@@ -7,13 +7,13 @@ import logging
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import transformers
 
 from runner.cluster import launched_environment
-from runner.config import Fraction, PositiveInt, Seed
+from runner.config import Exists, Fraction, PositiveInt, Seed, TokenizerDir, checked
 from runner.data.base import (
     DataSource,
     TensorDictDataset,
@@ -72,12 +72,14 @@ class ChatData(DataSource):
         eval_fraction, split_seed: the held-out share of the conversations and the seed that draws it.
     """
 
+    @checked("data")
     def __init__(
         self,
-        path: str,
-        tokenizer: str,
+        path: Annotated[str, Exists("path", "a file or a dataset directory written by save_to_disk, of conversations")],
+        tokenizer: TokenizerDir,
         seq_len: PositiveInt = 512,
-        chat_template: str | None = None,
+        chat_template: Annotated[str, Exists("file", "a Jinja template file, or null for the tokenizer's own")]
+        | None = None,
         messages_column: str = "messages",
         prompt_column: str = "prompt",
         response_column: str = "response",
@@ -92,21 +94,10 @@ class ChatData(DataSource):
     ) -> None:
         super().__init__(**loader)
         self.path = Path(path).expanduser()
-        if not self.path.exists() or (self.path.is_file() and self.path.suffix not in READABLE):
+        if self.path.is_file() and self.path.suffix not in READABLE:
             raise ConfigError(
-                f"data.path={path!r}: {'no such file or directory' if not self.path.exists() else 'unsupported file type'} "
-                f"({self.path.resolve()}). Give a {', '.join(READABLE)} file or a dataset directory written by "
-                "save_to_disk, of conversations."
-            )
-        if not (Path(tokenizer).expanduser() / "tokenizer_config.json").is_file():
-            raise ConfigError(
-                f"data.tokenizer={tokenizer!r}: not a tokenizer directory (no tokenizer_config.json in "
-                f"{Path(tokenizer).expanduser().resolve()}). Give a local directory written by save_pretrained."
-            )
-        if chat_template is not None and not Path(chat_template).expanduser().is_file():
-            raise ConfigError(
-                f"data.chat_template={chat_template!r}: no such file. Give a Jinja template file, or null for the "
-                "tokenizer's own chat template."
+                f"data.path={path!r}: unsupported file type ({self.path.resolve()}). Give a {', '.join(READABLE)} "
+                "file or a dataset directory written by save_to_disk, of conversations."
             )
         self.tokenizer, self.seq_len, self.chat_template = tokenizer, seq_len, chat_template
         self.columns = {

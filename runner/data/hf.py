@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from torch.utils.data import DataLoader
 
-from runner.config import Fraction, PositiveInt, Seed
+from runner.config import Exists, Fraction, PositiveInt, Seed, TokenizerDir, checked
 from runner.data.base import (
     DataSource,
     TensorDictDataset,
@@ -121,10 +121,11 @@ class HFDataset(DataSource):
         shuffle_blocks: streaming: blocks shuffled together (1: in the order of the text).
     """
 
+    @checked("data")
     def __init__(
         self,
-        path: str,
-        tokenizer: str,
+        path: Annotated[str, Exists("path", "a data file or a dataset directory written by save_to_disk")],
+        tokenizer: TokenizerDir,
         task: str = "language_modeling",
         seq_len: PositiveInt = 128,
         text_column: str = "text",
@@ -140,20 +141,10 @@ class HFDataset(DataSource):
     ) -> None:
         super().__init__(**loader)
         self.path = Path(path).expanduser()
-        if not self.path.exists():
-            raise ConfigError(
-                f"data.path={path!r}: no such file or directory (looked for {self.path.resolve()}). Give a "
-                f"{', '.join(sorted(FORMATS))} file or a dataset directory written by save_to_disk."
-            )
         if self.path.is_file() and self.path.suffix not in FORMATS:
             raise ConfigError(
                 f"data.path={path!r}: unsupported file type {self.path.suffix!r}; expected one of "
                 f"{sorted(FORMATS)}, or a dataset directory written by save_to_disk."
-            )
-        if not (Path(tokenizer).expanduser() / "tokenizer_config.json").is_file():
-            raise ConfigError(
-                f"data.tokenizer={tokenizer!r}: not a tokenizer directory (no tokenizer_config.json in "
-                f"{Path(tokenizer).expanduser().resolve()}). Give a local directory written by save_pretrained."
             )
         if task not in TASKS:
             raise ConfigError(f"data.task={task!r}: expected one of {list(TASKS)}.")

@@ -10,11 +10,12 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from runner.config import Fraction, PositiveFloat, PositiveInt, Range, Seed
+from runner.config import Exists, Fraction, PositiveFloat, PositiveInt, Range, Seed
 from runner.data.base import DataSource, file_stats, fingerprint, machine_cache, random_split
 from runner.errors import ConfigError
 
 # torchvision's IMG_EXTENSIONS
+IMAGES = Exists("folder", "a folder with one sub-folder of images per class")  # data.path, data.eval_path
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
@@ -91,8 +92,8 @@ class ImageFolder(DataSource):
 
     def __init__(
         self,
-        path: str,
-        eval_path: str | None = None,
+        path: Annotated[str, IMAGES],
+        eval_path: Annotated[str, IMAGES] | None = None,
         image_size: PositiveInt = 32,
         grayscale: bool = False,
         mean: list[Annotated[float, Range()]] | None = None,  # any real per channel
@@ -117,8 +118,11 @@ class ImageFolder(DataSource):
             raise ConfigError(f"data.std={std}: every value must be > 0.")
         if image_size < 1:
             raise ConfigError(f"data.image_size={image_size}: must be >= 1.")
-        self.root = _folder(path, "data.path")
-        self.eval_root = _folder(eval_path, "data.eval_path") if eval_path is not None else None
+        for key, folder in (("data.path", path), ("data.eval_path", eval_path)):  # after the settings' own
+            if (problem := IMAGES.problem(key, folder)) is not None:
+                raise ConfigError(problem)
+        self.root = Path(path).expanduser()
+        self.eval_root = Path(eval_path).expanduser() if eval_path is not None else None
         self.image_size, self.random_flip, self.flatten = image_size, random_flip, flatten
         self.mean, self.std = torch.tensor(mean), torch.tensor(std)
         self.eval_fraction, self.split_seed = eval_fraction, split_seed
@@ -180,16 +184,6 @@ class ImageFolder(DataSource):
             samples += [(file, index) for file in files]
         decode_once(file for file, _ in samples)
         return samples
-
-
-def _folder(path: str, key: str) -> Path:
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise ConfigError(
-            f"{key}={path!r}: no such folder (looked for {folder.resolve()}). Give a folder with one sub-folder of "
-            "images per class; relative paths are taken from the directory you run in."
-        )
-    return folder
 
 
 def decode_once(files: Iterable[Path]) -> None:

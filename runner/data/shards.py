@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from runner.config import Exists
 from runner.data.base import fingerprint, machine_cache
 from runner.errors import ConfigError
 from runner.files import write_bytes, write_json
@@ -28,6 +29,12 @@ FORMAT = "runner-token-shards"
 VERSION = 1
 MANIFEST = "manifest.json"
 INDEX_DTYPE = np.dtype("<i8")
+# What a setting naming a directory of shards asks for (checked as the command composes: `Exists`).
+SHARDS = Exists(
+    "shards",
+    "a directory of token shards: `runner prepare-data` with this run's data settings (data.source, "
+    "data.tokenizer) prepares them there from your text or token files",
+)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -277,13 +284,8 @@ class TokenStore:
 def read_manifest(directory: Path, key: str = "data.path") -> Manifest:
     """The manifest in `directory`, or a ConfigError naming `key` when there is none that can be read."""
     path = directory / MANIFEST
-    if not path.is_file():
-        found = "no such directory" if not directory.exists() else f"no {MANIFEST} in it"
-        raise ConfigError(
-            f"{key}={str(directory)!r}: no token shards there ({found}; looked in {directory.resolve()}). "
-            "Prepare them from your text or token files first: `runner prepare-data` with this run's data "
-            "settings (data.source, data.tokenizer) writes them to data.path."
-        )
+    if (problem := SHARDS.problem(key, directory)) is not None:
+        raise ConfigError(problem)
     try:
         content = json.loads(path.read_text())
         if content.get("format") != FORMAT or content.get("version") != VERSION:

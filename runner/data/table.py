@@ -8,12 +8,12 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Annotated, Any
 
 import torch
 
-from runner.config import Fraction, Seed
-from runner.data.base import DataSource, TensorDictDataset, existing_file, random_split
+from runner.config import Exists, Fraction, Seed, checked
+from runner.data.base import DataSource, TensorDictDataset, random_split
 from runner.errors import ConfigError
 
 
@@ -62,9 +62,10 @@ class TableFile(DataSource):
         split_seed: seed of the train/eval split.
     """
 
+    @checked("data")
     def __init__(
         self,
-        path: str,
+        path: Annotated[str, Exists("file", "a .csv or .jsonl file (or one gzipped)")],
         target: str,
         features: list[str] | None = None,
         task: str = "classification",
@@ -74,7 +75,7 @@ class TableFile(DataSource):
         **loader: Any,
     ) -> None:
         super().__init__(**loader)
-        self.path = existing_file(path)
+        self.path = Path(path).expanduser()
         suffix = self.path.suffixes[-2] if self.path.suffix == ".gz" else self.path.suffix
         if suffix not in _READERS:
             raise ConfigError(

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
 import torch
 from torch.utils.data import Dataset
 
-from runner.config import Fraction, PositiveInt
-from runner.data.base import DataSource, existing_file
+from runner.config import Exists, Fraction, PositiveInt, checked
+from runner.data.base import DataSource
 from runner.errors import ConfigError
 
 VOCAB_SIZE = 256  # one token per byte: any text file, no tokenizer to ship
@@ -40,16 +41,17 @@ class TextFile(DataSource):
         eval_fraction: share of the file, at its end, held out for evaluation.
     """
 
+    @checked("data")
     def __init__(
         self,
-        path: str,
+        path: Annotated[str, Exists("file", "a text file")],
         seq_len: PositiveInt = 64,
         stride: PositiveInt = 1,
         eval_fraction: Fraction = 0.1,
         **loader: Any,
     ) -> None:
         super().__init__(**loader)
-        self.path = existing_file(path)
+        self.path = Path(path).expanduser()
         if seq_len < 1 or stride < 1:
             raise ConfigError(f"data.seq_len={seq_len}, data.stride={stride}: both must be >= 1.")
         self.seq_len, self.stride, self.eval_fraction = seq_len, stride, eval_fraction

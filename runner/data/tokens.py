@@ -9,7 +9,7 @@ import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from runner.config import PositiveFloat, PositiveInt
 from runner.data.base import DataSource, fingerprint
 from runner.data.prepare import prepare, source_files, source_stats, tokenizer_name
-from runner.data.shards import TokenStore
+from runner.data.shards import SHARDS, TokenStore
 from runner.errors import ConfigError
 from runner.task import SOURCE
 
@@ -241,12 +241,12 @@ class TokenShards(DataSource):
         prepare_workers: processes that prepare shards (null: one per CPU core).
     """
 
-    def __init__(
+    def __init__(  # not `checked`: `runner prepare-data` builds it to write data.path
         self,
-        path: str | None = None,
+        path: Annotated[str, SHARDS] | None = None,
         seq_len: PositiveInt = 256,
         sources: list[dict[str, Any]] | None = None,
-        eval_path: str | None = None,
+        eval_path: Annotated[str, SHARDS] | None = None,
         eval_samples: PositiveInt | None = 64,
         window_stride: PositiveInt | None = None,
         document_mask: bool = False,
