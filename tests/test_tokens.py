@@ -95,6 +95,35 @@ def test_text_files_become_their_bytes_in_shards_with_a_document_index(corpus, t
         prepare(tmp_path / "shards", str(files[0]), shard_mb=0.01, workers=1, progress=False)
 
 
+def test_a_directory_of_code_is_its_text_files_of_any_suffix_without_hidden_or_binary_ones(tmp_path):
+    """A source directory gives every text file in it whatever its suffix (.py, .c, a Makefile), one
+    document each in sorted order, and leaves out binary files (a NUL in their first 8000 bytes, as git
+    tells) and hidden ones (.git/); a file named on its own is text whatever its suffix."""
+    code = tmp_path / "code"
+    (code / "src").mkdir(parents=True)
+    (code / ".git").mkdir()
+    texts = {
+        "Makefile": "all:\n\tcc main.c\n",
+        "main.c": "int main(void) { return 0; }\n",
+        "src/train.py": "print('hello')\n",
+        "src/notes.rst": "Notes\n=====\n",
+    }
+    for name, text in texts.items():
+        (code / name).write_text(text)
+    (code / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + bytes(64))
+    (code / ".git" / "config").write_text("[core]\n")
+    (code / ".env").write_text("SECRET=1\n")
+    manifest = prepare(tmp_path / "shards", str(code), workers=1, progress=False)
+    expected = b"".join((code / name).read_bytes() for name in sorted(texts, key=lambda n: str(code / n)))
+    assert [Path(source[0]).relative_to(code).as_posix() for source in manifest.sources] == sorted(texts)
+    assert (manifest.documents, manifest.tokens) == (4, len(expected))
+    assert all_tokens(tmp_path / "shards").astype(np.uint8).tobytes() == expected
+    alone = prepare(tmp_path / "one", str(code / "src" / "train.py"), workers=1, progress=False)
+    assert alone.tokens == len(texts["src/train.py"])
+    with pytest.raises(ConfigError, match=r"logo\.png is not UTF-8 text"):
+        prepare(tmp_path / "png", str(code / "logo.png"), workers=1, progress=False)
+
+
 @pytest.mark.parametrize("source", ["lines.jsonl", "lines.parquet", "saved"])
 def test_rows_are_tokenized_with_an_end_of_sequence_token_each_whatever_the_units(corpus, tmp_path, source):
     tokenizer = PreTrainedTokenizerFast.from_pretrained(corpus / "tokenizer")

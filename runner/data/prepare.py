@@ -34,19 +34,20 @@ from runner.files import write_json
 
 log = logging.getLogger(__name__)
 
-TEXT = (".txt", ".text", ".md")  # one document per file
 JSONL = (".jsonl", ".json")  # one document per line: the `text_column` field of a JSON object
 PARQUET = (".parquet",)  # one document per row
 IDS = (".npy", ".bin")  # token ids: one document per file
-SUFFIXES = TEXT + JSONL + PARQUET + IDS
+RECORDS = JSONL + PARQUET + IDS  # any other file is plain text: one document per file
+SNIFFED_BYTES = 8000  # a file in a directory is text when these first bytes hold no NUL (git's rule)
 BYTES_VOCAB = 256
 BUILT_IN_TOKENIZERS = ("bytes", "chars", "ids")  # data.tokenizer values that name no tokenizer dir
 CHARS_DTYPE = np.dtype("uint16")  # a character-level corpus's ids: up to 65536 distinct characters
 
 
 def source_files(source: str | list[str]) -> list[Path]:
-    """The sources `source` names, in order: files, directories (the files in them with a known suffix,
-    sorted; a directory `save_to_disk` wrote is one source) and glob patterns; or a ConfigError."""
+    """The sources `source` names, in order: files, directories (the files in them, sorted, but hidden
+    ones and binary ones of no record suffix: a directory of code or prose is its text; a directory
+    `save_to_disk` wrote is one source) and glob patterns; or a ConfigError."""
     found: list[Path] = []
     for entry in [source] if isinstance(source, str) else list(source):
         matches = (
@@ -59,22 +60,33 @@ def source_files(source: str | list[str]) -> list[Path]:
             if _is_saved_dataset(match) or match.is_file():
                 found.append(match)
             elif match.is_dir():
-                inside = sorted(p for p in match.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+                inside = _files_in(match)
                 if not inside:
                     raise ConfigError(
-                        f"data.source: the directory {str(match)!r} holds no file ending in {', '.join(SUFFIXES)} "
-                        "and is not a dataset written by save_to_disk."
+                        f"data.source: the directory {str(match)!r} holds no text, JSON-lines, parquet or "
+                        "token-id file (hidden and binary files are left out) and is not a dataset written by "
+                        "save_to_disk."
                     )
                 found += inside
             else:
                 raise ConfigError(f"data.source: {entry!r}: no such file or directory (from {Path.cwd()}).")
-    for path in found:
-        if not _is_saved_dataset(path) and path.suffix not in SUFFIXES:
-            raise ConfigError(
-                f"data.source: {str(path)!r}: unsupported file type {path.suffix!r}; expected one of "
-                f"{', '.join(SUFFIXES)}, or a dataset directory written by save_to_disk."
-            )
     return found
+
+
+def _files_in(directory: Path) -> list[Path]:
+    """The files under `directory`, sorted, that a source takes: not hidden (nor in a hidden directory:
+    `.git/`), and of a record suffix or text (no NUL in their first `SNIFFED_BYTES`)."""
+    files = []
+    for path in sorted(directory.rglob("*")):
+        if not path.is_file() or any(part.startswith(".") for part in path.relative_to(directory).parts):
+            continue
+        if path.suffix in RECORDS:
+            files.append(path)
+            continue
+        with open(path, "rb") as f:
+            if b"\0" not in f.read(SNIFFED_BYTES):
+                files.append(path)
+    return files
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -325,7 +337,7 @@ def _units(files: list[Path], unit_bytes: int, source_dtype: str | None) -> Iter
     texts: list[str] = []
     texts_size = 0
     for path in files:
-        if path.suffix in TEXT:
+        if not path.is_dir() and path.suffix not in RECORDS:
             texts.append(str(path.resolve()))
             texts_size += path.stat().st_size
             if texts_size >= unit_bytes:
