@@ -452,9 +452,9 @@ class Trainer:
         }
         done.window_loss.zero_()
         done.window_batches = 0
-        self.log_metrics(logged)
-        if log.isEnabledFor(logging.INFO):
+        if log.isEnabledFor(logging.INFO):  # before the callbacks' words on this window (a straggler named)
             log.info("step %d/%d: %s", done.step, self.total_steps, metrics_line(logged, self.full_console))
+        self.log_metrics(logged)
 
     def evaluate(self, heading: str | None = None, loader: Any = None, prefix: str = "eval") -> None:
         """The task's metrics over the whole eval set (or a prepared `loader` of other samples, its metrics

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -165,6 +166,9 @@ def test_every_ranks_figures_are_in_the_wandb_file_and_a_slow_rank_is_named_a_st
     said = [line for line in proc.stderr.splitlines() if "straggler" in line]
     assert len(said) == 2 and "rank 1 is a straggler: it waits" in said[0], proc.stderr[-3000:]
     assert "trainer.straggler_ratio=1.5" in said[0] and "stragglers: rank 1 in 4 log window(s)" in said[1]
+    lines = proc.stderr.splitlines()
+    before = lines[lines.index(said[0]) - 1]  # the warning follows the line of the window it is about
+    assert re.search(r"step (5|10|15|20)/20: train/loss", before), proc.stderr[-3000:]
     summary = json.loads((run_dir / "goodput.json").read_text())
     assert summary["straggler_windows"] == 4 and summary["straggler_ranks"] == [1]
     assert summary["straggler_s"] > 15 * 0.05  # the windows' excess wait (each step's at least 50 ms)
