@@ -194,7 +194,8 @@ def test_a_killed_run_loses_no_record_and_its_resume_logs_each_step_once(tmp_pat
     )
     journal = run_dir / "tracking" / "wandb" / "events.jsonl"
     deadline = time.monotonic() + 120
-    while not (journal.exists() and '"step": 12' in journal.read_text()):
+    # The trackers hear step 12 before the callbacks (the history): kill once both have it.
+    while not (journal.exists() and '"step": 12' in journal.read_text() and 12 in logged(run_dir)):
         assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 12"
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
