@@ -165,6 +165,21 @@ class LocalLauncherSchema(LauncherConfig):
 
 
 @dataclass
+class ElasticLauncherSchema(LauncherConfig):
+    _target_: str = "runner.launchers.elastic.ElasticLauncher"
+    min_nodes: Annotated[int, Range(ge=1)] = 1
+    max_nodes: Annotated[int, Range(ge=1)] = 1
+    endpoint: str | None = None
+    wait_s: Annotated[float, Range(gt=0)] = 10.0
+    start_method: str | None = None
+    monitor_interval_s: Annotated[float, Range(gt=0)] = 0.1
+    shutdown_timeout_s: Annotated[float, Range(ge=0)] = 30.0
+    restarts: Annotated[int, Range(ge=0)] = 0
+    max_restarts: Annotated[int, Range(ge=0)] | None = None
+    max_failures: Annotated[int, Range(ge=0)] | None = None
+
+
+@dataclass
 class SlurmLauncherSchema(LauncherConfig):
     _target_: str = "runner.launchers.slurm.launcher.SlurmLauncher"
     partition: str | None = None
@@ -278,6 +293,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     },
     "launcher": {
         "local": LocalLauncherSchema,
+        "elastic": ElasticLauncherSchema,
         "slurm": SlurmLauncherSchema,
         "ray": RayLauncherSchema,
         "kubernetes": KubernetesLauncherSchema,

@@ -37,6 +37,7 @@ from runner.hardware import DDP, FSDP, DeepSpeed, SingleDevice, TensorParallel
 from runner.hardware.big_model import BigModel
 from runner.hardware.xla import XLA
 from runner.launchers import LocalLauncher
+from runner.launchers.elastic import ElasticLauncher
 from runner.launchers.kubernetes import KubernetesLauncher
 from runner.launchers.ray import RayLauncher
 from runner.launchers.slurm import SlurmLauncher
@@ -62,6 +63,7 @@ OPTIONS: dict[str, dict[str, type | None]] = {
     },
     "launcher": {
         "local": LocalLauncher,
+        "elastic": ElasticLauncher,
         "slurm": SlurmLauncher,
         "ray": RayLauncher,
         "kubernetes": KubernetesLauncher,

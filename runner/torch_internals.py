@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -118,7 +118,11 @@ class ElasticAgent(LocalElasticAgent):
     def restarting(self, failures: dict[int, ProcessFailure], restart: int, restarts: int) -> None:
         """Restart `restart` of `restarts` begins, after the ranks of the last attempt failed with `failures`."""
 
+    def starting(self) -> None:
+        """The rank group starts: the first time, after a restart, or after the job's nodes changed."""
+
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        self.starting()
         before = {sig: signal.getsignal(sig) for sig in _TAKEN_BEFORE_2_10}
         pids = super()._start_workers(worker_group)
         if not _SIGNALS_OPTION:
@@ -136,8 +140,19 @@ class ElasticAgent(LocalElasticAgent):
             ranks.close = close_within_timeout  # type: ignore[method-assign]
         return pids
 
+    def stopped_for_nodes(self, failures: dict[int, ProcessFailure]) -> bool:
+        """Whether ranks that ended with `failures` stopped for the job's nodes to change (a node waits to
+        meet): the agent then takes the nodes in, as after ranks it stopped itself, not as a failure."""
+        return False
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        if (
+            result.is_failed()
+            and self.stopped_for_nodes(result.failures)
+            and worker_group.spec.rdzv_handler.num_nodes_waiting() > 0
+        ):
+            result = RunResult(state=WorkerState.HEALTHY)  # the agent's loop meets the waiting node
         self._failures = result.failures
         if result.is_failed() and self._remaining_restarts and not self.restart_allowed():
             self._remaining_restarts = 0

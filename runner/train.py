@@ -166,7 +166,7 @@ class Trainer:
             output_dir if recorded else None, job_began(), time_before_start("startup")
         )
         ledger.lap("startup", until=began)
-        ledger.lap("rendezvous")
+        ledger.lap("rendezvous", world_size=engine.num_processes)
         set_seed(trainer.seed)
 
         data = self.prepare_loaders(cfg, blueprint)

@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -335,3 +336,52 @@ class FileTracker(GeneralTracker):
 
     def finish(self) -> None:
         self._write(op="finish")
+
+
+class SampleOrder(Callback):
+    """Each rank appends, for every batch it trains on, "<time> <step> <rank> <world size> <sample ids>" to
+    `<record>.rank<N>.samples` (a sample's id: the CRC-32 of its features): `global_batches` puts the
+    global batches back together."""
+
+    def __init__(self, record: str) -> None:
+        self.record = record
+
+    def train_batches(self, run: Any, batches: Any) -> Any:
+        for batch in batches:
+            features = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values()))
+            ids = ",".join(f"{zlib.crc32(row.numpy().tobytes()):08x}" for row in features.cpu())
+            world = os.environ.get("WORLD_SIZE", "1")
+            _append(self.record, "samples", f"{time.time():.6f} {run.step + 1} {os.environ.get('RANK', '0')} {world} {ids}")
+            yield batch
+
+
+def global_batches(record: str | Path) -> dict[int, list[str]]:
+    """Each step's global batch, as the last attempt that trained the step saw it: its ranks' samples in
+    rank order (`SampleOrder`, over every rank file, whichever attempts wrote them)."""
+    seen: dict[int, list[tuple[float, int, int, list[str]]]] = {}
+    for path in Path(record).parent.glob(f"{Path(record).name}.rank*.samples"):
+        for line in path.read_text().splitlines():
+            when, step, rank, world, ids = line.split()
+            seen.setdefault(int(step), []).append((float(when), int(rank), int(world), ids.split(",")))
+    batches = {}
+    for step, records in seen.items():
+        records.sort()
+        world = records[-1][2]
+        last = sorted(records[-world:], key=lambda r: r[1])
+        assert [r[1] for r in last] == list(range(world)), (step, last)
+        batches[step] = [sample for r in last for sample in r[3]]
+    return batches
+
+
+
+class GateAtStep(Callback):
+    """After optimizer step `step`, waits (at most 5 minutes) until the file `gate` exists: the test acts
+    while the run stands at a known step, then lets it go on."""
+
+    def __init__(self, gate: str, step: int) -> None:
+        self.gate, self.step = Path(gate), step
+
+    def on_step_end(self, run: Any) -> None:
+        deadline = time.monotonic() + 300
+        while run.step == self.step and not self.gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)

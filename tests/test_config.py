@@ -372,6 +372,7 @@ def test_each_option_yaml_schema_and_class_agree_in_defaults(option):
 
 # Another valid value for settings whose type alone does not give one (else: bools flip, numbers grow).
 OTHER_VALUES = {
+    ("launcher/elastic", "endpoint"): "node1:29401",
     "device": "cpu",
     "backend": "gloo",
     "dtype": "float16",
@@ -411,7 +412,11 @@ OTHER_VALUES = {
     ("launcher/kubernetes", "name"): "another",
 }
 # Where a setting is valid only next to another one (offload_params needs ZeRO-3).
-BASE_OVERRIDES = {"hardware/deepspeed": ["hardware.zero_stage=3"], "tracker/wandb": ["tracker.mode=offline"]}
+BASE_OVERRIDES = {
+    "hardware/deepspeed": ["hardware.zero_stage=3"],
+    "tracker/wandb": ["tracker.mode=offline"],
+    "launcher/elastic": ["launcher.max_nodes=4"],  # room for min_nodes to grow
+}
 # Settings the machine running the tests cannot give another value, and why.
 CANNOT_VARY = {
     ("hardware/single_device", "device"): "the only device here is the CPU",

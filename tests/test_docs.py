@@ -50,7 +50,7 @@ def runner_commands() -> list[tuple[str, list[str]]]:
                     words.pop(0)
                 if words[:3] == ["python", "-m", "runner"]:
                     args = words[3:]
-                elif words[:1] == ["runner"] and words[1:2] not in (["init"], ["runs"], ["export"]):  # compose nothing
+                elif words[:1] == ["runner"] and words[1:2] not in (["init"], ["runs"], ["export"], ["join"]):  # compose nothing
                     args = words[1:]
                 else:
                     continue

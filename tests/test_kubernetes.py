@@ -7,7 +7,6 @@ Kubernetes API server can run here: submitting is refused without a kube context
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import cli_env, runner_command
+from netns import as_machine, bridged_namespaces
 
 from runner.errors import ConfigError
 from runner.hardware import DDP
@@ -24,7 +24,7 @@ from runner.launchers.kubernetes import KubernetesLauncher
 
 pytestmark = pytest.mark.slow
 
-BRIDGE, SUBNET = "runner-kbr0", "10.251.79"  # pod i: namespace runner-kpod<i> at SUBNET.(10+i)
+POD_NAMESPACE, SUBNET = "runner-kpod", "10.251.79"  # pod i: namespace runner-kpod<i> at SUBNET.(10+i)
 PODS = 2
 TRAIN = [
     "trainer.max_steps=60",
@@ -46,41 +46,11 @@ TRAINJOB = [
 WEIGHTS = Path("model") / "model.safetensors"
 
 
-def _ip(*arguments: str) -> None:
-    subprocess.run(["ip", *arguments], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pod_network() -> Iterator[list[str]]:
     """Two network namespaces on a bridge, as two pods' networks: their addresses."""
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        pytest.skip("network namespaces need `ip` and root")
-    addresses = [f"{SUBNET}.{10 + i}" for i in range(PODS)]
-    _remove_pod_network()  # what an interrupted session left
-    _ip("link", "add", BRIDGE, "type", "bridge")
-    try:
-        _ip("addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
-        _ip("link", "set", BRIDGE, "up")
-        for i, address in enumerate(addresses):
-            namespace, host, pod = f"runner-kpod{i}", f"rk-{i}", f"rkp-{i}"
-            _ip("netns", "add", namespace)
-            _ip("link", "add", host, "type", "veth", "peer", "name", pod)
-            _ip("link", "set", pod, "netns", namespace)
-            _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", pod)
-            _ip("-n", namespace, "link", "set", "lo", "up")
-            _ip("-n", namespace, "link", "set", pod, "up")
-            _ip("link", "set", host, "master", BRIDGE)
-            _ip("link", "set", host, "up")
+    with bridged_namespaces(POD_NAMESPACE, SUBNET, PODS) as addresses:
         yield addresses
-    finally:
-        _remove_pod_network()
-
-
-def _remove_pod_network() -> None:
-    for i in range(PODS):
-        subprocess.run(["ip", "netns", "del", f"runner-kpod{i}"], capture_output=True)
-        subprocess.run(["ip", "link", "del", f"rk-{i}"], capture_output=True)
-    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
 
 
 def start_pods(manifest: dict, addresses: list[str], workdir: Path) -> list[subprocess.Popen]:
@@ -103,9 +73,7 @@ def start_pods(manifest: dict, addresses: list[str], workdir: Path) -> list[subp
             "PET_MASTER_ADDR": master,
             "PET_MASTER_PORT": "29500",
         }
-        command = ["nsenter", f"--net=/run/netns/runner-kpod{rank}", "unshare", "--mount", "--uts", "sh", "-c",
-                   f'mount --bind {hosts} /etc/hosts && hostname {pod} && exec "$@"', "sh",
-                   *trainer["command"], *trainer["args"]]  # fmt: skip
+        command = [*as_machine(f"{POD_NAMESPACE}{rank}", pod, hosts), *trainer["command"], *trainer["args"]]
         procs.append(
             subprocess.Popen(
                 command,

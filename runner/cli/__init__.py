@@ -40,6 +40,7 @@ from runner.cli.estimate_memory import main as estimate_memory_command
 from runner.cli.export import main as export_command
 from runner.cli.help import help_text
 from runner.cli.init import main as init_project_command
+from runner.cli.join import main as join_command
 from runner.cli.prepare_data import main as prepare_data_command
 from runner.cli.runs import main as runs_command
 from runner.cluster import ClusterEnvironment, launched_environment, time_before_start
@@ -418,6 +419,7 @@ SUBCOMMANDS = {
     "estimate-memory": estimate_memory_command,
     "runs": runs_command,
     "export": export_command,
+    "join": join_command,
 }
 
 

@@ -49,7 +49,8 @@ USAGE = (
     "  runner prepare-data [group=option ...] [key=value ...]: write the token shards data=tokens trains on\n"
     "  runner runs [DIR ...] [--state S] [--last N] [--metrics M,...]: the runs below outputs/ and their state\n"
     "  runner runs compare A B [--metrics M,...] [--out PNG]: the settings two runs differ in, their curves\n"
-    "  runner export RUN_DIR --to hf OUT [--checkpoint DIR]: the run's model as a transformers model dir"
+    "  runner export RUN_DIR --to hf OUT [--checkpoint DIR]: the run's model as a transformers model dir\n"
+    "  runner join HOST:PORT: this node joins the launcher=elastic job whose first node serves HOST:PORT"
 )
 
 

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from runner.cluster.base import ClusterEnvironment
 
+ROUND_VARIABLE = "RUNNER_ELASTIC_ROUND"  # the name of the elastic job's current round (`launchers.rendezvous`)
+
 if TYPE_CHECKING:
     import torch.distributed as dist
 
@@ -36,11 +38,12 @@ class TorchElasticEnvironment(ClusterEnvironment):
         )
 
     def rendezvous(self, timeout: timedelta) -> dist.Store | None:
-        """After a restart of the rank group (`TORCHELASTIC_RESTART_COUNT` > 0): the agent's store, under a
-        prefix of its own for this attempt. The agent keeps one store across attempts, and the keys that the
-        failed attempt's ranks wrote there (their gloo addresses) would make the new ranks connect to ranks
-        that are gone. The first attempt meets by torch's `env://` (None)."""
-        attempt = restart_count()
+        """After a restart of the rank group (`TORCHELASTIC_RESTART_COUNT` > 0), or in any round of an elastic
+        job's nodes (`ROUND_VARIABLE`, which a round that only takes a node in changes alone): the agent's
+        store, under a prefix of its own for this attempt. The agent keeps one store across attempts, and
+        the keys that an earlier attempt's ranks wrote there (their gloo addresses) would make the new ranks
+        connect to ranks that are gone. The first attempt of a fixed job meets by torch's `env://` (None)."""
+        attempt = os.environ.get(ROUND_VARIABLE) or restart_count()
         if not attempt:
             return None
         import torch.distributed as dist  # here: the tracker's sender reads this package without torch

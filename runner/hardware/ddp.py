@@ -25,6 +25,8 @@ class DDP(ParallelStrategy):
         static_graph: the set of used parameters never changes between steps.
     """
 
+    reshards_checkpoints = True  # the main process writes the whole model: any number of ranks loads it
+
     @checked("hardware")
     def __init__(
         self,

@@ -27,6 +27,7 @@ from runner.config import NonNegativeFloat, PositiveFloat, checked
 from runner.errors import EXIT_INTERRUPTED, ConfigError, RankFailedError, TrainingInterrupted, signal_name
 from runner.hardware.base import Strategy
 from runner.launchers.base import Job, Launcher, interrupted, run_rank
+from runner.launchers.nodes import NODE_WAIT_S
 from runner.launchers.reports import (
     hang_failure,
     likeliest_hang,
@@ -42,7 +43,6 @@ log = logging.getLogger(__name__)
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 START_METHODS = ("fork", "spawn", "forkserver")
-NODE_WAIT_S = 900  # how long the nodes of a job wait for each other (pods start minutes apart: image pulls)
 
 
 class LocalLauncher(Launcher):
@@ -138,13 +138,15 @@ class LocalLauncher(Launcher):
         ranks are numbered node by node. Rank 0's metrics on the first node, {} on the others."""
         strategy: Strategy = job.strategy or instantiate(job.cfg.hardware)
         results = self._launch_ranks(
-            job.for_other_processes(), ranks_per_node, self.start_method or strategy.start_method, node
+            job.for_other_processes(), ranks_per_node, self.start_method or strategy.start_method, static_nodes(node)
         )
         return results if node.node_rank == 0 else {}
 
     def _launch_ranks(
-        self, job: Job, num_processes: int, start_method: str, node: TrainJobNode | None = None
+        self, job: Job, num_processes: int, start_method: str, nodes: dict[str, Any] | None = None
     ) -> dict[str, float]:
+        """This node's `num_processes` ranks of `job`, alone or meeting other nodes' as `nodes` (the
+        `LaunchConfig` options: `static_nodes`, `rendezvous.elastic_nodes`) say; rank 0's metrics."""
         log.info("starting %d ranks (%s)", num_processes, start_method)
         started = time.time()
         with tempfile.TemporaryDirectory(prefix="runner-elastic-") as error_dir:
@@ -152,7 +154,7 @@ class LocalLauncher(Launcher):
                 num_processes,
                 start_method,
                 error_dir,
-                node,
+                nodes,
                 monitor_interval=self.monitor_interval_s,
                 max_restarts=self.restarts,
                 **forwarding(FORWARDED_SIGNALS),
@@ -190,6 +192,13 @@ class _Agent(ElasticAgent):
     run_dir: Path  # the job's dir: its watchdogs' reports
     launched: float  # when the launch began: the reports written since are this job's
 
+    def starting(self) -> None:
+        for report in self.error_dir.glob("rank*.json"):  # the ended attempt's (a restart's, a resize's)
+            report.unlink()
+
+    def stopped_for_nodes(self, failures: dict[int, ProcessFailure]) -> bool:
+        return all(failure.exitcode == EXIT_INTERRUPTED for failure in failures.values())  # checkpointed
+
     def restart_allowed(self) -> bool:
         if kind := repeated_failure(self.error_dir):
             log.warning("not restarted: a rank stopped with %s, which a restart would repeat", kind)
@@ -197,6 +206,12 @@ class _Agent(ElasticAgent):
         return True
 
     def restarting(self, failures: dict[int, ProcessFailure], restart: int, restarts: int) -> None:
+        if not failures:  # no rank of this node failed: another node is waiting to meet (elastic)
+            log.warning(
+                "the job's nodes change (a node joins, or another node's ranks failed and restart): this node's "
+                "ranks stop, checkpointed where they can, and resume on the nodes that meet now"
+            )
+            return
         causes = "; ".join(_failure_text(rank, f) for rank, f in sorted(failures.items()))
         hung_now = any(failure.exitcode == EXIT_HUNG for failure in failures.values())
         if hung_now and (reports := read_reports(self.run_dir, self.launched)):  # the rank in its own code
@@ -207,8 +222,6 @@ class _Agent(ElasticAgent):
         log.warning(
             "%s: restart %d of %d, the ranks resume from the run's latest checkpoint", causes, restart, restarts
         )
-        for report in self.error_dir.glob("rank*.json"):
-            report.unlink()
         for stacks in (self.run_dir / HANG_DIR).glob("rank*.txt"):  # kept, under the attempt's number
             stacks.rename(stacks.with_name(f"attempt{restart - 1}-{stacks.name}"))
 
@@ -346,31 +359,32 @@ def rank_group_config(
     num_processes: int,
     start_method: str,
     log_dir: str,
-    node: TrainJobNode | None = None,
+    nodes: dict[str, Any] | None = None,
     endpoint: str = "localhost:0",
     **options: Any,
 ) -> LaunchConfig:
     """torch's elastic launcher for `num_processes` ranks on this machine, each rank's error file under
     `log_dir`, no restarts unless `options` say: alone, meeting at `endpoint` (c10d; port 0: a free one,
-    so that parallel jobs never collide); or as one node of `node`'s job, meeting the other nodes' agents
-    at its first node (static: the node ranks are given)."""
-    if node is None:
+    so that parallel jobs never collide); or as one node of a job whose nodes meet as `nodes` says."""
+    if nodes is None:
         nodes = {"min_nodes": 1, "max_nodes": 1, "rdzv_backend": "c10d", "rdzv_endpoint": endpoint}
-        run_id = uuid.uuid4().hex
-    else:
-        nodes = {
-            "min_nodes": node.nodes,
-            "max_nodes": node.nodes,
-            "rdzv_backend": "static",
-            "rdzv_endpoint": f"{node.master_addr}:{node.master_port}",
-            "rdzv_configs": {"rank": node.node_rank, "timeout": NODE_WAIT_S},
-        }
-        run_id = "runner"  # the same on every node
     return LaunchConfig(
         nproc_per_node=num_processes,
-        run_id=run_id,
         start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
-        **nodes,
+        **{"run_id": uuid.uuid4().hex, **nodes},
         **{"max_restarts": 0, **options},
     )
+
+
+def static_nodes(node: TrainJobNode) -> dict[str, Any]:
+    """The `LaunchConfig` options of one node of `node`'s job, meeting the other nodes' agents at its first
+    node (static: the node ranks are given)."""
+    return {
+        "min_nodes": node.nodes,
+        "max_nodes": node.nodes,
+        "rdzv_backend": "static",
+        "rdzv_endpoint": f"{node.master_addr}:{node.master_port}",
+        "rdzv_configs": {"rank": node.node_rank, "timeout": NODE_WAIT_S},
+        "run_id": "runner",  # the same on every node
+    }

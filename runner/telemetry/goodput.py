@@ -11,6 +11,7 @@ its result. Goodput is productive step time over wall time (docs/checkpoints.md 
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -213,9 +214,17 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "attempts": sum(1 for r in records if "resumed_at" in r and "rolled_back_from" not in r),
         "rollbacks": sum(1 for r in records if "rolled_back_from" in r),
         "restarts": sum(1 for r in records if r.get("before") == "restart"),
+        "resizes": resizes(records),
         "lost_steps": lost_steps,
         **stragglers(records),
     }
+
+
+def resizes(records: list[dict[str, Any]]) -> int:
+    """How many attempts ran on another number of ranks than the attempt before (an elastic job that lost
+    or took in a node), from the ranks each attempt met with (its `rendezvous` record's `world_size`)."""
+    sizes = [r["world_size"] for r in records if r["phase"] == "rendezvous" and "world_size" in r]
+    return sum(1 for before, after in itertools.pairwise(sizes) if after != before)
 
 
 def stragglers(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -239,6 +248,8 @@ def table(summary: dict[str, Any]) -> str:
         counts.append(f"{summary['restarts']} restart(s)")
     if summary["rollbacks"]:
         counts.append(f"{summary['rollbacks']} rollback(s)")
+    if summary.get("resizes"):
+        counts.append(f"{summary['resizes']} resize(s)")
     if summary["attempts"] > 1 or summary["lost_steps"] or summary["rollbacks"]:
         counts.append(f"{summary['lost_steps']} step(s) lost")
     lines = [f"goodput {summary['goodput']:.1%} of {wall:.1f} s{''.join(', ' + c for c in counts)}"]
@@ -260,6 +271,7 @@ def tracked(summary: dict[str, Any]) -> dict[str, float]:
         "goodput/wall_s": summary["wall_s"],
         "goodput/restarts": float(summary["restarts"]),
         "goodput/rollbacks": float(summary["rollbacks"]),
+        "goodput/resizes": float(summary.get("resizes", 0)),
         "goodput/lost_steps": float(summary["lost_steps"]),
         **{f"goodput/{name}_s": value for name, value in summary["phases_s"].items()},
         **({"goodput/straggler_s": summary["straggler_s"]} if "straggler_s" in summary else {}),

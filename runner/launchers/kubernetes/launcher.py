@@ -28,8 +28,8 @@ from runner.launchers.kubernetes.manifest import (
     require_kubeflow,
     trainjob,
 )
-from runner.launchers.kubernetes.nodes import FirstNode
 from runner.launchers.local import LocalLauncher
+from runner.launchers.nodes import FirstNode
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class KubernetesLauncher(Launcher):
     def launch(self, job: Job) -> dict[str, float]:
         node = launched_node()
         if node is not None:  # the first pod (the others never compose: `run_node`)
-            first = FirstNode(node)
+            first = FirstNode(node.master_addr, node.master_port, node.nodes - 1)
             first.launch(job, self.restarts)
             strategy = job.strategy
             ranks = strategy.num_processes if strategy is not None else int(node.procs_per_node)
@@ -216,7 +216,7 @@ class KubernetesLauncher(Launcher):
     def skip(self, reason: str) -> None:
         node = launched_node()
         if node is not None:
-            FirstNode(node).skip(reason)
+            FirstNode(node.master_addr, node.master_port, node.nodes - 1).skip(reason)
 
     def pod_run_dir(self, output_dir: Path) -> str:
         """The run dir in the pods: `run_dir`, else the command's, relative to its working dir, under the
