@@ -154,8 +154,9 @@ WHOLE = [*RANGE, "hardware=ddp", "trainer.split_batches=true", "data.batch_size=
         ([*WHOLE, "hardware=deepspeed"], "this hardware's checkpoints ('deepspeed') load only on as many ranks as wrote them"),
         ([*WHOLE, "launcher.restarts=0"], "the job goes on without it only through a restart of the rank group"),
         ([*WHOLE, "launcher.endpoint=node0"], "launcher.endpoint='node0': expected host:port"),
+        (["-m", *WHOLE, "trainer.seed=1,2"], "a sweep (-m) with launcher=elastic and launcher.max_nodes > 1: every other node's"),
     ],
-    ids=["min-above-max", "batch-per-rank", "uneven-batch", "no-reshard", "no-restarts", "endpoint"],
+    ids=["min-above-max", "batch-per-rank", "uneven-batch", "no-reshard", "no-restarts", "endpoint", "sweep"],
 )  # fmt: skip
 def test_what_a_change_of_size_would_break_is_refused_before_any_node_starts(tmp_path, overrides, message):
     proc = rank_checks.command(runner_command(tmp_path / "run", *overrides), tmp_path, env=cli_env())

@@ -10,15 +10,18 @@ import logging
 import math
 import socket
 import sys
+from collections.abc import Sequence
 from typing import Any
 
+from hydra.core.utils import JobReturn
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from runner.cluster import launched_environment
 from runner.config import PositiveFloat, PositiveInt, checked
 from runner.errors import ConfigError
 from runner.hardware.base import Strategy
-from runner.launchers.base import Job
+from runner.launchers.base import Job, Sweep
 from runner.launchers.local import LocalLauncher
 from runner.launchers.nodes import NODE_WAIT_S, FirstNode, first_nodes_verdict, node_exit_code
 from runner.launchers.rendezvous import elastic_nodes
@@ -72,7 +75,20 @@ class ElasticLauncher(LocalLauncher):
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @classmethod
+    def launch_sweep(cls, sweep: Sweep) -> Sequence[JobReturn]:
+        """A sweep runs its jobs one after another here; every other node's `runner join` takes one job."""
+        if sweep.config.launcher.get("max_nodes", 1) > 1:
+            raise ConfigError(
+                "a sweep (-m) with launcher=elastic and launcher.max_nodes > 1: every other node's `runner "
+                "join` runs one job and ends, so the sweep's later jobs would have no nodes. Run each job as "
+                "a command of its own (with its `runner join`s), or sweep on one node (max_nodes=1)."
+            )
+        return super().launch_sweep(sweep)
+
     def launch(self, job: Job) -> dict[str, float]:
+        if launched_environment() is not None:  # already a rank (torchrun, srun): trains in this process
+            return super().launch(job)
         strategy: Strategy = job.strategy or instantiate(job.cfg.hardware)
         first = FirstNode(self.host, self.port, self.min_nodes - 1)
         first.launch(job, self.restarts)
@@ -81,18 +97,19 @@ class ElasticLauncher(LocalLauncher):
             self.endpoint, self.endpoint, self.min_nodes, self.max_nodes,
         )  # fmt: skip
         try:
-            results = self._node_ranks(job, strategy, hosts=True)
+            results = self._node_ranks(job, strategy, self.endpoint, hosts=True)
         finally:
             del first  # the store the nodes meet at, until the ranks are done
         finished = job.output_dir / FINISHED  # rank 0 may be another node's: its metrics are on disk
         return results or (json.loads(finished.read_text()) if finished.is_file() else {})
 
-    def join(self, job: Job) -> None:
-        """This node's ranks of the first node's `job` (`runner join`)."""
-        self._node_ranks(job, instantiate(job.cfg.hardware), hosts=False)
+    def join(self, job: Job, endpoint: str) -> None:
+        """This node's ranks of the first node's `job`, meeting at `endpoint` (`runner join`: the first
+        node's address as this node reaches it)."""
+        self._node_ranks(job, instantiate(job.cfg.hardware), endpoint, hosts=False)
 
-    def _node_ranks(self, job: Job, strategy: Strategy, hosts: bool) -> dict[str, float]:
-        nodes = elastic_nodes(self.min_nodes, self.max_nodes, self.endpoint, hosts, "runner", self.wait_s)
+    def _node_ranks(self, job: Job, strategy: Strategy, endpoint: str, hosts: bool) -> dict[str, float]:
+        nodes = elastic_nodes(self.min_nodes, self.max_nodes, endpoint, hosts, "runner", self.wait_s)
         start_method = self.start_method or strategy.start_method
         return self._launch_ranks(job.for_other_processes(), strategy.num_processes, start_method, nodes)
 
@@ -178,4 +195,4 @@ def join_node(endpoint: str) -> int:
         log.info("nothing to run: %s", verdict.reason)
         return 0
     launcher, job = instantiate(verdict.job.cfg.launcher), verdict.job
-    return node_exit_code(lambda: launcher.join(job))
+    return node_exit_code(lambda: launcher.join(job, f"{host}:{port}"))

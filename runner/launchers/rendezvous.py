@@ -17,7 +17,7 @@ import os
 import uuid
 from typing import Any
 
-from torch.distributed.elastic.rendezvous import (
+from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
