@@ -351,7 +351,11 @@ class SampleOrder(Callback):
             features = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values()))
             ids = ",".join(f"{zlib.crc32(row.numpy().tobytes()):08x}" for row in features.cpu())
             world = os.environ.get("WORLD_SIZE", "1")
-            _append(self.record, "samples", f"{time.time():.6f} {run.step + 1} {os.environ.get('RANK', '0')} {world} {ids}")
+            _append(
+                self.record,
+                "samples",
+                f"{time.time():.6f} {run.step + 1} {os.environ.get('RANK', '0')} {world} {ids}",
+            )
             yield batch
 
 
@@ -373,15 +377,16 @@ def global_batches(record: str | Path) -> dict[int, list[str]]:
     return batches
 
 
-
 class GateAtStep(Callback):
-    """After optimizer step `step`, waits (at most 5 minutes) until the file `gate` exists: the test acts
-    while the run stands at a known step, then lets it go on."""
+    """After optimizer step `step` (of a run of `world` ranks, if given), waits (at most 5 minutes) until
+    the file `gate` exists: the test acts while the run stands at a known step, then lets it go on."""
 
-    def __init__(self, gate: str, step: int) -> None:
-        self.gate, self.step = Path(gate), step
+    def __init__(self, gate: str, step: int, world: int | None = None) -> None:
+        self.gate, self.step, self.world = Path(gate), step, world
 
     def on_step_end(self, run: Any) -> None:
+        if self.world is not None and int(os.environ.get("WORLD_SIZE", "1")) != self.world:
+            return
         deadline = time.monotonic() + 300
         while run.step == self.step and not self.gate.exists() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -8,6 +8,9 @@
 - A round that only takes a node in (no rank failed) keeps `TORCHELASTIC_RESTART_COUNT`, under which the
   ranks' store keys are kept: the new ranks would read the addresses of the old ones. Every round names
   itself (`ROUND_VARIABLE`) and the ranks meet under that name (`cluster.torchelastic`).
+- The nodes waiting to join are forgotten as soon as one node enters the next round: a node whose ranks
+  stopped with the others (checkpointed, for the change) would take their stop for the job's end. Here a
+  node that entered a round since this one's began counts as waiting.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import uuid
 from typing import Any
 
+from torch.distributed import Store
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
@@ -33,17 +37,24 @@ log = logging.getLogger(__name__)
 
 ELASTIC_BACKEND = "runner-c10d"
 _ROUND_KEY = "runner/round"  # in each round's store: the round's name
+_ENTERED_KEY = "runner/entered"  # in the rendezvous's store: how many times a node entered a round
 
 
 class ElasticRendezvous(RendezvousHandler):
     """torch's c10d rendezvous handler (`handler`), each round's meeting point published by its first
-    node and read by every other, and each round named for its ranks."""
+    node and read by every other, and each round named for its ranks. Every node counts itself in
+    `store` (the rendezvous's own) as it enters a round, so that a node that entered since this one's round
+    began counts as waiting: torch's wait list empties as soon as one node starts the next round, and the
+    others, whose ranks stopped with it, would take their stop for the job's end."""
 
-    def __init__(self, handler: RendezvousHandler) -> None:
-        self.handler = handler
+    def __init__(self, handler: RendezvousHandler, store: Store) -> None:
+        self.handler, self.store = handler, store
+        self.entered = 0  # the entries counted once this node's last round began
 
     def next_rendezvous(self) -> RendezvousInfo:
+        self.store.add(_ENTERED_KEY, 1)
         info = self.handler.next_rendezvous()
+        self.entered = self.store.add(_ENTERED_KEY, 0)
         store, meeting = info.store, info.bootstrap_store_info
         if info.rank == 0:
             assert meeting is not None  # torch builds it on the first node of every round
@@ -74,7 +85,9 @@ class ElasticRendezvous(RendezvousHandler):
         self.handler.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        return self.handler.num_nodes_waiting()
+        if waiting := self.handler.num_nodes_waiting():
+            return waiting
+        return 1 if self.store.add(_ENTERED_KEY, 0) > self.entered else 0  # one already in the next round
 
     def get_run_id(self) -> str:
         return self.handler.get_run_id()
@@ -85,7 +98,7 @@ class ElasticRendezvous(RendezvousHandler):
 
 def _create(params: RendezvousParameters) -> RendezvousHandler:
     backend, store = create_backend(params)
-    return ElasticRendezvous(create_handler(store, backend, params))
+    return ElasticRendezvous(create_handler(store, backend, params), store)
 
 
 def elastic_nodes(
