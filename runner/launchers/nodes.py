@@ -19,12 +19,8 @@ from runner.launchers.base import Job
 log = logging.getLogger("runner")
 
 NODE_WAIT_S = 900  # how long the nodes of a job wait for each other (pods start minutes apart: image pulls)
-VERDICT, JOB, RESTARTS, READ = (
-    "runner/verdict",
-    "runner/job",
-    "runner/restarts",
-    "runner/read",
-)  # the store's keys
+# The store's keys: the first node's verdict, its job and restarts, and how many nodes read them.
+VERDICT, JOB, RESTARTS, READ = "runner/verdict", "runner/job", "runner/restarts", "runner/read"
 LAUNCH = "launch"  # the verdict that the job runs; any other is why not
 
 
